@@ -1,0 +1,124 @@
+"""Building blocks shared by model-averaging methods (FedAvg family).
+
+Server state, the supervised masked cross-entropy, the client optimizer and the
+server step (the weighted mean of client deltas fed to an optax server optimizer:
+plain averaging, FedAvgM or FedAdam; Reddi et al. 2021, Alg. 2).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from fedjax_shift import models
+from fedjax_shift.core.algorithm import ClientData, ClientOutput
+from fedjax_shift.core.local import LocalSchedule, local_train, masked_mean
+
+PyTree = Any
+SERVER_OPTIMIZERS = ('sgd', 'fedavgm', 'fedadam')
+CLIENT_OPTIMIZERS = ('sgd', 'adam')
+
+
+class ServerState(NamedTuple):
+  variables: PyTree   # global model {'params', ['batch_stats']}
+  opt_state: PyTree   # server optimizer state over params
+  round: jax.Array    # [] int32, rounds applied
+
+
+def client_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """config.client: optimizer ('sgd'|'adam'), learning_rate, momentum, weight_decay."""
+  c = config.client
+  if c.optimizer == 'sgd':
+    opt = optax.sgd(c.learning_rate, momentum=c.momentum or None)
+  elif c.optimizer == 'adam':
+    opt = optax.adam(c.learning_rate)
+  else:
+    raise ValueError(f'client.optimizer: unknown {c.optimizer!r}; choose from {CLIENT_OPTIMIZERS}')
+  if c.weight_decay:
+    opt = optax.chain(optax.add_decayed_weights(c.weight_decay), opt)
+  return opt
+
+
+def server_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """config.server: optimizer 'sgd' (lr 1 = FedAvg), 'fedavgm' (momentum), 'fedadam'."""
+  s = config.server
+  if s.optimizer == 'sgd':
+    return optax.sgd(s.learning_rate)
+  if s.optimizer == 'fedavgm':
+    return optax.sgd(s.learning_rate, momentum=s.momentum)
+  if s.optimizer == 'fedadam':
+    return optax.adam(s.learning_rate, b1=s.beta1, b2=s.beta2, eps=s.adam_eps)
+  raise ValueError(f'server.optimizer: unknown {s.optimizer!r}; choose from {SERVER_OPTIMIZERS}')
+
+
+def schedule(config: ml_collections.ConfigDict, max_examples: int) -> LocalSchedule:
+  c = config.client
+  return LocalSchedule(batch_size=c.batch_size, num_epochs=c.local_epochs,
+                       num_steps=c.local_steps, max_examples=max_examples,
+                       unroll=config.engine.unroll)
+
+
+def cross_entropy_loss(module, extra_loss: Optional[Callable[[PyTree], jax.Array]] = None):
+  """LossFn: masked mean CE in train mode (+ ``extra_loss(params)``), new batch stats."""
+
+  def loss_fn(params, model_state, x, y, weight, rng):
+    del rng
+    logits, variables = models.apply(module, {'params': params, **model_state}, x, 'train')
+    loss = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), weight)
+    if extra_loss is not None:
+      loss = loss + extra_loss(params)
+    return loss, {k: v for k, v in variables.items() if k != 'params'}
+
+  return loss_fn
+
+
+def split_variables(variables):
+  """{'params': p, **rest} -> (p, rest)."""
+  return variables['params'], {k: v for k, v in variables.items() if k != 'params'}
+
+
+def init_server(module, server_opt: optax.GradientTransformation):
+  def init(rng, example_x):
+    variables = models.init(module, rng, example_x)
+    return ServerState(variables, server_opt.init(variables['params']), jnp.int32(0))
+  return init
+
+
+def train_variables(module, config, max_examples: int, variables, data: ClientData, rng,
+                    extra_loss=None):
+  """Local SGD from ``variables`` on ``data``; returns (new variables, metrics)."""
+  params, model_state = split_variables(variables)
+  params, model_state, _, metrics = local_train(
+      cross_entropy_loss(module, extra_loss), client_optimizer(config), params, model_state,
+      data, rng, schedule(config, max_examples))
+  return {'params': params, **model_state}, metrics
+
+
+def tree_sub(a, b):
+  return jax.tree.map(jnp.subtract, a, b)
+
+
+def weighted_sum(stacked, weights):
+  """Σ_c weights[c] · stacked[c] over the leading cohort axis."""
+  return jax.tree.map(lambda leaf: jnp.tensordot(weights, leaf, axes=1), stacked)
+
+
+def average_server_update(server_opt: optax.GradientTransformation):
+  """ServerState update from client deltas Δ_c = w_c − w: the pseudo-gradient
+  −Σ p_c Δ_c goes through ``server_opt``; non-trainable state (BN running
+  statistics) becomes the weighted mean directly."""
+
+  def server_update(state: ServerState, outputs: ClientOutput, weights) -> ServerState:
+    mean_delta = weighted_sum(outputs.update, weights)
+    params, rest = split_variables(state.variables)
+    delta_params, delta_rest = split_variables(mean_delta)
+    pseudo_grad = jax.tree.map(jnp.negative, delta_params)
+    updates, opt_state = server_opt.update(pseudo_grad, state.opt_state, params)
+    params = optax.apply_updates(params, updates)
+    rest = jax.tree.map(jnp.add, rest, delta_rest)
+    return ServerState({'params': params, **rest}, opt_state, state.round + 1)
+
+  return server_update

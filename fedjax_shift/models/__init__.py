@@ -1,0 +1,86 @@
+"""Models: Flax classifiers split into encoder / head, and a functional apply.
+
+``apply(module, variables, x, mode)`` is the one way the library runs a model:
+
+  mode='train'       batch statistics, running statistics updated and returned
+  mode='eval'        running statistics
+  mode='batch_stats' batch statistics, running statistics left unchanged
+                     (BN-Adapt / Tent style)
+
+It returns ``(logits [B, C], variables)``, the variables carrying updated
+``batch_stats`` in train mode. Models without BatchNorm ignore the mode.
+"""
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import flax.linen as nn
+import jax
+import ml_collections
+
+from fedjax_shift.models.classifiers import (ATPCNNEncoder, BNMLPEncoder, Classifier,
+                                             EvolveCNNEncoder, MLPEncoder, ResNet18Encoder)
+from fedjax_shift.registry import Registry
+
+Variables = Any
+MODES = ('train', 'eval', 'batch_stats')
+MODELS: Registry = Registry('model')
+
+
+@MODELS.register('mlp')
+def mlp(num_classes: int, hidden=(200, 200)) -> nn.Module:
+  return Classifier(MLPEncoder(tuple(hidden)), num_classes)
+
+
+@MODELS.register('bn_mlp')
+def bn_mlp(num_classes: int, hidden=(200, 200)) -> nn.Module:
+  return Classifier(BNMLPEncoder(tuple(hidden)), num_classes)
+
+
+@MODELS.register('atp_cnn')
+def atp_cnn(num_classes: int) -> nn.Module:
+  return Classifier(ATPCNNEncoder(), num_classes)
+
+
+@MODELS.register('evolve_cnn')
+def evolve_cnn(num_classes: int) -> nn.Module:
+  return Classifier(EvolveCNNEncoder(), num_classes)
+
+
+@MODELS.register('resnet18')
+def resnet18(num_classes: int) -> nn.Module:
+  return Classifier(ResNet18Encoder(), num_classes)
+
+
+def create(model_config: ml_collections.ConfigDict, num_classes: int) -> nn.Module:
+  """Builds the model named by ``model_config.name`` with its extra fields."""
+  kwargs = {k: v for k, v in model_config.items() if k != 'name'}
+  return MODELS.get(model_config.name, 'model.name')(num_classes, **kwargs)
+
+
+def init(module: nn.Module, rng: jax.Array, example_x: jax.Array) -> Variables:
+  """Variables {'params', ['batch_stats']} for inputs shaped like ``example_x`` [B, ...]."""
+  return module.init(rng, example_x, train=False)
+
+
+def apply(module: nn.Module, variables: Variables, x: jax.Array,
+          mode: str = 'eval') -> Tuple[jax.Array, Variables]:
+  """Runs the model; see the module docstring for ``mode``. x: [B, ...] -> [B, C]."""
+  if mode == 'eval':
+    return module.apply(variables, x, train=False), variables
+  if mode not in MODES:
+    raise ValueError(f'unknown model mode {mode!r}; choose from {MODES}')
+  if 'batch_stats' not in variables:
+    return module.apply(variables, x, train=True), variables
+  logits, updates = module.apply(variables, x, train=True, mutable=['batch_stats'])
+  if mode == 'batch_stats':
+    return logits, variables
+  return logits, {**variables, 'batch_stats': updates['batch_stats']}
+
+
+def has_batch_norm(variables: Variables) -> bool:
+  return bool(jax.tree_util.tree_leaves(variables.get('batch_stats', {})))
+
+
+def num_parameters(tree) -> int:
+  return int(sum(leaf.size for leaf in jax.tree_util.tree_leaves(tree)))

@@ -1,0 +1,122 @@
+"""Flax classifiers. Every classifier is ``head(encoder(x))`` with two submodules
+named ``encoder`` and ``head``, so methods can split parameters by top-level key
+(FedRep, FedICON, T3A, FedEvp, FedIns). ``train`` selects BatchNorm behaviour:
+True normalises with batch statistics (and updates running ones when
+``batch_stats`` is mutable), False uses running statistics.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+class MLPEncoder(nn.Module):
+  hidden: Sequence[int] = (200, 200)
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    del train
+    x = x.reshape(x.shape[0], -1)
+    for width in self.hidden:
+      x = nn.relu(nn.Dense(width)(x))
+    return x
+
+
+class BNMLPEncoder(nn.Module):
+  """MLP with BatchNorm after every hidden Dense (a cheap BN model for CPU runs)."""
+  hidden: Sequence[int] = (200, 200)
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    x = x.reshape(x.shape[0], -1)
+    for width in self.hidden:
+      x = nn.Dense(width)(x)
+      x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)(x)
+      x = nn.relu(x)
+    return x
+
+
+class ATPCNNEncoder(nn.Module):
+  """ATP CNN trunk (REFERENCE.md): 3 conv3x3 (VALID, no bias) + BN + ReLU, two
+  max-pools, then Linear 64 + BatchNorm1d + ReLU."""
+  channels: Sequence[int] = (32, 64, 64)
+  features: int = 64
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)
+    for i, width in enumerate(self.channels):
+      x = nn.Conv(width, (3, 3), padding='VALID', use_bias=False)(x)
+      x = nn.relu(norm()(x))
+      if i < 2:
+        x = nn.max_pool(x, (2, 2), (2, 2))
+    x = x.reshape(x.shape[0], -1)
+    x = nn.Dense(self.features)(x)
+    return nn.relu(norm()(x))
+
+
+class EvolveCNNEncoder(nn.Module):
+  """FedEvolve CNN trunk: 4 conv3x3 with GroupNorm + ReLU, then Linear hidden."""
+  width: int = 64
+  groups: int = 8
+  features: int = 64
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    del train
+    for i in range(4):
+      x = nn.Conv(self.width, (3, 3), strides=(2, 2) if i else (1, 1), padding='SAME')(x)
+      x = nn.relu(nn.GroupNorm(num_groups=self.groups)(x))
+    x = jnp.mean(x, axis=(1, 2))
+    return nn.relu(nn.Dense(self.features)(x))
+
+
+class ResidualBlock(nn.Module):
+  filters: int
+  strides: int = 1
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)
+    residual = x
+    y = nn.Conv(self.filters, (3, 3), (self.strides, self.strides), padding=1, use_bias=False)(x)
+    y = nn.relu(norm()(y))
+    y = nn.Conv(self.filters, (3, 3), padding=1, use_bias=False)(y)
+    y = norm()(y)
+    if residual.shape != y.shape:
+      residual = nn.Conv(self.filters, (1, 1), (self.strides, self.strides), use_bias=False)(x)
+      residual = norm()(residual)
+    return nn.relu(y + residual)
+
+
+class ResNet18Encoder(nn.Module):
+  """CIFAR ResNet-18 (3x3 stem, no max-pool), BatchNorm, global average pool."""
+  stage_sizes: Sequence[int] = (2, 2, 2, 2)
+  width: int = 64
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    x = nn.Conv(self.width, (3, 3), padding=1, use_bias=False)(x)
+    x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)(x))
+    for stage, num_blocks in enumerate(self.stage_sizes):
+      for block in range(num_blocks):
+        strides = 2 if stage > 0 and block == 0 else 1
+        x = ResidualBlock(self.width * 2 ** stage, strides)(x, train)
+    return jnp.mean(x, axis=(1, 2))
+
+
+class Classifier(nn.Module):
+  """``head(encoder(x))``; ``features`` returns the encoder output [B, F]."""
+  encoder: nn.Module
+  num_classes: int
+
+  def setup(self):
+    self.head = nn.Dense(self.num_classes)
+
+  def __call__(self, x, train: bool = False):
+    return self.head(self.encoder(x, train))
+
+  def features(self, x, train: bool = False):
+    return self.encoder(x, train)

@@ -1,0 +1,44 @@
+"""Runs an experiment from an ml_collections config.
+
+    python launch/train.py --config=configs/fedavg.py:mnist_dir0.1 --workdir=/tmp/run \
+        --config.rounds=50 --config.seeds='(0,1,2)'
+
+Any config field can be overridden with --config.<field>=<value>. Re-running the
+same command resumes from the checkpoints in --workdir.
+"""
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from fedjax_shift import experiment  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file[:variant].')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics, results.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def main(argv):
+  del argv
+  absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
+  handler = logging.StreamHandler()
+  handler.setFormatter(logging.Formatter('%(asctime)s %(message)s'))
+  log = logging.getLogger('fedjax_shift')
+  log.addHandler(handler)
+  log.setLevel(logging.INFO)
+  log.propagate = False
+  out = experiment.run(_CONFIG.value, _WORKDIR.value)
+  print()
+  print(out['preamble'])
+  print()
+  print(out['table']['markdown'])
+  print(f"\nwritten: {os.path.join(_WORKDIR.value, 'results.md')}, results.csv, curves.png")
+
+
+if __name__ == '__main__':
+  app.run(main)
