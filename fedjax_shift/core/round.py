@@ -124,6 +124,9 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
 
   def round_on_cohort(server_state, client_states, cohort: FederatedData, cohort_ids,
                       key):
+    if cohort.x.shape[0] != config.cohort_size or cohort_ids.shape != (config.cohort_size,):
+      raise ValueError(f'the round was built for cohort_size={config.cohort_size} but got '
+                       f'{cohort.x.shape[0]} clients and {cohort_ids.shape[0]} ids')
     cohort = shard_clients(cohort)
     client_keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(key, 1),
                                                         cohort_ids)

@@ -1,0 +1,25 @@
+"""Small shared builders for tests."""
+import ml_collections
+import numpy as np
+
+from fedjax_shift.config import apply_variant, base_config
+from fedjax_shift.data.federated import stack_clients
+
+
+def tiny_config(**overrides) -> ml_collections.ConfigDict:
+  config = apply_variant(base_config(), 'tiny')
+  for key, value in overrides.items():
+    target = config
+    *path, leaf = key.split('.')
+    for part in path:
+      target = target[part]
+    target[leaf] = value
+  return config
+
+
+def toy_clients(sizes, shape=(4, 4, 1), num_classes=3, seed=0, pad_to=None):
+  """Random clients with the given example counts, stacked and padded."""
+  rng = np.random.default_rng(seed)
+  xs = [rng.random((n,) + shape).astype(np.float32) for n in sizes]
+  ys = [rng.integers(0, num_classes, n).astype(np.int32) for n in sizes]
+  return stack_clients(xs, ys, pad_to=pad_to, example_shape=shape), xs, ys

@@ -1,0 +1,247 @@
+"""The compiled round against slow, obviously-correct references."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedjax_shift import models
+from fedjax_shift.algorithms import ALGORITHMS
+from fedjax_shift.core import algorithm as alg
+from fedjax_shift.core import local
+from fedjax_shift.core.round import (HostStore, RoundConfig, aggregation_weights, build_round,
+                                     round_key, sample_cohort, stack_client_states)
+from fedjax_shift.data.federated import FederatedData
+from helpers import tiny_config, toy_clients
+
+NUM_CLASSES = 3
+
+
+def make(name, config, data):
+  module = models.create(config.model, NUM_CLASSES)
+  algorithm = ALGORITHMS.get(name)(config, module, data.max_examples)
+  server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
+  clients = stack_client_states(algorithm, server, data.num_clients)
+  return module, algorithm, server, clients
+
+
+def test_toy_algorithm_from_docstring():
+  def client_update(server, client_state, data, rng):
+    mean = jnp.sum(data.x * data.mask) / jnp.maximum(data.num_examples, 1)
+    return alg.ClientOutput(mean - server, {'loss': jnp.float32(0)}), client_state
+
+  toy = alg.FederatedAlgorithm(
+      init=lambda rng, x: jnp.float32(0.), init_client_state=lambda s: (),
+      client_update=client_update,
+      server_update=lambda s, out, w: s + jnp.sum(w * out.update),
+      personalize=None, global_model=lambda s: s)
+  data = FederatedData(np.array([[1., 1.], [4., 0.]], np.float32), np.zeros((2, 2), np.int32),
+                       np.array([[True, True], [True, False]]), np.array([2, 1], np.int32))
+  _, round_host = build_round(toy, RoundConfig(cohort_size=2))
+  out = round_host(jnp.float32(0.), (), data, jnp.array([0, 1]), jax.random.key(0))
+  # Example-weighted mean of the client means: (2·1 + 1·4) / 3 = 2.
+  np.testing.assert_allclose(out.server_state, 2.0, rtol=1e-6)
+
+
+def reference_fedavg_round(module, config, variables, data, cohort_ids, key):
+  """A Python loop over clients and batches, written independently of the engine's
+  scan: same batch order (example_order), plain SGD, example-weighted average."""
+  lr, batch = config.client.learning_rate, config.client.batch_size
+  new_models, counts = [], []
+  client_key = jax.random.fold_in(key, 1)
+  for k in np.asarray(cohort_ids):
+    n = int(data.num_examples[k])
+    rng = jax.random.fold_in(client_key, int(k))
+    order = np.asarray(local.example_order(jax.random.fold_in(rng, 0),
+                                           jnp.asarray(data.mask[k])))
+    params = variables['params']
+    num_steps = -(-config.client.local_epochs * n // batch)
+    for step in range(num_steps):
+      positions = step * batch + np.arange(batch)
+      idx = order[positions % n]
+      weight = (positions < config.client.local_epochs * n).astype(np.float32)
+      x, y = data.x[k][idx], data.y[k][idx]
+
+      def loss_fn(p):
+        logits = module.apply({'params': p}, x)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        return jnp.sum(ce * weight) / jnp.sum(weight)
+
+      grads = jax.grad(loss_fn)(params)
+      params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    new_models.append(params)
+    counts.append(n)
+  weights = np.array(counts, np.float32) / sum(counts)
+  return jax.tree.map(lambda *ps: sum(w * p for w, p in zip(weights, ps)), *new_models)
+
+
+def test_fedavg_round_equals_loop_reference():
+  config = tiny_config(**{'client.batch_size': 4, 'client.local_epochs': 2,
+                          'client.learning_rate': 0.1})
+  data, _, _ = toy_clients([7, 3, 10, 5], num_classes=NUM_CLASSES)
+  module, fedavg, server, clients = make('fedavg', config, data)
+  round_device, _ = build_round(fedavg, RoundConfig(cohort_size=3))
+  key = round_key(jax.random.key(1), 0)
+  out = round_device(server, clients, data, key)
+  expected = reference_fedavg_round(module, config, server.variables, data,
+                                    out.metrics['cohort'], key)
+  chex.assert_trees_all_close(out.server_state.variables['params'], expected, atol=1e-5)
+
+
+def test_fedprox_mu_zero_equals_fedavg():
+  # Batch 2 so clients take several steps (the proximal gradient is 0 at step 1).
+  config = tiny_config(**{'fedprox.mu': 0.0, 'client.batch_size': 2})
+  data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
+  _, fedavg, server, clients = make('fedavg', config, data)
+  _, fedprox, _, _ = make('fedprox', config, data)
+  key = jax.random.key(3)
+  a = build_round(fedavg, RoundConfig(cohort_size=3))[0](server, clients, data, key)
+  b = build_round(fedprox, RoundConfig(cohort_size=3))[0](server, clients, data, key)
+  chex.assert_trees_all_equal(a.server_state.variables, b.server_state.variables)
+  # and μ > 0 does change the result (the term is really applied)
+  config.fedprox.mu = 1.0
+  _, fedprox1, _, _ = make('fedprox', config, data)
+  c = build_round(fedprox1, RoundConfig(cohort_size=3))[0](server, clients, data, key)
+  assert not np.allclose(c.server_state.variables['params']['head']['kernel'],
+                         a.server_state.variables['params']['head']['kernel'])
+
+
+@pytest.mark.parametrize('name', ['fedavg', 'fedprox', 'fedbn', 'fedavg_ft', 'local'])
+def test_padding_does_not_change_update(name):
+  config = tiny_config(**{'model.name': 'bn_mlp', 'client.batch_size': 3})
+  tight, _, _ = toy_clients([5, 8], num_classes=NUM_CLASSES)
+  padded, _, _ = toy_clients([5, 8], num_classes=NUM_CLASSES, pad_to=20)
+  _, algorithm, server, clients = make(name, config, tight)
+  _, algorithm_padded, _, _ = make(name, config, padded)
+  ids = jnp.array([0, 1])
+  key = jax.random.key(5)
+  a = build_round(algorithm, RoundConfig(cohort_size=2))[1](server, clients, tight, ids, key)
+  b = build_round(algorithm_padded, RoundConfig(cohort_size=2))[1](server, clients, padded,
+                                                                   ids, key)
+  chex.assert_trees_all_close(a.server_state, b.server_state, atol=1e-6)
+  chex.assert_trees_all_close(a.client_states, b.client_states, atol=1e-6)
+
+
+def test_empty_client_gets_zero_weight_and_no_nan():
+  config = tiny_config()
+  data, _, _ = toy_clients([6, 0, 4], num_classes=NUM_CLASSES)
+  _, fedavg, server, clients = make('fedavg', config, data)
+  with pytest.raises(ValueError, match='cohort_size=2'):
+    build_round(fedavg, RoundConfig(cohort_size=2))[1](server, clients, data,
+                                                       jnp.array([0, 1, 2]), jax.random.key(0))
+  with_empty = build_round(fedavg, RoundConfig(cohort_size=3))[1](
+      server, clients, data, jnp.array([0, 1, 2]), jax.random.key(0))
+  chex.assert_tree_all_finite(with_empty.server_state)
+  np.testing.assert_allclose(aggregation_weights(jnp.array([6, 0, 4]), 'num_examples'),
+                             [0.6, 0.0, 0.4])
+  np.testing.assert_allclose(aggregation_weights(jnp.array([6, 0, 4]), 'uniform'),
+                             [0.5, 0.0, 0.5])
+  # Only-empty cohort: weights all zero, server unchanged, nothing NaN.
+  only_empty = build_round(fedavg, RoundConfig(cohort_size=1))[1](
+      server, clients, data.take([1]), jnp.array([1]), jax.random.key(0))
+  chex.assert_trees_all_close(only_empty.server_state.variables, server.variables)
+  assert float(only_empty.metrics['loss']) == 0.0
+
+
+def test_round_compiles_once_for_a_whole_run():
+  config = tiny_config()
+  data, _, _ = toy_clients([6, 9, 4, 7], num_classes=NUM_CLASSES)
+  _, fedavg, server, clients = make('fedavg', config, data)
+  round_device, _ = build_round(fedavg, RoundConfig(cohort_size=2))
+  for r in range(4):
+    out = round_device(server, clients, data, round_key(jax.random.key(0), r))
+    server, clients = out.server_state, out.client_states
+  assert round_device._cache_size() == 1
+
+
+def test_stragglers_run_at_most_tau_steps():
+  config = tiny_config(**{'client.batch_size': 2, 'client.local_epochs': 3})
+  data, _, _ = toy_clients([10, 10, 10, 10], num_classes=NUM_CLASSES)
+  _, fedavg, server, clients = make('fedavg', config, data)
+  ids = jnp.arange(4)
+  full = build_round(fedavg, RoundConfig(cohort_size=4))[1](server, clients, data, ids,
+                                                             jax.random.key(0))
+  np.testing.assert_allclose(full.metrics['num_steps'], 15.0)  # ceil(3·10/2)
+  strag = build_round(fedavg, RoundConfig(cohort_size=4, straggler_prob=1.0,
+                                          straggler_max_steps=2))[1](
+      server, clients, data, ids, jax.random.key(0))
+  assert 1.0 <= float(strag.metrics['num_steps']) <= 2.0
+
+
+def test_straggler_with_one_step_equals_tau_one_client():
+  """A straggler budget of 1 step == a client configured with exactly 1 local step."""
+  config = tiny_config(**{'client.batch_size': 4})
+  data, _, _ = toy_clients([8, 8], num_classes=NUM_CLASSES)
+  _, fedavg, server, clients = make('fedavg', config, data)
+  ids = jnp.arange(2)
+  strag = build_round(fedavg, RoundConfig(cohort_size=2, straggler_prob=1.0,
+                                          straggler_max_steps=1))[1](
+      server, clients, data, ids, jax.random.key(0))
+  one_step_config = tiny_config(**{'client.batch_size': 4, 'client.local_steps': 1})
+  _, one_step, _, _ = make('fedavg', one_step_config, data)
+  ref = build_round(one_step, RoundConfig(cohort_size=2))[1](server, clients, data, ids,
+                                                             jax.random.key(0))
+  chex.assert_trees_all_close(strag.server_state.variables, ref.server_state.variables,
+                              atol=1e-6)
+
+
+def test_host_store_matches_device_store():
+  config = tiny_config()
+  data, _, _ = toy_clients([6, 9, 4, 7, 3], num_classes=NUM_CLASSES)
+  _, fedavg, server, clients = make('fedavg', config, data)
+  round_config = RoundConfig(cohort_size=2)
+  round_device, round_host = build_round(fedavg, round_config)
+  seed_key = jax.random.key(7)
+  store = HostStore(data, seed_key, round_config)
+  s_dev, c_dev, s_host, c_host = server, clients, server, clients
+  for r in range(3):
+    key = round_key(seed_key, r)
+    a = round_device(s_dev, c_dev, data, key)
+    cohort, ids = store.cohort(r)
+    b = round_host(s_host, c_host, cohort, ids, key)
+    np.testing.assert_array_equal(a.metrics['cohort'], ids)
+    s_dev, c_dev, s_host, c_host = a.server_state, a.client_states, b.server_state, b.client_states
+  store.close()
+  chex.assert_trees_all_close(s_dev, s_host, atol=1e-6)
+
+
+def test_sampling_without_replacement_and_by_size():
+  num_examples = jnp.array([0, 5, 0, 10, 3, 0])
+  for r in range(20):
+    ids = np.asarray(sample_cohort(jax.random.key(r), num_examples,
+                                   RoundConfig(cohort_size=3, sampling='num_examples')))
+    assert len(set(ids.tolist())) == 3
+    assert set(ids.tolist()) == {1, 3, 4}  # only clients with data can be drawn
+  ids = np.asarray(sample_cohort(jax.random.key(0), num_examples, RoundConfig(cohort_size=6)))
+  assert sorted(ids.tolist()) == list(range(6))
+
+
+def test_local_keeps_per_client_models():
+  config = tiny_config()
+  data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
+  _, local_alg, server, clients = make('local', config, data)
+  out = build_round(local_alg, RoundConfig(cohort_size=1))[1](
+      server, clients, data.take([1]), jnp.array([1]), jax.random.key(0))
+  params = out.client_states[0]['params']['head']['kernel']
+  # Only client 1 trained; clients 0 and 2 still hold the initial model.
+  np.testing.assert_array_equal(params[0], params[2])
+  assert not np.allclose(params[1], params[0])
+  chex.assert_trees_all_equal(out.server_state.variables, server.variables)
+
+
+def test_fedbn_keeps_batch_norm_local():
+  config = tiny_config(**{'model.name': 'bn_mlp'})
+  data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
+  _, fedbn, server, clients = make('fedbn', config, data)
+  out = build_round(fedbn, RoundConfig(cohort_size=2))[1](
+      server, clients, data.take([0, 2]), jnp.array([0, 2]), jax.random.key(0))
+  # Server BN stays at its init; shared Dense layers moved.
+  chex.assert_trees_all_equal(out.server_state.variables['batch_stats'],
+                              server.variables['batch_stats'])
+  assert not np.allclose(out.server_state.variables['params']['head']['kernel'],
+                         server.variables['params']['head']['kernel'])
+  bn_mean = [v for k, v in out.client_states.items() if k[0] == 'batch_stats'][0]
+  assert not np.allclose(bn_mean[0], bn_mean[2])      # trained clients differ
+  np.testing.assert_array_equal(bn_mean[1], np.asarray(  # client 1 untouched
+      [v for k, v in clients.items() if k[0] == 'batch_stats'][0][1]))
