@@ -1,0 +1,74 @@
+"""Config validation: bad input fails before compilation, naming the field."""
+import os
+
+import numpy as np
+import pytest
+
+from fedjax_shift import config as config_lib
+from fedjax_shift import experiment
+from helpers import tiny_config
+
+
+@pytest.mark.parametrize('field,value,pattern', [
+    ('algorithms', ('fedavg', 'nope'), r"config.algorithms: unknown algorithm 'nope'.*fedavg"),
+    ('model.name', 'vgg99', r"config.model.name: unknown model 'vgg99'.*atp_cnn"),
+    ('data.source', 'imagenet', r"config.data.source: unknown source 'imagenet'"),
+    ('data.source', 'tfds:imagenet', r'config.data.source'),
+    ('data.benchmark', 'nope', r'config.data.benchmark: unknown benchmark'),
+    ('data.partition', 'zipf', r'config.data.partition: unknown partition'),
+    ('cohort_size', 7, r'config.cohort_size: must be in \[1, data.num_clients=6\]'),
+    ('cohort_size', 0, r'config.cohort_size'),
+    ('client.learning_rate', 0.0, r'config.client.learning_rate: must be > 0'),
+    ('client.learning_rate', -0.1, r'config.client.learning_rate'),
+    ('server.learning_rate', 0.0, r'config.server.learning_rate'),
+    ('client.batch_size', 0, r'config.client.batch_size: must be >= 1'),
+    ('data.severity', 6, r'config.data.severity: must be an integer in 1..5'),
+    ('data.severity', 0, r'config.data.severity'),
+    ('data.dirichlet_alpha', 0.0, r'config.data.dirichlet_alpha: must be > 0'),
+    ('data.dirichlet_alpha', -1.0, r'config.data.dirichlet_alpha'),
+    ('data.corruptions', ('fog', 'rain'), r"config.data.corruptions: unknown corruption 'rain'"),
+    ('sampling', 'roundrobin', r'config.sampling'),
+    ('straggler_prob', 1.5, r'config.straggler_prob'),
+    ('client.optimizer', 'lbfgs', r'config.client.optimizer'),
+    ('server.optimizer', 'yogi', r'config.server.optimizer'),
+    ('data.store', 'disk', r'config.data.store'),
+])
+def test_bad_config_names_field(field, value, pattern):
+  config = tiny_config(**{field: value})
+  with pytest.raises(ValueError, match=pattern):
+    config_lib.validate(config)
+
+
+def test_unwritable_workdir(tmp_path):
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('x')
+  with pytest.raises(ValueError, match='workdir'):
+    config_lib.validate(tiny_config(), str(blocker / 'sub'))
+
+
+def test_unknown_variant():
+  with pytest.raises(ValueError, match="unknown config variant 'mnist_dirichlet'"):
+    config_lib.apply_variant(config_lib.base_config(), 'mnist_dirichlet')
+
+
+def test_variants_parse():
+  config = config_lib.apply_variant(config_lib.base_config(), 'uci_dir1.0')
+  assert config.data.source == 'uci_digits' and config.data.dirichlet_alpha == 1.0
+  config = config_lib.apply_variant(config_lib.base_config(), 'mnist_path2')
+  assert config.data.partition == 'pathological' and config.data.classes_per_client == 2
+  config = config_lib.apply_variant(config_lib.base_config(), 'cifar10_dirinf')
+  assert config.data.source == 'tfds:cifar10' and np.isinf(config.data.dirichlet_alpha)
+
+
+def test_validation_happens_before_any_work(tmp_path, monkeypatch):
+  calls = []
+  monkeypatch.setattr(experiment, 'train_and_evaluate', lambda *a: calls.append(a))
+  with pytest.raises(ValueError, match='cohort_size'):
+    experiment.run(tiny_config(cohort_size=100), str(tmp_path))
+  assert not calls and not os.path.exists(tmp_path / 'config.json')
+
+
+def test_more_clients_than_examples_is_a_clear_error(tmp_path):
+  config = tiny_config(**{'data.num_clients': 6000, 'cohort_size': 2})
+  with pytest.raises(ValueError, match='5000 examples cannot give 6000 clients'):
+    experiment.run(config, str(tmp_path))

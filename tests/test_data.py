@@ -1,0 +1,167 @@
+"""Data layer: sources, partitions, corruptions, stacking and validation."""
+import numpy as np
+import pytest
+
+from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.data import corruptions, partitions, sources
+from fedjax_shift.data.federated import stack_clients, validate
+from helpers import tiny_config
+
+
+def test_embedded_sources_are_real_digits():
+  mnist = sources.mnist_embedded()
+  assert mnist.x.shape == (5000, 28, 28, 1) and mnist.num_classes == 10
+  np.testing.assert_array_equal(np.bincount(mnist.y), [500] * 10)
+  assert 0.0 <= mnist.x.min() and mnist.x.max() == 1.0
+  uci = sources.uci_digits()
+  assert uci.x.shape == (1797, 28, 28, 1) and set(np.unique(uci.y)) == set(range(10))
+
+
+def test_circle_geometry():
+  x, y = sources.circle(num_domains=30, points_per_domain=100, seed=0)
+  assert x.shape == (30, 100, 2) and y.shape == (30, 100)
+  radius = np.linalg.norm(x, axis=-1)
+  assert radius.min() >= 4.0 and radius.max() <= 6.0
+  np.testing.assert_array_equal(y, radius > 5.0)
+  angles = np.degrees(np.arctan2(x[..., 1], x[..., 0]))
+  assert angles.min() >= 0 and angles.max() <= 180  # a half circle
+  assert np.all(np.diff(angles.mean(1)) > 0)  # domains move along the circle
+
+
+@pytest.mark.parametrize('alpha', [0.1, 1.0, float('inf')])
+def test_dirichlet_reproducible_and_assigns_every_example_once(alpha):
+  labels = np.random.default_rng(0).integers(0, 10, 2000)
+  a = partitions.dirichlet(labels, 20, alpha, np.random.default_rng(3))
+  b = partitions.dirichlet(labels, 20, alpha, np.random.default_rng(3))
+  assert all(np.array_equal(p, q) for p, q in zip(a, b))
+  everything = np.sort(np.concatenate(a))
+  np.testing.assert_array_equal(everything, np.arange(2000))
+  c = partitions.dirichlet(labels, 20, alpha, np.random.default_rng(4))
+  assert not all(np.array_equal(p, q) for p, q in zip(a, c))
+
+
+def test_dirichlet_skew_grows_as_alpha_shrinks():
+  labels = np.repeat(np.arange(10), 300)
+
+  def mean_classes(alpha):
+    parts = partitions.dirichlet(labels, 20, alpha, np.random.default_rng(0))
+    return np.mean([len(np.unique(labels[p])) for p in parts])
+
+  assert mean_classes(0.1) < mean_classes(1.0) < mean_classes(100.0)
+
+
+def test_pathological_and_step_partitions():
+  labels = np.repeat(np.arange(10), 100)
+  parts = partitions.pathological(labels, 20, 2, np.random.default_rng(0))
+  np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(1000))
+  assert max(len(np.unique(labels[p])) for p in parts) <= 2
+  step = partitions.step(labels, 4, 2, 20, 5, np.random.default_rng(0))
+  partitions.check_disjoint(step)
+  for p in step:
+    counts = np.bincount(labels[p], minlength=10)
+    assert sorted(counts.tolist()) == [5] * 8 + [20] * 2
+  with pytest.raises(ValueError, match='runs out'):
+    partitions.step(labels, 10, 2, 80, 5, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize('bad', [0.0, -1.0])
+def test_dirichlet_rejects_nonpositive_alpha(bad):
+  with pytest.raises(ValueError, match='alpha'):
+    partitions.dirichlet(np.zeros(10, int), 2, bad, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize('channels', [1, 3])
+@pytest.mark.parametrize('name', corruptions.ALL_CORRUPTIONS)
+def test_corruptions_deterministic_shape_and_range(name, channels):
+  x = np.random.default_rng(0).random((3, 16, 16, channels)).astype(np.float32)
+  a = corruptions.corrupt(x, name, 3, seed=11)
+  b = corruptions.corrupt(x, name, 3, seed=11)
+  assert a.shape == x.shape and a.dtype == np.float32
+  np.testing.assert_array_equal(a, b)
+  assert a.min() >= 0.0 and a.max() <= 1.0
+  assert not np.array_equal(a, x)  # every corruption changes the images
+  if name == 'saturate':
+    return  # CIFAR-10-C saturate is not monotone: severities 1-2 desaturate, 3-5 saturate
+  # severity 5 moves the images at least as far as severity 1 (up to noise)
+  d1 = np.abs(corruptions.corrupt(x, name, 1, 11) - x).mean()
+  d5 = np.abs(corruptions.corrupt(x, name, 5, 11) - x).mean()
+  assert d5 >= 0.8 * d1
+
+
+def test_corruption_lists_match_reference():
+  assert len(corruptions.SOURCE_CORRUPTIONS) == 15
+  assert set(corruptions.HELDOUT_CORRUPTIONS) == {'speckle_noise', 'gaussian_blur', 'saturate',
+                                                   'spatter'}
+
+
+@pytest.mark.parametrize('severity', [0, 6, 2.5])
+def test_corruption_severity_out_of_range(severity):
+  with pytest.raises(ValueError, match='severity'):
+    corruptions.corrupt(np.zeros((1, 8, 8, 1), np.float32), 'contrast', severity, 0)
+
+
+def test_rotation_is_exact_for_right_angles():
+  x = np.random.default_rng(0).random((2, 8, 8, 1)).astype(np.float32)
+  np.testing.assert_allclose(sources.rotate(x, 90), np.rot90(x, 1, axes=(1, 2)), atol=1e-5)
+
+
+def test_stack_and_validate():
+  xs = [np.ones((2, 3, 3, 1)), np.ones((0, 3, 3, 1)), np.ones((4, 3, 3, 1))]
+  ys = [np.array([0, 1]), np.array([], int), np.array([2, 2, 1, 0])]
+  data = stack_clients(xs, ys)
+  assert data.x.shape == (3, 4, 3, 3, 1)
+  np.testing.assert_array_equal(data.num_examples, [2, 0, 4])
+  np.testing.assert_array_equal(data.mask.sum(1), [2, 0, 4])
+  validate(data, 3)
+  bad_x = data.x.copy()
+  bad_x[2, 1, 0, 0, 0] = np.nan
+  with pytest.raises(ValueError, match='client 2.*NaN'):
+    validate(data._replace(x=bad_x), 3)
+  bad_y = data.y.copy()
+  bad_y[0, 1] = 7
+  with pytest.raises(ValueError, match='client 0.*label 7'):
+    validate(data._replace(y=bad_y), 3)
+  # NaN in padding is ignored (masked out everywhere)
+  pad_x = data.x.copy()
+  pad_x[0, 3] = np.nan
+  validate(data._replace(x=pad_x), 3)
+
+
+def test_benchmark_reproducible_disjoint_and_corrupted():
+  config = tiny_config()
+  a = BENCHMARKS.get('label_skew_corrupted')(config.data, 0)
+  b = BENCHMARKS.get('label_skew_corrupted')(config.data, 0)
+  for name in a.splits:
+    np.testing.assert_array_equal(a.splits[name].x, b.splits[name].x)
+  assert set(a.splits) == {'train', 'val', 'test', 'test_corrupted'}
+  total = sum(int(s.num_examples.sum()) for n, s in a.splits.items() if n != 'test_corrupted')
+  assert total == 5000  # every example assigned to exactly one client split
+  np.testing.assert_array_equal(a.splits['test'].y, a.splits['test_corrupted'].y)
+  assert not np.allclose(a.splits['test'].x, a.splits['test_corrupted'].x)
+  # train/val/test images of one client never overlap
+  tr, te = a.splits['train'], a.splits['test']
+  for k in range(tr.num_clients):
+    train_rows = {r.tobytes() for r in tr.x[k][tr.mask[k]]}
+    assert not any(r.tobytes() in train_rows for r in te.x[k][te.mask[k]])
+  c = BENCHMARKS.get('label_skew_corrupted')(config.data, 1)
+  assert not np.array_equal(a.splits['train'].num_examples, c.splits['train'].num_examples)
+
+
+def test_tfds_source_with_mock_data():
+  import tensorflow_datasets as tfds
+  with tfds.testing.mock_data(num_examples=12):
+    src = sources.tfds_source('mnist', 'train')
+    assert src.x.shape == (12, 28, 28, 1) and src.y.shape == (12,)
+    assert src.x.dtype == np.float32 and src.x.max() <= 1.0
+    cifar = sources.tfds_source('cifar10', 'test', max_examples=5)
+    assert cifar.x.shape == (5, 32, 32, 3)
+    config = tiny_config(**{'data.source': 'tfds:cifar10', 'data.num_clients': 2,
+                            'data.min_examples_per_client': 1,
+                            'data.corruptions': ('saturate',)})
+    bench = BENCHMARKS.get('label_skew_corrupted')(config.data, 0)
+    assert bench.example_shape == (32, 32, 3)
+
+
+def test_tfds_missing_dataset_says_how_to_get_it(tmp_path):
+  with pytest.raises(FileNotFoundError, match='tfds build cifar10'):
+    sources.tfds_source('cifar10', 'train', data_dir=str(tmp_path))
