@@ -80,6 +80,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.engine = ml_collections.ConfigDict()
   c.engine.unroll = 1               # lax.scan unroll of local steps (True on CPU convnets)
+  c.engine.client_chunk = 0         # 0: vmap the whole cohort; c: vmap chunks of c clients
   c.engine.num_devices = 0          # shard the cohort over this many devices (0 = one)
   c.engine.donate = False           # donate server/client buffers (GPU/TPU)
   c.engine.eval_chunk_size = 64     # clients per compiled evaluation call
@@ -216,6 +217,9 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
     _require(config.cohort_size % config.engine.num_devices == 0, 'cohort_size',
              f'{config.cohort_size} is not divisible by engine.num_devices='
              f'{config.engine.num_devices}')
+  chunk = config.engine.client_chunk
+  _require(chunk >= 0 and (chunk == 0 or config.cohort_size % chunk == 0), 'engine.client_chunk',
+           f'must be 0 or divide cohort_size={config.cohort_size}, got {chunk}')
   _require(len(config.seeds) >= 1, 'seeds', 'name at least one seed')
   if workdir is not None:
     check_workdir(workdir)

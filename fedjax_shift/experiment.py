@@ -62,7 +62,8 @@ def build_data(config: ml_collections.ConfigDict, seed: int) -> 'BENCHMARKS':
 def _round_config(config) -> RoundConfig:
   return RoundConfig(cohort_size=config.cohort_size, sampling=config.sampling,
                      weighting=config.weighting, straggler_prob=config.straggler_prob,
-                     straggler_max_steps=config.straggler_max_steps)
+                     straggler_max_steps=config.straggler_max_steps,
+                     client_chunk=config.engine.client_chunk)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,

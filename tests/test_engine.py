@@ -245,3 +245,16 @@ def test_fedbn_keeps_batch_norm_local():
   assert not np.allclose(bn_mean[0], bn_mean[2])      # trained clients differ
   np.testing.assert_array_equal(bn_mean[1], np.asarray(  # client 1 untouched
       [v for k, v in clients.items() if k[0] == 'batch_stats'][0][1]))
+
+
+def test_chunked_cohort_equals_vmapped_cohort():
+  config = tiny_config(**{'model.name': 'bn_mlp'})
+  data, _, _ = toy_clients([6, 9, 4, 7], num_classes=NUM_CLASSES)
+  _, fedbn, server, clients = make('fedbn', config, data)
+  ids = jnp.arange(4)
+  whole = build_round(fedbn, RoundConfig(cohort_size=4))[1](server, clients, data, ids,
+                                                             jax.random.key(0))
+  chunked = build_round(fedbn, RoundConfig(cohort_size=4, client_chunk=2))[1](
+      server, clients, data, ids, jax.random.key(0))
+  chex.assert_trees_all_close(whole.server_state, chunked.server_state, atol=1e-6)
+  chex.assert_trees_all_close(whole.client_states, chunked.client_states, atol=1e-6)

@@ -41,12 +41,16 @@ class RoundConfig(NamedTuple):
     weighting: aggregation weights, 'num_examples' or 'uniform' (empty clients 0).
     straggler_prob: r, the chance a client is a straggler this round.
     straggler_max_steps: τ; a straggler runs uniform 1..τ local steps.
+    client_chunk: 0 vmaps the whole cohort at once; c > 0 vmaps chunks of c
+      clients and runs the chunks one after another (``lax.map``), trading
+      speed for memory (C/c times less activation memory).
   """
   cohort_size: int
   sampling: str = 'uniform'
   weighting: str = 'num_examples'
   straggler_prob: float = 0.0
   straggler_max_steps: int = 1
+  client_chunk: int = 0
 
 
 def round_key(seed_key: jax.Array, round_index: int) -> jax.Array:
@@ -78,6 +82,31 @@ def aggregation_weights(num_examples: jax.Array, weighting: str) -> jax.Array:
   has_data = (num_examples > 0).astype(jnp.float32)
   raw = num_examples.astype(jnp.float32) if weighting == 'num_examples' else has_data
   return raw / jnp.maximum(jnp.sum(raw), 1e-12)
+
+
+def map_clients(fn, in_axes, chunk: int):
+  """``vmap(fn, in_axes)`` over the client axis, or over chunks of ``chunk`` clients
+  run sequentially with ``lax.map`` (same results, less memory)."""
+  vmapped = jax.vmap(fn, in_axes)
+  if not chunk:
+    return vmapped
+
+  def chunked(*args):
+    mapped = [a for a, axis in zip(args, in_axes) if axis is not None]
+    size = jax.tree_util.tree_leaves(mapped)[0].shape[0]
+    if size % chunk:
+      raise ValueError(f'client_chunk={chunk} must divide the cohort size {size}')
+    split = lambda leaf: leaf.reshape((size // chunk, chunk) + leaf.shape[1:])
+
+    def body(chunk_args):
+      it = iter(chunk_args)
+      full = [next(it) if axis is not None else a for a, axis in zip(args, in_axes)]
+      return vmapped(*full)
+
+    out = jax.lax.map(body, tuple(jax.tree.map(split, a) for a in mapped))
+    return jax.tree.map(lambda leaf: leaf.reshape((size,) + leaf.shape[2:]), out)
+
+  return chunked
 
 
 def take_clients(tree: PyTree, client_ids: jax.Array) -> PyTree:
@@ -133,7 +162,8 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
     data = ClientData(cohort.x, cohort.y, cohort.mask, cohort.num_examples,
                       step_budgets(key, config.cohort_size, config))
     cohort_states = shard_clients(take_clients(client_states, cohort_ids))
-    outputs, new_states = jax.vmap(algorithm.client_update, (None, 0, 0, 0))(
+    outputs, new_states = map_clients(algorithm.client_update, (None, 0, 0, 0),
+                                      config.client_chunk)(
         server_state, cohort_states, data, client_keys)
     weights = aggregation_weights(cohort.num_examples, config.weighting)
     server_state = algorithm.server_update(server_state, outputs, weights)

@@ -1,0 +1,352 @@
+"""Benchmark of the compiled round (a script, not a test).
+
+For one model, on the same cohort (C clients × N examples, one local epoch of batch
+B, FedAvg with SGD):
+
+  (a) round   the compiled vmapped round (one jit call)
+  (b) loop    a Python loop over clients calling a jitted per-client update, then
+              the jitted server update (the naive port)
+  (c) fused   one jitted centralized step over the pooled C·B-example batches for
+              the same number of steps (same FLOPs) — the limit a round can approach
+  (d) torch   the per-client PyTorch loop of the papers' code (deepcopy global,
+              train, average), when torch is importable (never a dependency)
+
+then a population sweep (host store, cohort fixed) over K clients. Each case runs in
+its own subprocess so its peak RSS is its own. Prints a markdown table; --out writes it.
+
+    python launch/benchmark.py --model=atp_cnn --out=/tmp/bench_cnn.md
+    python launch/benchmark.py --model=mlp --out=/tmp/bench_mlp.md
+"""
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+flags.DEFINE_enum('model', 'atp_cnn', ['atp_cnn', 'mlp'], 'Model to benchmark.')
+flags.DEFINE_integer('clients', 60, 'Cohort size C.')
+flags.DEFINE_integer('examples', 200, 'Examples per client N.')
+flags.DEFINE_integer('batch_size', 20, 'Local batch size B.')
+flags.DEFINE_integer('repeats', 5, 'Timed repeats after one warm-up (median reported).')
+flags.DEFINE_string('unroll', 'true', "lax.scan unroll of local steps: 'true', 'false' or an int.")
+flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a).')
+flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch'], 'Cases to run.')
+flags.DEFINE_list('populations', ['240', '1000', '10000'], 'Population sweep (host store).')
+flags.DEFINE_integer('sweep_repeats', 3, 'Timed repeats per population.')
+flags.DEFINE_string('case', '', 'Internal: run one case in this process and print JSON.')
+flags.DEFINE_string('out', '', 'Write the markdown table here.')
+FLAGS = flags.FLAGS
+
+SHAPES = {'atp_cnn': (32, 32, 3), 'mlp': (28, 28, 1)}
+
+
+def peak_rss_gb() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+
+
+def unroll_value():
+  text = FLAGS.unroll.lower()
+  return {'true': True, 'false': False}.get(text, int(text) if text.isdigit() else True)
+
+
+def make_config():
+  from fedjax_shift.config import base_config
+  config = base_config()
+  config.model.name = FLAGS.model
+  config.client.batch_size = FLAGS.batch_size
+  config.client.learning_rate = 0.01
+  config.client.local_epochs = 1
+  config.engine.unroll = unroll_value()
+  return config
+
+
+def cohort_data(num_clients):
+  import numpy as np
+  from fedjax_shift.data.federated import FederatedData
+  rng = np.random.default_rng(0)
+  shape = SHAPES[FLAGS.model]
+  x = rng.random((num_clients, FLAGS.examples) + shape, dtype=np.float32)
+  y = rng.integers(0, 10, (num_clients, FLAGS.examples)).astype(np.int32)
+  return FederatedData(x, y, np.ones(y.shape, bool), np.full(num_clients, FLAGS.examples,
+                                                               np.int32))
+
+
+def timed(fn, repeats):
+  """(median seconds, all seconds) of ``fn()`` after one warm-up call."""
+  fn()
+  times = []
+  for _ in range(repeats):
+    tick = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - tick)
+  return statistics.median(times), times
+
+
+def setup_algorithm(num_clients_data):
+  import jax
+  import jax.numpy as jnp
+  from fedjax_shift import models
+  from fedjax_shift.algorithms import ALGORITHMS
+  config = make_config()
+  module = models.create(config.model, 10)
+  algorithm = ALGORITHMS.get('fedavg')(config, module, FLAGS.examples)
+  data = cohort_data(num_clients_data)
+  server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
+  return config, module, algorithm, data, server
+
+
+def case_round():
+  import jax
+  import jax.numpy as jnp
+  from fedjax_shift.core.round import RoundConfig, build_round, stack_client_states
+  config, _, algorithm, data, server = setup_algorithm(FLAGS.clients)
+  clients = stack_client_states(algorithm, server, FLAGS.clients)
+  _, round_host = build_round(algorithm, RoundConfig(cohort_size=FLAGS.clients,
+                                                     client_chunk=FLAGS.client_chunk))
+  device_data = jax.device_put(data)
+  ids = jnp.arange(FLAGS.clients, dtype=jnp.int32)
+  key = jax.random.key(0)
+  tick = time.perf_counter()
+  compiled = round_host.lower(server, clients, device_data, ids, key).compile()
+  compile_s = time.perf_counter() - tick
+  run = lambda: jax.block_until_ready(compiled(server, clients, device_data, ids, key))
+  median, times = timed(run, FLAGS.repeats)
+  return {'seconds': median, 'times': times, 'compile_s': compile_s}
+
+
+def case_loop():
+  import jax
+  import jax.numpy as jnp
+  from fedjax_shift.core.algorithm import ClientData
+  from fedjax_shift.core.round import NO_STEP_LIMIT, aggregation_weights
+  _, _, algorithm, data, server = setup_algorithm(FLAGS.clients)
+  client_update = jax.jit(algorithm.client_update)
+  server_update = jax.jit(algorithm.server_update)
+  clients = [ClientData(jnp.asarray(data.x[k]), jnp.asarray(data.y[k]),
+                        jnp.asarray(data.mask[k]), jnp.int32(FLAGS.examples),
+                        jnp.int32(NO_STEP_LIMIT)) for k in range(FLAGS.clients)]
+  weights = aggregation_weights(jnp.asarray(data.num_examples), 'num_examples')
+  key = jax.random.key(0)
+
+  def run():
+    outputs = [client_update(server, (), clients[k], jax.random.fold_in(key, k))[0]
+               for k in range(FLAGS.clients)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
+    return jax.block_until_ready(server_update(server, stacked, weights))
+
+  tick = time.perf_counter()
+  run()
+  compile_s = time.perf_counter() - tick
+  median, times = timed(run, FLAGS.repeats)
+  return {'seconds': median, 'times': times, 'compile_s': compile_s}
+
+
+def case_fused():
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from fedjax_shift.algorithms import base
+  config, module, _, data, server = setup_algorithm(FLAGS.clients)
+  steps = -(-FLAGS.examples // FLAGS.batch_size)
+  pooled = FLAGS.clients * FLAGS.batch_size
+  # [steps, C·B, ...]: step s takes every client's s-th batch.
+  x = jnp.asarray(data.x[:, :steps * FLAGS.batch_size].reshape(
+      (FLAGS.clients, steps, FLAGS.batch_size) + data.x.shape[2:]).swapaxes(0, 1).reshape(
+          (steps, pooled) + data.x.shape[2:]))
+  y = jnp.asarray(data.y[:, :steps * FLAGS.batch_size].reshape(
+      FLAGS.clients, steps, FLAGS.batch_size).swapaxes(0, 1).reshape(steps, pooled))
+  loss_fn = base.cross_entropy_loss(module)
+  optimizer = optax.sgd(config.client.learning_rate)
+  params, model_state = base.split_variables(server.variables)
+
+  @jax.jit
+  def fused(params, model_state):
+    def step(carry, batch):
+      params, model_state = carry
+      (_, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+          params, model_state, batch[0], batch[1], jnp.ones(pooled), None)
+      updates, _ = optimizer.update(grads, optimizer.init(params), params)
+      return (optax.apply_updates(params, updates), model_state), None
+    return jax.lax.scan(step, (params, model_state), (x, y), unroll=config.engine.unroll)[0]
+
+  tick = time.perf_counter()
+  compiled = fused.lower(params, model_state).compile()
+  compile_s = time.perf_counter() - tick
+  median, times = timed(lambda: jax.block_until_ready(compiled(params, model_state)),
+                        FLAGS.repeats)
+  return {'seconds': median, 'times': times, 'compile_s': compile_s}
+
+
+def case_torch():
+  try:
+    import torch
+  except ImportError:
+    return {'skipped': 'torch is not installed'}
+  import copy
+  from torch import nn
+  data = cohort_data(FLAGS.clients)
+  if FLAGS.model == 'atp_cnn':
+    def block(cin, cout, pool):
+      layers = [nn.Conv2d(cin, cout, 3, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+      return layers + ([nn.MaxPool2d(2)] if pool else [])
+    model = nn.Sequential(*block(3, 32, True), *block(32, 64, True), *block(64, 64, False),
+                          nn.Flatten(), nn.Linear(64 * 4 * 4, 64), nn.BatchNorm1d(64),
+                          nn.ReLU(), nn.Linear(64, 10))
+    x = torch.from_numpy(data.x).permute(0, 1, 4, 2, 3).contiguous()
+  else:
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200),
+                          nn.ReLU(), nn.Linear(200, 10))
+    x = torch.from_numpy(data.x)
+  y = torch.from_numpy(data.y).long()
+  loss_fn = nn.CrossEntropyLoss()
+
+  def run():
+    states = []
+    for k in range(FLAGS.clients):
+      local = copy.deepcopy(model)
+      local.train()
+      opt = torch.optim.SGD(local.parameters(), lr=0.01)
+      perm = torch.randperm(FLAGS.examples)
+      for start in range(0, FLAGS.examples, FLAGS.batch_size):
+        idx = perm[start:start + FLAGS.batch_size]
+        opt.zero_grad()
+        loss_fn(local(x[k][idx]), y[k][idx]).backward()
+        opt.step()
+      states.append(local.state_dict())
+    with torch.no_grad():
+      averaged = {name: sum(s[name].float() for s in states) / len(states)
+                  for name in states[0]}
+      model.load_state_dict({n: v.to(states[0][n].dtype) for n, v in averaged.items()})
+
+  median, times = timed(run, FLAGS.repeats)
+  return {'seconds': median, 'times': times, 'compile_s': 0.0,
+          'torch': torch.__version__, 'threads': torch.get_num_threads()}
+
+
+def case_sweep(population):
+  import jax
+  import numpy as np
+  from fedjax_shift.core.round import (HostStore, RoundConfig, build_round, round_key,
+                                       stack_client_states)
+  from fedjax_shift.data.federated import FederatedData
+  _, _, algorithm, base_data, server = setup_algorithm(FLAGS.clients)
+  # The population's examples are a broadcast view of one cohort's worth of data:
+  # host memory for K clients is not allocated, only each sampled cohort is gathered.
+  view = lambda a: np.broadcast_to(a[:1], (population,) + a.shape[1:])
+  data = FederatedData(view(base_data.x), view(base_data.y), view(base_data.mask),
+                       np.full(population, FLAGS.examples, np.int32))
+  round_config = RoundConfig(cohort_size=FLAGS.clients)
+  _, round_host = build_round(algorithm, round_config)
+  clients = stack_client_states(algorithm, server, population)
+  seed_key = jax.random.key(0)
+  store = HostStore(data, seed_key, round_config)
+  state = {'round': 0}
+
+  def run():
+    r = state['round']
+    cohort, ids = store.cohort(r)
+    out = round_host(server, clients, cohort, ids, round_key(seed_key, r))
+    state['round'] += 1
+    return jax.block_until_ready(out.server_state)
+
+  tick = time.perf_counter()
+  run()
+  compile_s = time.perf_counter() - tick
+  median, times = timed(run, FLAGS.sweep_repeats)
+  store.close()
+  return {'seconds': median, 'times': times, 'compile_s': compile_s}
+
+
+def run_case(name):
+  if name.startswith('sweep:'):
+    result = case_sweep(int(name.split(':')[1]))
+  else:
+    result = {'round': case_round, 'loop': case_loop, 'fused': case_fused,
+              'torch': case_torch}[name]()
+  result['peak_rss_gb'] = peak_rss_gb()
+  return result
+
+
+def spawn(name):
+  argv = [sys.executable, os.path.abspath(__file__), f'--case={name}']
+  argv += [f'--{f}={FLAGS[f].serialize().split("=", 1)[1]}' for f in
+           ('model', 'clients', 'examples', 'batch_size', 'repeats', 'unroll', 'client_chunk',
+            'sweep_repeats')]
+  proc = subprocess.run(argv, capture_output=True, text=True)
+  if proc.returncode:
+    return {'error': proc.stderr.strip().splitlines()[-1] if proc.stderr else 'failed'}
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def machine() -> str:
+  import jax
+  device = jax.devices()[0]
+  return (f'{platform.processor() or platform.machine()}, {os.cpu_count()} cores, '
+          f'{jax.default_backend()} ({device.device_kind}), jax {jax.__version__}')
+
+
+def main(argv):
+  del argv
+  if FLAGS.case:
+    print(json.dumps(run_case(FLAGS.case)))
+    return
+  steps = -(-FLAGS.examples // FLAGS.batch_size)
+  header = (f'### {FLAGS.model}, {SHAPES[FLAGS.model]} inputs, {FLAGS.clients} clients × '
+            f'{FLAGS.examples} examples, {steps} local steps of batch {FLAGS.batch_size}, '
+            f'unroll={FLAGS.unroll}, client_chunk={FLAGS.client_chunk}\n\n'
+            f'Machine: {machine()}. Median of {FLAGS.repeats} after one warm-up.\n')
+  print(header, flush=True)
+  results = {}
+  for name in FLAGS.cases:
+    results[name] = spawn(name)
+    print(name, json.dumps(results[name]), flush=True)
+  labels = {'round': '(a) compiled vmapped round', 'loop': '(b) Python loop of jitted clients',
+            'fused': '(c) fused centralized step (same FLOPs)',
+            'torch': '(d) PyTorch per-client loop'}
+  base = results.get('fused', {}).get('seconds')
+  lines = ['| case | s/round | compile s | peak RSS GB | vs (c) fused |', '|---|---|---|---|---|']
+  for name, result in results.items():
+    if 'seconds' not in result:
+      lines.append(f"| {labels[name]} | {result.get('skipped') or result.get('error')} | | | |")
+      continue
+    ratio = f"{result['seconds'] / base:.2f}×" if base else ''
+    lines.append(f"| {labels[name]} | {result['seconds']:.3f} | {result['compile_s']:.1f} | "
+                 f"{result['peak_rss_gb']:.2f} | {ratio} |")
+  if 'round' in results and 'seconds' in results['round']:
+    a = results['round']['seconds']
+    for other in ('loop', 'torch'):
+      if 'seconds' in results.get(other, {}):
+        lines.append(f"\n(a)/({'b' if other == 'loop' else 'd'}) = "
+                     f"{a / results[other]['seconds']:.2f}")
+  table = '\n'.join(lines)
+  sweep_lines = []
+  if FLAGS.populations and FLAGS.populations != ['']:
+    sweep_lines = [f'\nPopulation sweep (host store, cohort {FLAGS.clients}, median of '
+                   f'{FLAGS.sweep_repeats}):\n', '| population | s/round | first round s | '
+                   'peak RSS GB | vs smallest |', '|---|---|---|---|---|']
+    first = None
+    for population in FLAGS.populations:
+      result = spawn(f'sweep:{population}')
+      print('sweep', population, json.dumps(result), flush=True)
+      if 'seconds' not in result:
+        sweep_lines.append(f"| {population} | {result.get('error')} | | | |")
+        continue
+      first = first or result['seconds']
+      sweep_lines.append(f"| {population} | {result['seconds']:.3f} | {result['compile_s']:.1f} | "
+                         f"{result['peak_rss_gb']:.2f} | {result['seconds'] / first:.2f}× |")
+  text = header + '\n' + table + '\n' + '\n'.join(sweep_lines) + '\n'
+  print('\n' + text)
+  if FLAGS.out:
+    with open(FLAGS.out, 'w') as f:
+      f.write(text)
+
+
+if __name__ == '__main__':
+  app.run(main)
