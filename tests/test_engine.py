@@ -258,3 +258,42 @@ def test_chunked_cohort_equals_vmapped_cohort():
       server, clients, data, ids, jax.random.key(0))
   chex.assert_trees_all_close(whole.server_state, chunked.server_state, atol=1e-6)
   chex.assert_trees_all_close(whole.client_states, chunked.client_states, atol=1e-6)
+
+
+def test_fedadam_first_round_closed_form():
+  """Adam's first step with bias correction is u = −lr·g/(|g| + ε) per coordinate, and
+  the server's pseudo-gradient is g = −Δ̄ (the weighted mean client delta), so the
+  new global model is w + lr·Δ̄/(|Δ̄| + ε)."""
+  config = tiny_config(**{'server.optimizer': 'fedadam', 'server.learning_rate': 0.01})
+  data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
+  _, fedadam, server, clients = make('fedavg', config, data)
+  plain_config = tiny_config()
+  _, fedavg, _, _ = make('fedavg', plain_config, data)
+  ids, key = jnp.arange(3), jax.random.key(0)
+  plain = build_round(fedavg, RoundConfig(cohort_size=3))[1](server, clients, data, ids, key)
+  adam = build_round(fedadam, RoundConfig(cohort_size=3))[1](server, clients, data, ids, key)
+  delta = jax.tree.map(jnp.subtract, plain.server_state.variables['params'],
+                       server.variables['params'])
+  expected = jax.tree.map(lambda w, d: w + 0.01 * d / (jnp.abs(d) + 1e-3),
+                          server.variables['params'], delta)
+  chex.assert_trees_all_close(adam.server_state.variables['params'], expected, atol=1e-6)
+
+
+def test_fedavgm_second_round_uses_momentum():
+  """Round 1 of FedAvgM (lr 1, β) equals FedAvg; round 2 adds β·(round-1 step)."""
+  config = tiny_config(**{'server.optimizer': 'fedavgm', 'server.momentum': 0.5})
+  data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
+  _, fedavgm, server, clients = make('fedavg', config, data)
+  _, fedavg, _, _ = make('fedavg', tiny_config(), data)
+  ids = jnp.arange(3)
+  m_round, p_round = (build_round(a, RoundConfig(cohort_size=3))[1] for a in (fedavgm, fedavg))
+  m1 = m_round(server, clients, data, ids, jax.random.key(0))
+  p1 = p_round(server, clients, data, ids, jax.random.key(0))
+  chex.assert_trees_all_close(m1.server_state.variables, p1.server_state.variables, atol=1e-6)
+  step1 = jax.tree.map(jnp.subtract, m1.server_state.variables['params'],
+                       server.variables['params'])
+  m2 = m_round(m1.server_state, clients, data, ids, jax.random.key(1))
+  p2 = p_round(m1.server_state._replace(opt_state=p1.server_state.opt_state), clients, data,
+               ids, jax.random.key(1))
+  expected = jax.tree.map(lambda p, s: p + 0.5 * s, p2.server_state.variables['params'], step1)
+  chex.assert_trees_all_close(m2.server_state.variables['params'], expected, atol=1e-5)

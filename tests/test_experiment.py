@@ -56,7 +56,7 @@ def _comparable(records):
 
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
-  rounds = 24
+  rounds = 40
   straight = tmp_path / 'straight'
   subprocess.run(_launch(straight, rounds), check=True, capture_output=True, cwd=ROOT)
   killed = tmp_path / 'killed'
