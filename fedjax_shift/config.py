@@ -16,7 +16,7 @@ import ml_collections
 from fedjax_shift import models
 from fedjax_shift.algorithms import ALGORITHMS, base
 from fedjax_shift.benchmarks import BENCHMARKS, EMBEDDED_SOURCES, PARTITIONS
-from fedjax_shift.core.round import SAMPLING, WEIGHTING
+from fedjax_shift.core.round import BACKENDS, SAMPLING, WEIGHTING
 from fedjax_shift.data import corruptions, sources
 
 
@@ -80,6 +80,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.engine = ml_collections.ConfigDict()
   c.engine.unroll = 1               # lax.scan unroll of local steps (True on CPU convnets)
+  c.engine.backend = 'vmap'         # 'vmap': one compiled round; 'loop': Python loop of jitted clients
   c.engine.client_chunk = 0         # 0: vmap the whole cohort; c: vmap chunks of c clients
   c.engine.num_devices = 0          # shard the cohort over this many devices (0 = one)
   c.engine.donate = False           # donate server/client buffers (GPU/TPU)
@@ -217,6 +218,10 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
     _require(config.cohort_size % config.engine.num_devices == 0, 'cohort_size',
              f'{config.cohort_size} is not divisible by engine.num_devices='
              f'{config.engine.num_devices}')
+  _require(config.engine.backend in BACKENDS, 'engine.backend',
+           f'unknown {config.engine.backend!r}; choose from {list(BACKENDS)}')
+  _require(not (config.engine.backend == 'loop' and config.engine.num_devices), 'engine.backend',
+           "'loop' runs clients one at a time and cannot shard over engine.num_devices")
   chunk = config.engine.client_chunk
   _require(chunk >= 0 and (chunk == 0 or config.cohort_size % chunk == 0), 'engine.client_chunk',
            f'must be 0 or divide cohort_size={config.cohort_size}, got {chunk}')

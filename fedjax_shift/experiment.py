@@ -109,7 +109,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   round_config = _round_config(config)
   mesh = client_mesh(config.engine.num_devices) if config.engine.num_devices else None
   round_device, round_host = build_round(algorithm, round_config, mesh,
-                                         donate=config.engine.donate)
+                                         donate=config.engine.donate,
+                                         backend=config.engine.backend)
   evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size)
   host_store = None
   if config.data.store == 'host':

@@ -20,11 +20,21 @@ from fedjax_shift import experiment  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file[:variant].')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics, results.')
+_DISTRIBUTED = flags.DEFINE_bool('distributed', False,
+                                 'Call jax.distributed.initialize() first (multi-host runs).')
+_COORDINATOR = flags.DEFINE_string('coordinator', None, 'HOST:PORT of process 0 (multi-host).')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Number of hosts (multi-host).')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This host\'s index (multi-host).')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
 def main(argv):
   del argv
+  if _DISTRIBUTED.value:
+    import jax
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value,
+                               process_id=_PROCESS_ID.value)
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
   handler = logging.StreamHandler()
   handler.setFormatter(logging.Formatter('%(asctime)s %(message)s'))

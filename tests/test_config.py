@@ -32,6 +32,8 @@ from helpers import tiny_config
     ('client.optimizer', 'lbfgs', r'config.client.optimizer'),
     ('server.optimizer', 'yogi', r'config.server.optimizer'),
     ('data.store', 'disk', r'config.data.store'),
+    ('engine.backend', 'pmap', r'config.engine.backend: unknown'),
+    ('engine.client_chunk', 2, r'config.engine.client_chunk: must be 0 or divide cohort_size=3'),
 ])
 def test_bad_config_names_field(field, value, pattern):
   config = tiny_config(**{field: value})

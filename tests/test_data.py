@@ -162,6 +162,18 @@ def test_tfds_source_with_mock_data():
     assert bench.example_shape == (32, 32, 3)
 
 
+@pytest.mark.parametrize('name', ['mnist', 'emnist', 'fashion_mnist', 'cifar10',
+                                  'cifar10_corrupted/gaussian_noise_5', 'cifar10_1', 'cifar100',
+                                  'svhn_cropped'])
+def test_every_tfds_loader_with_mock_data(name):
+  import tensorflow_datasets as tfds
+  with tfds.testing.mock_data(num_examples=4):
+    src = sources.tfds_source(name, 'test')
+  assert src.x.ndim == 4 and src.x.shape[0] == 4 and src.x.shape[-1] in (1, 3)
+  assert src.x.dtype == np.float32 and 0.0 <= src.x.min() and src.x.max() <= 1.0
+  assert src.y.dtype == np.int32 and src.y.max() < src.num_classes
+
+
 def test_tfds_missing_dataset_says_how_to_get_it(tmp_path):
   with pytest.raises(FileNotFoundError, match='tfds build cifar10'):
     sources.tfds_source('cifar10', 'train', data_dir=str(tmp_path))

@@ -297,3 +297,38 @@ def test_fedavgm_second_round_uses_momentum():
                ids, jax.random.key(1))
   expected = jax.tree.map(lambda p, s: p + 0.5 * s, p2.server_state.variables['params'], step1)
   chex.assert_trees_all_close(m2.server_state.variables['params'], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize('name', ['fedavg', 'fedbn', 'local'])
+def test_loop_backend_equals_compiled_round(name):
+  config = tiny_config(**{'model.name': 'bn_mlp', 'client.batch_size': 3})
+  data, _, _ = toy_clients([6, 9, 0, 7, 5], num_classes=NUM_CLASSES)
+  _, algorithm, server, clients = make(name, config, data)
+  round_config = RoundConfig(cohort_size=3, straggler_prob=0.5, straggler_max_steps=2)
+  fast, _ = build_round(algorithm, round_config)
+  slow, _ = build_round(algorithm, round_config, backend='loop')
+  a_server, a_clients, b_server, b_clients = server, clients, server, clients
+  for r in range(2):
+    key = round_key(jax.random.key(4), r)
+    a, b = fast(a_server, a_clients, data, key), slow(b_server, b_clients, data, key)
+    np.testing.assert_array_equal(a.metrics['cohort'], b.metrics['cohort'])
+    a_server, a_clients, b_server, b_clients = (a.server_state, a.client_states,
+                                                b.server_state, b.client_states)
+  chex.assert_trees_all_close(a_server, b_server, atol=1e-5)
+  chex.assert_trees_all_close(a_clients, b_clients, atol=1e-5)
+
+
+def test_loop_backend_names_failing_client():
+  def client_update(server, client_state, data, rng):
+    jax.debug.callback(lambda n: (_ for _ in ()).throw(ValueError('boom')) if n == 3 else None,
+                       data.num_examples)
+    return alg.ClientOutput(server, {}), client_state
+
+  toy = alg.FederatedAlgorithm(lambda r, x: jnp.float32(0.), lambda s: (), client_update,
+                               lambda s, o, w: s, None, lambda s: s)
+  data = FederatedData(np.zeros((2, 4), np.float32), np.zeros((2, 4), np.int32),
+                       np.array([[1, 1, 0, 0], [1, 1, 1, 0]], bool), np.array([2, 3], np.int32))
+  _, round_host = build_round(toy, RoundConfig(cohort_size=2), backend='loop')
+  with pytest.raises(RuntimeError, match='client 7'):
+    jax.block_until_ready(round_host(jnp.float32(0.), (), data, jnp.array([5, 7]),
+                                     jax.random.key(0)))

@@ -130,9 +130,41 @@ class RoundOutput(NamedTuple):
   metrics: Dict[str, jax.Array]  # weighted means over the cohort + per-client arrays
 
 
+BACKENDS = ('vmap', 'loop')
+
+
+def _check_cohort(config: RoundConfig, cohort: FederatedData, cohort_ids) -> None:
+  if cohort.x.shape[0] != config.cohort_size or cohort_ids.shape != (config.cohort_size,):
+    raise ValueError(f'the round was built for cohort_size={config.cohort_size} but got '
+                     f'{cohort.x.shape[0]} clients and {cohort_ids.shape[0]} ids')
+
+
+def _client_inputs(config: RoundConfig, client_states, cohort: FederatedData, cohort_ids, key):
+  """Per-client (ClientData [C, ...], states [C, ...], keys [C]) of a cohort."""
+  client_keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(key, 1), cohort_ids)
+  data = ClientData(cohort.x, cohort.y, cohort.mask, cohort.num_examples,
+                    step_budgets(key, config.cohort_size, config))
+  return data, take_clients(client_states, cohort_ids), client_keys
+
+
+def _finish_round(algorithm: FederatedAlgorithm, config: RoundConfig, server_state,
+                  client_states, cohort_num_examples, cohort_ids, outputs, new_states
+                  ) -> 'RoundOutput':
+  """Weighted server update, client-state scatter and round metrics."""
+  weights = aggregation_weights(cohort_num_examples, config.weighting)
+  server_state = algorithm.server_update(server_state, outputs, weights)
+  client_states = put_clients(client_states, cohort_ids, new_states)
+  metrics = {name: jnp.sum(weights * value) for name, value in outputs.metrics.items()}
+  metrics['cohort_examples'] = jnp.sum(cohort_num_examples)
+  metrics['cohort'] = cohort_ids
+  if 'loss' in outputs.metrics:
+    metrics['client_loss'] = outputs.metrics['loss']
+  return RoundOutput(server_state, client_states, metrics)
+
+
 def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
-                mesh: Optional[Mesh] = None, donate: bool = False):
-  """Returns ``(round_device, round_host)``, both jitted.
+                mesh: Optional[Mesh] = None, donate: bool = False, backend: str = 'vmap'):
+  """Returns ``(round_device, round_host)``.
 
   round_device(server_state, client_states, store: FederatedData, round_key)
       samples, gathers and trains in one compiled call.
@@ -140,10 +172,21 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
       trains a cohort gathered on the host (see HostStore).
   Both return RoundOutput; metrics hold 'cohort' ids [C] and per-client
   'client_loss' [C] beside the weighted means.
+
+  ``backend='vmap'`` (the product) jits each as one program. ``backend='loop'``
+  runs the same computation as a Python loop over a jitted ``client_update``
+  (fedjax-style; a debug backend whose errors name the client, and the faster one
+  for convolutional models on XLA:CPU); it does not support ``mesh``.
   """
+  if backend not in BACKENDS:
+    raise ValueError(f'unknown round backend {backend!r}; choose from {list(BACKENDS)}')
   if mesh is not None and config.cohort_size % mesh.size:
     raise ValueError(f'cohort_size={config.cohort_size} must be divisible by the '
                      f'{mesh.size} devices of the client mesh')
+  if backend == 'loop':
+    if mesh is not None:
+      raise ValueError("backend='loop' runs clients one at a time; it takes no mesh")
+    return _build_loop_round(algorithm, config)
 
   def shard_clients(tree):
     if mesh is None:
@@ -151,29 +194,15 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
     spec = NamedSharding(mesh, PartitionSpec('clients'))
     return jax.tree.map(lambda leaf: jax.lax.with_sharding_constraint(leaf, spec), tree)
 
-  def round_on_cohort(server_state, client_states, cohort: FederatedData, cohort_ids,
-                      key):
-    if cohort.x.shape[0] != config.cohort_size or cohort_ids.shape != (config.cohort_size,):
-      raise ValueError(f'the round was built for cohort_size={config.cohort_size} but got '
-                       f'{cohort.x.shape[0]} clients and {cohort_ids.shape[0]} ids')
-    cohort = shard_clients(cohort)
-    client_keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(key, 1),
-                                                        cohort_ids)
-    data = ClientData(cohort.x, cohort.y, cohort.mask, cohort.num_examples,
-                      step_budgets(key, config.cohort_size, config))
-    cohort_states = shard_clients(take_clients(client_states, cohort_ids))
+  def round_on_cohort(server_state, client_states, cohort: FederatedData, cohort_ids, key):
+    _check_cohort(config, cohort, cohort_ids)
+    data, cohort_states, client_keys = _client_inputs(config, client_states,
+                                                      shard_clients(cohort), cohort_ids, key)
     outputs, new_states = map_clients(algorithm.client_update, (None, 0, 0, 0),
                                       config.client_chunk)(
-        server_state, cohort_states, data, client_keys)
-    weights = aggregation_weights(cohort.num_examples, config.weighting)
-    server_state = algorithm.server_update(server_state, outputs, weights)
-    client_states = put_clients(client_states, cohort_ids, new_states)
-    metrics = {name: jnp.sum(weights * value) for name, value in outputs.metrics.items()}
-    metrics['cohort_examples'] = jnp.sum(cohort.num_examples)
-    metrics['cohort'] = cohort_ids
-    if 'loss' in outputs.metrics:
-      metrics['client_loss'] = outputs.metrics['loss']
-    return RoundOutput(server_state, client_states, metrics)
+        server_state, shard_clients(cohort_states), data, client_keys)
+    return _finish_round(algorithm, config, server_state, client_states, cohort.num_examples,
+                         cohort_ids, outputs, new_states)
 
   def round_device(server_state, client_states, store: FederatedData, key):
     cohort_ids = sample_cohort(key, store.num_examples, config)
@@ -183,6 +212,38 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
   donate_argnums = (0, 1) if donate else ()
   return (jax.jit(round_device, donate_argnums=donate_argnums),
           jax.jit(round_on_cohort, donate_argnums=donate_argnums))
+
+
+def _build_loop_round(algorithm: FederatedAlgorithm, config: RoundConfig):
+  client_update = jax.jit(algorithm.client_update)
+  client_inputs = jax.jit(lambda states, cohort, ids, key: _client_inputs(config, states,
+                                                                          cohort, ids, key))
+  finish = jax.jit(lambda *args: _finish_round(algorithm, config, *args))
+  sample_and_take = jax.jit(lambda store, key: (
+      lambda ids: (take_clients(store, ids), ids))(sample_cohort(key, store.num_examples,
+                                                                 config)))
+
+  def round_host(server_state, client_states, cohort: FederatedData, cohort_ids, key):
+    _check_cohort(config, cohort, cohort_ids)
+    data, cohort_states, client_keys = client_inputs(client_states, cohort, cohort_ids, key)
+    results = []
+    for slot in range(config.cohort_size):
+      one = lambda tree: jax.tree.map(lambda leaf: leaf[slot], tree)
+      try:
+        results.append(client_update(server_state, one(cohort_states), one(data),
+                                     client_keys[slot]))
+      except Exception as err:
+        raise RuntimeError(f'client_update failed for client {int(cohort_ids[slot])} '
+                           f'(cohort slot {slot}): {err}') from err
+    outputs, new_states = jax.tree.map(lambda *leaves: jnp.stack(leaves), *results)
+    return finish(server_state, client_states, cohort.num_examples, cohort_ids, outputs,
+                  new_states)
+
+  def round_device(server_state, client_states, store: FederatedData, key):
+    cohort, cohort_ids = sample_and_take(store, key)
+    return round_host(server_state, client_states, cohort, cohort_ids, key)
+
+  return round_device, round_host
 
 
 class HostStore:
