@@ -10,6 +10,8 @@ B, FedAvg with SGD):
               the same number of steps (same FLOPs) — the limit a round can approach
   (d) torch   the per-client PyTorch loop of the papers' code (deepcopy global,
               train, average), when torch is importable (never a dependency)
+  loop_backend  the engine's round with ``engine.backend='loop'`` (sampling, keys,
+              stragglers, scatter included), to compare with (a) and (b)
 
 then a population sweep (host store, cohort fixed) over K clients. Each case runs in
 its own subprocess so its peak RSS is its own. Prints a markdown table; --out writes it.
@@ -37,7 +39,8 @@ flags.DEFINE_integer('batch_size', 20, 'Local batch size B.')
 flags.DEFINE_integer('repeats', 5, 'Timed repeats after one warm-up (median reported).')
 flags.DEFINE_string('unroll', 'true', "lax.scan unroll of local steps: 'true', 'false' or an int.")
 flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a).')
-flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch'], 'Cases to run.')
+flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch', 'loop_backend'],
+                  'Cases to run (loop_backend: the engine round with backend=loop).')
 flags.DEFINE_list('populations', ['240', '1000', '10000'], 'Population sweep (host store).')
 flags.DEFINE_integer('sweep_repeats', 3, 'Timed repeats per population.')
 flags.DEFINE_string('case', '', 'Internal: run one case in this process and print JSON.')
@@ -102,19 +105,24 @@ def setup_algorithm(num_clients_data):
   return config, module, algorithm, data, server
 
 
-def case_round():
+def case_round(backend='vmap'):
   import jax
   import jax.numpy as jnp
   from fedjax_shift.core.round import RoundConfig, build_round, stack_client_states
   config, _, algorithm, data, server = setup_algorithm(FLAGS.clients)
   clients = stack_client_states(algorithm, server, FLAGS.clients)
   _, round_host = build_round(algorithm, RoundConfig(cohort_size=FLAGS.clients,
-                                                     client_chunk=FLAGS.client_chunk))
+                                                     client_chunk=FLAGS.client_chunk),
+                              backend=backend)
   device_data = jax.device_put(data)
   ids = jnp.arange(FLAGS.clients, dtype=jnp.int32)
   key = jax.random.key(0)
   tick = time.perf_counter()
-  compiled = round_host.lower(server, clients, device_data, ids, key).compile()
+  if backend == 'vmap':
+    compiled = round_host.lower(server, clients, device_data, ids, key).compile()
+  else:  # the loop backend compiles on its first call (which also runs the round)
+    compiled = round_host
+    jax.block_until_ready(compiled(server, clients, device_data, ids, key))
   compile_s = time.perf_counter() - tick
   run = lambda: jax.block_until_ready(compiled(server, clients, device_data, ids, key))
   median, times = timed(run, FLAGS.repeats)
@@ -269,7 +277,7 @@ def run_case(name):
     result = case_sweep(int(name.split(':')[1]))
   else:
     result = {'round': case_round, 'loop': case_loop, 'fused': case_fused,
-              'torch': case_torch}[name]()
+              'torch': case_torch, 'loop_backend': lambda: case_round('loop')}[name]()
   result['peak_rss_gb'] = peak_rss_gb()
   return result
 
@@ -309,7 +317,8 @@ def main(argv):
     print(name, json.dumps(results[name]), flush=True)
   labels = {'round': '(a) compiled vmapped round', 'loop': '(b) Python loop of jitted clients',
             'fused': '(c) fused centralized step (same FLOPs)',
-            'torch': '(d) PyTorch per-client loop'}
+            'torch': '(d) PyTorch per-client loop',
+            'loop_backend': "engine backend='loop' round"}
   base = results.get('fused', {}).get('seconds')
   lines = ['| case | s/round | compile s | peak RSS GB | vs (c) fused |', '|---|---|---|---|---|']
   for name, result in results.items():
