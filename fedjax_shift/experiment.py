@@ -160,7 +160,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
                         force=completed == config.rounds)
       if progress is not None:
         progress.update(1)
-        progress.set_postfix(loss=f'{loss:.3f}')
+        examples = float(out.metrics['num_steps']) * config.client.batch_size * config.cohort_size
+        progress.set_postfix(loss=f'{loss:.3f}', examples_per_s=f'{examples / seconds:.0f}')
   except KeyboardInterrupt:
     if completed > start_round:
       checkpointer.save(completed, (server_state, client_states, jnp.float32(elapsed)),
@@ -191,7 +192,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, object]:
   with open(os.path.join(workdir, 'config.json'), 'w') as f:
     f.write(config.to_json_best_effort(indent=1))
   info = hardware()
-  log.info('devices: %s (%s), jax %s', info['devices'], info['backend'], info['jax'])
+  log.info('devices: %s (%s), jax %s, device memory %s GB', info['devices'], info['backend'],
+           info['jax'], info.get('device_memory_gb', 'n/a'))
   results: List[Dict] = []
   run_dirs: Dict[str, List[str]] = {}
   for name in config_lib.algorithm_names(config):
