@@ -26,7 +26,7 @@ import numpy as np
 from fedjax_shift import config as config_lib
 from fedjax_shift import models, report
 from fedjax_shift.algorithms import ALGORITHMS
-from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.benchmarks import BENCHMARKS, Benchmark
 from fedjax_shift.checkpoint import Checkpointer
 from fedjax_shift.core import evaluation
 from fedjax_shift.core.round import (HostStore, RoundConfig, build_round, client_mesh,
@@ -52,7 +52,7 @@ def hardware() -> Dict[str, object]:
   return info
 
 
-def build_data(config: ml_collections.ConfigDict, seed: int) -> 'BENCHMARKS':
+def build_data(config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   bench = BENCHMARKS.get(config.data.benchmark, 'config.data.benchmark')(config.data, seed)
   for name, split in bench.splits.items():
     federated.validate(split, bench.num_classes, name)
