@@ -16,9 +16,10 @@ from typing import Any, Tuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import ml_collections
 
-from fedjax_shift.models.classifiers import (ATPCNNEncoder, BNMLPEncoder, Classifier,
+from fedjax_shift.models.classifiers import (BN_MOMENTUM, ATPCNNEncoder, BNMLPEncoder, Classifier,
                                              EvolveCNNEncoder, MLPEncoder, ResNet18Encoder)
 from fedjax_shift.registry import Registry
 
@@ -84,3 +85,17 @@ def has_batch_norm(variables: Variables) -> bool:
 
 def num_parameters(tree) -> int:
   return int(sum(leaf.size for leaf in jax.tree_util.tree_leaves(tree)))
+
+
+def batch_statistics(module: nn.Module, variables: Variables, x: jax.Array) -> Variables:
+  """Per-layer batch statistics {'mean', 'var'} of ``x`` [B, ...] (same tree as
+  ``variables['batch_stats']``), each layer normalising its input with the batch
+  statistics computed so far (train-mode forward). Variance is biased (1/B), as
+  flax normalises with it.
+
+  Read off one train-mode update from zeroed running statistics:
+  running' = m·0 + (1 − m)·batch, so batch = running' / (1 − m).
+  """
+  zeroed = {**variables, 'batch_stats': jax.tree.map(jnp.zeros_like, variables['batch_stats'])}
+  _, updates = module.apply(zeroed, x, train=True, mutable=['batch_stats'])
+  return jax.tree.map(lambda s: s / (1.0 - BN_MOMENTUM), updates['batch_stats'])

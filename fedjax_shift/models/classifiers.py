@@ -8,8 +8,17 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import functools
+
 import flax.linen as nn
 import jax.numpy as jnp
+
+# Every BatchNorm of the library: running ← 0.9·running + 0.1·batch (PyTorch's 0.1).
+BN_MOMENTUM = 0.9
+
+
+def batch_norm(train: bool) -> nn.Module:
+  return nn.BatchNorm(use_running_average=not train, momentum=BN_MOMENTUM, epsilon=1e-5)
 
 
 class MLPEncoder(nn.Module):
@@ -33,7 +42,7 @@ class BNMLPEncoder(nn.Module):
     x = x.reshape(x.shape[0], -1)
     for width in self.hidden:
       x = nn.Dense(width)(x)
-      x = nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)(x)
+      x = batch_norm(train)(x)
       x = nn.relu(x)
     return x
 
@@ -46,7 +55,7 @@ class ATPCNNEncoder(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool = False):
-    norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)
+    norm = functools.partial(batch_norm, train)
     for i, width in enumerate(self.channels):
       x = nn.Conv(width, (3, 3), padding='VALID', use_bias=False)(x)
       x = nn.relu(norm()(x))
@@ -79,7 +88,7 @@ class ResidualBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool = False):
-    norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)
+    norm = functools.partial(batch_norm, train)
     residual = x
     y = nn.Conv(self.filters, (3, 3), (self.strides, self.strides), padding=1, use_bias=False)(x)
     y = nn.relu(norm()(y))
@@ -99,7 +108,7 @@ class ResNet18Encoder(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool = False):
     x = nn.Conv(self.width, (3, 3), padding=1, use_bias=False)(x)
-    x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5)(x))
+    x = nn.relu(batch_norm(train)(x))
     for stage, num_blocks in enumerate(self.stage_sizes):
       for block in range(num_blocks):
         strides = 2 if stage > 0 and block == 0 else 1

@@ -1,0 +1,41 @@
+"""BN-Adapt: Improving robustness against common corruptions by covariate shift
+adaptation. Schneider et al., NeurIPS 2020, Eq. 2.
+
+Each BatchNorm layer normalises with a mix of its source (running) statistics and the
+test batch's statistics,  μ = p·μ_s + (1 − p)·μ_t,  σ² = p·σ²_s + (1 − p)·σ²_t,  with
+prior p = N/(N + B) (N = 16 in the ATP authors' code, REFERENCE.md). p = 1 is no
+adaptation, p = 0 is pure test-batch statistics. Episodic by nature: nothing is kept.
+"""
+from __future__ import annotations
+
+import jax
+
+from fedjax_shift import models
+from fedjax_shift.core.test_time import Adapter
+
+
+def prior_weight(prior_strength: float, batch_size: int) -> float:
+  """p = N / (N + B); N = inf gives 1."""
+  if prior_strength == float('inf'):
+    return 1.0
+  return prior_strength / (prior_strength + batch_size)
+
+
+def bn_adapt(module, prior: float) -> Adapter:
+  if not 0.0 <= prior <= 1.0:
+    raise ValueError(f'bn_adapt prior must be in [0, 1], got {prior}')
+
+  def init(variables, rng):
+    del rng
+    if not models.has_batch_norm(variables):
+      raise ValueError('bn_adapt needs a model with BatchNorm; this model has none')
+    return variables
+
+  def step(variables, batch):
+    batch_stats = models.batch_statistics(module, variables, batch.x)
+    mixed = jax.tree.map(lambda source, target: prior * source + (1.0 - prior) * target,
+                         variables['batch_stats'], batch_stats)
+    logits, _ = models.apply(module, {**variables, 'batch_stats': mixed}, batch.x)
+    return variables, logits
+
+  return Adapter(init, step)

@@ -1,0 +1,10 @@
+"""No adaptation: the source model predicts with its running statistics."""
+from fedjax_shift import models
+from fedjax_shift.core.test_time import Adapter
+
+
+def no_adapt(module, config=None) -> Adapter:
+  del config
+  return Adapter(init=lambda variables, rng: variables,
+                 step=lambda variables, batch: (variables,
+                                                models.apply(module, variables, batch.x)[0]))

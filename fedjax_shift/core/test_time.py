@@ -1,0 +1,94 @@
+"""The test-time engine: an Adapter run as a jitted ``lax.scan`` over a target
+client's test batches, ``vmap``ped over target clients.
+
+A client's N test examples (padded to the split's N_max) are read in stored order in
+batches of B: batch s takes positions s·B … s·B+B−1, wrapped inside the client's own
+n examples, so a batch only ever holds real examples (BatchNorm statistics never see
+padding); positions ≥ n carry weight 0 and are not scored. A batch with no weight at
+all (past the end of a small client's data) leaves the adapter state unchanged.
+
+Modes: 'episodic' resets the state to ``init`` before every batch; 'online' carries it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, NamedTuple, Tuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_shift.core.local import select
+from fedjax_shift.data.federated import FederatedData
+
+AdaptState = Any
+Variables = Any
+MODES = ('episodic', 'online')
+
+
+class TestBatch(NamedTuple):
+  """x: [B, ...] inputs; weight: [B] 1 for examples to score, 0 for wrapped repeats."""
+  x: jax.Array
+  weight: jax.Array
+
+
+class Adapter(NamedTuple):
+  """A test-time method.
+
+  Attributes:
+    init: (model variables, rng) -> AdaptState.
+    step: (AdaptState, TestBatch) -> (AdaptState, logits [B, C]); the logits are the
+      ones the method predicts with (before or after its update, as configured).
+  """
+  init: Callable[[Variables, jax.Array], AdaptState]
+  step: Callable[[AdaptState, TestBatch], Tuple[AdaptState, jax.Array]]
+
+
+def client_batches(x: jax.Array, num_examples: jax.Array, batch_size: int) -> TestBatch:
+  """[T, B, ...] batches of one client (T = ceil(N_max / B)), see the module docstring."""
+  num_pad = x.shape[0]
+  num_batches = -(-num_pad // batch_size)
+  positions = jnp.arange(num_batches * batch_size).reshape(num_batches, batch_size)
+  idx = positions % jnp.maximum(num_examples, 1)
+  weight = (positions < num_examples).astype(jnp.float32)
+  return TestBatch(x[idx], weight), idx
+
+
+def build_test_time(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
+  """Returns jitted ``run(variables, data: FederatedData [K, N, ...], rng)`` ->
+  {'correct', 'loss', 'count'} each [K] (sums over each client's scored examples)
+  and 'predictions' [K, N] (argmax, −1 where padded).
+
+  ``variables`` are shared by every client (the global model); client k's adapter
+  key is ``fold_in(rng, k)``.
+  """
+  if mode not in MODES:
+    raise ValueError(f'unknown test-time mode {mode!r}; choose from {list(MODES)}')
+  if batch_size < 1:
+    raise ValueError(f'test-time batch_size must be >= 1, got {batch_size}')
+
+  def one_client(variables, x, y, num_examples, rng):
+    batches, idx = client_batches(x, num_examples, batch_size)
+    initial = adapter.init(variables, rng)
+
+    def body(state, batch):
+      start = initial if mode == 'episodic' else state
+      new_state, logits = adapter.step(start, batch)
+      has_data = jnp.sum(batch.weight) > 0
+      return select(has_data, new_state, state), logits
+
+    _, logits = jax.lax.scan(body, initial, batches)
+    labels = y[idx]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    weight = batches.weight
+    flat_pred = jnp.argmax(logits, -1).reshape(-1)[:x.shape[0]]
+    predictions = jnp.where(jnp.arange(x.shape[0]) < num_examples, flat_pred, -1)
+    return {'correct': jnp.sum(correct * weight), 'loss': jnp.sum(loss * weight),
+            'count': jnp.sum(weight), 'predictions': predictions}
+
+  def run(variables, data: FederatedData, rng) -> Dict[str, jax.Array]:
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(data.x.shape[0]))
+    return jax.vmap(one_client, (None, 0, 0, 0, 0))(variables, data.x, data.y,
+                                                    data.num_examples, keys)
+
+  return jax.jit(run)

@@ -1,0 +1,112 @@
+"""The test-time engine and the first adapters against direct computations."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_shift import models
+from fedjax_shift.adapters import ADAPTERS, bn_adapt, no_adapt, prior_weight, tent
+from fedjax_shift.core.test_time import TestBatch, build_test_time
+from helpers import toy_clients
+
+NUM_CLASSES = 3
+
+
+def setup(sizes, pad_to=None, seed=0):
+  module = models.MODELS.get('bn_mlp')(NUM_CLASSES, hidden=(8,))
+  data, xs, ys = toy_clients(sizes, num_classes=NUM_CLASSES, seed=seed, pad_to=pad_to)
+  variables = models.init(module, jax.random.key(0), jnp.zeros((1, 4, 4, 1)))
+  # Non-trivial running statistics, as after source training.
+  variables = {**variables, 'batch_stats': jax.tree.map(lambda s: s + 0.3,
+                                                        variables['batch_stats'])}
+  return module, data, xs, ys, variables
+
+
+def test_no_adapt_equals_direct_evaluation():
+  module, data, xs, ys, variables = setup([7, 4, 9])
+  out = build_test_time(no_adapt(module), batch_size=4)(variables, data, jax.random.key(0))
+  for k, (x, y) in enumerate(zip(xs, ys)):
+    logits, _ = models.apply(module, variables, jnp.asarray(x))
+    np.testing.assert_allclose(out['correct'][k], np.sum(np.argmax(logits, -1) == y))
+    np.testing.assert_array_equal(out['predictions'][k][:len(y)], np.argmax(logits, -1))
+  np.testing.assert_array_equal(out['count'], [7, 4, 9])
+
+
+def test_bn_adapt_prior_one_equals_no_adapt_and_prior_zero_uses_batch_stats():
+  module, data, xs, _, variables = setup([8, 8])
+  run = lambda adapter: build_test_time(adapter, batch_size=4)(variables, data,
+                                                               jax.random.key(0))
+  base, prior_one = run(no_adapt(module)), run(bn_adapt(module, prior=1.0))
+  np.testing.assert_array_equal(prior_one['predictions'], base['predictions'])
+  np.testing.assert_allclose(prior_one['loss'], base['loss'], rtol=1e-6)
+  # p = 0: each batch of 4 normalised by its own statistics == the train-mode forward.
+  batch = jnp.asarray(xs[0][:4])
+  expected, _ = models.apply(module, variables, batch, 'batch_stats')
+  _, logits = bn_adapt(module, 0.0).step(variables, TestBatch(batch, jnp.ones(4)))
+  np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-5)
+  assert prior_weight(16, 16) == 0.5 and prior_weight(float('inf'), 4) == 1.0
+
+
+def test_online_over_one_batch_equals_episodic():
+  module, data, _, _, variables = setup([4, 3, 4])  # every client fits in one batch of 4
+  adapter = tent(module, learning_rate=0.1, predict='after')
+  online = build_test_time(adapter, 4, 'online')(variables, data, jax.random.key(0))
+  episodic = build_test_time(adapter, 4, 'episodic')(variables, data, jax.random.key(0))
+  chex.assert_trees_all_close(online, episodic)
+
+
+def test_vmapped_clients_equal_python_loop_over_clients():
+  module, data, _, _, variables = setup([9, 0, 6, 11], pad_to=12)
+  adapter = tent(module, learning_rate=0.05)
+  run = build_test_time(adapter, 4, 'online')
+  together = run(variables, data, jax.random.key(3))
+  for k in range(data.num_clients):
+    one = build_test_time(adapter, 4, 'online')(variables, data.take([k]), jax.random.key(3))
+    for name in ('correct', 'loss', 'count'):
+      np.testing.assert_allclose(together[name][k], one[name][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(together['predictions'][k], one['predictions'][0])
+
+
+def test_episodic_does_not_leak_between_batches():
+  """Episodic Tent on a client's 2nd batch equals Tent run on that batch alone."""
+  module, data, xs, ys, variables = setup([8])
+  adapter = tent(module, learning_rate=0.5, predict='after')
+  both = build_test_time(adapter, 4, 'episodic')(variables, data, jax.random.key(0))
+  second, _, _ = toy_clients([4], num_classes=NUM_CLASSES)
+  second = second._replace(x=data.x[:, 4:8], y=data.y[:, 4:8])
+  alone = build_test_time(adapter, 4, 'episodic')(variables, second, jax.random.key(0))
+  np.testing.assert_array_equal(both['predictions'][0][4:], alone['predictions'][0])
+  # ... while online adaptation does carry state into the second batch.
+  online = build_test_time(adapter, 4, 'online')(variables, data, jax.random.key(0))
+  assert not np.allclose(online['loss'], both['loss'])
+
+
+def test_empty_client_and_partial_batches_have_no_nan():
+  module, data, _, _, variables = setup([0, 5], pad_to=8)
+  out = build_test_time(tent(module), 4, 'online')(variables, data, jax.random.key(0))
+  chex.assert_tree_all_finite(out)
+  np.testing.assert_array_equal(out['count'], [0, 5])
+  np.testing.assert_array_equal(out['predictions'][0], -1)
+
+
+def test_bn_adapters_reject_models_without_batch_norm():
+  module = models.MODELS.get('mlp')(NUM_CLASSES, hidden=(8,))
+  variables = models.init(module, jax.random.key(0), jnp.zeros((1, 4, 4, 1)))
+  for adapter in (bn_adapt(module, 0.5), tent(module)):
+    with pytest.raises(ValueError, match='needs a model with BatchNorm'):
+      adapter.init(variables, jax.random.key(0))
+
+
+def test_bad_adapter_arguments():
+  module = models.MODELS.get('bn_mlp')(NUM_CLASSES)
+  with pytest.raises(ValueError, match="unknown adapter 'memo2'"):
+    ADAPTERS.get('memo2')
+  with pytest.raises(ValueError, match='unknown test-time mode'):
+    build_test_time(no_adapt(module), 4, 'sometimes')
+  with pytest.raises(ValueError, match='batch_size must be >= 1'):
+    build_test_time(no_adapt(module), 0)
+  with pytest.raises(ValueError, match='prior must be in'):
+    bn_adapt(module, 1.5)
+  with pytest.raises(ValueError, match='predict'):
+    tent(module, predict='during')
