@@ -7,7 +7,7 @@ import pytest
 
 from fedjax_shift import models
 from fedjax_shift.adapters import ADAPTERS, bn_adapt, no_adapt, prior_weight, tent
-from fedjax_shift.core.test_time import TestBatch, build_test_time
+from fedjax_shift.core.test_time import AdaptBatch, build_test_time
 from helpers import toy_clients
 
 NUM_CLASSES = 3
@@ -43,7 +43,7 @@ def test_bn_adapt_prior_one_equals_no_adapt_and_prior_zero_uses_batch_stats():
   # p = 0: each batch of 4 normalised by its own statistics == the train-mode forward.
   batch = jnp.asarray(xs[0][:4])
   expected, _ = models.apply(module, variables, batch, 'batch_stats')
-  _, logits = bn_adapt(module, 0.0).step(variables, TestBatch(batch, jnp.ones(4)))
+  _, logits = bn_adapt(module, 0.0).step(variables, AdaptBatch(batch, jnp.ones(4)))
   np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-5)
   assert prior_weight(16, 16) == 0.5 and prior_weight(float('inf'), 4) == 1.0
 

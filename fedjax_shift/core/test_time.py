@@ -25,7 +25,7 @@ Variables = Any
 MODES = ('episodic', 'online')
 
 
-class TestBatch(NamedTuple):
+class AdaptBatch(NamedTuple):
   """x: [B, ...] inputs; weight: [B] 1 for examples to score, 0 for wrapped repeats."""
   x: jax.Array
   weight: jax.Array
@@ -36,21 +36,21 @@ class Adapter(NamedTuple):
 
   Attributes:
     init: (model variables, rng) -> AdaptState.
-    step: (AdaptState, TestBatch) -> (AdaptState, logits [B, C]); the logits are the
+    step: (AdaptState, AdaptBatch) -> (AdaptState, logits [B, C]); the logits are the
       ones the method predicts with (before or after its update, as configured).
   """
   init: Callable[[Variables, jax.Array], AdaptState]
-  step: Callable[[AdaptState, TestBatch], Tuple[AdaptState, jax.Array]]
+  step: Callable[[AdaptState, AdaptBatch], Tuple[AdaptState, jax.Array]]
 
 
-def client_batches(x: jax.Array, num_examples: jax.Array, batch_size: int) -> TestBatch:
+def client_batches(x: jax.Array, num_examples: jax.Array, batch_size: int) -> AdaptBatch:
   """[T, B, ...] batches of one client (T = ceil(N_max / B)), see the module docstring."""
   num_pad = x.shape[0]
   num_batches = -(-num_pad // batch_size)
   positions = jnp.arange(num_batches * batch_size).reshape(num_batches, batch_size)
   idx = positions % jnp.maximum(num_examples, 1)
   weight = (positions < num_examples).astype(jnp.float32)
-  return TestBatch(x[idx], weight), idx
+  return AdaptBatch(x[idx], weight), idx
 
 
 def build_test_time(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
