@@ -332,3 +332,23 @@ def test_loop_backend_names_failing_client():
   with pytest.raises(RuntimeError, match='client 7'):
     jax.block_until_ready(round_host(jnp.float32(0.), (), data, jnp.array([5, 7]),
                                      jax.random.key(0)))
+
+
+def test_fedavg_ft_personalises_by_local_fine_tuning():
+  """FedAvg-FT's personalised model is the global model after `finetune.epochs` of local
+  SGD on the client's own data: it moves away from the global model and fits that
+  client's data better (lower loss) than the global model does."""
+  config = tiny_config(**{'finetune.epochs': 5, 'client.learning_rate': 0.5,
+                          'client.batch_size': 4})
+  data, xs, ys = toy_clients([12, 12], num_classes=NUM_CLASSES)
+  module, fedavg_ft, server, clients = make('fedavg_ft', config, data)
+  client = alg.ClientData(jnp.asarray(data.x[0]), jnp.asarray(data.y[0]),
+                          jnp.asarray(data.mask[0]), jnp.int32(12), jnp.int32(2 ** 30))
+  personal = fedavg_ft.personalize(server, (), client, jax.random.key(0))
+
+  def loss(variables):
+    logits, _ = models.apply(module, variables, jnp.asarray(xs[0]))
+    return float(optax.softmax_cross_entropy_with_integer_labels(logits, ys[0]).mean())
+
+  assert loss(personal) < loss(server.variables) - 0.05
+  assert fedavg_ft.global_model(server) is server.variables
