@@ -12,6 +12,8 @@ B, FedAvg with SGD):
               train, average), when torch is importable (never a dependency)
   loop_backend  the engine's round with ``engine.backend='loop'`` (sampling, keys,
               stragglers, scatter included), to compare with (a) and (b)
+  tta_vmap / tta_loop  online Tent over the same clients as target clients: the
+              jitted vmapped scan vs a Python loop of a jitted step (opt-in)
 
 then a population sweep (host store, cohort fixed) over K clients. Each case runs in
 its own subprocess so its peak RSS is its own. Prints a markdown table; --out writes it.
@@ -40,7 +42,8 @@ flags.DEFINE_integer('repeats', 5, 'Timed repeats after one warm-up (median repo
 flags.DEFINE_string('unroll', 'true', "lax.scan unroll of local steps: 'true', 'false' or an int.")
 flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a).')
 flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch', 'loop_backend'],
-                  'Cases to run (loop_backend: the engine round with backend=loop).')
+                  'Cases to run (loop_backend: the engine round with backend=loop; '
+                  'tta_vmap / tta_loop: test-time Tent over the clients as target clients).')
 flags.DEFINE_list('populations', ['240', '1000', '10000'], 'Population sweep (host store).')
 flags.DEFINE_integer('sweep_repeats', 3, 'Timed repeats per population.')
 flags.DEFINE_string('case', '', 'Internal: run one case in this process and print JSON.')
@@ -238,6 +241,47 @@ def case_torch():
           'torch': torch.__version__, 'threads': torch.get_num_threads()}
 
 
+def case_tta(vmapped: bool):
+  """Tent (online) on C target clients × N test examples, batches of B: the jitted
+  vmapped scan of core/test_time.py, or a Python loop over clients and batches of a
+  jitted ``adapter.step``."""
+  import jax
+  import jax.numpy as jnp
+  from fedjax_shift import models
+  from fedjax_shift.adapters import tent
+  from fedjax_shift.core.test_time import AdaptBatch, build_test_time
+  config = make_config()
+  module = models.create(config.model, 10)
+  data = cohort_data(FLAGS.clients)
+  variables = models.init(module, jax.random.key(0), jnp.asarray(data.x[0, :1]))
+  adapter = tent(module)
+  key = jax.random.key(0)
+  if vmapped:
+    run_all = build_test_time(adapter, FLAGS.batch_size, 'online')
+    device_data = jax.device_put(data)
+    run = lambda: jax.block_until_ready(run_all(variables, device_data, key))
+  else:
+    step = jax.jit(adapter.step)
+    batches = [[AdaptBatch(jnp.asarray(data.x[k, s:s + FLAGS.batch_size]),
+                           jnp.ones(FLAGS.batch_size))
+                for s in range(0, FLAGS.examples, FLAGS.batch_size)]
+               for k in range(FLAGS.clients)]
+
+    def run():
+      out = []
+      for k in range(FLAGS.clients):
+        state = adapter.init(variables, jax.random.fold_in(key, k))
+        for batch in batches[k]:
+          state, logits = step(state, batch)
+          out.append(logits)
+      return jax.block_until_ready(out)
+  tick = time.perf_counter()
+  run()
+  compile_s = time.perf_counter() - tick
+  median, times = timed(run, FLAGS.repeats)
+  return {'seconds': median, 'times': times, 'compile_s': compile_s}
+
+
 def case_sweep(population):
   import jax
   import numpy as np
@@ -277,7 +321,8 @@ def run_case(name):
     result = case_sweep(int(name.split(':')[1]))
   else:
     result = {'round': case_round, 'loop': case_loop, 'fused': case_fused,
-              'torch': case_torch, 'loop_backend': lambda: case_round('loop')}[name]()
+              'torch': case_torch, 'loop_backend': lambda: case_round('loop'),
+              'tta_vmap': lambda: case_tta(True), 'tta_loop': lambda: case_tta(False)}[name]()
   result['peak_rss_gb'] = peak_rss_gb()
   return result
 
@@ -318,7 +363,9 @@ def main(argv):
   labels = {'round': '(a) compiled vmapped round', 'loop': '(b) Python loop of jitted clients',
             'fused': '(c) fused centralized step (same FLOPs)',
             'torch': '(d) PyTorch per-client loop',
-            'loop_backend': "engine backend='loop' round"}
+            'loop_backend': "engine backend='loop' round",
+            'tta_vmap': 'Tent online: vmapped lax.scan over clients',
+            'tta_loop': 'Tent online: Python loop of jitted steps'}
   base = results.get('fused', {}).get('seconds')
   lines = ['| case | s/round | compile s | peak RSS GB | vs (c) fused |', '|---|---|---|---|---|']
   for name, result in results.items():
@@ -334,6 +381,9 @@ def main(argv):
       if 'seconds' in results.get(other, {}):
         lines.append(f"\n(a)/({'b' if other == 'loop' else 'd'}) = "
                      f"{a / results[other]['seconds']:.2f}")
+  if all('seconds' in results.get(n, {}) for n in ('tta_vmap', 'tta_loop')):
+    lines.append(f"\ntta vmapped / tta loop = "
+                 f"{results['tta_vmap']['seconds'] / results['tta_loop']['seconds']:.2f}")
   table = '\n'.join(lines)
   sweep_lines = []
   if FLAGS.populations and FLAGS.populations != ['']:
