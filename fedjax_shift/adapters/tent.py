@@ -25,14 +25,10 @@ class TentState(NamedTuple):
   opt_state: optax.OptState
 
 
-def is_bn_affine(path) -> bool:
-  return any('BatchNorm' in str(part) for part in path)
-
-
 def split_affine(params):
   flat = traverse_util.flatten_dict(params)
-  affine = {p: v for p, v in flat.items() if is_bn_affine(p)}
-  rest = {p: v for p, v in flat.items() if not is_bn_affine(p)}
+  affine = {p: v for p, v in flat.items() if models.is_batch_norm_path(p)}
+  rest = {p: v for p, v in flat.items() if not models.is_batch_norm_path(p)}
   return affine, rest
 
 

@@ -7,24 +7,25 @@ reports personalised results only.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import traverse_util
 
 from fedjax_shift.algorithms import base
+from fedjax_shift.models import is_batch_norm_path
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 
 
-def is_batch_norm(path) -> bool:
-  return any('BatchNorm' in str(part) for part in path)
+def is_local(path) -> bool:
+  """BN scale/bias and every batch statistic stay on the client."""
+  return path[0] == 'batch_stats' or is_batch_norm_path(path)
 
 
 def local_part(variables):
   """The client-local part: BN params and all batch statistics (a flat dict)."""
   flat = traverse_util.flatten_dict(variables)
   return {path: leaf for path, leaf in flat.items()
-          if path[0] == 'batch_stats' or is_batch_norm(path)}
+          if is_local(path)}
 
 
 def merge_local(variables, local):
@@ -35,8 +36,7 @@ def merge_local(variables, local):
 
 def zero_local(tree):
   flat = traverse_util.flatten_dict(tree)
-  flat = {path: (jnp.zeros_like(leaf) if path[0] == 'batch_stats' or is_batch_norm(path)
-                 else leaf) for path, leaf in flat.items()}
+  flat = {path: jnp.zeros_like(leaf) if is_local(path) else leaf for path, leaf in flat.items()}
   return traverse_util.unflatten_dict(flat)
 
 

@@ -79,6 +79,12 @@ def apply(module: nn.Module, variables: Variables, x: jax.Array,
   return logits, {**variables, 'batch_stats': updates['batch_stats']}
 
 
+def is_batch_norm_path(path) -> bool:
+  """True for a flattened variable path inside a BatchNorm layer (flax names them
+  BatchNorm_<i>): its scale/bias in 'params' or its statistics in 'batch_stats'."""
+  return any('BatchNorm' in str(part) for part in path)
+
+
 def has_batch_norm(variables: Variables) -> bool:
   return bool(jax.tree_util.tree_leaves(variables.get('batch_stats', {})))
 
