@@ -3,8 +3,7 @@ from fedjax_shift import models
 from fedjax_shift.core.test_time import Adapter
 
 
-def no_adapt(module, config=None) -> Adapter:
-  del config
+def no_adapt(module) -> Adapter:
   return Adapter(init=lambda variables, rng: variables,
                  step=lambda variables, batch: (variables,
                                                 models.apply(module, variables, batch.x)[0]))

@@ -147,6 +147,12 @@ def _client_inputs(config: RoundConfig, client_states, cohort: FederatedData, co
   return data, take_clients(client_states, cohort_ids), client_keys
 
 
+def _sample_and_take(store: FederatedData, key, config: RoundConfig):
+  """(cohort FederatedData [C, ...], cohort ids [C]) of round ``key``."""
+  cohort_ids = sample_cohort(key, store.num_examples, config)
+  return take_clients(store, cohort_ids), cohort_ids
+
+
 def _finish_round(algorithm: FederatedAlgorithm, config: RoundConfig, server_state,
                   client_states, cohort_num_examples, cohort_ids, outputs, new_states
                   ) -> 'RoundOutput':
@@ -205,8 +211,7 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
                          cohort_ids, outputs, new_states)
 
   def round_device(server_state, client_states, store: FederatedData, key):
-    cohort_ids = sample_cohort(key, store.num_examples, config)
-    cohort = take_clients(store, cohort_ids)
+    cohort, cohort_ids = _sample_and_take(store, key, config)
     return round_on_cohort(server_state, client_states, cohort, cohort_ids, key)
 
   donate_argnums = (0, 1) if donate else ()
@@ -219,9 +224,7 @@ def _build_loop_round(algorithm: FederatedAlgorithm, config: RoundConfig):
   client_inputs = jax.jit(lambda states, cohort, ids, key: _client_inputs(config, states,
                                                                           cohort, ids, key))
   finish = jax.jit(lambda *args: _finish_round(algorithm, config, *args))
-  sample_and_take = jax.jit(lambda store, key: (
-      lambda ids: (take_clients(store, ids), ids))(sample_cohort(key, store.num_examples,
-                                                                 config)))
+  sample_and_take = jax.jit(lambda store, key: _sample_and_take(store, key, config))
 
   def round_host(server_state, client_states, cohort: FederatedData, cohort_ids, key):
     _check_cohort(config, cohort, cohort_ids)
