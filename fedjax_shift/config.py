@@ -77,6 +77,18 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.fedprox = ml_collections.ConfigDict({'mu': 0.01})   # FedProx μ (ATP Table 7: 0.01)
   c.finetune = ml_collections.ConfigDict({'epochs': 1})  # FedAvg-FT local epochs
+  c.qffl = ml_collections.ConfigDict({'q': 1.0})         # q-FFL q (ATP Table 7: q = 1)
+
+  # ATP α training (atp.txt Algorithm 1; REFERENCE.md, the authors' code).
+  c.atp = ml_collections.ConfigDict()
+  c.atp.rounds = 400                # CNN: 400 rounds (ResNet-18: 200)
+  c.atp.cohort_size = 60            # 25 % of the 240 source clients
+  c.atp.optimizer = 'sgd'
+  c.atp.learning_rate = 0.1         # lr_α = 0.1
+  c.atp.scaling = 'sqrt'            # ∂CE/∂α_i / sqrt(numel_i) ('none', 'numel')
+  c.atp.batch_size = 20             # batch 20
+  c.atp.local_epochs = 1            # one pass over the client's 40 held-out samples
+  c.atp.local_steps = 0             # > 0: fixed α steps per round instead
 
   c.engine = ml_collections.ConfigDict()
   c.engine.unroll = 1               # lax.scan unroll of local steps (True on CPU convnets)

@@ -12,6 +12,7 @@ It returns ``(logits [B, C], variables)``, the variables carrying updated
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Tuple
 
 import flax.linen as nn
@@ -105,3 +106,35 @@ def batch_statistics(module: nn.Module, variables: Variables, x: jax.Array) -> V
   zeroed = {**variables, 'batch_stats': jax.tree.map(jnp.zeros_like, variables['batch_stats'])}
   _, updates = module.apply(zeroed, x, train=True, mutable=['batch_stats'])
   return jax.tree.map(lambda s: s / (1.0 - BN_MOMENTUM), updates['batch_stats'])
+
+
+def eval_with_batch_statistics(module: nn.Module, variables: Variables, x: jax.Array
+                               ) -> Tuple[jax.Array, Variables]:
+  """One eval-mode forward (every BatchNorm normalises with its running statistics)
+  that also records each BatchNorm input's batch statistics.
+
+  Returns (logits [B, C], stats) with ``stats`` shaped like
+  ``variables['batch_stats']``: per layer {'mean', 'var'} over the batch (and the
+  spatial positions for convolutions), variance unbiased (1/(n−1)) as PyTorch's
+  running-variance update uses it. This is ATP's h for BN statistics (REFERENCE.md:
+  "all from one forward pass that uses the source statistics"); it differs from
+  ``batch_statistics``, whose layers normalise with batch statistics.
+  """
+  captured = {}
+
+  def record(next_fun, args, kwargs, context):
+    if isinstance(context.module, nn.BatchNorm) and context.method_name == '__call__':
+      inputs = args[0]
+      axes = tuple(range(inputs.ndim - 1))
+      count = math.prod(inputs.shape[:-1])
+      mean = jnp.mean(inputs, axes)
+      var = jnp.var(inputs, axes) * (count / max(count - 1, 1))
+      node = captured
+      for part in context.module.path:
+        node = node.setdefault(part, {})
+      node.update(mean=mean, var=var)
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    logits = module.apply(variables, x, train=False)
+  return logits, captured

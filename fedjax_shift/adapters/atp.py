@@ -1,0 +1,139 @@
+"""ATP: adaptive test-time personalization (atp.txt, Eq. 4–5, Algorithm 2).
+
+A *module* is one parameter tensor or one BatchNorm running statistic (mean and
+variance separately; BN scale/bias are parameter tensors), and each has one
+adaptation rate α_l (REFERENCE.md: 23 modules for the ATP CNN, 102 for ResNet-18).
+From one eval-mode forward on an unlabelled batch X (source statistics everywhere):
+
+  h_l = ∇_{θ_l} H(f(X; θ))             parameters (Eq. 4: mean prediction entropy)
+  h_l = μ_l^running − μ_l^batch(X)      BN running mean / variance (Eq. 5, var unbiased)
+  θ'_l = θ_l − α_l · h_l                adapted model (running var clamped at 0)
+
+ATP-batch adapts each test batch from θ (episodic mode); ATP-online uses the
+cumulative mean of the h's seen so far (Algorithm 2, line 8: online mode). The
+rates are learned on labelled source clients by ``fedjax_shift.algorithms.atp``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, NamedTuple, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import traverse_util
+
+from fedjax_shift import models
+from fedjax_shift.adapters import common
+from fedjax_shift.core.test_time import AdaptBatch, Adapter
+
+Alpha = Any          # {'params': tree of [] scalars, ['batch_stats': tree of [] scalars]}
+SCALINGS = ('sqrt', 'none', 'numel')
+
+
+def init_alpha(variables) -> Alpha:
+  """α = 0 for every module of ``variables`` (ATP starts from no adaptation)."""
+  modules = {'params': variables['params']}
+  if models.has_batch_norm(variables):
+    modules['batch_stats'] = variables['batch_stats']
+  return jax.tree.map(lambda leaf: jnp.zeros((), jnp.float32), modules)
+
+
+def module_names(alpha: Alpha) -> List[str]:
+  """'params/encoder/Conv_0/kernel', 'batch_stats/encoder/BatchNorm_0/mean', … in
+  the order of ``jax.tree.leaves(alpha)``."""
+  paths = jax.tree_util.tree_flatten_with_path(alpha)[0]
+  return ['/'.join(str(getattr(k, 'key', k)) for k in path) for path, _ in paths]
+
+
+def check_alpha(alpha: Alpha, variables) -> None:
+  """Raises ValueError when α's modules are not this model's modules."""
+  expected = module_names(init_alpha(variables))
+  got = module_names(alpha)
+  if expected != got or any(np.ndim(a) for a in jax.tree.leaves(alpha)):
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    raise ValueError(f'atp alpha: its {len(got)} modules do not match the model\'s '
+                     f'{len(expected)} (one scalar each); missing {missing[:5]}, '
+                     f'unexpected {extra[:5]}')
+
+
+def gradient_scale(variables, scaling: str) -> Alpha:
+  """Per-module factor on ∂CE/∂α (REFERENCE.md): 1/sqrt(numel) ('sqrt', the
+  authors' default), 1/numel ('numel') or 1 ('none')."""
+  if scaling not in SCALINGS:
+    raise ValueError(f'atp.scaling must be one of {SCALINGS}, got {scaling!r}')
+  power = {'sqrt': 0.5, 'numel': 1.0, 'none': 0.0}[scaling]
+  modules = init_alpha(variables)
+  sizes = {'params': variables['params'], **({'batch_stats': variables['batch_stats']}
+                                             if 'batch_stats' in modules else {})}
+  return jax.tree.map(lambda a, leaf: jnp.float32(1.0 / leaf.size ** power), modules, sizes)
+
+
+def update_direction(module, variables, x: jax.Array, weight: jax.Array
+                     ) -> Tuple[Alpha, jax.Array]:
+  """(h, logits [B, C]) of one unlabelled batch x [B, ...] (Eq. 4–5), from one
+  eval-mode forward. ``weight`` [B] masks repeated examples out of the entropy."""
+  params, rest = variables['params'], {k: v for k, v in variables.items() if k != 'params'}
+
+  def mean_entropy(params):
+    logits, stats = models.eval_with_batch_statistics(module, {'params': params, **rest}, x)
+    return common.weighted_entropy(logits, weight), (logits, stats)
+
+  (_, (logits, stats)), grads = jax.value_and_grad(mean_entropy, has_aux=True)(params)
+  h = {'params': grads}
+  if models.has_batch_norm(variables):
+    h['batch_stats'] = jax.tree.map(jnp.subtract, variables['batch_stats'], stats)
+  return jax.lax.stop_gradient(h), logits
+
+
+def adapted_variables(variables, alpha: Alpha, h: Alpha):
+  """θ' = θ − α ⊙ h per module; adapted running variances clamped at ≥ 0."""
+  params = jax.tree.map(lambda w, a, d: w - a * d, variables['params'], alpha['params'],
+                        h['params'])
+  out = {**variables, 'params': params}
+  if 'batch_stats' in alpha:
+    stats = jax.tree.map(lambda s, a, d: s - a * d, variables['batch_stats'],
+                         alpha['batch_stats'], h['batch_stats'])
+    flat = traverse_util.flatten_dict(stats)
+    flat = {p: jnp.maximum(v, 0.0) if p[-1] == 'var' else v for p, v in flat.items()}
+    out['batch_stats'] = traverse_util.unflatten_dict(flat)
+  return out
+
+
+def alpha_loss(module, variables, alpha: Alpha, h: Alpha, x: jax.Array, y: jax.Array,
+               weight: jax.Array) -> jax.Array:
+  """Masked mean CE of the adapted model θ − α⊙h (eval mode: the adapted running
+  statistics normalise, so the CE gradient reaches the BN-statistic rates)."""
+  logits = models.apply(module, adapted_variables(variables, alpha, h), x, 'eval')[0]
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+  return common.weighted_mean(losses, weight)
+
+
+class ATPState(NamedTuple):
+  variables: Dict      # θ_G, never changed
+  alpha: Alpha
+  mean_h: Alpha        # cumulative mean of the h's so far (online); h itself (batch)
+  count: jax.Array     # [] batches seen
+
+
+def atp(module, alpha: Alpha) -> Adapter:
+  """ATP at test time. Episodic mode is ATP-batch, online mode ATP-online; both
+  predict with the adapted model on the batch that produced h (Algorithm 2)."""
+
+  def init(variables, rng):
+    del rng
+    check_alpha(alpha, variables)
+    zeros = jax.tree.map(jnp.zeros_like, init_alpha(variables))
+    zeros = jax.tree.map(jnp.zeros_like, {k: variables[k] for k in zeros})
+    return ATPState(variables, alpha, zeros, jnp.float32(0.0))
+
+  def step(state: ATPState, batch: AdaptBatch):
+    h, _ = update_direction(module, state.variables, batch.x, batch.weight)
+    count = state.count + 1.0
+    mean_h = jax.tree.map(lambda m, new: m + (new - m) / count, state.mean_h, h)
+    adapted = adapted_variables(state.variables, state.alpha, mean_h)
+    logits = models.apply(module, adapted, batch.x, 'eval')[0]
+    return ATPState(state.variables, state.alpha, mean_h, count), logits
+
+  return Adapter(init, step)

@@ -1,0 +1,109 @@
+"""Pieces shared by the test-time adapters: entropies, parameter subsets, optimizers."""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Tuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+from fedjax_shift.core.test_time import Adapter
+
+PREDICT = ('before', 'after')
+
+
+def entropy(logits: jax.Array) -> jax.Array:
+  """Per-example prediction entropy −Σ_c ŷ_c log ŷ_c. logits [B, C] -> [B]."""
+  log_probs = jax.nn.log_softmax(logits)
+  return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+
+
+def weighted_mean(values: jax.Array, weight: jax.Array) -> jax.Array:
+  """Σ w·v / Σ w, 0 (not NaN) when every weight is 0."""
+  return jnp.sum(values * weight) / jnp.maximum(jnp.sum(weight), 1e-12)
+
+
+def weighted_entropy(logits: jax.Array, weight: jax.Array) -> jax.Array:
+  """Mean prediction entropy over the examples with weight > 0."""
+  return weighted_mean(entropy(logits), weight)
+
+
+def split_params(params, is_selected: Callable[[Tuple[str, ...]], bool], field: str):
+  """(selected, rest) flat dicts of ``params`` by path predicate; raises naming
+  ``field`` when nothing is selected (a module list that does not match the model)."""
+  flat = traverse_util.flatten_dict(params)
+  selected = {p: v for p, v in flat.items() if is_selected(p)}
+  if not selected:
+    raise ValueError(f'{field}: selects no parameter of this model; its parameters are '
+                     f'{sorted("/".join(p) for p in flat)}')
+  rest = {p: v for p, v in flat.items() if not is_selected(p)}
+  return selected, rest
+
+
+def join_params(selected, rest):
+  return traverse_util.unflatten_dict({**rest, **selected})
+
+
+def check_predict(name: str, predict: str) -> None:
+  if predict not in PREDICT:
+    raise ValueError(f'{name} predict must be one of {PREDICT}, got {predict!r}')
+
+
+def optimizer(name: str, learning_rate: float, momentum: float = 0.0
+              ) -> optax.GradientTransformation:
+  """'sgd' (with optional momentum) or 'adam'."""
+  if name == 'sgd':
+    return optax.sgd(learning_rate, momentum=momentum or None)
+  if name == 'adam':
+    return optax.adam(learning_rate)
+  raise ValueError(f"adapter optimizer must be 'sgd' or 'adam', got {name!r}")
+
+
+class GradientState(NamedTuple):
+  """State of a gradient-based adapter: the model variables (only the selected
+  parameters change), their optimizer state, and adapter-specific ``extra``."""
+  variables: dict
+  opt_state: optax.OptState
+  extra: Any
+
+
+def gradient_adapter(name: str, is_selected: Callable, select_field: str,
+                     loss_fn: Callable, predict_fn: Callable,
+                     opt: optax.GradientTransformation, predict: str,
+                     init_extra: Callable = lambda variables: (),
+                     check: Callable = lambda variables: None):
+  """An ``Adapter`` taking one optimizer step per batch on a parameter subset.
+
+  Args:
+    is_selected: flat parameter path -> bool, the parameters the method updates.
+    select_field: the config field named in the error when nothing is selected.
+    loss_fn: (variables, batch, extra) -> (loss, (logits, new_extra)); logits are
+      the ones computed before the update.
+    predict_fn: (variables, x) -> logits, used when ``predict == 'after'``.
+    predict: 'before' | 'after' (which logits the method predicts with).
+  """
+  check_predict(name, predict)
+
+  def init(variables, rng):
+    del rng
+    check(variables)
+    selected, _ = split_params(variables['params'], is_selected, select_field)
+    return GradientState(variables, opt.init(selected), init_extra(variables))
+
+  def step(state, batch):
+    selected, rest = split_params(state.variables['params'], is_selected, select_field)
+
+    def objective(selected):
+      variables = {**state.variables, 'params': join_params(selected, rest)}
+      return loss_fn(variables, batch, state.extra)
+
+    (_, (logits, extra)), grads = jax.value_and_grad(objective, has_aux=True)(selected)
+    updates, opt_state = opt.update(grads, state.opt_state, selected)
+    selected = optax.apply_updates(selected, updates)
+    variables = {**state.variables, 'params': join_params(selected, rest)}
+    if predict == 'after':
+      logits = predict_fn(variables, batch.x)
+    return GradientState(variables, opt_state, extra), logits
+
+  return Adapter(init, step)

@@ -1,0 +1,181 @@
+"""ATP: update directions, the α gradient, adapted predictions, and α training."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedjax_shift import models
+from fedjax_shift.adapters import atp as atp_lib
+from fedjax_shift.adapters import no_adapt
+from fedjax_shift.algorithms.atp import atp_training
+from fedjax_shift.core.round import RoundConfig, build_round, round_key
+from fedjax_shift.core.test_time import build_test_time
+from helpers import tiny_config, toy_clients
+
+NUM_CLASSES = 3
+
+
+def setup(model='bn_mlp', seed=0):
+  module = models.MODELS.get(model)(NUM_CLASSES, hidden=(8,)) if 'mlp' in model else \
+      models.MODELS.get(model)(NUM_CLASSES)
+  variables = models.init(module, jax.random.key(seed), jnp.zeros((1, 4, 4, 1)))
+  if models.has_batch_norm(variables):  # source-like running statistics
+    variables = {**variables, 'batch_stats': jax.tree.map(lambda s: s + 0.3,
+                                                          variables['batch_stats'])}
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.random((6, 4, 4, 1)), jnp.float32)
+  y = jnp.asarray(rng.integers(0, NUM_CLASSES, 6), jnp.int32)
+  return module, variables, x, y
+
+
+def test_module_count_matches_reference():
+  """REFERENCE.md: 23 modules for the ATP CNN, 102 for ResNet-18 (BN = 4 modules)."""
+  for name, expected in (('atp_cnn', 23), ('resnet18', 102)):
+    module = models.MODELS.get(name)(10)
+    variables = jax.eval_shape(lambda: models.init(module, jax.random.key(0),
+                                                   jnp.zeros((1, 32, 32, 3))))
+    assert len(jax.tree.leaves(atp_lib.init_alpha(variables))) == expected
+
+
+def test_bn_direction_is_running_minus_unbiased_eval_mode_batch_statistic():
+  module, variables, x, _ = setup()
+  h, _ = atp_lib.update_direction(module, variables, x, jnp.ones(6))
+  # First BN layer: its input is Dense_0(x), identical in eval and train mode.
+  dense = variables['params']['encoder']['Dense_0']
+  pre = x.reshape(6, -1) @ dense['kernel'] + dense['bias']
+  running = variables['batch_stats']['encoder']['BatchNorm_0']
+  got = h['batch_stats']['encoder']['BatchNorm_0']
+  np.testing.assert_allclose(got['mean'], running['mean'] - pre.mean(0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got['var'], running['var'] - np.var(pre, 0, ddof=1),
+                             rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize('model', ['bn_mlp', 'mlp'])
+def test_alpha_gradient_equals_closed_form_and_finite_differences(model):
+  """∂CE/∂α_i = −⟨∂CE/∂θ'_i, h_i⟩ (chain rule through θ' = θ − α⊙h), and a central
+  difference (float64) of the loss along α_i agrees."""
+  with jax.enable_x64(True):
+    module, variables, x, y = setup(model)
+    variables = jax.tree.map(lambda a: a.astype(jnp.float64), variables)
+    x = x.astype(jnp.float64)
+    weight = jnp.ones(6)
+    h, _ = atp_lib.update_direction(module, variables, x, weight)
+    alpha = jax.tree.map(lambda a: a + 0.01, atp_lib.init_alpha(variables))
+    alpha = jax.tree.map(lambda a: a.astype(jnp.float64), alpha)
+    loss = lambda a: atp_lib.alpha_loss(module, variables, a, h, x, y, weight)
+    grad = jax.grad(loss)(alpha)
+    adapted = atp_lib.adapted_variables(variables, alpha, h)
+    modules = {k: adapted[k] for k in alpha}
+    rest = {k: v for k, v in adapted.items() if k not in alpha}
+
+    def ce_of_adapted(modules):
+      logits = models.apply(module, {**rest, **modules}, x, 'eval')[0]
+      return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+    d_theta = jax.grad(ce_of_adapted)(modules)
+    closed = jax.tree.map(lambda g, d: -jnp.sum(g * d), d_theta, {k: h[k] for k in alpha})
+    chex.assert_trees_all_close(grad, closed, rtol=1e-6, atol=1e-10)
+    leaves, treedef = jax.tree.flatten(alpha)
+    for i, g in enumerate(jax.tree.leaves(grad)):
+      eps = 1e-5
+      bump = lambda d: treedef.unflatten([a + d if j == i else a for j, a in enumerate(leaves)])
+      numeric = (loss(bump(eps)) - loss(bump(-eps))) / (2 * eps)
+      np.testing.assert_allclose(g, numeric, rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.parametrize('mode', ['episodic', 'online'])
+def test_alpha_zero_equals_no_adaptation(mode):
+  module, variables, _, _ = setup()
+  data, _, _ = toy_clients([7, 0, 5], num_classes=NUM_CLASSES, pad_to=8)
+  run = lambda adapter: build_test_time(adapter, 3, mode)(variables, data, jax.random.key(0))
+  base = run(no_adapt(module))
+  out = run(atp_lib.atp(module, atp_lib.init_alpha(variables)))
+  np.testing.assert_array_equal(out['predictions'], base['predictions'])
+  np.testing.assert_allclose(out['loss'], base['loss'], rtol=1e-6)
+
+
+def test_online_uses_cumulative_mean_of_directions():
+  """Batch 2 of ATP-online predicts with θ − α⊙(h1 + h2)/2 (Algorithm 2, line 8)."""
+  module, variables, _, _ = setup()
+  data, xs, _ = toy_clients([8], num_classes=NUM_CLASSES)
+  alpha = jax.tree.map(lambda a: a + 0.5, atp_lib.init_alpha(variables))
+  out = build_test_time(atp_lib.atp(module, alpha), 4, 'online')(variables, data,
+                                                                 jax.random.key(0))
+  ones = jnp.ones(4)
+  h1, _ = atp_lib.update_direction(module, variables, jnp.asarray(xs[0][:4]), ones)
+  h2, _ = atp_lib.update_direction(module, variables, jnp.asarray(xs[0][4:]), ones)
+  mean_h = jax.tree.map(lambda a, b: (a + b) / 2, h1, h2)
+  adapted = atp_lib.adapted_variables(variables, alpha, mean_h)
+  logits = models.apply(module, adapted, jnp.asarray(xs[0][4:]))[0]
+  np.testing.assert_array_equal(out['predictions'][0][4:], np.argmax(logits, -1))
+  batch = build_test_time(atp_lib.atp(module, alpha), 4, 'episodic')(variables, data,
+                                                                     jax.random.key(0))
+  assert not np.allclose(batch['loss'], out['loss'])
+
+
+def test_adapted_running_variance_is_clamped():
+  module, variables, x, _ = setup()
+  h, _ = atp_lib.update_direction(module, variables, x, jnp.ones(6))
+  alpha = jax.tree.map(lambda a: a + 100.0, atp_lib.init_alpha(variables))
+  adapted = atp_lib.adapted_variables(variables, alpha, h)
+  for layer in adapted['batch_stats']['encoder'].values():
+    assert float(jnp.min(layer['var'])) >= 0.0
+
+
+def test_alpha_that_does_not_match_the_model_is_rejected():
+  module, variables, _, _ = setup()
+  other = models.MODELS.get('bn_mlp')(NUM_CLASSES, hidden=(8, 8))
+  other_vars = models.init(other, jax.random.key(0), jnp.zeros((1, 4, 4, 1)))
+  with pytest.raises(ValueError, match='modules do not match the model'):
+    atp_lib.atp(module, atp_lib.init_alpha(other_vars)).init(variables, jax.random.key(0))
+  with pytest.raises(ValueError, match='atp.scaling'):
+    atp_lib.gradient_scale(variables, 'log')
+
+
+def alpha_round_setup(scaling='sqrt', weighting='uniform'):
+  module, variables, _, _ = setup()
+  config = tiny_config()
+  config.atp.scaling = scaling
+  config.atp.batch_size = 4
+  data, _, _ = toy_clients([4, 4, 0, 4], num_classes=NUM_CLASSES, pad_to=6, seed=1)
+  algorithm = atp_training(config, module, 6, variables)
+  state = algorithm.init(jax.random.key(0), data.x[0, :1])
+  round_config = RoundConfig(cohort_size=4, weighting=weighting)
+  return module, variables, config, data, algorithm, state, round_config
+
+
+def test_alpha_round_equals_hand_loop_over_clients():
+  """One compiled α round == per client SGD on α (lr 0.1, 1/sqrt(numel) scaling,
+  one batch of 4 = the client's data), then the unweighted mean over the three
+  clients with data (the empty client gets weight 0)."""
+  module, variables, config, data, algorithm, state, round_config = alpha_round_setup()
+  round_device, _ = build_round(algorithm, round_config)
+  out = round_device(state, (), data, round_key(jax.random.key(0), 0))
+  scale = atp_lib.gradient_scale(variables, 'sqrt')
+  expected = []
+  for k in (0, 1, 3):
+    n = int(data.num_examples[k])
+    x, y, w = data.x[k, :n], data.y[k, :n], jnp.ones(n)
+    h, _ = atp_lib.update_direction(module, variables, x, w)
+    grad = jax.grad(lambda a: atp_lib.alpha_loss(module, variables, a, h, x, y, w))(state.alpha)
+    expected.append(jax.tree.map(lambda a, g, s: a - config.atp.learning_rate * s * g,
+                                 state.alpha, grad, scale))
+  mean = jax.tree.map(lambda *a: sum(a) / 3, *expected)
+  chex.assert_trees_all_close(out.server_state.alpha, mean, rtol=1e-4, atol=1e-7)
+  chex.assert_trees_all_equal(out.server_state.variables, variables)
+  assert int(out.server_state.round) == 1
+
+
+def test_alpha_training_lowers_source_loss():
+  module, variables, config, data, algorithm, state, round_config = alpha_round_setup()
+  config.atp.learning_rate = 1.0
+  algorithm = atp_training(config, module, 6, variables)
+  round_device, _ = build_round(algorithm, round_config)
+  losses = []
+  for r in range(8):
+    out = round_device(state, (), data, round_key(jax.random.key(0), r))
+    state = out.server_state
+    losses.append(float(out.metrics['loss']))
+  assert losses[-1] < losses[0]
