@@ -107,7 +107,43 @@ def test_fedprox_mu_zero_equals_fedavg():
                          a.server_state.variables['params']['head']['kernel'])
 
 
-@pytest.mark.parametrize('name', ['fedavg', 'fedprox', 'fedbn', 'fedavg_ft', 'local'])
+def test_qffl_q_zero_equals_uniform_fedavg_and_q_one_matches_formula():
+  """q = 0: Δ_k = L·Δw_k, h_k = L, so the step is the uniform mean of the client
+  deltas (FedAvg with uniform weights). q = 1: w − Σ F_k Δw_k / Σ (‖Δw_k‖² + L F_k),
+  computed here from FedAvg's per-client models and F_k."""
+  config = tiny_config(**{'client.batch_size': 2, 'qffl.q': 0.0})
+  data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
+  round_config = RoundConfig(cohort_size=3, weighting='uniform')
+  module, fedavg, server, clients = make('fedavg', config, data)
+  _, qffl0, _, _ = make('qffl', config, data)
+  key = jax.random.key(3)
+  a = build_round(fedavg, round_config)[0](server, clients, data, key)
+  b = build_round(qffl0, round_config)[0](server, clients, data, key)
+  chex.assert_trees_all_close(a.server_state.variables, b.server_state.variables,
+                              rtol=1e-5, atol=1e-6)
+  config.qffl.q = 1.0
+  _, qffl1, _, _ = make('qffl', config, data)
+  c = build_round(qffl1, round_config)[0](server, clients, data, key)
+  from fedjax_shift.algorithms.qffl import client_loss
+  from fedjax_shift.core.algorithm import ClientData
+  lipschitz = 1.0 / config.client.learning_rate
+  client_key = jax.random.fold_in(key, 1)
+  params = server.variables['params']
+  num, den = jax.tree.map(jnp.zeros_like, params), 0.0
+  for k in range(3):
+    one = ClientData(*(jnp.asarray(a[k]) for a in (data.x, data.y, data.mask,
+                                                   data.num_examples)), jnp.int32(10 ** 6))
+    out, _ = fedavg.client_update(server, (), one, jax.random.fold_in(client_key, k))
+    delta_w = jax.tree.map(lambda d: -lipschitz * d, out.update['params'])
+    loss = client_loss(module, server.variables, one) + 1e-10
+    num = jax.tree.map(lambda s, d: s + loss * d, num, delta_w)
+    den += sum(float(jnp.sum(d ** 2)) for d in jax.tree.leaves(delta_w)) + lipschitz * loss
+  expected = jax.tree.map(lambda p, s: p - s / den, params, num)
+  chex.assert_trees_all_close(c.server_state.variables['params'], expected, rtol=1e-4,
+                              atol=1e-6)
+
+
+@pytest.mark.parametrize('name', ['fedavg', 'fedprox', 'fedbn', 'fedavg_ft', 'local', 'qffl'])
 def test_padding_does_not_change_update(name):
   config = tiny_config(**{'model.name': 'bn_mlp', 'client.batch_size': 3})
   tight, _, _ = toy_clients([5, 8], num_classes=NUM_CLASSES)

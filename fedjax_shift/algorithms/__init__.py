@@ -7,9 +7,10 @@ from fedjax_shift.algorithms.fedavg_ft import fedavg_ft
 from fedjax_shift.algorithms.fedbn import fedbn
 from fedjax_shift.algorithms.fedprox import fedprox
 from fedjax_shift.algorithms.local import local
+from fedjax_shift.algorithms.qffl import qffl
 from fedjax_shift.registry import Registry
 
 ALGORITHMS: Registry = Registry('algorithm')
 for _name, _builder in [('fedavg', fedavg), ('fedprox', fedprox), ('fedbn', fedbn),
-                        ('fedavg_ft', fedavg_ft), ('local', local)]:
+                        ('fedavg_ft', fedavg_ft), ('local', local), ('qffl', qffl)]:
   ALGORITHMS.register(_name)(_builder)
