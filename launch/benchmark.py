@@ -248,7 +248,7 @@ def case_tta(vmapped: bool):
   import jax
   import jax.numpy as jnp
   from fedjax_shift import models
-  from fedjax_shift.adapters import tent
+  from fedjax_shift.adapters.tent import tent
   from fedjax_shift.core.test_time import AdaptBatch, build_test_time
   config = make_config()
   module = models.create(config.model, 10)

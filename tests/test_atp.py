@@ -8,7 +8,7 @@ import pytest
 
 from fedjax_shift import models
 from fedjax_shift.adapters import atp as atp_lib
-from fedjax_shift.adapters import no_adapt
+from fedjax_shift.adapters.no_adapt import no_adapt
 from fedjax_shift.algorithms.atp import atp_training
 from fedjax_shift.core.round import RoundConfig, build_round, round_key
 from fedjax_shift.core.test_time import build_test_time

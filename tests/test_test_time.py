@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 
 from fedjax_shift import models
-from fedjax_shift.adapters import ADAPTERS, bn_adapt, no_adapt, prior_weight, tent
+from fedjax_shift.adapters import ADAPTERS
+from fedjax_shift.adapters.bn_adapt import bn_adapt, prior_weight
+from fedjax_shift.adapters.no_adapt import no_adapt
+from fedjax_shift.adapters.tent import tent
 from fedjax_shift.core.test_time import AdaptBatch, build_test_time
 from helpers import toy_clients
 

@@ -59,7 +59,8 @@ def build_test_time(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
   and 'predictions' [K, N] (argmax, −1 where padded).
 
   ``variables`` are shared by every client (the global model); client k's adapter
-  key is ``fold_in(rng, k)``.
+  key is ``fold_in(rng, client_ids[k])`` (``client_ids`` defaults to 0..K−1; pass the
+  population ids when running a subset so every client keeps its key).
   """
   if mode not in MODES:
     raise ValueError(f'unknown test-time mode {mode!r}; choose from {list(MODES)}')
@@ -86,8 +87,10 @@ def build_test_time(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
     return {'correct': jnp.sum(correct * weight), 'loss': jnp.sum(loss * weight),
             'count': jnp.sum(weight), 'predictions': predictions}
 
-  def run(variables, data: FederatedData, rng) -> Dict[str, jax.Array]:
-    keys = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(data.x.shape[0]))
+  def run(variables, data: FederatedData, rng, client_ids=None) -> Dict[str, jax.Array]:
+    if client_ids is None:
+      client_ids = jnp.arange(data.x.shape[0])
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(rng, client_ids)
     return jax.vmap(one_client, (None, 0, 0, 0, 0))(variables, data.x, data.y,
                                                     data.num_examples, keys)
 

@@ -138,3 +138,22 @@ def eval_with_batch_statistics(module: nn.Module, variables: Variables, x: jax.A
   with nn.intercept_methods(record):
     logits = module.apply(variables, x, train=False)
   return logits, captured
+
+
+def features(module: nn.Module, variables: Variables, x: jax.Array,
+             mode: str = 'eval') -> jax.Array:
+  """Encoder output [B, F] of x [B, ...] in mode 'eval' or 'batch_stats' (no
+  running statistics change)."""
+  if mode == 'eval':
+    return module.apply(variables, x, train=False, method='features')
+  if mode != 'batch_stats':
+    raise ValueError(f"features mode must be 'eval' or 'batch_stats', got {mode!r}")
+  if 'batch_stats' not in variables:
+    return module.apply(variables, x, train=True, method='features')
+  return module.apply(variables, x, train=True, method='features', mutable=['batch_stats'])[0]
+
+
+def head(variables: Variables, features: jax.Array) -> jax.Array:
+  """The linear head's logits [B, C] of features [B, F] (``Classifier.head``)."""
+  kernel, bias = variables['params']['head']['kernel'], variables['params']['head']['bias']
+  return features @ kernel + bias

@@ -1,0 +1,50 @@
+"""Surgical fine-tuning: Surgical Fine-Tuning Improves Adaptation to Distribution
+Shifts. Lee et al., ICLR 2023, Sec. 3.
+
+Only one block is tuned, chosen by the kind of shift (input-level shifts: the first
+block; output-level / label shifts: the last layer). Test clients have no labels,
+so, as in the ATP authors' comparison, the block minimises the mean prediction
+entropy of each test batch (one optimizer step per batch; running BatchNorm
+statistics). ``block`` is a parameter-path prefix such as 'encoder/Dense_0' or
+'head', or 'first' (the encoder's first layer).
+"""
+from __future__ import annotations
+
+import optax
+
+from fedjax_shift import models
+from fedjax_shift.adapters import common
+from fedjax_shift.core.test_time import Adapter
+
+
+def block_selector(block: str, params):
+  """Path predicate of ``block`` (prefix 'a/b', or 'first') for these params."""
+  if block == 'first':
+    first = next(iter(params['encoder']))
+    prefix = ('encoder', first)
+  else:
+    prefix = tuple(block.split('/'))
+  return lambda path: tuple(path[:len(prefix)]) == prefix
+
+
+def surgical(module, block: str = 'first', learning_rate: float = 1e-3,
+             predict: str = 'before', optimizer: optax.GradientTransformation | None = None
+             ) -> Adapter:
+  selector = {}
+
+  def is_selected(path):
+    return selector['fn'](path)
+
+  def check(variables):
+    selector['fn'] = block_selector(block, variables['params'])
+
+  def forward(variables, x):
+    return models.apply(module, variables, x, 'eval')[0]
+
+  def loss_fn(variables, batch, extra):
+    logits = forward(variables, batch.x)
+    return common.weighted_entropy(logits, batch.weight), (logits, extra)
+
+  return common.gradient_adapter('surgical', is_selected, f'surgical block {block!r}', loss_fn,
+                                 forward, optimizer or optax.adam(learning_rate), predict,
+                                 check=check)

@@ -1,0 +1,196 @@
+"""The test-time adapters: shared engine properties for every registered adapter,
+and each method against a hand-computed case."""
+import chex
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from fedjax_shift import models
+from fedjax_shift.adapters import ADAPTERS, SourceContext, common
+from fedjax_shift.adapters import atp as atp_lib
+from fedjax_shift.adapters.bbse import importance_weights
+from fedjax_shift.adapters.em import em, em_prior
+from fedjax_shift.adapters.memo import marginal_entropy, memo
+from fedjax_shift.adapters.no_adapt import no_adapt
+from fedjax_shift.adapters.shot import cluster_pseudo_labels
+from fedjax_shift.adapters.surgical import surgical
+from fedjax_shift.adapters.t3a import Supports, merge, t3a
+from fedjax_shift.core.test_time import AdaptBatch, build_test_time
+from fedjax_shift.data.augment import augment_many
+from helpers import toy_clients
+
+NUM_CLASSES = 3
+ADAPTER_CONFIGS = {
+    'no_adapt': {},
+    'bn_adapt': {'prior_strength': 16.0},
+    'tent': {'learning_rate': 0.05, 'predict': 'after'},
+    'eata': {'learning_rate': 0.05, 'momentum': 0.9, 'entropy_margin': 0.9,
+             'redundancy_epsilon': 0.05, 'fisher_weight': 10.0, 'fisher_samples': 16,
+             'predict': 'after'},
+    'shot': {'learning_rate': 0.05, 'pseudo_label_weight': 0.3, 'predict': 'after'},
+    't3a': {'filter_k': 3},
+    'memo': {'num_augmentations': 4, 'learning_rate': 0.05},
+    'em': {'num_iterations': 10},
+    'bbse': {},
+    'surgical': {'block': 'first', 'learning_rate': 0.05, 'predict': 'after'},
+    'atp': {},
+}
+
+
+def setup(model='bn_mlp', seed=0):
+  module = models.MODELS.get(model)(NUM_CLASSES, hidden=(8,))
+  variables = models.init(module, jax.random.key(seed), jnp.zeros((1, 4, 4, 1)))
+  if models.has_batch_norm(variables):
+    variables = {**variables, 'batch_stats': jax.tree.map(lambda s: s + 0.3,
+                                                          variables['batch_stats'])}
+  rng = np.random.default_rng(seed + 10)
+  source_x = rng.random((16, 4, 4, 1)).astype(np.float32)
+  source_y = rng.integers(0, NUM_CLASSES, 16).astype(np.int32)
+  alpha = jax.tree.map(lambda a: a + 0.3, atp_lib.init_alpha(variables))
+  context = SourceContext(variables, NUM_CLASSES, 4, source_x, source_y, alpha)
+  return module, variables, context
+
+
+def build(name, module, context):
+  return ADAPTERS.get(name)(module, ml_collections.ConfigDict(ADAPTER_CONFIGS[name]), context)
+
+
+def test_every_registered_adapter_is_covered():
+  assert set(ADAPTERS.names()) == set(ADAPTER_CONFIGS)
+
+
+@pytest.mark.parametrize('name', sorted(ADAPTER_CONFIGS))
+@pytest.mark.parametrize('mode', ['episodic', 'online'])
+def test_vmapped_clients_equal_python_loop_and_no_nan(name, mode):
+  """The vmapped scan over clients gives each client exactly what running it alone
+  gives (no state leaks between clients), an empty client scores nothing, and
+  partial / wrapped batches produce no NaN."""
+  module, variables, context = setup()
+  adapter = build(name, module, context)
+  data, _, _ = toy_clients([8, 0, 6, 3], num_classes=NUM_CLASSES, pad_to=10)
+  run = build_test_time(adapter, 4, mode)
+  together = run(variables, data, jax.random.key(3))
+  chex.assert_tree_all_finite({k: v for k, v in together.items() if k != 'predictions'})
+  np.testing.assert_array_equal(together["count"], [8, 0, 6, 3])
+  for k in range(data.num_clients):
+    one = run(variables, data.take([k]), jax.random.key(3), jnp.array([k]))
+    for field in ('correct', 'loss', 'count'):
+      np.testing.assert_allclose(together[field][k], one[field][0], rtol=2e-5, atol=1e-5)
+    np.testing.assert_array_equal(together['predictions'][k], one['predictions'][0])
+
+
+def test_em_one_iteration_is_mean_posterior_and_converges_to_a_fixed_point():
+  probs = jnp.array([[0.9, 0.1], [0.6, 0.4]])
+  log_probs, weight, uniform = jnp.log(probs), jnp.ones(2), jnp.array([0.5, 0.5])
+  # From π = π_s the first E-step leaves the posteriors unchanged: π = mean p = [.75, .25].
+  np.testing.assert_allclose(em_prior(log_probs, weight, uniform, uniform, 1), [0.75, 0.25],
+                             rtol=1e-6)
+  prior = em_prior(log_probs, weight, uniform, uniform, 500)
+  posterior = probs * prior / uniform
+  posterior = posterior / posterior.sum(1, keepdims=True)
+  np.testing.assert_allclose(posterior.mean(0), prior, atol=1e-5)  # π = mean p(y|x; π)
+  assert prior[0] > 0.75  # the estimate sharpens toward the dominant class
+  # All-masked batch: the prior stays where it started (no NaN).
+  np.testing.assert_allclose(em_prior(log_probs, jnp.zeros(2), uniform, uniform, 5), uniform)
+
+
+def test_em_without_iterations_equals_no_adaptation():
+  module, variables, _ = setup()
+  data, _, _ = toy_clients([7, 5], num_classes=NUM_CLASSES, pad_to=8)
+  run = lambda adapter: build_test_time(adapter, 4)(variables, data, jax.random.key(0))
+  np.testing.assert_array_equal(run(em(module, NUM_CLASSES, 0))['predictions'],
+                                run(no_adapt(module))['predictions'])
+
+
+def test_bbse_weights_solve_the_confusion_system():
+  # Perfect classifier on a uniform source: C = diag(1/2), so w = μ̂ / (1/2).
+  np.testing.assert_allclose(importance_weights(jnp.diag(jnp.array([0.5, 0.5])),
+                                                jnp.array([0.8, 0.2])), [1.6, 0.4], rtol=1e-5)
+  # A noisy classifier: μ̂ = C w with w = [1.5, 0.5] is recovered.
+  confusion = jnp.array([[0.4, 0.1], [0.1, 0.4]])
+  np.testing.assert_allclose(importance_weights(confusion, confusion @ jnp.array([1.5, 0.5])),
+                             [1.5, 0.5], rtol=1e-4)
+  # Nothing seen yet: no reweighting.
+  np.testing.assert_allclose(importance_weights(confusion, jnp.zeros(2)), [1.0, 1.0])
+
+
+def test_t3a_merge_keeps_the_lowest_entropy_supports_per_class():
+  empty = Supports(jnp.zeros((2, 2, 3)), jnp.full((2, 2), jnp.inf))
+  features = jnp.eye(3)[jnp.array([0, 1, 2, 0])] * jnp.array([[1.], [2.], [3.], [4.]])
+  supports = merge(empty, features, jnp.array([0, 0, 0, 1]), jnp.array([0.5, 0.1, 0.3, jnp.inf]))
+  np.testing.assert_allclose(supports.entropy, [[0.1, 0.3], [jnp.inf, jnp.inf]])
+  np.testing.assert_allclose(supports.features[0], [[0, 1, 0], [0, 0, 1]])  # normalised
+  supports = merge(supports, jnp.array([[1.0, 1.0, 0.0]]), jnp.array([0]), jnp.array([0.2]))
+  np.testing.assert_allclose(supports.entropy[0], [0.1, 0.2])
+
+
+def test_t3a_with_only_warmup_supports_predicts_with_normalised_head_weights():
+  module, variables, _ = setup('mlp')
+  adapter = t3a(module, filter_k=1)
+  state = adapter.init(variables, jax.random.key(0))
+  x = jnp.asarray(np.random.default_rng(0).random((4, 4, 4, 1)), jnp.float32)
+  _, logits = adapter.step(state, AdaptBatch(x, jnp.zeros(4)))  # nothing joins
+  features = models.features(module, variables, x)
+  kernel = variables['params']['head']['kernel']
+  supports, _ = state[1]
+  valid = np.isfinite(np.asarray(state[1].entropy[:, 0]))
+  expected = features @ (kernel / jnp.linalg.norm(kernel, axis=0))
+  np.testing.assert_allclose(np.asarray(logits)[:, valid], np.asarray(expected)[:, valid],
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_shot_clustering_recovers_separated_clusters():
+  features = jnp.array([[5.0, 0.1], [4.0, -0.2], [0.1, 5.0], [-0.1, 3.0]])
+  probs = jnp.array([[0.6, 0.4], [0.45, 0.55], [0.4, 0.6], [0.55, 0.45]])  # two wrong
+  labels = cluster_pseudo_labels(features, probs, jnp.ones(4))
+  np.testing.assert_array_equal(labels, [0, 0, 1, 1])
+
+
+def test_memo_marginal_entropy_and_augmentations():
+  logits = jnp.array([[2.0, 0.0, -1.0]] * 5)
+  np.testing.assert_allclose(marginal_entropy(logits), common.entropy(logits[:1])[0], rtol=1e-6)
+  # Two confident but opposite views: the marginal is uniform over them, entropy ln 2.
+  np.testing.assert_allclose(marginal_entropy(jnp.array([[30.0, 0.0], [0.0, 30.0]])),
+                             np.log(2), rtol=1e-5)
+  image = jnp.asarray(np.random.default_rng(0).random((8, 8, 1)), jnp.float32)
+  views = augment_many(jax.random.key(0), image, 6)
+  chex.assert_shape(views, (6, 8, 8, 1))
+  assert float(views.min()) >= 0.0 and float(views.max()) <= 1.0
+  chex.assert_trees_all_equal(views, augment_many(jax.random.key(0), image, 6))
+  assert not np.allclose(views[0], views[1])
+  module, variables, _ = setup()
+  data, _, _ = toy_clients([5], num_classes=NUM_CLASSES)
+  run = lambda adapter: build_test_time(adapter, 4)(variables, data, jax.random.key(0))
+  np.testing.assert_allclose(run(memo(module, 4, learning_rate=0.0))['loss'],
+                             run(no_adapt(module))['loss'], rtol=1e-5)
+
+
+def test_surgical_changes_only_its_block_and_rejects_unknown_blocks():
+  module, variables, _ = setup()
+  adapter = surgical(module, 'head', learning_rate=0.1, predict='after')
+  state = adapter.init(variables, jax.random.key(0))
+  x = jnp.asarray(np.random.default_rng(1).random((4, 4, 4, 1)), jnp.float32)
+  new_state, _ = adapter.step(state, AdaptBatch(x, jnp.ones(4)))
+  chex.assert_trees_all_equal(new_state.variables['params']['encoder'],
+                              variables['params']['encoder'])
+  assert not np.allclose(new_state.variables['params']['head']['kernel'],
+                         variables['params']['head']['kernel'])
+  with pytest.raises(ValueError, match="surgical block 'encoder/Conv_9': selects no parameter"):
+    surgical(module, 'encoder/Conv_9').init(variables, jax.random.key(0))
+
+
+def test_eata_without_reliable_examples_does_not_move():
+  module, variables, _ = setup()
+  from fedjax_shift.adapters.eata import eata
+  adapter = eata(module, NUM_CLASSES, fisher=None, learning_rate=1.0, entropy_margin=0.0)
+  state = adapter.init(variables, jax.random.key(0))
+  x = jnp.asarray(np.random.default_rng(1).random((4, 4, 4, 1)), jnp.float32)
+  new_state, _ = adapter.step(state, AdaptBatch(x, jnp.ones(4)))
+  chex.assert_trees_all_equal(new_state.variables, variables)
+  # ... and with every example reliable it does.
+  adapter = eata(module, NUM_CLASSES, fisher=None, learning_rate=1.0, entropy_margin=10.0)
+  moved, _ = adapter.step(adapter.init(variables, jax.random.key(0)), AdaptBatch(x, jnp.ones(4)))
+  assert not np.allclose(moved.variables['params']['encoder']['BatchNorm_0']['scale'],
+                         variables['params']['encoder']['BatchNorm_0']['scale'])
