@@ -171,7 +171,8 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
   for name in algorithms:
     ALGORITHMS.get(name, 'config.algorithms')
   models.MODELS.get(config.model.name, 'config.model.name')
-  BENCHMARKS.get(config.data.benchmark, 'config.data.benchmark')
+  if config.get('pipeline', 'federated') == 'federated':
+    BENCHMARKS.get(config.data.benchmark, 'config.data.benchmark')
   source = config.data.source
   _require(source in EMBEDDED_SOURCES or (source.startswith('tfds:') and
            source[5:].split('/')[0] in sources.TFDS_DATASETS),

@@ -16,7 +16,7 @@ import logging
 import os
 import platform
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.benchmarks import BENCHMARKS, Benchmark
 from fedjax_shift.checkpoint import Checkpointer
 from fedjax_shift.core import evaluation
+from fedjax_shift.core.algorithm import FederatedAlgorithm
 from fedjax_shift.core.round import (HostStore, RoundConfig, build_round, client_mesh,
                                      round_key, stack_client_states)
 from fedjax_shift.data import federated
@@ -67,11 +68,21 @@ def _round_config(config) -> RoundConfig:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
-                       seed: int) -> Dict[str, object]:
+                       seed: int, bench: Optional[Benchmark] = None,
+                       algorithm: Optional[FederatedAlgorithm] = None,
+                       log_state: Optional[Callable[[object], Dict[str, float]]] = None
+                       ) -> Dict[str, object]:
   """Trains one method with one seed in ``workdir`` (resuming if it holds a
-  checkpoint); returns {'algorithm', 'seed', 'metrics', 'rounds', 'train_seconds'}."""
+  checkpoint); returns {'algorithm', 'seed', 'metrics', 'rounds', 'train_seconds',
+  'server_state'} ('server_state' is not written to results.json).
+
+  ``bench`` (default: built from ``config.data``) and ``algorithm`` (default:
+  ``ALGORITHMS[algorithm_name]``) let pipelines train on data or with methods of
+  their own (ATP's α training); ``log_state(server_state)`` adds fields to every
+  metrics.jsonl record (ATP: α per module).
+  """
   os.makedirs(workdir, exist_ok=True)
-  bench = build_data(config, seed)
+  bench = bench if bench is not None else build_data(config, seed)
   train = bench.splits['train']
   eval_splits = {name: s for name, s in bench.splits.items() if name != 'train'}
   if config.sampling == 'num_examples' and (train.num_examples > 0).sum() < config.cohort_size:
@@ -89,8 +100,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
            s['examples_per_client_max'], s['classes_per_client_mean'])
 
   module = models.create(config.model, bench.num_classes)
-  algorithm = ALGORITHMS.get(algorithm_name, 'config.algorithms')(config, module,
-                                                                   train.max_examples)
+  if algorithm is None:
+    algorithm = ALGORITHMS.get(algorithm_name, 'config.algorithms')(config, module,
+                                                                     train.max_examples)
   seed_key = jax.random.key(seed)
   init_key, train_key, eval_key = (jax.random.fold_in(seed_key, i) for i in range(3))
   server_state = algorithm.init(init_key, jnp.asarray(train.x[0, :1]))
@@ -119,6 +131,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
     device_train = jax.device_put(train)
 
   def evaluate(server_state, client_states):
+    if not eval_splits:
+      return {}
     per_client = evaluation.evaluate_population(
         evaluate_chunk, server_state, client_states, train, eval_splits, eval_key,
         config.engine.eval_chunk_size)
@@ -155,6 +169,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
       if completed % config.eval_every == 0 or completed == config.rounds:
         summary = evaluate(server_state, client_states)
         record.update(summary)
+      if log_state is not None:
+        record.update(log_state(server_state))
       writer.write(record)
       checkpointer.save(completed, (server_state, client_states, jnp.float32(elapsed)),
                         force=completed == config.rounds)
@@ -180,7 +196,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
             'rounds': config.rounds, 'train_seconds': elapsed, 'hardware': hardware()}
   with open(os.path.join(workdir, 'results.json'), 'w') as f:
     json.dump(result, f, indent=1)
-  return result
+  return {**result, 'server_state': server_state}
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, object]:

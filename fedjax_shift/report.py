@@ -84,3 +84,66 @@ def plot_curves(run_dirs: Dict[str, List[str]], path: str, metric_suffix: str = 
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def _markdown(header: List[str], rows: List[List[str]]) -> str:
+  lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+  return '\n'.join(lines + ['| ' + ' | '.join(row) + ' |' for row in rows])
+
+
+def tta_tables(table1: Dict[str, Dict[str, Dict[int, float]]],
+               table3: Dict[tuple, Dict[str, Dict[int, float]]], labels: Dict[str, str],
+               shifts: Sequence[str], seeds: Sequence[int]) -> str:
+  """ATP Table 1 (rows = methods, columns = shifts, plus the average rank) and,
+  with several shifts, Table 3 (rows = the shift α was trained on, columns = the
+  shift tested; ATP-batch and ATP-online). Accuracies in %, mean ± std over seeds."""
+  cell = lambda per_seed: mean_std([per_seed.get(s) for s in seeds])
+  means = {key: {shift: np.nanmean([v for v in cols.get(shift, {}).values()] or [np.nan])
+                 for shift in shifts} for key, cols in table1.items()}
+  ranks = {key: [] for key in table1}
+  for shift in shifts:
+    order = sorted(table1, key=lambda k: -means[k][shift])
+    for position, key in enumerate(order):
+      ranks[key].append(position + 1)
+  header = ['Method'] + [f'{s.capitalize()} shift' for s in shifts] + ['Avg. rank']
+  rows = [[labels.get(key, key)] + [cell(table1[key].get(shift, {})) for shift in shifts] +
+          [f'{np.mean(ranks[key]):.1f}'] for key in table1]
+  text = 'Table 1 (ATP layout): accuracy on target clients\n\n' + _markdown(header, rows)
+  if table3:
+    for key in ('atp_batch', 'atp_online'):
+      header = ['Train \\ Test'] + [f'{s.capitalize()} shift' for s in shifts]
+      rows = [['No adaptation'] + [cell(table1.get('no_adapt', {}).get(s, {})) for s in shifts]]
+      for train in shifts:
+        row = [f'{train.capitalize()} shift']
+        for test in shifts:
+          per_seed = (table1.get(key, {}).get(test, {}) if train == test
+                      else table3.get((train, test), {}).get(key, {}))
+          row.append(cell(per_seed))
+        rows.append(row)
+      text += (f'\n\nTable 3 (ATP layout): α trained on one shift, tested on another '
+               f'({labels.get(key, key)})\n\n' + _markdown(header, rows))
+  return text
+
+
+def plot_alpha(alpha_by_shift: Dict[str, np.ndarray], names: Sequence[str], path: str) -> None:
+  """ATP Figure 4: learned α per module, one bar group per module, one colour per shift."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  shifts = list(alpha_by_shift)
+  width = 0.8 / max(len(shifts), 1)
+  positions = np.arange(len(names))
+  fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(names) + 2), 4))
+  for i, shift in enumerate(shifts):
+    ax.bar(positions + i * width, alpha_by_shift[shift], width, label=f'{shift} shift')
+  short = [n.replace('params/', '').replace('batch_stats/', 'stats/').replace('encoder/', '')
+           for n in names]
+  ax.set_xticks(positions + 0.4 - width / 2)
+  ax.set_xticklabels(short, rotation=90, fontsize=6)
+  ax.set_ylabel('adaptation rate α')
+  ax.axhline(0, color='black', linewidth=0.5)
+  ax.legend(fontsize=7)
+  ax.grid(axis='y', alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -16,7 +16,7 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from fedjax_shift import experiment  # noqa: E402
+from fedjax_shift import experiment, tta_experiment  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file[:variant].')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics, results.')
@@ -42,7 +42,13 @@ def main(argv):
   log.addHandler(handler)
   log.setLevel(logging.INFO)
   log.propagate = False
-  out = experiment.run(_CONFIG.value, _WORKDIR.value)
+  config = _CONFIG.value
+  if config.get('pipeline', 'federated') == 'test_time':
+    out = tta_experiment.run(config, _WORKDIR.value)
+    print(f"\n{out['preamble']}\n\n{out['markdown']}")
+    print(f"\nwritten: {os.path.join(_WORKDIR.value, 'results.md')}, results.json, alpha.png")
+    return
+  out = experiment.run(config, _WORKDIR.value)
   print()
   print(out['preamble'])
   print()
