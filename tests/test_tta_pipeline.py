@@ -1,0 +1,118 @@
+"""ATP's source/target protocol and the whole test-time pipeline (tiny sizes)."""
+import json
+import os
+
+import ml_collections
+import numpy as np
+import pytest
+
+from configs import atp as atp_configs
+from fedjax_shift import tta_experiment
+from fedjax_shift.benchmarks.atp_shift import atp_protocol, class_counts
+from fedjax_shift.data import corruptions
+from fedjax_shift.metrics import read_metrics
+
+
+def tiny(*parts):
+  return atp_configs.get_config(','.join(('digits_hybrid', 'tiny') + parts))
+
+
+def test_step_counts_follow_step_2_16_and_feature_shift_is_balanced():
+  rng = np.random.default_rng(0)
+  counts = class_counts(200, 10, 'label', 2, 80, 5, rng)
+  assert sorted(counts.tolist()) == [5] * 8 + [80, 80]
+  counts = class_counts(40, 10, 'hybrid', 2, 80, 5, rng)   # scaled to 40 examples
+  assert counts.sum() == 40 and sorted(counts.tolist())[-2:] == [16, 16]
+  assert class_counts(203, 10, 'feature', 2, 80, 5, rng).tolist().count(20) == 7
+
+
+@pytest.mark.parametrize('shift', ['feature', 'label', 'hybrid'])
+def test_protocol_shapes_corruptions_and_disjoint_pools(shift):
+  config = tiny()
+  config.data.shift = shift
+  data = atp_protocol(config.data, seed=0)
+  train, val = data.source.splits['train'], data.source.splits['val']
+  assert train.x.shape[:2] == (12, 16) and val.x.shape[:2] == (12, 8)
+  assert data.target.x.shape[:2] == (4, 12)
+  if shift == 'label':
+    assert set(data.info['target_corruptions']) == {None}
+    # Clean images: no target image is one of the source images (disjoint pools).
+    source = {x.tobytes() for x in np.asarray(train.x).reshape(-1, 28 * 28)}
+    source |= {x.tobytes() for x in np.asarray(val.x).reshape(-1, 28 * 28)}
+    target = {x.tobytes() for x in np.asarray(data.target.x).reshape(-1, 28 * 28)}
+    assert not source & target
+  else:
+    assert set(data.info['source_corruptions']) <= set(corruptions.SOURCE_CORRUPTIONS)
+    assert set(data.info['target_corruptions']) <= set(corruptions.HELDOUT_CORRUPTIONS)
+  again = atp_protocol(config.data, seed=0)
+  np.testing.assert_array_equal(again.target.x, data.target.x)
+  assert not np.array_equal(atp_protocol(config.data, seed=1).target.y, data.target.y)
+
+
+def test_protocol_bad_input_names_the_field():
+  config = tiny()
+  config.data.shift = 'covariate'
+  with pytest.raises(ValueError, match='config.data.shift'):
+    atp_protocol(config.data, 0)
+  config = tiny()
+  config.data.num_target_clients = 0
+  with pytest.raises(ValueError, match='config.data.num_target_clients'):
+    atp_protocol(config.data, 0)
+
+
+def test_cifar10c_protocol_reads_tfds_mock_data():
+  import tensorflow_datasets as tfds
+  config = atp_configs.get_config('cifar10c_hybrid,tiny')
+  config.model = ml_collections.ConfigDict({'name': 'bn_mlp', 'hidden': (8,)})
+  with tfds.testing.mock_data(num_examples=40):
+    data = atp_protocol(config.data, 0)
+  assert data.source.example_shape == (32, 32, 3)
+  assert data.target.x.shape == (4, 12, 32, 32, 3)
+  assert data.info['target_pool'] == 40
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('tta.adapter.tent', 'tent2', "config.tta.adapter.tent: unknown adapter 'tent2'"),
+    ('tta.mode.tent', 'sometimes', 'config.tta.mode.tent'),
+    ('tta.shifts', ('covariate',), 'config.tta.shifts'),
+    ('tta.batch_size', 0, 'config.tta.batch_size'),
+    ('atp.scaling', 'log', 'config.atp.scaling'),
+    ('atp.cohort_size', 99, 'config.atp.cohort_size'),
+    ('algorithms', ('fedbn',), 'config.algorithms'),
+])
+def test_pipeline_config_errors_name_the_field(field, value, message, tmp_path):
+  config = tiny()
+  *path, leaf = field.split('.')
+  target = config
+  for part in path:
+    target = target[part]
+  target[leaf] = value
+  with pytest.raises(ValueError, match=message):
+    tta_experiment.validate(config, str(tmp_path))
+
+
+def test_pipeline_end_to_end_tables_alpha_and_resume(tmp_path):
+  """Two shifts, four rows: Table 1 and Table 3 are written, α is logged every round
+  and saved; a second run resumes from the checkpoints and reproduces the results."""
+  config = tiny()
+  config.tta.shifts = ('feature', 'label')
+  config.tta.rows = ('no_adapt', 'bn_adapt', 'atp_batch', 'atp_online')
+  config.atp.learning_rate = 5.0  # move α visibly in two tiny rounds
+  workdir = str(tmp_path)
+  out = tta_experiment.run(config, workdir)
+  assert 'Table 1' in out['markdown'] and 'Table 3' in out['markdown']
+  assert set(out['table1']) == set(config.tta.rows)
+  assert set(out['table3']) == {('feature', 'label'), ('label', 'feature')}
+  run_dir = os.path.join(workdir, 'label', 'seed_0')
+  records = read_metrics(os.path.join(run_dir, 'alpha', 'metrics.jsonl'))
+  assert [r['round'] for r in records] == [1, 2]
+  alpha_keys = [k for k in records[-1] if k.startswith('alpha/')]
+  assert len(alpha_keys) == 8  # bn_mlp (16,): Dense 2 + BN 4 + head 2 modules
+  with open(os.path.join(run_dir, 'alpha.json')) as f:
+    alpha = json.load(f)
+  assert any(abs(v) > 0 for v in alpha.values())
+  assert all(np.isclose(alpha[k[len('alpha/'):]], records[-1][k]) for k in alpha_keys)
+  assert os.path.exists(os.path.join(workdir, 'alpha.png'))
+  again = tta_experiment.run(config, workdir)
+  assert again['table1'] == out['table1']
+  assert len(read_metrics(os.path.join(run_dir, 'alpha', 'metrics.jsonl'))) == 2
