@@ -12,8 +12,13 @@ B, FedAvg with SGD):
               train, average), when torch is importable (never a dependency)
   loop_backend  the engine's round with ``engine.backend='loop'`` (sampling, keys,
               stragglers, scatter included), to compare with (a) and (b)
-  tta_vmap / tta_loop  online Tent over the same clients as target clients: the
-              jitted vmapped scan vs a Python loop of a jitted step (opt-in)
+  tta_vmap / tta_loop  an online adapter (--tta_adapter: ATP with α = 0.1, or Tent)
+              over the same clients as target clients, batches of B: the jitted
+              vmapped scan vs a Python loop over clients of a jitted step (opt-in)
+  fedavg_1step / alpha_round  the compiled FedAvg round with ONE local step of batch
+              B vs ATP's α-training round with one α step of batch B on the same
+              cohort (entropy forward/backward for h, then CE forward/backward
+              through θ − α⊙h) (opt-in)
 
 then a population sweep (host store, cohort fixed) over K clients. Each case runs in
 its own subprocess so its peak RSS is its own. Prints a markdown table; --out writes it.
@@ -44,6 +49,7 @@ flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a).')
 flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch', 'loop_backend'],
                   'Cases to run (loop_backend: the engine round with backend=loop; '
                   'tta_vmap / tta_loop: test-time Tent over the clients as target clients).')
+flags.DEFINE_enum('tta_adapter', 'atp', ['atp', 'tent'], 'Adapter of the tta_* cases.')
 flags.DEFINE_list('populations', ['240', '1000', '10000'], 'Population sweep (host store).')
 flags.DEFINE_integer('sweep_repeats', 3, 'Timed repeats per population.')
 flags.DEFINE_string('case', '', 'Internal: run one case in this process and print JSON.')
@@ -95,24 +101,34 @@ def timed(fn, repeats):
   return statistics.median(times), times
 
 
-def setup_algorithm(num_clients_data):
+def setup_algorithm(num_clients_data, kind='fedavg'):
+  """kind: 'fedavg' (one epoch), 'fedavg_1step' (one local step) or 'alpha' (ATP's
+  α training around the initial model, one α step)."""
   import jax
   import jax.numpy as jnp
   from fedjax_shift import models
   from fedjax_shift.algorithms import ALGORITHMS
+  from fedjax_shift.algorithms.atp import atp_training
   config = make_config()
   module = models.create(config.model, 10)
-  algorithm = ALGORITHMS.get('fedavg')(config, module, FLAGS.examples)
   data = cohort_data(num_clients_data)
+  if kind == 'fedavg_1step':
+    config.client.local_steps = 1
+  algorithm = ALGORITHMS.get('fedavg')(config, module, FLAGS.examples)
   server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
+  if kind == 'alpha':
+    config.atp.local_steps = 1
+    config.atp.batch_size = FLAGS.batch_size
+    algorithm = atp_training(config, module, FLAGS.examples, server.variables)
+    server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   return config, module, algorithm, data, server
 
 
-def case_round(backend='vmap'):
+def case_round(backend='vmap', kind='fedavg'):
   import jax
   import jax.numpy as jnp
   from fedjax_shift.core.round import RoundConfig, build_round, stack_client_states
-  config, _, algorithm, data, server = setup_algorithm(FLAGS.clients)
+  config, _, algorithm, data, server = setup_algorithm(FLAGS.clients, kind)
   clients = stack_client_states(algorithm, server, FLAGS.clients)
   _, round_host = build_round(algorithm, RoundConfig(cohort_size=FLAGS.clients,
                                                      client_chunk=FLAGS.client_chunk),
@@ -242,19 +258,24 @@ def case_torch():
 
 
 def case_tta(vmapped: bool):
-  """Tent (online) on C target clients × N test examples, batches of B: the jitted
-  vmapped scan of core/test_time.py, or a Python loop over clients and batches of a
-  jitted ``adapter.step``."""
+  """An online adapter (ATP with α = 0.1 per module, or Tent) on C target clients × N
+  test examples, batches of B: the jitted vmapped scan of core/test_time.py, or a
+  Python loop over clients and batches of a jitted ``adapter.step``."""
   import jax
   import jax.numpy as jnp
   from fedjax_shift import models
+  from fedjax_shift.adapters import atp as atp_lib
   from fedjax_shift.adapters.tent import tent
   from fedjax_shift.core.test_time import AdaptBatch, build_test_time
   config = make_config()
   module = models.create(config.model, 10)
   data = cohort_data(FLAGS.clients)
   variables = models.init(module, jax.random.key(0), jnp.asarray(data.x[0, :1]))
-  adapter = tent(module)
+  if FLAGS.tta_adapter == 'atp':
+    alpha = jax.tree.map(lambda a: a + 0.1, atp_lib.init_alpha(variables))
+    adapter = atp_lib.atp(module, alpha)
+  else:
+    adapter = tent(module)
   key = jax.random.key(0)
   if vmapped:
     run_all = build_test_time(adapter, FLAGS.batch_size, 'online')
@@ -322,7 +343,9 @@ def run_case(name):
   else:
     result = {'round': case_round, 'loop': case_loop, 'fused': case_fused,
               'torch': case_torch, 'loop_backend': lambda: case_round('loop'),
-              'tta_vmap': lambda: case_tta(True), 'tta_loop': lambda: case_tta(False)}[name]()
+              'tta_vmap': lambda: case_tta(True), 'tta_loop': lambda: case_tta(False),
+              'fedavg_1step': lambda: case_round(kind='fedavg_1step'),
+              'alpha_round': lambda: case_round(kind='alpha')}[name]()
   result['peak_rss_gb'] = peak_rss_gb()
   return result
 
@@ -331,7 +354,7 @@ def spawn(name):
   argv = [sys.executable, os.path.abspath(__file__), f'--case={name}']
   argv += [f'--{f}={FLAGS[f].serialize().split("=", 1)[1]}' for f in
            ('model', 'clients', 'examples', 'batch_size', 'repeats', 'unroll', 'client_chunk',
-            'sweep_repeats')]
+            'sweep_repeats', 'tta_adapter')]
   proc = subprocess.run(argv, capture_output=True, text=True)
   if proc.returncode:
     return {'error': proc.stderr.strip().splitlines()[-1] if proc.stderr else 'failed'}
@@ -364,8 +387,10 @@ def main(argv):
             'fused': '(c) fused centralized step (same FLOPs)',
             'torch': '(d) PyTorch per-client loop',
             'loop_backend': "engine backend='loop' round",
-            'tta_vmap': 'Tent online: vmapped lax.scan over clients',
-            'tta_loop': 'Tent online: Python loop of jitted steps'}
+            'tta_vmap': f'{FLAGS.tta_adapter} online: vmapped lax.scan over clients',
+            'tta_loop': f'{FLAGS.tta_adapter} online: Python loop of jitted steps',
+            'fedavg_1step': 'FedAvg round, 1 local step',
+            'alpha_round': 'ATP α round, 1 α step'}
   base = results.get('fused', {}).get('seconds')
   lines = ['| case | s/round | compile s | peak RSS GB | vs (c) fused |', '|---|---|---|---|---|']
   for name, result in results.items():
@@ -384,6 +409,9 @@ def main(argv):
   if all('seconds' in results.get(n, {}) for n in ('tta_vmap', 'tta_loop')):
     lines.append(f"\ntta vmapped / tta loop = "
                  f"{results['tta_vmap']['seconds'] / results['tta_loop']['seconds']:.2f}")
+  if all('seconds' in results.get(n, {}) for n in ('alpha_round', 'fedavg_1step')):
+    lines.append(f"\nα round / FedAvg 1-step round = "
+                 f"{results['alpha_round']['seconds'] / results['fedavg_1step']['seconds']:.2f}")
   table = '\n'.join(lines)
   sweep_lines = []
   if FLAGS.populations and FLAGS.populations != ['']:

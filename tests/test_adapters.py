@@ -194,3 +194,37 @@ def test_eata_without_reliable_examples_does_not_move():
   moved, _ = adapter.step(adapter.init(variables, jax.random.key(0)), AdaptBatch(x, jnp.ones(4)))
   assert not np.allclose(moved.variables['params']['encoder']['BatchNorm_0']['scale'],
                          variables['params']['encoder']['BatchNorm_0']['scale'])
+
+
+@pytest.mark.parametrize('name', ['tent', 'eata', 'bn_adapt'])
+def test_batch_norm_adapters_reject_models_without_batch_norm(name):
+  module, variables, context = setup('mlp')
+  # EATA's Fisher is computed when it is built, so its error comes then.
+  with pytest.raises(ValueError, match='BatchNorm'):
+    build(name, module, context._replace(variables=variables)).init(variables,
+                                                                   jax.random.key(0))
+
+
+@pytest.mark.parametrize('name', ['no_adapt', 'tent', 'atp'])
+def test_batch_larger_than_a_client_repeats_its_examples_and_scores_each_once(name):
+  """Documented behaviour: with B > n the client's batch wraps its own n examples
+  (BN statistics never see padding) and each example is scored exactly once."""
+  module, variables, context = setup()
+  data, _, _ = toy_clients([5, 3], num_classes=NUM_CLASSES, pad_to=5)
+  out = build_test_time(build(name, module, context), 8, 'online')(variables, data,
+                                                                   jax.random.key(0))
+  chex.assert_tree_all_finite(out['loss'])
+  np.testing.assert_array_equal(out['count'], [5, 3])
+  assert (np.asarray(out['predictions'])[1, 3:] == -1).all()
+  assert (np.asarray(out['predictions'])[0] >= 0).all()
+
+
+def test_pipeline_accuracy_skips_empty_target_clients():
+  from fedjax_shift.tta_experiment import run_adapter
+  module, variables, context = setup()
+  data, xs, ys = toy_clients([4, 0, 6], num_classes=NUM_CLASSES, pad_to=6)
+  acc = run_adapter(no_adapt(module), 'episodic', 4, variables, data, jax.random.key(0),
+                    client_chunk=2)
+  assert np.isnan(acc[1]) and np.isfinite(acc[[0, 2]]).all()
+  logits = models.apply(module, variables, jnp.asarray(xs[2]))[0]
+  np.testing.assert_allclose(acc[2], np.mean(np.argmax(logits, -1) == ys[2]), rtol=1e-6)

@@ -116,3 +116,15 @@ def test_pipeline_end_to_end_tables_alpha_and_resume(tmp_path):
   again = tta_experiment.run(config, workdir)
   assert again['table1'] == out['table1']
   assert len(read_metrics(os.path.join(run_dir, 'alpha', 'metrics.jsonl'))) == 2
+
+
+@pytest.mark.slow
+def test_digits_hybrid_quick_protocol_runs_every_row(tmp_path):
+  """The paper-sized digits protocol (240 + 60 clients), 40 + 40 rounds, one seed:
+  every Table 1 row gives a finite accuracy above chance (10 %)."""
+  config = atp_configs.get_config('digits_hybrid,quick')
+  config.progress = False
+  out = tta_experiment.run(config, str(tmp_path))
+  for key in config.tta.rows:
+    accuracy = out['table1'][key]['hybrid'][0]
+    assert np.isfinite(accuracy) and accuracy > 0.1, (key, accuracy)
