@@ -100,11 +100,12 @@ def tta_tables(table1: Dict[str, Dict[str, Dict[int, float]]],
   cell = lambda per_seed: mean_std([per_seed.get(s) for s in seeds])
   means = {key: {shift: np.nanmean([v for v in cols.get(shift, {}).values()] or [np.nan])
                  for shift in shifts} for key, cols in table1.items()}
-  ranks = {key: [] for key in table1}
-  for shift in shifts:
-    order = sorted(table1, key=lambda k: -means[k][shift])
-    for position, key in enumerate(order):
-      ranks[key].append(position + 1)
+  from scipy.stats import rankdata
+  keys = list(table1)
+  ranks = {key: [] for key in keys}
+  for shift in shifts:  # rank 1 = best; ties share the mean of their ranks
+    for key, rank in zip(keys, rankdata([-means[k][shift] for k in keys], method='average')):
+      ranks[key].append(float(rank))
   header = ['Method'] + [f'{s.capitalize()} shift' for s in shifts] + ['Avg. rank']
   rows = [[labels.get(key, key)] + [cell(table1[key].get(shift, {})) for shift in shifts] +
           [f'{np.mean(ranks[key]):.1f}'] for key in table1]

@@ -128,3 +128,20 @@ def test_digits_hybrid_quick_protocol_runs_every_row(tmp_path):
   for key in config.tta.rows:
     accuracy = out['table1'][key]['hybrid'][0]
     assert np.isfinite(accuracy) and accuracy > 0.1, (key, accuracy)
+
+
+def test_tables_rank_ties_and_take_the_table3_diagonal_from_table1():
+  from fedjax_shift import report
+  table1 = {'no_adapt': {'feature': {0: 0.5, 1: 0.7}, 'label': {0: 0.4, 1: 0.4}},
+            'atp_batch': {'feature': {0: 0.8, 1: 0.8}, 'label': {0: 0.4, 1: 0.4}}}
+  table3 = {('feature', 'label'): {'atp_batch': {0: 0.3, 1: 0.5}},
+            ('label', 'feature'): {'atp_batch': {0: 0.6, 1: 0.6}}}
+  text = report.tta_tables(table1, table3, {'no_adapt': 'No adaptation',
+                                            'atp_batch': 'ATP-batch'},
+                           ('feature', 'label'), (0, 1))
+  # Feature: ATP 80 beats 60 → ranks 2 / 1; label: tie → 1.5 each.
+  assert '| No adaptation | 60.00 ± 10.00 | 40.00 ± 0.00 | 1.8 |' in text
+  assert '| ATP-batch | 80.00 ± 0.00 | 40.00 ± 0.00 | 1.2 |' in text
+  # Table 3 rows: train shift; the diagonal is Table 1's ATP-batch, off-diagonal table3.
+  assert '| Feature shift | 80.00 ± 0.00 | 40.00 ± 10.00 |' in text
+  assert '| Label shift | 60.00 ± 0.00 | 40.00 ± 0.00 |' in text
