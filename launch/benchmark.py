@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-flags.DEFINE_enum('model', 'atp_cnn', ['atp_cnn', 'mlp'], 'Model to benchmark.')
+flags.DEFINE_enum('model', 'atp_cnn', ['atp_cnn', 'mlp', 'bn_mlp'], 'Model to benchmark.')
 flags.DEFINE_integer('clients', 60, 'Cohort size C.')
 flags.DEFINE_integer('examples', 200, 'Examples per client N.')
 flags.DEFINE_integer('batch_size', 20, 'Local batch size B.')
@@ -56,7 +56,7 @@ flags.DEFINE_string('case', '', 'Internal: run one case in this process and prin
 flags.DEFINE_string('out', '', 'Write the markdown table here.')
 FLAGS = flags.FLAGS
 
-SHAPES = {'atp_cnn': (32, 32, 3), 'mlp': (28, 28, 1)}
+SHAPES = {'atp_cnn': (32, 32, 3), 'mlp': (28, 28, 1), 'bn_mlp': (28, 28, 1)}
 
 
 def peak_rss_gb() -> float:
@@ -216,6 +216,8 @@ def case_torch():
     import torch
   except ImportError:
     return {'skipped': 'torch is not installed'}
+  if FLAGS.model not in ('atp_cnn', 'mlp'):
+    return {'skipped': f'no PyTorch twin of {FLAGS.model}'}
   import copy
   from torch import nn
   data = cohort_data(FLAGS.clients)
