@@ -115,6 +115,17 @@ def test_pipeline_end_to_end_tables_alpha_and_resume(tmp_path):
   assert os.path.exists(os.path.join(workdir, 'alpha.png'))
   again = tta_experiment.run(config, workdir)
   assert again['table1'] == out['table1']
+  # launch/report.py rebuilds the same tables from the workdir.
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      'launch_report', os.path.join(os.path.dirname(__file__), '..', 'launch', 'report.py'))
+  launch_report = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(launch_report)
+  table1, table3, _, shifts, seeds = launch_report.load([workdir])
+  assert table1 == out['table1'] and table3 == out['table3'] and seeds == [0]
+  assert shifts == ['feature', 'label']
+  with pytest.raises(ValueError, match='also in an earlier workdir'):
+    launch_report.load([workdir, workdir])
   assert len(read_metrics(os.path.join(run_dir, 'alpha', 'metrics.jsonl'))) == 2
 
 

@@ -5,6 +5,8 @@ Each entry is ``builder(config, module, max_examples) -> FederatedAlgorithm``.
 from fedjax_shift.algorithms.fedavg import fedavg
 from fedjax_shift.algorithms.fedavg_ft import fedavg_ft
 from fedjax_shift.algorithms.fedbn import fedbn
+from fedjax_shift.algorithms.fedevolve import fedevolve
+from fedjax_shift.algorithms.fedevp import fedevp
 from fedjax_shift.algorithms.fedprox import fedprox
 from fedjax_shift.algorithms.local import local
 from fedjax_shift.algorithms.qffl import qffl
@@ -12,5 +14,6 @@ from fedjax_shift.registry import Registry
 
 ALGORITHMS: Registry = Registry('algorithm')
 for _name, _builder in [('fedavg', fedavg), ('fedprox', fedprox), ('fedbn', fedbn),
-                        ('fedavg_ft', fedavg_ft), ('local', local), ('qffl', qffl)]:
+                        ('fedavg_ft', fedavg_ft), ('local', local), ('qffl', qffl),
+                        ('fedevolve', fedevolve), ('fedevp', fedevp)]:
   ALGORITHMS.register(_name)(_builder)

@@ -102,3 +102,5 @@ def label_skew_corrupted(data_config: ml_collections.ConfigDict, seed: int) -> B
     info['corruption_per_client'] = per_client
     info['severity'] = severity
   return Benchmark(splits, src.num_classes, tuple(example_shape), info)
+
+from fedjax_shift.benchmarks import evolving  # noqa: E402,F401  (registers rotated_digits, circle)

@@ -1,0 +1,46 @@
+"""Domain-major client data of the evolving benchmarks (benchmarks/evolving.py):
+block m of a client's [M·n, ...] examples is its data of source domain m+1."""
+from __future__ import annotations
+
+from typing import NamedTuple, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_shift.core.algorithm import ClientData
+from fedjax_shift.core.local import example_order
+
+
+class DomainLayout(NamedTuple):
+  num_domains: int   # M source domains
+  domain_size: int   # n, padded examples per domain block
+
+
+def domain_block(data: ClientData, layout: DomainLayout, m) -> Tuple[jax.Array, ...]:
+  """(x [n, ...], y [n], mask [n]) of source domain block m (traced m allowed)."""
+  start = m * layout.domain_size
+  take = lambda a: jax.lax.dynamic_slice_in_dim(a, start, layout.domain_size, 0)
+  return take(data.x), take(data.y), take(data.mask)
+
+
+def domain_batch(data: ClientData, layout: DomainLayout, m, rng: jax.Array, batch_size: int
+                 ) -> Tuple[jax.Array, jax.Array, jax.Array]:
+  """A random batch of domain m: (x [B, ...], y [B], weight [B]). Real examples
+  only (wrapping inside the block's own examples); when the block holds fewer than B
+  examples the repeats carry weight 0, and an empty block gives weight 0 throughout."""
+  x, y, mask = domain_block(data, layout, m)
+  count = jnp.sum(mask)
+  order = example_order(rng, mask)
+  positions = jnp.arange(batch_size)
+  idx = order[positions % jnp.maximum(count, 1)]
+  weight = (positions < count).astype(jnp.float32)
+  return x[idx], y[idx], weight
+
+
+def check_layout(layout: DomainLayout, max_examples: int) -> None:
+  if layout.num_domains < 1 or layout.domain_size < 1:
+    raise ValueError(f'evolving methods need domain-major client data; got {layout}')
+  if layout.num_domains * layout.domain_size != max_examples:
+    raise ValueError(f'client data has {max_examples} padded examples, not num_domains × '
+                     f'domain_size = {layout.num_domains} × {layout.domain_size}: use an '
+                     f'evolving benchmark (rotated_digits, circle)')

@@ -1,0 +1,153 @@
+"""FedEvolve: Federated Learning under Evolving Distribution Shifts (fedevolve.txt,
+Sec. 4.1 and Algorithm 1).
+
+Two representation functions: f_φ estimates, from domain S_m, the representation
+of the next domain; f_ψ represents S_{m+1}. Client k, for τ local iterations, for
+m = 1 … M−1:
+
+  A ~ D_m^k, B ~ D_{m+1}^k                             random batches
+  C_{m,y} = mean_{x ∈ A_y} f_φ(x)                      (Eq. 3)
+  ℓ = −mean_{(x,y) ∈ B} log softmax_y(−d(f_ψ(x), C_m))  (Eq. 4, d Euclidean)
+  (φ, ψ) ← (φ, ψ) − η ∇ℓ
+
+Server: φ, ψ ← mean over the cohort (uniform weights in the paper). Prediction on
+the target domain S_{M+1}: nearest prototype of f_φ(S_M) to f_ψ(x). "Client"
+(personalised) uses the client's own S_M prototypes under the global φ; "server"
+(global) uses prototypes averaged over the last cohort's uploads (sum of features
+and counts per class of S_M, a C×F message). Both are expressed as a linear head on
+f_ψ (prototypes.prototype_head), so evaluation is a classifier forward.
+A straggler's budget caps the τ iterations (each iteration = all M−1 domain pairs).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from fedjax_shift import models
+from fedjax_shift.algorithms import base
+from fedjax_shift.algorithms.domains import DomainLayout, check_layout, domain_batch, domain_block
+from fedjax_shift.algorithms.prototypes import (class_prototypes, prototype_head,
+                                                prototype_loss)
+from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
+from fedjax_shift.core.local import select
+
+
+class FedEvolveState(NamedTuple):
+  params: Any          # {'phi': encoder params, 'psi': encoder params}
+  opt_state: Any
+  prototypes: Any      # [C, F] server prototypes of S_M (averaged uploads)
+  present: Any         # [C] bool
+  round: jax.Array
+
+
+def layout_from_config(config: ml_collections.ConfigDict, max_examples: int) -> DomainLayout:
+  """M = data.num_domains − 1 source domains; n = padded examples / M."""
+  num_sources = config.data.num_domains - 1
+  if num_sources < 1:
+    raise ValueError(f'config.data.num_domains: need >= 2 (sources + target), got '
+                     f'{config.data.num_domains}')
+  layout = DomainLayout(num_sources, max_examples // num_sources)
+  check_layout(layout, max_examples)
+  return layout
+
+
+def encoder_features(module, encoder_params, x):
+  return models.features(module, {'params': {'encoder': encoder_params}}, x)
+
+
+def fedevolve(config: ml_collections.ConfigDict, module, max_examples: int
+              ) -> FederatedAlgorithm:
+  layout = layout_from_config(config, max_examples)
+  if layout.num_domains < 2:
+    raise ValueError('FedEvolve aligns consecutive source domains: config.data.num_domains '
+                     'must be >= 3 (two sources and the target)')
+  num_classes = module.num_classes
+  iterations = config.client.local_epochs
+  batch_size = config.client.batch_size
+  client_opt = base.client_optimizer(config)
+  server_opt = base.server_optimizer(config)
+
+  def init(rng, example_x):
+    phi_key, psi_key = jax.random.split(rng)
+    variables = [models.init(module, key, example_x) for key in (phi_key, psi_key)]
+    if any(set(v) != {'params'} for v in variables):
+      raise ValueError('FedEvolve needs a model without BatchNorm statistics (evolve_cnn, mlp)')
+    params = {'phi': variables[0]['params']['encoder'], 'psi': variables[1]['params']['encoder']}
+    dim = encoder_features(module, params['phi'], example_x).shape[-1]
+    return FedEvolveState(params, server_opt.init(params), jnp.zeros((num_classes, dim)),
+                          jnp.zeros((num_classes,), bool), jnp.int32(0))
+
+  def pair_loss(params, x_a, y_a, w_a, x_b, y_b, w_b):
+    protos, counts = class_prototypes(encoder_features(module, params['phi'], x_a), y_a, w_a,
+                                      num_classes)
+    return prototype_loss(encoder_features(module, params['psi'], x_b), y_b, w_b, protos,
+                          counts > 0)
+
+  grad_fn = jax.value_and_grad(pair_loss)
+
+  def last_domain_sums(phi, data):
+    x, y, mask = domain_block(data, layout, layout.num_domains - 1)
+    onehot = jax.nn.one_hot(y, num_classes) * mask[:, None]
+    return onehot.T @ encoder_features(module, phi, x), onehot.sum(0)
+
+  def client_update(server_state: FedEvolveState, client_state, data, rng):
+    budget = jnp.minimum(iterations, data.step_budget)
+    budget = jnp.where(data.num_examples > 0, budget, 0)
+
+    def iteration(carry, it):
+      def pair(carry, m):
+        params, opt_state, loss_sum = carry
+        key = jax.random.fold_in(jax.random.fold_in(rng, it), m)
+        x_a, y_a, w_a = domain_batch(data, layout, m, jax.random.fold_in(key, 0), batch_size)
+        x_b, y_b, w_b = domain_batch(data, layout, m + 1, jax.random.fold_in(key, 1),
+                                     batch_size)
+        loss, grads = grad_fn(params, x_a, y_a, w_a, x_b, y_b, w_b)
+        updates, new_opt = client_opt.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        active = it < budget
+        return (select(active, new_params, params), select(active, new_opt, opt_state),
+                loss_sum + jnp.where(active, loss, 0.0)), None
+
+      carry, _ = jax.lax.scan(pair, carry, jnp.arange(layout.num_domains - 1))
+      return carry, None
+
+    params = server_state.params
+    init_carry = (params, client_opt.init(params), jnp.float32(0.0))
+    (params, _, loss_sum), _ = jax.lax.scan(iteration, init_carry, jnp.arange(iterations),
+                                            unroll=config.engine.unroll)
+    sums, counts = last_domain_sums(params['phi'], data)
+    steps = budget * (layout.num_domains - 1)
+    metrics = {'loss': loss_sum / jnp.maximum(steps, 1), 'num_steps': steps.astype(jnp.float32)}
+    update = {'params': base.tree_sub(params, server_state.params), 'proto_sums': sums,
+              'proto_counts': counts}
+    return ClientOutput(update, metrics), client_state
+
+  def server_update(state: FedEvolveState, outputs: ClientOutput, weights) -> FedEvolveState:
+    mean_delta = base.weighted_sum(outputs.update['params'], weights)
+    updates, opt_state = server_opt.update(jax.tree.map(jnp.negative, mean_delta),
+                                           state.opt_state, state.params)
+    included = (weights > 0).astype(jnp.float32)
+    sums = jnp.tensordot(included, outputs.update['proto_sums'], axes=1)
+    counts = jnp.tensordot(included, outputs.update['proto_counts'], axes=1)
+    prototypes = sums / jnp.maximum(counts, 1e-12)[:, None]
+    return FedEvolveState(optax.apply_updates(state.params, updates), opt_state, prototypes,
+                          counts > 0, state.round + 1)
+
+  def classifier(psi, prototypes, present):
+    return {'params': {'encoder': psi, 'head': prototype_head(prototypes, present)}}
+
+  def personalize(state: FedEvolveState, client_state, data, rng):
+    del client_state, rng
+    sums, counts = last_domain_sums(state.params['phi'], data)
+    return classifier(state.params['psi'], sums / jnp.maximum(counts, 1e-12)[:, None],
+                      counts > 0)
+
+  return FederatedAlgorithm(
+      init=init, init_client_state=lambda state: (), client_update=client_update,
+      server_update=server_update, personalize=personalize,
+      global_model=lambda state: classifier(state.params['psi'], state.prototypes,
+                                            state.present))

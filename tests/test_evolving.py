@@ -1,0 +1,155 @@
+"""Evolving-shift data (rotated digits, Circle), prototypes, FedEvolve and FedEvp."""
+import chex
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from fedjax_shift import models
+from fedjax_shift.algorithms import ALGORITHMS
+from fedjax_shift.algorithms.prototypes import (class_prototypes, prototype_head,
+                                                prototype_loss)
+from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.benchmarks.evolving import split_domain, client_proportions
+from fedjax_shift.core.algorithm import ClientData
+from fedjax_shift.core.round import NO_STEP_LIMIT, RoundConfig, build_round, round_key
+from helpers import tiny_config
+
+
+def circle_config(alpha=float('inf'), num_domains=5):
+  config = tiny_config()
+  config.data.num_domains = num_domains
+  config.data.points_per_domain = 40
+  config.data.num_clients = 3
+  config.data.dirichlet_alpha = alpha
+  config.model.hidden = (16,)
+  config.client.local_epochs = 2
+  config.client.batch_size = 8
+  config.client.learning_rate = 0.05
+  return config
+
+
+def test_prototypes_of_padded_batch_equal_unpadded():
+  rng = np.random.default_rng(0)
+  features = rng.normal(size=(10, 4)).astype(np.float32)
+  labels = rng.integers(0, 3, 10)
+  weight = np.array([1, 1, 1, 0, 1, 0, 0, 1, 1, 1], np.float32)
+  protos, counts = class_prototypes(features, labels, weight, 3)
+  real = weight > 0
+  for c in range(3):
+    members = features[real & (labels == c)]
+    assert counts[c] == len(members)
+    if len(members):
+      np.testing.assert_allclose(protos[c], members.mean(0), rtol=1e-5)
+  loss_padded = prototype_loss(features, labels, weight, protos, counts > 0)
+  loss_real = prototype_loss(features[real], labels[real], np.ones(real.sum()), protos,
+                             counts > 0)
+  np.testing.assert_allclose(loss_padded, loss_real, rtol=1e-6)
+
+
+def test_absent_class_has_no_nan_and_is_never_predicted():
+  features = jnp.array([[0.0, 0.0], [1.0, 0.0], [5.0, 5.0]])
+  labels = jnp.array([0, 0, 2])  # class 1 absent
+  protos, counts = class_prototypes(features, labels, jnp.ones(3), 3)
+  chex.assert_tree_all_finite(protos)
+  present = counts > 0
+  assert present.tolist() == [True, False, True]
+  # An example of the absent class carries no loss; the rest are finite.
+  loss = prototype_loss(features, jnp.array([0, 1, 2]), jnp.ones(3), protos, present)
+  chex.assert_tree_all_finite(loss)
+  head = prototype_head(protos, present)
+  logits = jnp.array([[0.2, 0.1], [4.0, 4.5]]) @ head['kernel'] + head['bias']
+  np.testing.assert_array_equal(np.argmax(logits, -1), [0, 2])
+  # The head's argmax is the nearest prototype.
+  z = jnp.array([[0.4, 0.1], [3.0, 3.0]])
+  dist = jnp.linalg.norm(z[:, None] - protos[None], axis=-1)
+  dist = jnp.where(present[None], dist, jnp.inf)
+  np.testing.assert_array_equal(np.argmax(z @ head['kernel'] + head['bias'], -1),
+                                np.argmin(dist, -1))
+
+
+@pytest.mark.parametrize('alpha', [float('inf'), 1.0, 0.1])
+def test_domain_split_is_reproducible_and_assigns_every_example_once(alpha):
+  labels = np.random.default_rng(0).integers(0, 5, 200)
+  props = client_proportions(4, 5, alpha, np.random.default_rng(1))
+  parts = split_domain(labels, props, np.random.default_rng(2))
+  again = split_domain(labels, client_proportions(4, 5, alpha, np.random.default_rng(1)),
+                       np.random.default_rng(2))
+  assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+  everything = np.concatenate(parts)
+  assert sorted(everything.tolist()) == list(range(200))
+
+
+def test_rotated_digits_layout_and_bad_input():
+  config = ml_collections.ConfigDict({'source': 'mnist_embedded', 'num_domains': 4,
+                                      'rotation_step': 15.0, 'num_clients': 3,
+                                      'dirichlet_alpha': 1.0})
+  bench = BENCHMARKS.get('rotated_digits')(config, 0)
+  train, test = bench.splits['train'], bench.splits['test']
+  assert train.max_examples == 3 * bench.info['domain_size']
+  assert bench.info['angles'] == [0.0, 15.0, 30.0, 45.0] and bench.info['target_angle'] == 45.0
+  assert int(train.num_examples.sum()) + int(test.num_examples.sum()) == 5000
+  config.num_domains = 1
+  with pytest.raises(ValueError, match='num_domains'):
+    BENCHMARKS.get('rotated_digits')(config, 0)
+  config.num_domains = 4
+  config.dirichlet_alpha = 0.0
+  with pytest.raises(ValueError, match='dirichlet_alpha'):
+    BENCHMARKS.get('rotated_digits')(config, 0)
+
+
+def make(name, config):
+  bench = BENCHMARKS.get('circle')(config.data, 0)
+  train = bench.splits['train']
+  module = models.create(config.model, 2)
+  algorithm = ALGORITHMS.get(name)(config, module, train.max_examples)
+  state = algorithm.init(jax.random.key(0), jnp.asarray(train.x[0, :1]))
+  return bench, module, algorithm, state
+
+
+@pytest.mark.parametrize('name', ['fedevolve', 'fedevp'])
+def test_straggler_with_one_iteration_equals_a_client_run_with_tau_one(name):
+  config = circle_config()
+  bench, _, algorithm, state = make(name, config)
+  train = bench.splits['train']
+  one = ClientData(*(jnp.asarray(a[0]) for a in train), jnp.int32(1))
+  straggler, _ = algorithm.client_update(state, (), one, jax.random.key(3))
+  config.client.local_epochs = 1
+  _, _, tau_one, _ = make(name, config)
+  normal, _ = tau_one.client_update(state, (), one._replace(step_budget=jnp.int32(NO_STEP_LIMIT)),
+                                    jax.random.key(3))
+  chex.assert_trees_all_close(straggler.update, normal.update, rtol=1e-6, atol=1e-7)
+  # ... and two iterations really differ from one.
+  full, _ = algorithm.client_update(state, (), one._replace(step_budget=jnp.int32(5)),
+                                    jax.random.key(3))
+  assert not np.allclose(jax.tree.leaves(full.update)[0], jax.tree.leaves(normal.update)[0])
+
+
+@pytest.mark.parametrize('name', ['fedevolve', 'fedevp'])
+def test_round_trains_and_evaluates_without_nan(name):
+  from fedjax_shift.core import evaluation
+  config = circle_config(alpha=0.1)
+  bench, module, algorithm, state = make(name, config)
+  train, test = bench.splits['train'], bench.splits['test']
+  round_device, _ = build_round(algorithm, RoundConfig(cohort_size=3, weighting='uniform'))
+  losses = []
+  for r in range(4):
+    out = round_device(state, (), train, round_key(jax.random.key(1), r))
+    state = out.server_state
+    losses.append(float(out.metrics['loss']))
+  assert np.all(np.isfinite(losses))
+  chex.assert_tree_all_finite(state)
+  evaluate = evaluation.build_evaluate(algorithm, module, 64)
+  per_client = evaluation.evaluate_population(evaluate, state, jnp.zeros(3), train,
+                                              {'test': test}, jax.random.key(0), 3)
+  summary = evaluation.summarize(per_client)
+  for model in ('global', 'personalized'):
+    assert 0.0 <= summary[f'{model}/test/accuracy'] <= 1.0
+
+
+def test_fedevolve_rejects_data_without_domain_blocks():
+  config = circle_config()
+  module = models.create(config.model, 2)
+  with pytest.raises(ValueError, match='evolving benchmark'):
+    ALGORITHMS.get('fedevolve')(config, module, 7)  # 7 is not 4 domains × n
