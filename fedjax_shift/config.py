@@ -174,7 +174,7 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
   if config.get('pipeline', 'federated') == 'federated':
     BENCHMARKS.get(config.data.benchmark, 'config.data.benchmark')
   source = config.data.source
-  _require(source in EMBEDDED_SOURCES or (source.startswith('tfds:') and
+  _require(config.data.benchmark == 'circle' or source in EMBEDDED_SOURCES or (source.startswith('tfds:') and
            source[5:].split('/')[0] in sources.TFDS_DATASETS),
            'data.source', f'unknown source {source!r}; choose from {list(EMBEDDED_SOURCES)} or '
            f'tfds:<name> with <name> in {sorted(sources.TFDS_DATASETS)}')

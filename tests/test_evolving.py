@@ -153,3 +153,19 @@ def test_fedevolve_rejects_data_without_domain_blocks():
   module = models.create(config.model, 2)
   with pytest.raises(ValueError, match='evolving benchmark'):
     ALGORITHMS.get('fedevolve')(config, module, 7)  # 7 is not 4 domains × n
+
+
+def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
+  from configs import fedevolve as fedevolve_config
+  from fedjax_shift import experiment
+  config = fedevolve_config.get_config('rmnist_dir0.1,straggler0.5')
+  assert config.data.dirichlet_alpha == 0.1 and config.straggler_prob == 0.5
+  assert config.straggler_max_steps == config.client.local_epochs == 10
+  assert fedevolve_config.get_config('rmnist_domains7').data.num_domains == 7
+  with pytest.raises(ValueError, match='unknown variant'):
+    fedevolve_config.get_config('rmnist_dirx,bogus')
+  config = fedevolve_config.get_config('circle_dirinf,tiny')
+  config.algorithms = ('fedavg', 'fedevolve')
+  out = experiment.run(config, str(tmp_path))
+  methods = [row[0] for row in out['table']['rows']]
+  assert methods == ['fedavg', 'fedevolve']
