@@ -78,6 +78,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.fedprox = ml_collections.ConfigDict({'mu': 0.01})   # FedProx μ (ATP Table 7: 0.01)
   c.finetune = ml_collections.ConfigDict({'epochs': 1})  # FedAvg-FT local epochs
   c.qffl = ml_collections.ConfigDict({'q': 1.0})         # q-FFL q (ATP Table 7: q = 1)
+  c.ditto = ml_collections.ConfigDict({'lam': 0.1})      # Ditto λ (FedEvolve App. D: 0.1)
+  c.fedrep = ml_collections.ConfigDict({'head_epochs': 10})  # FedRep head epochs (our default)
+  c.apfl = ml_collections.ConfigDict({'alpha': 0.5})     # APFL fixed mixing α (our default)
 
   # ATP α training (atp.txt Algorithm 1; REFERENCE.md, the authors' code).
   c.atp = ml_collections.ConfigDict()

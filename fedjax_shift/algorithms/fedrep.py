@@ -1,0 +1,63 @@
+"""FedRep: Exploiting Shared Representations for Personalized Federated Learning.
+Collins et al., ICML 2021, Algorithm 1.
+
+  client k:  h_k ← ``fedrep.head_epochs`` epochs of SGD on its head, encoder φ frozen
+             φ_k ← ``client.local_epochs`` epochs of SGD on the encoder, head h_k frozen
+  server:    φ ← mean of φ_k; heads never leave the clients
+
+The head is the final linear layer (FedEvolve App. D). The personalised model is the
+global encoder with the client's own head; there is no global model.
+"""
+from __future__ import annotations
+
+import jax
+import ml_collections
+
+from fedjax_shift.algorithms import base
+from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
+from fedjax_shift.core.local import LocalSchedule, local_train
+
+
+def with_head(variables, head):
+  return {**variables, 'params': {**variables['params'], 'head': head}}
+
+
+def train_part(module, config, max_examples, variables, part: str, epochs: int, data, rng):
+  """Local SGD of ``variables['params'][part]`` ('head' or 'encoder') only."""
+  params, model_state = base.split_variables(variables)
+  frozen = {k: v for k, v in params.items() if k != part}
+  ce = base.cross_entropy_loss(module)
+
+  def loss_fn(trained, model_state, x, y, weight, step_rng):
+    return ce({**frozen, part: trained}, model_state, x, y, weight, step_rng)
+
+  schedule = LocalSchedule(config.client.batch_size, epochs, 0, max_examples,
+                           config.engine.unroll)
+  trained, model_state, _, metrics = local_train(loss_fn, base.client_optimizer(config),
+                                                 params[part], model_state, data, rng, schedule)
+  return {'params': {**frozen, part: trained}, **model_state}, metrics
+
+
+def fedrep(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
+  head_epochs, body_epochs = config.fedrep.head_epochs, config.client.local_epochs
+  server_opt = base.server_optimizer(config)
+
+  def client_update(server_state, head, data, rng):
+    variables = with_head(server_state.variables, head)
+    variables, metrics = train_part(module, config, max_examples, variables, 'head',
+                                    head_epochs, data, jax.random.fold_in(rng, 0))
+    head = variables['params']['head']
+    if body_epochs:
+      variables, metrics = train_part(module, config, max_examples, variables, 'encoder',
+                                      body_epochs, data, jax.random.fold_in(rng, 1))
+    # Only the representation is sent: the head's delta is zero by construction.
+    delta = base.tree_sub(with_head(variables, server_state.variables['params']['head']),
+                          server_state.variables)
+    return ClientOutput(delta, metrics), head
+
+  return FederatedAlgorithm(
+      init=base.init_server(module, server_opt),
+      init_client_state=lambda server_state: server_state.variables['params']['head'],
+      client_update=client_update, server_update=base.average_server_update(server_opt),
+      personalize=lambda server_state, head, data, rng: with_head(server_state.variables, head),
+      global_model=None)

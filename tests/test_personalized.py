@@ -1,0 +1,81 @@
+"""Personalised-FL baselines against the special cases their papers name."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_shift import models
+from fedjax_shift.algorithms import ALGORITHMS
+from fedjax_shift.core.algorithm import ClientData
+from fedjax_shift.core.round import RoundConfig, build_round, stack_client_states
+from helpers import tiny_config, toy_clients
+
+NUM_CLASSES = 3
+
+
+def make(name, config, data):
+  module = models.create(config.model, NUM_CLASSES)
+  algorithm = ALGORITHMS.get(name)(config, module, data.max_examples)
+  server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
+  return algorithm, server, stack_client_states(algorithm, server, data.num_clients)
+
+
+def test_ditto_with_lambda_zero_personal_model_is_local_training():
+  config = tiny_config(**{'ditto.lam': 0.0, 'client.batch_size': 3})
+  data, _, _ = toy_clients([6, 9], num_classes=NUM_CLASSES)
+  ditto, server, clients = make('ditto', config, data)
+  local, _, local_clients = make('local', config, data)
+  one = lambda d, k: ClientData(*(jnp.asarray(a[k]) for a in d), jnp.int32(10 ** 6))
+  for k in range(2):
+    state_k = jax.tree.map(lambda a: a[k], clients)
+    _, personal = ditto.client_update(server, state_k, one(data, k), jax.random.key(k))
+    _, local_state = local.client_update(server, jax.tree.map(lambda a: a[k], local_clients),
+                                         one(data, k), jax.random.fold_in(jax.random.key(k), 1))
+    chex.assert_trees_all_close(personal[0], local_state[0], rtol=1e-6)
+  # λ > 0 pulls the personal model toward the global one: a different result.
+  config.ditto.lam = 10.0
+  ditto10, _, _ = make('ditto', config, data)
+  _, pulled = ditto10.client_update(server, jax.tree.map(lambda a: a[0], clients), one(data, 0),
+                                    jax.random.key(0))
+  _, free = ditto.client_update(server, jax.tree.map(lambda a: a[0], clients), one(data, 0),
+                                jax.random.key(0))
+  assert not np.allclose(pulled[0]['params']['head']['kernel'], free[0]['params']['head']['kernel'])
+
+
+def test_fedrep_with_frozen_encoder_trains_only_heads():
+  config = tiny_config(**{'client.local_epochs': 0, 'fedrep.head_epochs': 2,
+                          'client.local_steps': 0})
+  data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
+  fedrep, server, heads = make('fedrep', config, data)
+  out = build_round(fedrep, RoundConfig(cohort_size=3))[0](server, heads, data, jax.random.key(1))
+  chex.assert_trees_all_equal(out.server_state.variables['params'],
+                              server.variables['params'])
+  for k in range(3):
+    assert not np.allclose(out.client_states['kernel'][k], heads['kernel'][k])
+  # With encoder epochs the representation moves and the server averages it.
+  config.client.local_epochs = 1
+  fedrep1, _, _ = make('fedrep', config, data)
+  moved = build_round(fedrep1, RoundConfig(cohort_size=3))[0](server, heads, data,
+                                                              jax.random.key(1))
+  assert not np.allclose(moved.server_state.variables['params']['encoder']['Dense_0']['kernel'],
+                         server.variables['params']['encoder']['Dense_0']['kernel'])
+  chex.assert_trees_all_equal(moved.server_state.variables['params']['head'],
+                              server.variables['params']['head'])
+
+
+def test_apfl_with_mixing_weight_zero_equals_fedavg():
+  config = tiny_config(**{'apfl.alpha': 0.0, 'client.batch_size': 3})
+  data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
+  apfl, server, personal = make('apfl', config, data)
+  fedavg, _, fedavg_clients = make('fedavg', config, data)
+  key = jax.random.key(2)
+  a = build_round(apfl, RoundConfig(cohort_size=3))[0](server, personal, data, key)
+  b = build_round(fedavg, RoundConfig(cohort_size=3))[0](server, fedavg_clients, data, key)
+  chex.assert_trees_all_close(a.server_state.variables, b.server_state.variables, rtol=1e-6)
+  variables = apfl.personalize(a.server_state, jax.tree.map(lambda x: x[0], a.client_states),
+                               None, None)
+  chex.assert_trees_all_close(variables, a.server_state.variables)
+  with pytest.raises(ValueError, match='config.apfl.alpha'):
+    config.apfl.alpha = 1.5
+    make('apfl', config, data)
