@@ -81,6 +81,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.ditto = ml_collections.ConfigDict({'lam': 0.1})      # Ditto λ (FedEvolve App. D: 0.1)
   c.fedrep = ml_collections.ConfigDict({'head_epochs': 10})  # FedRep head epochs (our default)
   c.apfl = ml_collections.ConfigDict({'alpha': 0.5})     # APFL fixed mixing α (our default)
+  c.gma = ml_collections.ConfigDict({'threshold': 0.1})  # GMA τ (FedEvolve App. D: 0.1)
 
   # ATP α training (atp.txt Algorithm 1; REFERENCE.md, the authors' code).
   c.atp = ml_collections.ConfigDict()

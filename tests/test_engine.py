@@ -144,7 +144,7 @@ def test_qffl_q_zero_equals_uniform_fedavg_and_q_one_matches_formula():
 
 
 @pytest.mark.parametrize('name', ['fedavg', 'fedprox', 'fedbn', 'fedavg_ft', 'local', 'qffl',
-                                  'ditto', 'fedrep', 'apfl'])
+                                  'ditto', 'fedrep', 'apfl', 'fedrod', 'gma'])
 def test_padding_does_not_change_update(name):
   config = tiny_config(**{'model.name': 'bn_mlp', 'client.batch_size': 3})
   tight, _, _ = toy_clients([5, 8], num_classes=NUM_CLASSES)

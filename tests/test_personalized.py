@@ -79,3 +79,44 @@ def test_apfl_with_mixing_weight_zero_equals_fedavg():
   with pytest.raises(ValueError, match='config.apfl.alpha'):
     config.apfl.alpha = 1.5
     make('apfl', config, data)
+
+
+def test_gma_mask_and_threshold_zero_equals_fedavg():
+  from fedjax_shift.algorithms.gma import agreement_mask
+  deltas = {'w': jnp.array([[1.0, 1.0, -1.0], [1.0, -1.0, -1.0], [1.0, 1.0, 0.0]])}
+  mask = agreement_mask(deltas, jnp.array([0.5, 0.5, 0.0]), 0.6)  # third client excluded
+  # agreements |Σ sign| / 2 = [1, 0, 1]: below τ the mask is the agreement itself.
+  np.testing.assert_allclose(mask['w'], [1.0, 0.0, 1.0])
+  config = tiny_config(**{'gma.threshold': 0.0})
+  data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
+  gma, server, clients = make('gma', config, data)
+  fedavg, _, _ = make('fedavg', config, data)
+  key = jax.random.key(4)
+  a = build_round(gma, RoundConfig(cohort_size=3))[0](server, clients, data, key)
+  b = build_round(fedavg, RoundConfig(cohort_size=3))[0](server, clients, data, key)
+  chex.assert_trees_all_close(a.server_state.variables, b.server_state.variables, rtol=1e-6)
+
+
+def test_fedrod_generic_part_equals_fedavg_on_label_balanced_clients():
+  """With a uniform client label distribution the balanced softmax is the plain
+  softmax and the personal head is detached from the generic model, so the global
+  update is FedAvg's; the personalised head is g + p."""
+  from fedjax_shift.data.federated import stack_clients
+  rng = np.random.default_rng(0)
+  xs = [rng.random((6, 4, 4, 1)).astype(np.float32) for _ in range(2)]
+  ys = [np.array([0, 1, 2, 0, 1, 2], np.int32)] * 2
+  data = stack_clients(xs, ys)
+  config = tiny_config(**{'client.batch_size': 3})
+  fedrod, server, heads = make('fedrod', config, data)
+  fedavg, _, _ = make('fedavg', config, data)
+  key = jax.random.key(5)
+  a = build_round(fedrod, RoundConfig(cohort_size=2))[0](server, heads, data, key)
+  b = build_round(fedavg, RoundConfig(cohort_size=2))[0](server, (), data, key)
+  chex.assert_trees_all_close(a.server_state.variables, b.server_state.variables, rtol=1e-5,
+                              atol=1e-7)
+  head = jax.tree.map(lambda h: h[0], a.client_states)
+  assert not np.allclose(head['kernel'], 0.0)
+  personal = fedrod.personalize(a.server_state, head, None, None)
+  np.testing.assert_allclose(personal['params']['head']['kernel'],
+                             a.server_state.variables['params']['head']['kernel'] +
+                             head['kernel'], rtol=1e-6)

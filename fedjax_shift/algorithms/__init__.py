@@ -11,6 +11,8 @@ from fedjax_shift.algorithms.fedevolve import fedevolve
 from fedjax_shift.algorithms.fedevp import fedevp
 from fedjax_shift.algorithms.fedprox import fedprox
 from fedjax_shift.algorithms.fedrep import fedrep
+from fedjax_shift.algorithms.fedrod import fedrod
+from fedjax_shift.algorithms.gma import gma
 from fedjax_shift.algorithms.local import local
 from fedjax_shift.algorithms.qffl import qffl
 from fedjax_shift.registry import Registry
@@ -19,5 +21,6 @@ ALGORITHMS: Registry = Registry('algorithm')
 for _name, _builder in [('fedavg', fedavg), ('fedprox', fedprox), ('fedbn', fedbn),
                         ('fedavg_ft', fedavg_ft), ('local', local), ('qffl', qffl),
                         ('fedevolve', fedevolve), ('fedevp', fedevp),
-                        ('ditto', ditto), ('fedrep', fedrep), ('apfl', apfl)]:
+                        ('ditto', ditto), ('fedrep', fedrep), ('apfl', apfl),
+                        ('fedrod', fedrod), ('gma', gma)]:
   ALGORITHMS.register(_name)(_builder)

@@ -1,0 +1,52 @@
+"""GMA: Gradient Masked Averaging for Federated Learning. Tenison et al., 2022,
+Algorithm 1.
+
+Clients train as in FedAvg. The server measures, per parameter, the agreement of the
+cohort's update signs, A = |Σ_k sign(Δ_k)| / C, and masks the averaged update:
+m = 1 where A ≥ τ, m = A elsewhere; w ← ServerOpt(w, −m ⊙ Σ_k p_k Δ_k). τ = 0.1
+(FedEvolve App. D). BatchNorm statistics are averaged unmasked.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from fedjax_shift.algorithms import base
+from fedjax_shift.algorithms.fedavg import fedavg
+from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
+
+
+def agreement_mask(stacked_deltas, weights, threshold: float):
+  """Per-parameter mask from the sign agreement of the clients with weight > 0."""
+  included = (weights > 0).astype(jnp.float32)
+  count = jnp.maximum(jnp.sum(included), 1.0)
+
+  def mask(leaf):
+    agreement = jnp.abs(jnp.tensordot(included, jnp.sign(leaf), axes=1)) / count
+    return jnp.where(agreement >= threshold, 1.0, agreement)
+
+  return jax.tree.map(mask, stacked_deltas)
+
+
+def gma(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
+  threshold = config.gma.threshold
+  if not 0.0 <= threshold <= 1.0:
+    raise ValueError(f'config.gma.threshold: must be in [0, 1], got {threshold}')
+  server_opt = base.server_optimizer(config)
+
+  def server_update(state: base.ServerState, outputs: ClientOutput, weights):
+    mean_delta = base.weighted_sum(outputs.update, weights)
+    params, rest = base.split_variables(state.variables)
+    delta_params, delta_rest = base.split_variables(mean_delta)
+    stacked_params, _ = base.split_variables(outputs.update)
+    masked = jax.tree.map(jnp.multiply, delta_params,
+                          agreement_mask(stacked_params, weights, threshold))
+    updates, opt_state = server_opt.update(jax.tree.map(jnp.negative, masked), state.opt_state,
+                                           params)
+    params = optax.apply_updates(params, updates)
+    rest = jax.tree.map(jnp.add, rest, delta_rest)
+    return base.ServerState({'params': params, **rest}, opt_state, state.round + 1)
+
+  return fedavg(config, module, max_examples)._replace(server_update=server_update)
