@@ -49,6 +49,13 @@ def get_config(arg: str = 'rmnist_dirinf') -> ml_collections.ConfigDict:
   c.client.batch_size = 32            # App. D, Table 11: batch 32
   c.client.local_epochs = 10          # App. D: 10 local epochs (τ iterations)
   c.finetune.epochs = 1               # App. D: personalisation epoch 1
+  # MEMO(G) = global+memo, MEMO(P) = personalized+memo, T3A = personalized+t3a of FedAvg-FT.
+  c.eval_adapters = ('memo:episodic', 't3a:online')
+  c.eval_adapter_algorithms = ('fedavg_ft',)
+  c.adapters = ml_collections.ConfigDict({
+      'memo': {'num_augmentations': 32, 'learning_rate': 0.005,   # App. D: 32 augmentations,
+               'num_steps': 3},                                    # 3 optimisation steps
+      't3a': {'filter_k': 50}})                                    # App. D: M = 50
   c.eval_every = 10
   for part in filter(None, (arg or '').split(',')):
     apply_part(c, part)
@@ -94,6 +101,8 @@ def apply_part(c: ml_collections.ConfigDict, part: str) -> None:
     c.eval_every = 2
     c.checkpoint_every = 1
     c.progress = False
+    c.adapters.memo.num_augmentations = 2
+    c.adapters.memo.num_steps = 1
     if c.data.benchmark == 'circle':
       c.model.hidden = (16,)
   else:

@@ -104,6 +104,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.engine.eval_batch_size = 256
 
   c.eval_every = 10                 # rounds between evaluations (the last round always)
+  c.eval_adapters = ()              # test-time methods on the trained models, '<adapter>:<mode>'
+  c.eval_adapter_algorithms = ()    # ... applied to these algorithms' models
+  c.eval_adapter_batch_size = 32    # their test batch size
   c.checkpoint_every = 5
   c.keep_checkpoints = 2
   c.progress = True

@@ -67,6 +67,27 @@ def _round_config(config) -> RoundConfig:
                      client_chunk=config.engine.client_chunk)
 
 
+def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: int,
+                        algorithm: FederatedAlgorithm):
+  """The jitted adapted evaluation of ``config.eval_adapters`` ('<adapter>:<mode>'
+  strings, e.g. 'memo:episodic', 't3a:online'; hyperparameters from
+  ``config.adapters.<adapter>``), run on the test splits; None when there are none."""
+  specs = tuple(config.get('eval_adapters', ()))
+  if not specs:
+    return None
+  from fedjax_shift.adapters import ADAPTERS, SourceContext
+  from fedjax_shift.core.test_time import client_runner
+  context = SourceContext(None, num_classes, config.eval_adapter_batch_size, None, None)
+  runners = {}
+  for spec in specs:
+    name, _, mode = spec.partition(':')
+    section = config.adapters[name] if name in config.get('adapters', {}) else \
+        ml_collections.ConfigDict()
+    adapter = ADAPTERS.get(name, 'config.eval_adapters')(module, section, context)
+    runners[name] = client_runner(adapter, config.eval_adapter_batch_size, mode or 'episodic')
+  return evaluation.build_adapted_evaluate(algorithm, runners)
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
                        seed: int, bench: Optional[Benchmark] = None,
                        algorithm: Optional[FederatedAlgorithm] = None,
@@ -124,6 +145,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
                                          donate=config.engine.donate,
                                          backend=config.engine.backend)
   evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size)
+  adapted_chunk = None
+  if algorithm_name in tuple(config.get('eval_adapter_algorithms', ())):
+    adapted_chunk = build_eval_adapters(config, module, bench.num_classes, algorithm)
   host_store = None
   if config.data.store == 'host':
     host_store = HostStore(train, train_key, round_config)
@@ -136,6 +160,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
     per_client = evaluation.evaluate_population(
         evaluate_chunk, server_state, client_states, train, eval_splits, eval_key,
         config.engine.eval_chunk_size)
+    if adapted_chunk is not None:
+      test_splits = {n: s for n, s in eval_splits.items() if n.startswith('test')}
+      per_client.update(evaluation.evaluate_population(
+          adapted_chunk, server_state, client_states, train, test_splits, eval_key,
+          config.engine.eval_chunk_size))
     return evaluation.summarize(per_client)
 
   progress = None

@@ -165,7 +165,13 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
   with pytest.raises(ValueError, match='unknown variant'):
     fedevolve_config.get_config('rmnist_dirx,bogus')
   config = fedevolve_config.get_config('circle_dirinf,tiny')
-  config.algorithms = ('fedavg', 'fedevolve')
+  config.algorithms = ('fedavg_ft', 'fedevolve')
   out = experiment.run(config, str(tmp_path))
   methods = [row[0] for row in out['table']['rows']]
-  assert methods == ['fedavg', 'fedevolve']
+  assert methods == ['fedavg_ft', 'fedevolve']
+  # MEMO(G), MEMO(P) and T3A on FedAvg-FT: adapted columns, only for FedAvg-FT.
+  header = out['table']['header']
+  for column in ('global+memo/test', 'personalized+memo/test', 'personalized+t3a/test'):
+    assert column in header
+    assert out['table']['rows'][1][header.index(column)] == 'n/a'
+    assert out['table']['rows'][0][header.index(column)] != 'n/a'

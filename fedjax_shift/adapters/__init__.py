@@ -78,7 +78,8 @@ def _t3a(module, cfg: Config, context: SourceContext) -> Adapter:
 
 @ADAPTERS.register('memo')
 def _memo(module, cfg: Config, context: SourceContext) -> Adapter:
-  return memo.memo(module, cfg.num_augmentations, cfg.learning_rate)
+  return memo.memo(module, cfg.num_augmentations, cfg.learning_rate,
+                   num_steps=cfg.get('num_steps', 1))
 
 
 @ADAPTERS.register('em')

@@ -26,18 +26,23 @@ def marginal_entropy(logits: jax.Array) -> jax.Array:
 
 
 def memo(module, num_augmentations: int = 32, learning_rate: float = 0.005,
-         mode: str = 'eval') -> Adapter:
-  """``mode``: the BatchNorm mode of the forward passes ('eval': running statistics)."""
+         mode: str = 'eval', num_steps: int = 1) -> Adapter:
+  """``mode``: the BatchNorm mode of the forward passes ('eval': running statistics);
+  ``num_steps``: SGD steps per example, each on fresh augmentations (FedEvolve: 3)."""
   if num_augmentations < 1:
     raise ValueError(f'memo num_augmentations must be >= 1, got {num_augmentations}')
+  if num_steps < 1:
+    raise ValueError(f'memo num_steps must be >= 1, got {num_steps}')
 
   def adapt_one(variables, x, key):
-    views = augment_many(key, x, num_augmentations)
     params, rest = variables['params'], {k: v for k, v in variables.items() if k != 'params'}
-    loss = lambda p: marginal_entropy(models.apply(module, {'params': p, **rest}, views,
-                                                   mode)[0])
-    grads = jax.grad(loss)(params)
-    params = jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
+    for step in range(num_steps):
+      step_key = key if step == 0 else jax.random.fold_in(key, step)
+      views = augment_many(step_key, x, num_augmentations)
+      loss = lambda p: marginal_entropy(models.apply(module, {'params': p, **rest}, views,
+                                                     mode)[0])
+      grads = jax.grad(loss)(params)
+      params = jax.tree.map(lambda p, g: p - learning_rate * g, params, grads)
     return models.apply(module, {'params': params, **rest}, x[None], 'eval')[0][0]
 
   def init(variables, rng):

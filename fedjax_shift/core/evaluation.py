@@ -81,6 +81,41 @@ def build_evaluate(algorithm: FederatedAlgorithm, module, batch_size: int = 256)
   return jax.jit(evaluate_chunk)
 
 
+def build_adapted_evaluate(algorithm: FederatedAlgorithm, runners: Dict[str, Any]):
+  """Test-time adaptation on top of the trained models (FedEvolve's MEMO(G),
+  MEMO(P), T3A on FedAvg-FT): ``runners`` maps a name to a
+  ``core.test_time.client_runner``. Returns jitted ``evaluate_chunk`` with the
+  signature of ``build_evaluate``'s, giving {'<model>+<name>': {split: sums [C]}} for
+  model 'global' and/or 'personalized'; client k's adapter key is
+  ``fold_in(key, k)``."""
+
+  def one_client(server_state, client_state, train: FederatedData,
+                 splits: Dict[str, FederatedData], client_id, key):
+    models_to_adapt = {}
+    if algorithm.global_model is not None:
+      models_to_adapt['global'] = algorithm.global_model(server_state)
+    if algorithm.personalize is not None:
+      data = ClientData(train.x, train.y, train.mask, train.num_examples,
+                        jnp.int32(NO_STEP_LIMIT))
+      models_to_adapt['personalized'] = algorithm.personalize(
+          server_state, client_state, data, jax.random.fold_in(key, client_id))
+    results = {}
+    adapt_key = jax.random.fold_in(jax.random.fold_in(key, 1), client_id)
+    for model, variables in models_to_adapt.items():
+      for name, run_one in runners.items():
+        results[f'{model}+{name}'] = {
+            split: {k: v for k, v in run_one(variables, s.x, s.y, s.num_examples,
+                                             adapt_key).items() if k != 'predictions'}
+            for split, s in splits.items()}
+    return results
+
+  def evaluate_chunk(server_state, client_states, train, splits, client_ids, key):
+    return jax.vmap(one_client, (None, 0, 0, 0, 0, None))(
+        server_state, client_states, train, splits, client_ids, key)
+
+  return jax.jit(evaluate_chunk)
+
+
 def evaluate_population(evaluate_chunk, server_state, client_states, train: FederatedData,
                         splits: Dict[str, FederatedData], key, chunk_size: int
                         ) -> Dict[str, Dict[str, Dict[str, np.ndarray]]]:

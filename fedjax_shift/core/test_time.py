@@ -53,15 +53,10 @@ def client_batches(x: jax.Array, num_examples: jax.Array, batch_size: int) -> Ad
   return AdaptBatch(x[idx], weight), idx
 
 
-def build_test_time(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
-  """Returns jitted ``run(variables, data: FederatedData [K, N, ...], rng)`` ->
-  {'correct', 'loss', 'count'} each [K] (sums over each client's scored examples)
-  and 'predictions' [K, N] (argmax, −1 where padded).
-
-  ``variables`` are shared by every client (the global model); client k's adapter
-  key is ``fold_in(rng, client_ids[k])`` (``client_ids`` defaults to 0..K−1; pass the
-  population ids when running a subset so every client keeps its key).
-  """
+def client_runner(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
+  """``run_one(variables, x [N, ...], y [N], num_examples [], rng)`` -> the sums
+  {'correct', 'loss', 'count'} and 'predictions' [N] of ONE client (unjitted, for
+  vmapping with shared or per-client variables)."""
   if mode not in MODES:
     raise ValueError(f'unknown test-time mode {mode!r}; choose from {list(MODES)}')
   if batch_size < 1:
@@ -86,6 +81,20 @@ def build_test_time(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
     predictions = jnp.where(jnp.arange(x.shape[0]) < num_examples, flat_pred, -1)
     return {'correct': jnp.sum(correct * weight), 'loss': jnp.sum(loss * weight),
             'count': jnp.sum(weight), 'predictions': predictions}
+
+  return one_client
+
+
+def build_test_time(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
+  """Returns jitted ``run(variables, data: FederatedData [K, N, ...], rng)`` ->
+  {'correct', 'loss', 'count'} each [K] (sums over each client's scored examples)
+  and 'predictions' [K, N] (argmax, −1 where padded).
+
+  ``variables`` are shared by every client (the global model); client k's adapter
+  key is ``fold_in(rng, client_ids[k])`` (``client_ids`` defaults to 0..K−1; pass the
+  population ids when running a subset so every client keeps its key).
+  """
+  one_client = client_runner(adapter, batch_size, mode)
 
   def run(variables, data: FederatedData, rng, client_ids=None) -> Dict[str, jax.Array]:
     if client_ids is None:

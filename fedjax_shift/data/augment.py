@@ -6,6 +6,7 @@ The chain: random translation (reflect-pad 4 px at 32 px, scaled to the image, t
 crop), rotation by U(−15°, 15°) (bilinear), contrast and brightness jitter
 U(0.7, 1.3) / U(−0.1, 0.1), and clipping to [0, 1]. MEMO used AugMix; these
 operations are the geometric and photometric part of it that is cheap in JAX.
+Vector inputs (synthetic Circle points) are jittered with Gaussian noise instead.
 """
 from __future__ import annotations
 
@@ -27,8 +28,14 @@ def rotate(image: jax.Array, degrees: jax.Array) -> jax.Array:
   return jax.vmap(channel, in_axes=2, out_axes=2)(image)
 
 
+VECTOR_NOISE = 0.1
+
+
 def augment(key: jax.Array, image: jax.Array) -> jax.Array:
-  """One random augmentation of ``image`` [H, W, C] (values in [0, 1])."""
+  """One random augmentation of ``image`` [H, W, C] (values in [0, 1]). Vector
+  inputs [D] (Circle) get Gaussian jitter of standard deviation VECTOR_NOISE."""
+  if image.ndim == 1:
+    return image + VECTOR_NOISE * jax.random.normal(key, image.shape)
   height, width = image.shape[:2]
   pad = max(1, round(4 * height / 32))
   shift_key, rot_key, con_key, bri_key = jax.random.split(key, 4)
