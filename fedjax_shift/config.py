@@ -82,6 +82,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.fedrep = ml_collections.ConfigDict({'head_epochs': 10})  # FedRep head epochs (our default)
   c.apfl = ml_collections.ConfigDict({'alpha': 0.5})     # APFL fixed mixing α (our default)
   c.gma = ml_collections.ConfigDict({'threshold': 0.1})  # GMA τ (FedEvolve App. D: 0.1)
+  c.fedsr = ml_collections.ConfigDict({'l2r': 0.01, 'cmi': 0.001})  # FedEvolve App. D
 
   # ATP α training (atp.txt Algorithm 1; REFERENCE.md, the authors' code).
   c.atp = ml_collections.ConfigDict()

@@ -144,9 +144,11 @@ def test_qffl_q_zero_equals_uniform_fedavg_and_q_one_matches_formula():
 
 
 @pytest.mark.parametrize('name', ['fedavg', 'fedprox', 'fedbn', 'fedavg_ft', 'local', 'qffl',
-                                  'ditto', 'fedrep', 'apfl', 'fedrod', 'gma'])
+                                  'ditto', 'fedrep', 'apfl', 'fedrod', 'gma', 'fedsr'])
 def test_padding_does_not_change_update(name):
-  config = tiny_config(**{'model.name': 'bn_mlp', 'client.batch_size': 3})
+  # BatchNorm where the method supports it (FedSR's probabilistic head here does not).
+  model = 'mlp' if name == 'fedsr' else 'bn_mlp'
+  config = tiny_config(**{'model.name': model, 'client.batch_size': 3})
   tight, _, _ = toy_clients([5, 8], num_classes=NUM_CLASSES)
   padded, _, _ = toy_clients([5, 8], num_classes=NUM_CLASSES, pad_to=20)
   _, algorithm, server, clients = make(name, config, tight)

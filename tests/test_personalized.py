@@ -120,3 +120,20 @@ def test_fedrod_generic_part_equals_fedavg_on_label_balanced_clients():
   np.testing.assert_allclose(personal['params']['head']['kernel'],
                              a.server_state.variables['params']['head']['kernel'] +
                              head['kernel'], rtol=1e-6)
+
+
+def test_fedsr_kl_closed_form_and_zero_weights_train_like_fedavg_on_mu():
+  from fedjax_shift.algorithms.fedsr import gaussian_kl
+  # KL(N(0,1) ‖ N(0,1)) = 0; KL(N(1,1) ‖ N(0,2²)) = ln 2 + (1 + 1)/8 − 1/2.
+  np.testing.assert_allclose(gaussian_kl(jnp.zeros(3), jnp.ones(3), jnp.zeros(3), jnp.ones(3)),
+                             0.0, atol=1e-7)
+  np.testing.assert_allclose(gaussian_kl(jnp.ones(1), jnp.ones(1), jnp.zeros(1),
+                                         2 * jnp.ones(1)), np.log(2) + 2 / 8 - 0.5, rtol=1e-6)
+  config = tiny_config(**{'client.batch_size': 3})
+  data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
+  fedsr, server, clients = make('fedsr', config, data)
+  out = build_round(fedsr, RoundConfig(cohort_size=3))[0](server, clients, data,
+                                                          jax.random.key(0))
+  chex.assert_tree_all_finite(out.server_state.variables)
+  assert 'fedsr' not in fedsr.global_model(out.server_state)['params']
+  assert not np.allclose(out.server_state.variables['params']['fedsr']['ref_mean'], 0.0)

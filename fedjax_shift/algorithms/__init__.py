@@ -12,6 +12,7 @@ from fedjax_shift.algorithms.fedevp import fedevp
 from fedjax_shift.algorithms.fedprox import fedprox
 from fedjax_shift.algorithms.fedrep import fedrep
 from fedjax_shift.algorithms.fedrod import fedrod
+from fedjax_shift.algorithms.fedsr import fedsr
 from fedjax_shift.algorithms.gma import gma
 from fedjax_shift.algorithms.local import local
 from fedjax_shift.algorithms.qffl import qffl
@@ -22,5 +23,5 @@ for _name, _builder in [('fedavg', fedavg), ('fedprox', fedprox), ('fedbn', fedb
                         ('fedavg_ft', fedavg_ft), ('local', local), ('qffl', qffl),
                         ('fedevolve', fedevolve), ('fedevp', fedevp),
                         ('ditto', ditto), ('fedrep', fedrep), ('apfl', apfl),
-                        ('fedrod', fedrod), ('gma', gma)]:
+                        ('fedrod', fedrod), ('gma', gma), ('fedsr', fedsr)]:
   ALGORITHMS.register(_name)(_builder)
