@@ -29,7 +29,9 @@ from fedjax_shift.config import base_config
 
 def get_config(arg: str = 'rmnist_dirinf') -> ml_collections.ConfigDict:
   c = base_config()
-  c.algorithms = ('fedavg', 'fedavg_ft', 'fedevolve', 'fedevp')
+  # FedEvolve Table 1 rows (MEMO(G), MEMO(P), T3A come from fedavg_ft's eval adapters).
+  c.algorithms = ('fedavg', 'gma', 'fedavg_ft', 'apfl', 'fedrep', 'ditto', 'fedrod', 'fedsr',
+                  'fedevolve', 'fedevp')
   c.rounds = 50                       # FedEvolve App. D: 50 rounds
   c.weighting = 'uniform'             # FedEvolve/FedEvp: (1/|I_t|) Σ
   c.data.benchmark = 'rotated_digits'

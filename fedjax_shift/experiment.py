@@ -67,6 +67,20 @@ def _round_config(config) -> RoundConfig:
                      client_chunk=config.engine.client_chunk)
 
 
+def uploaded_parameters(algorithm: FederatedAlgorithm, server_state, client_states,
+                        train: federated.FederatedData) -> int:
+  """Numbers a client sends per round: the elements of its ``ClientOutput.update``
+  (from the pytree shapes, no computation; FedEvolve Table 7)."""
+  from fedjax_shift.core.algorithm import ClientData
+  from fedjax_shift.core.round import NO_STEP_LIMIT
+  one = ClientData(jnp.asarray(train.x[0]), jnp.asarray(train.y[0]), jnp.asarray(train.mask[0]),
+                   jnp.asarray(train.num_examples[0]), jnp.int32(NO_STEP_LIMIT))
+  state = jax.tree.map(lambda a: a[0], client_states)
+  shapes = jax.eval_shape(algorithm.client_update, server_state, state, one,
+                          jax.random.key(0))
+  return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(shapes[0].update)))
+
+
 def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: int,
                         algorithm: FederatedAlgorithm):
   """The jitted adapted evaluation of ``config.eval_adapters`` ('<adapter>:<mode>'
@@ -128,6 +142,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   init_key, train_key, eval_key = (jax.random.fold_in(seed_key, i) for i in range(3))
   server_state = algorithm.init(init_key, jnp.asarray(train.x[0, :1]))
   client_states = stack_client_states(algorithm, server_state, train.num_clients)
+  upload = uploaded_parameters(algorithm, server_state, client_states, train)
 
   checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'), config.checkpoint_every,
                               config.keep_checkpoints)
@@ -222,7 +237,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   if not summary:  # resumed after the final round: evaluate the restored state
     summary = evaluate(server_state, client_states)
   result = {'algorithm': algorithm_name, 'seed': seed, 'metrics': summary,
-            'rounds': config.rounds, 'train_seconds': elapsed, 'hardware': hardware()}
+            'rounds': config.rounds, 'train_seconds': elapsed, 'hardware': hardware(),
+            'uploaded_parameters': upload}
   with open(os.path.join(workdir, 'results.json'), 'w') as f:
     json.dump(result, f, indent=1)
   return {**result, 'server_state': server_state}

@@ -33,7 +33,7 @@ def results_table(results: List[Dict]) -> Dict[str, object]:
       if key.endswith('/accuracy') and key[:-len('/accuracy')] not in columns:
         columns.append(key[:-len('/accuracy')])
   columns.sort(key=lambda c: (not c.startswith('global'), c))
-  header = ['method'] + columns + ['seeds', 'rounds', 'seconds/seed']
+  header = ['method'] + columns + ['seeds', 'rounds', 'seconds/seed', 'uploaded/client/round']
   rows = []
   for method in methods:
     runs = [r for r in results if r['algorithm'] == method]
@@ -43,6 +43,7 @@ def results_table(results: List[Dict]) -> Dict[str, object]:
     row.append(str(len(runs)))
     row.append(str(runs[0]['rounds']))
     row.append(f"{np.mean([r['train_seconds'] for r in runs]):.1f}")
+    row.append(f"{runs[0].get('uploaded_parameters', 0):,}")
     rows.append(row)
   lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
   lines += ['| ' + ' | '.join(row) + ' |' for row in rows]

@@ -137,3 +137,20 @@ def test_fedsr_kl_closed_form_and_zero_weights_train_like_fedavg_on_mu():
   chex.assert_tree_all_finite(out.server_state.variables)
   assert 'fedsr' not in fedsr.global_model(out.server_state)['params']
   assert not np.allclose(out.server_state.variables['params']['fedsr']['ref_mean'], 0.0)
+
+
+def test_uploaded_parameters_are_counted_from_the_update_pytrees():
+  """FedEvolve Table 7: FedAvg uploads its model, FedRep only its representation,
+  Local nothing."""
+  from fedjax_shift.experiment import uploaded_parameters
+  config = tiny_config()
+  data, _, _ = toy_clients([6, 9], num_classes=NUM_CLASSES)
+  counts = {}
+  for name in ('fedavg', 'fedrep', 'local'):
+    algorithm, server, clients = make(name, config, data)
+    counts[name] = uploaded_parameters(algorithm, server, clients, data)
+  params = server.variables['params']
+  total = models.num_parameters(params)
+  assert counts['fedavg'] == total
+  assert counts['fedrep'] == total - models.num_parameters(params['head'])
+  assert counts['local'] == 0

@@ -11,6 +11,7 @@ global encoder with the client's own head; there is no global model.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from fedjax_shift.algorithms import base
@@ -50,14 +51,22 @@ def fedrep(config: ml_collections.ConfigDict, module, max_examples: int) -> Fede
     if body_epochs:
       variables, metrics = train_part(module, config, max_examples, variables, 'encoder',
                                       body_epochs, data, jax.random.fold_in(rng, 1))
-    # Only the representation is sent: the head's delta is zero by construction.
-    delta = base.tree_sub(with_head(variables, server_state.variables['params']['head']),
-                          server_state.variables)
+    # Only the representation (and BN statistics) is sent; heads stay on the client.
+    delta = base.tree_sub(variables, with_head(server_state.variables, head))
+    delta = {**delta, 'params': {k: v for k, v in delta['params'].items() if k != 'head'}}
     return ClientOutput(delta, metrics), head
+
+  average = base.average_server_update(server_opt)
+
+  def server_update(server_state, outputs: ClientOutput, weights):
+    zero_head = jax.tree.map(lambda h: jnp.zeros((weights.shape[0],) + h.shape, h.dtype),
+                             server_state.variables['params']['head'])
+    update = {**outputs.update, 'params': {**outputs.update['params'], 'head': zero_head}}
+    return average(server_state, outputs._replace(update=update), weights)
 
   return FederatedAlgorithm(
       init=base.init_server(module, server_opt),
       init_client_state=lambda server_state: server_state.variables['params']['head'],
-      client_update=client_update, server_update=base.average_server_update(server_opt),
+      client_update=client_update, server_update=server_update,
       personalize=lambda server_state, head, data, rng: with_head(server_state.variables, head),
       global_model=None)
