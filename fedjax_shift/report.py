@@ -149,3 +149,42 @@ def plot_alpha(alpha_by_shift: Dict[str, np.ndarray], names: Sequence[str], path
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+# FedEvolve Table 1 rows: (label, method, model for Client, model for Server).
+EVOLVING_ROWS = (
+    ('FedAvg', 'fedavg', 'global', 'global'),
+    ('GMA', 'gma', 'global', 'global'),
+    ('MEMO(G)', 'fedavg_ft', 'global+memo', 'global+memo'),
+    ('FedAvg-FT', 'fedavg_ft', 'personalized', 'global'),
+    ('APFL', 'apfl', 'personalized', 'global'),
+    ('FedRep', 'fedrep', 'personalized', None),
+    ('Ditto', 'ditto', 'personalized', 'global'),
+    ('FedRoD', 'fedrod', 'personalized', 'global'),
+    ('MEMO(P)', 'fedavg_ft', 'personalized+memo', None),
+    ('T3A', 'fedavg_ft', 'personalized+t3a', None),
+    ('FedSR', 'fedsr', 'global', 'global'),
+    ('FedEvolve', 'fedevolve', 'personalized', 'global'),
+    ('FedEvp', 'fedevp', 'personalized', 'global'))
+
+
+def evolving_table(runs_by_column: Dict[str, List[Dict]], split: str = 'test') -> str:
+  """FedEvolve Table 1 layout: per column group (e.g. a Dirichlet level) a 'Client'
+  column — the mean over clients of each client's accuracy on its target domain with
+  the model named in EVOLVING_ROWS — and a 'Server' column — the global model's
+  accuracy over every client's target data. ``runs_by_column``: label -> per
+  (method, seed) result dicts as written to results.json."""
+  header = ['Method']
+  for label in runs_by_column:
+    header += [f'{label} Client', f'{label} Server']
+  rows = []
+  for row_label, method, client_model, server_model in EVOLVING_ROWS:
+    row = [row_label]
+    for runs in runs_by_column.values():
+      mine = [r for r in runs if r['algorithm'] == method]
+      for model, metric in ((client_model, 'client_accuracy'), (server_model, 'accuracy')):
+        values = [r['metrics'].get(f'{model}/{split}/{metric}') for r in mine] if model else []
+        row.append(mean_std(values))
+    if any(cell != 'n/a' for cell in row[1:]):
+      rows.append(row)
+  return _markdown(header, rows)

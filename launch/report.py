@@ -1,10 +1,13 @@
-"""Rebuilds ATP's tables from one or more test-time workdirs.
+"""Rebuilds the papers' tables from finished workdirs.
 
     python launch/report.py --workdirs=/tmp/atp_feature,/tmp/atp_label,/tmp/atp_hybrid
+    python launch/report.py --kind=evolving --workdirs=/tmp/fe_inf,/tmp/fe_1,/tmp/fe_01 \
+        --labels='Dir=inf,Dir=1.0,Dir=0.1'
 
-merges their Table 1 columns (one shift per run, or several), and Table 3 where a run
-trained α on several shifts, and prints the tables in ATP's layout (mean ± std over
-the seeds each run used). --out writes them as markdown.
+--kind=atp (test-time pipeline runs) merges their Table 1 columns (one shift per run,
+or several) and Table 3 where a run trained α on several shifts. --kind=evolving
+(configs/fedevolve.py runs) lays out FedEvolve's Table 1: one Client/Server column
+pair per workdir. Mean ± std over the seeds each run used; --out writes markdown.
 """
 import json
 import os
@@ -18,6 +21,8 @@ from fedjax_shift import report  # noqa: E402
 
 _WORKDIRS = flags.DEFINE_list('workdirs', None, 'Test-time pipeline workdirs.')
 _OUT = flags.DEFINE_string('out', '', 'Write the markdown here.')
+_KIND = flags.DEFINE_enum('kind', 'atp', ['atp', 'evolving'], 'Which paper layout.')
+_LABELS = flags.DEFINE_list('labels', [], 'Column labels, one per workdir (evolving).')
 flags.mark_flags_as_required(['workdirs'])
 
 
@@ -48,9 +53,31 @@ def load(workdirs):
   return table1, table3, labels, order, sorted(seeds)
 
 
+def load_evolving(workdirs, labels):
+  """{label: [per (method, seed) results.json dicts]} of configs/fedevolve.py runs."""
+  import glob
+  labels = labels or [os.path.basename(os.path.normpath(w)) for w in workdirs]
+  if len(labels) != len(workdirs):
+    raise ValueError(f'--labels names {len(labels)} columns for {len(workdirs)} workdirs')
+  out = {}
+  for label, workdir in zip(labels, workdirs):
+    paths = sorted(glob.glob(os.path.join(workdir, '*', 'seed_*', 'results.json')))
+    if not paths:
+      raise FileNotFoundError(f'no <method>/seed_<s>/results.json under {workdir!r}')
+    runs = []
+    for path in paths:
+      with open(path) as f:
+        runs.append(json.load(f))
+    out[label] = runs
+  return out
+
+
 def main(argv):
   del argv
-  text = report.tta_tables(*load(_WORKDIRS.value))
+  if _KIND.value == 'evolving':
+    text = report.evolving_table(load_evolving(_WORKDIRS.value, _LABELS.value))
+  else:
+    text = report.tta_tables(*load(_WORKDIRS.value))
   print(text)
   if _OUT.value:
     with open(_OUT.value, 'w') as f:

@@ -175,3 +175,9 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
     assert column in header
     assert out['table']['rows'][1][header.index(column)] == 'n/a'
     assert out['table']['rows'][0][header.index(column)] != 'n/a'
+  # The paper's Table 1 layout: FedAvg-FT gives the FedAvg-FT, MEMO(G), MEMO(P), T3A rows.
+  from fedjax_shift import report
+  table = report.evolving_table({'Dir=inf': out['results']})
+  labels = [line.split(' | ')[0].strip('| ') for line in table.splitlines()[2:]]
+  assert labels == ['MEMO(G)', 'FedAvg-FT', 'MEMO(P)', 'T3A', 'FedEvolve']
+  assert '| T3A |' in table and table.count('n/a') == 2  # MEMO(P), T3A have no Server
