@@ -181,3 +181,21 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
   labels = [line.split(' | ')[0].strip('| ') for line in table.splitlines()[2:]]
   assert labels == ['MEMO(G)', 'FedAvg-FT', 'MEMO(P)', 'T3A', 'FedEvolve']
   assert '| T3A |' in table and table.count('n/a') == 2  # MEMO(P), T3A have no Server
+
+
+def test_more_clients_than_examples_is_an_error():
+  config = ml_collections.ConfigDict({'num_domains': 3, 'points_per_domain': 4,
+                                      'num_clients': 5, 'dirichlet_alpha': 1.0})
+  with pytest.raises(ValueError, match='config.data.num_clients=5 exceeds'):
+    BENCHMARKS.get('circle')(config, 0)
+
+
+def test_rotated_emnist_letters_through_tfds_mock_data():
+  import tensorflow_datasets as tfds
+  from configs import fedevolve as fedevolve_config
+  assert fedevolve_config.get_config('remnist_dir1.0').client.batch_size == 96
+  config = fedevolve_config.get_config('remnist_dir1.0,tiny')
+  assert config.data.rotation_step == 8.0
+  with tfds.testing.mock_data(num_examples=48):
+    bench = BENCHMARKS.get('rotated_digits')(config.data, 0)
+  assert bench.num_classes == 27 and bench.info['angles'] == [0.0, 8.0, 16.0, 24.0]

@@ -61,6 +61,10 @@ def domain_blocks(domains_x: List[np.ndarray], domains_y: List[np.ndarray], num_
   if len(domains_x) < 2:
     raise ValueError(f'an evolving benchmark needs at least one source domain and one '
                      f'target domain; got {len(domains_x)} domain(s)')
+  smallest = min(len(y) for y in domains_y)
+  if num_clients > smallest:
+    raise ValueError(f'config.data.num_clients={num_clients} exceeds the {smallest} examples of '
+                     f'the smallest domain: every client could not hold data of every domain')
   proportions = client_proportions(num_clients, num_classes, alpha, rng)
   per_domain = [split_domain(y, proportions, rng) for y in domains_y]
   for m, parts in enumerate(per_domain[:-1]):
