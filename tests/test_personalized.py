@@ -21,6 +21,19 @@ def make(name, config, data):
   return algorithm, server, stack_client_states(algorithm, server, data.num_clients)
 
 
+def assert_round_equals_fedavg(name, config, data, key, rtol=1e-6, atol=0.0):
+  """One compiled round of ``name`` leaves the global model where FedAvg's does;
+  returns (the method, its round output)."""
+  algorithm, server, states = make(name, config, data)
+  fedavg, _, fedavg_states = make('fedavg', config, data)
+  cohort = RoundConfig(cohort_size=data.num_clients)
+  out = build_round(algorithm, cohort)[0](server, states, data, key)
+  expected = build_round(fedavg, cohort)[0](server, fedavg_states, data, key)
+  chex.assert_trees_all_close(out.server_state.variables, expected.server_state.variables,
+                              rtol=rtol, atol=atol)
+  return algorithm, out
+
+
 def test_ditto_with_lambda_zero_personal_model_is_local_training():
   config = tiny_config(**{'ditto.lam': 0.0, 'client.batch_size': 3})
   data, _, _ = toy_clients([6, 9], num_classes=NUM_CLASSES)
@@ -67,12 +80,7 @@ def test_fedrep_with_frozen_encoder_trains_only_heads():
 def test_apfl_with_mixing_weight_zero_equals_fedavg():
   config = tiny_config(**{'apfl.alpha': 0.0, 'client.batch_size': 3})
   data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
-  apfl, server, personal = make('apfl', config, data)
-  fedavg, _, fedavg_clients = make('fedavg', config, data)
-  key = jax.random.key(2)
-  a = build_round(apfl, RoundConfig(cohort_size=3))[0](server, personal, data, key)
-  b = build_round(fedavg, RoundConfig(cohort_size=3))[0](server, fedavg_clients, data, key)
-  chex.assert_trees_all_close(a.server_state.variables, b.server_state.variables, rtol=1e-6)
+  apfl, a = assert_round_equals_fedavg('apfl', config, data, jax.random.key(2))
   variables = apfl.personalize(a.server_state, jax.tree.map(lambda x: x[0], a.client_states),
                                None, None)
   chex.assert_trees_all_close(variables, a.server_state.variables)
@@ -89,12 +97,7 @@ def test_gma_mask_and_threshold_zero_equals_fedavg():
   np.testing.assert_allclose(mask['w'], [1.0, 0.0, 1.0])
   config = tiny_config(**{'gma.threshold': 0.0})
   data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
-  gma, server, clients = make('gma', config, data)
-  fedavg, _, _ = make('fedavg', config, data)
-  key = jax.random.key(4)
-  a = build_round(gma, RoundConfig(cohort_size=3))[0](server, clients, data, key)
-  b = build_round(fedavg, RoundConfig(cohort_size=3))[0](server, clients, data, key)
-  chex.assert_trees_all_close(a.server_state.variables, b.server_state.variables, rtol=1e-6)
+  assert_round_equals_fedavg('gma', config, data, jax.random.key(4))
 
 
 def test_fedrod_generic_part_equals_fedavg_on_label_balanced_clients():
@@ -107,13 +110,8 @@ def test_fedrod_generic_part_equals_fedavg_on_label_balanced_clients():
   ys = [np.array([0, 1, 2, 0, 1, 2], np.int32)] * 2
   data = stack_clients(xs, ys)
   config = tiny_config(**{'client.batch_size': 3})
-  fedrod, server, heads = make('fedrod', config, data)
-  fedavg, _, _ = make('fedavg', config, data)
-  key = jax.random.key(5)
-  a = build_round(fedrod, RoundConfig(cohort_size=2))[0](server, heads, data, key)
-  b = build_round(fedavg, RoundConfig(cohort_size=2))[0](server, (), data, key)
-  chex.assert_trees_all_close(a.server_state.variables, b.server_state.variables, rtol=1e-5,
-                              atol=1e-7)
+  fedrod, a = assert_round_equals_fedavg('fedrod', config, data, jax.random.key(5), rtol=1e-5,
+                                         atol=1e-7)
   head = jax.tree.map(lambda h: h[0], a.client_states)
   assert not np.allclose(head['kernel'], 0.0)
   personal = fedrod.personalize(a.server_state, head, None, None)
