@@ -15,6 +15,9 @@ B, FedAvg with SGD):
   tta_vmap / tta_loop  an online adapter (--tta_adapter: ATP with α = 0.1, or Tent)
               over the same clients as target clients, batches of B: the jitted
               vmapped scan vs a Python loop over clients of a jitted step (opt-in)
+  fedevolve   FedEvolve's compiled round on the same cohort (the client data read as
+              10 domains of N/10; one local iteration = 9 consecutive-domain steps,
+              each a batch of B from both domains through φ and ψ), next to (a) (opt-in)
   fedavg_1step / alpha_round  the compiled FedAvg round with ONE local step of batch
               B vs ATP's α-training round with one α step of batch B on the same
               cohort (entropy forward/backward for h, then CE forward/backward
@@ -39,7 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-flags.DEFINE_enum('model', 'atp_cnn', ['atp_cnn', 'mlp', 'bn_mlp'], 'Model to benchmark.')
+flags.DEFINE_enum('model', 'atp_cnn', ['atp_cnn', 'mlp', 'bn_mlp', 'evolve_cnn'],
+                  'Model to benchmark.')
 flags.DEFINE_integer('clients', 60, 'Cohort size C.')
 flags.DEFINE_integer('examples', 200, 'Examples per client N.')
 flags.DEFINE_integer('batch_size', 20, 'Local batch size B.')
@@ -56,7 +60,8 @@ flags.DEFINE_string('case', '', 'Internal: run one case in this process and prin
 flags.DEFINE_string('out', '', 'Write the markdown table here.')
 FLAGS = flags.FLAGS
 
-SHAPES = {'atp_cnn': (32, 32, 3), 'mlp': (28, 28, 1), 'bn_mlp': (28, 28, 1)}
+SHAPES = {'atp_cnn': (32, 32, 3), 'mlp': (28, 28, 1), 'bn_mlp': (28, 28, 1),
+          'evolve_cnn': (28, 28, 1)}
 
 
 def peak_rss_gb() -> float:
@@ -102,8 +107,8 @@ def timed(fn, repeats):
 
 
 def setup_algorithm(num_clients_data, kind='fedavg'):
-  """kind: 'fedavg' (one epoch), 'fedavg_1step' (one local step) or 'alpha' (ATP's
-  α training around the initial model, one α step)."""
+  """kind: 'fedavg' (one epoch), 'fedavg_1step' (one local step), 'fedevolve' or
+  'alpha' (ATP's α training around the initial model, one α step)."""
   import jax
   import jax.numpy as jnp
   from fedjax_shift import models
@@ -114,7 +119,10 @@ def setup_algorithm(num_clients_data, kind='fedavg'):
   data = cohort_data(num_clients_data)
   if kind == 'fedavg_1step':
     config.client.local_steps = 1
-  algorithm = ALGORITHMS.get('fedavg')(config, module, FLAGS.examples)
+  if kind == 'fedevolve':
+    config.data.num_domains = 11  # 10 source domains of N/10 examples each
+  algorithm = ALGORITHMS.get('fedevolve' if kind == 'fedevolve' else 'fedavg')(
+      config, module, FLAGS.examples)
   server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   if kind == 'alpha':
     config.atp.local_steps = 1
@@ -347,6 +355,7 @@ def run_case(name):
               'torch': case_torch, 'loop_backend': lambda: case_round('loop'),
               'tta_vmap': lambda: case_tta(True), 'tta_loop': lambda: case_tta(False),
               'fedavg_1step': lambda: case_round(kind='fedavg_1step'),
+              'fedevolve': lambda: case_round(kind='fedevolve'),
               'alpha_round': lambda: case_round(kind='alpha')}[name]()
   result['peak_rss_gb'] = peak_rss_gb()
   return result
@@ -392,6 +401,7 @@ def main(argv):
             'tta_vmap': f'{FLAGS.tta_adapter} online: vmapped lax.scan over clients',
             'tta_loop': f'{FLAGS.tta_adapter} online: Python loop of jitted steps',
             'fedavg_1step': 'FedAvg round, 1 local step',
+            'fedevolve': 'FedEvolve round, 1 local iteration (9 domain pairs)',
             'alpha_round': 'ATP α round, 1 α step'}
   base = results.get('fused', {}).get('seconds')
   lines = ['| case | s/round | compile s | peak RSS GB | vs (c) fused |', '|---|---|---|---|---|']
