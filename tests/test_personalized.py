@@ -139,16 +139,20 @@ def test_fedsr_kl_closed_form_and_zero_weights_train_like_fedavg_on_mu():
 
 def test_uploaded_parameters_are_counted_from_the_update_pytrees():
   """FedEvolve Table 7: FedAvg uploads its model, FedRep only its representation,
-  Local nothing."""
+  FedBN all but its BatchNorm layers, Local nothing."""
   from fedjax_shift.experiment import uploaded_parameters
   config = tiny_config()
   data, _, _ = toy_clients([6, 9], num_classes=NUM_CLASSES)
   counts = {}
-  for name in ('fedavg', 'fedrep', 'local'):
+  config.model.name = 'bn_mlp'
+  for name in ('fedavg', 'fedrep', 'fedbn', 'local'):
     algorithm, server, clients = make(name, config, data)
     counts[name] = uploaded_parameters(algorithm, server, clients, data)
   params = server.variables['params']
-  total = models.num_parameters(params)
+  total = models.num_parameters(server.variables)  # BN running statistics are averaged too
+  batch_norm = models.num_parameters(server.variables['batch_stats']) + models.num_parameters(
+      params['encoder']['BatchNorm_0'])
   assert counts['fedavg'] == total
   assert counts['fedrep'] == total - models.num_parameters(params['head'])
+  assert counts['fedbn'] == total - batch_norm
   assert counts['local'] == 0

@@ -122,3 +122,31 @@ def average_server_update(server_opt: optax.GradientTransformation):
     return ServerState({'params': params, **rest}, opt_state, state.round + 1)
 
   return server_update
+
+
+def send_only(delta, is_sent: Callable) -> dict:
+  """The part of a client's delta it uploads: a flat {path: leaf} dict of the paths
+  with ``is_sent(path)`` (FedBN, FedRep keep the rest on the client)."""
+  from flax import traverse_util
+  return {p: v for p, v in traverse_util.flatten_dict(delta).items() if is_sent(p)}
+
+
+def received_update(sent: dict, template, cohort_size: int):
+  """The stacked uploads [C, ...] back in the shape of ``template`` (the server
+  variables), zeros where nothing was sent."""
+  from flax import traverse_util
+  flat = {p: sent[p] if p in sent else jnp.zeros((cohort_size,) + leaf.shape, leaf.dtype)
+          for p, leaf in traverse_util.flatten_dict(template).items()}
+  return traverse_util.unflatten_dict(flat)
+
+
+def partial_server_update(server_opt: optax.GradientTransformation):
+  """``average_server_update`` for clients that upload only part of the model
+  (their ``ClientOutput.update`` is a ``send_only`` dict)."""
+  average = average_server_update(server_opt)
+
+  def server_update(state: ServerState, outputs: ClientOutput, weights) -> ServerState:
+    update = received_update(outputs.update, state.variables, weights.shape[0])
+    return average(state, outputs._replace(update=update), weights)
+
+  return server_update

@@ -7,7 +7,6 @@ reports personalised results only.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 import ml_collections
 from flax import traverse_util
 
@@ -34,20 +33,14 @@ def merge_local(variables, local):
   return traverse_util.unflatten_dict(flat)
 
 
-def zero_local(tree):
-  flat = traverse_util.flatten_dict(tree)
-  flat = {path: jnp.zeros_like(leaf) if is_local(path) else leaf for path, leaf in flat.items()}
-  return traverse_util.unflatten_dict(flat)
-
-
 def fedbn(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
   server_opt = base.server_optimizer(config)
 
   def client_update(server_state, client_local, data, rng):
     start = merge_local(server_state.variables, client_local)
     new_variables, metrics = base.train_variables(module, config, max_examples, start, data, rng)
-    # Only the shared (non-BN) part is averaged: BN deltas are sent as zeros.
-    delta = zero_local(base.tree_sub(new_variables, start))
+    # Only the shared (non-BN) part is uploaded and averaged.
+    delta = base.send_only(base.tree_sub(new_variables, start), lambda p: not is_local(p))
     return ClientOutput(delta, metrics), local_part(new_variables)
 
   def personalize(server_state, client_local, data, rng):
@@ -58,6 +51,6 @@ def fedbn(config: ml_collections.ConfigDict, module, max_examples: int) -> Feder
       init=base.init_server(module, server_opt),
       init_client_state=lambda server_state: local_part(server_state.variables),
       client_update=client_update,
-      server_update=base.average_server_update(server_opt),
+      server_update=base.partial_server_update(server_opt),
       personalize=personalize,
       global_model=None)

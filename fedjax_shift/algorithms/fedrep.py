@@ -11,7 +11,6 @@ global encoder with the client's own head; there is no global model.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from fedjax_shift.algorithms import base
@@ -51,22 +50,14 @@ def fedrep(config: ml_collections.ConfigDict, module, max_examples: int) -> Fede
     if body_epochs:
       variables, metrics = train_part(module, config, max_examples, variables, 'encoder',
                                       body_epochs, data, jax.random.fold_in(rng, 1))
-    # Only the representation (and BN statistics) is sent; heads stay on the client.
-    delta = base.tree_sub(variables, with_head(server_state.variables, head))
-    delta = {**delta, 'params': {k: v for k, v in delta['params'].items() if k != 'head'}}
+    # Only the representation (and BN statistics) is uploaded; heads stay on the client.
+    delta = base.send_only(base.tree_sub(variables, with_head(server_state.variables, head)),
+                           lambda path: path[:2] != ('params', 'head'))
     return ClientOutput(delta, metrics), head
-
-  average = base.average_server_update(server_opt)
-
-  def server_update(server_state, outputs: ClientOutput, weights):
-    zero_head = jax.tree.map(lambda h: jnp.zeros((weights.shape[0],) + h.shape, h.dtype),
-                             server_state.variables['params']['head'])
-    update = {**outputs.update, 'params': {**outputs.update['params'], 'head': zero_head}}
-    return average(server_state, outputs._replace(update=update), weights)
 
   return FederatedAlgorithm(
       init=base.init_server(module, server_opt),
       init_client_state=lambda server_state: server_state.variables['params']['head'],
-      client_update=client_update, server_update=server_update,
+      client_update=client_update, server_update=base.partial_server_update(server_opt),
       personalize=lambda server_state, head, data, rng: with_head(server_state.variables, head),
       global_model=None)
