@@ -30,14 +30,6 @@ def block_selector(block: str, params):
 def surgical(module, block: str = 'first', learning_rate: float = 1e-3,
              predict: str = 'before', optimizer: optax.GradientTransformation | None = None
              ) -> Adapter:
-  selector = {}
-
-  def is_selected(path):
-    return selector['fn'](path)
-
-  def check(variables):
-    selector['fn'] = block_selector(block, variables['params'])
-
   def forward(variables, x):
     return models.apply(module, variables, x, 'eval')[0]
 
@@ -45,6 +37,7 @@ def surgical(module, block: str = 'first', learning_rate: float = 1e-3,
     logits = forward(variables, batch.x)
     return common.weighted_entropy(logits, batch.weight), (logits, extra)
 
-  return common.gradient_adapter('surgical', is_selected, f'surgical block {block!r}', loss_fn,
-                                 forward, optimizer or optax.adam(learning_rate), predict,
-                                 check=check)
+  return common.gradient_adapter('surgical', lambda params: block_selector(block, params),
+                                 f'surgical block {block!r}', loss_fn, forward,
+                                 optimizer or optax.adam(learning_rate), predict,
+                                 selector_of_params=True)

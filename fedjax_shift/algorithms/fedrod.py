@@ -41,10 +41,9 @@ def fedrod(config: ml_collections.ConfigDict, module, max_examples: int) -> Fede
       del step_rng
       ce = lambda logits: masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y),
                                       weight)
-      variables = {'params': both['generic'], **model_state}
-      features, new_state = module.apply(variables, x, train=True, method='features',
-                                         mutable=list(model_state)) if model_state else (
-          models.features(module, variables, x), {})
+      features, variables = models.train_features(
+          module, {'params': both['generic'], **model_state}, x)
+      new_state = {k: v for k, v in variables.items() if k != 'params'}
       generic = models.head({'params': both['generic']}, features)
       personal = jax.lax.stop_gradient(generic) + models.head(
           {'params': {'head': both['personal']}}, jax.lax.stop_gradient(features))

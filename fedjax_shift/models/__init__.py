@@ -153,6 +153,17 @@ def features(module: nn.Module, variables: Variables, x: jax.Array,
   return module.apply(variables, x, train=True, method='features', mutable=['batch_stats'])[0]
 
 
+def train_features(module: nn.Module, variables: Variables, x: jax.Array
+                   ) -> Tuple[jax.Array, Variables]:
+  """Encoder output [B, F] in train mode and the variables with updated running
+  statistics (as ``apply(..., 'train')`` for the whole model)."""
+  if 'batch_stats' not in variables:
+    return module.apply(variables, x, train=True, method='features'), variables
+  features, updates = module.apply(variables, x, train=True, method='features',
+                                   mutable=['batch_stats'])
+  return features, {**variables, 'batch_stats': updates['batch_stats']}
+
+
 def head(variables: Variables, features: jax.Array) -> jax.Array:
   """The linear head's logits [B, C] of features [B, F] (``Classifier.head``)."""
   kernel, bias = variables['params']['head']['kernel'], variables['params']['head']['bias']
