@@ -25,6 +25,7 @@ from flax import traverse_util
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
+from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import AdaptBatch, Adapter
 
 Alpha = Any          # {'params': tree of [] scalars, ['batch_stats': tree of [] scalars]}
@@ -107,7 +108,7 @@ def alpha_loss(module, variables, alpha: Alpha, h: Alpha, x: jax.Array, y: jax.A
   statistics normalise, so the CE gradient reaches the BN-statistic rates)."""
   logits = models.apply(module, adapted_variables(variables, alpha, h), x, 'eval')[0]
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-  return common.weighted_mean(losses, weight)
+  return masked_mean(losses, weight)
 
 
 class ATPState(NamedTuple):
@@ -124,9 +125,8 @@ def atp(module, alpha: Alpha) -> Adapter:
   def init(variables, rng):
     del rng
     check_alpha(alpha, variables)
-    zeros = jax.tree.map(jnp.zeros_like, init_alpha(variables))
-    zeros = jax.tree.map(jnp.zeros_like, {k: variables[k] for k in zeros})
-    return ATPState(variables, alpha, zeros, jnp.float32(0.0))
+    no_direction = jax.tree.map(jnp.zeros_like, {k: variables[k] for k in alpha})
+    return ATPState(variables, alpha, no_direction, jnp.float32(0.0))
 
   def step(state: ATPState, batch: AdaptBatch):
     h, _ = update_direction(module, state.variables, batch.x, batch.weight)

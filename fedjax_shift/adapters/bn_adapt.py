@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 
 from fedjax_shift import models
+from fedjax_shift.adapters import common
 from fedjax_shift.core.test_time import Adapter
 
 
@@ -25,10 +26,11 @@ def bn_adapt(module, prior: float) -> Adapter:
   if not 0.0 <= prior <= 1.0:
     raise ValueError(f'bn_adapt prior must be in [0, 1], got {prior}')
 
+  check = common.require_batch_norm('bn_adapt')
+
   def init(variables, rng):
     del rng
-    if not models.has_batch_norm(variables):
-      raise ValueError('bn_adapt needs a model with BatchNorm; this model has none')
+    check(variables)
     return variables
 
   def step(variables, batch):

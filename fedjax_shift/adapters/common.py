@@ -1,4 +1,5 @@
-"""Pieces shared by the test-time adapters: entropies, parameter subsets, optimizers."""
+"""Pieces shared by the test-time adapters: entropies, parameter subsets, checks,
+and the one-optimizer-step-per-batch adapter."""
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Tuple
@@ -8,6 +9,8 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
+from fedjax_shift import models
+from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import Adapter
 
 PREDICT = ('before', 'after')
@@ -19,14 +22,9 @@ def entropy(logits: jax.Array) -> jax.Array:
   return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
 
 
-def weighted_mean(values: jax.Array, weight: jax.Array) -> jax.Array:
-  """Σ w·v / Σ w, 0 (not NaN) when every weight is 0."""
-  return jnp.sum(values * weight) / jnp.maximum(jnp.sum(weight), 1e-12)
-
-
 def weighted_entropy(logits: jax.Array, weight: jax.Array) -> jax.Array:
   """Mean prediction entropy over the examples with weight > 0."""
-  return weighted_mean(entropy(logits), weight)
+  return masked_mean(entropy(logits), weight)
 
 
 def split_params(params, is_selected: Callable[[Tuple[str, ...]], bool], field: str):
@@ -50,14 +48,12 @@ def check_predict(name: str, predict: str) -> None:
     raise ValueError(f'{name} predict must be one of {PREDICT}, got {predict!r}')
 
 
-def optimizer(name: str, learning_rate: float, momentum: float = 0.0
-              ) -> optax.GradientTransformation:
-  """'sgd' (with optional momentum) or 'adam'."""
-  if name == 'sgd':
-    return optax.sgd(learning_rate, momentum=momentum or None)
-  if name == 'adam':
-    return optax.adam(learning_rate)
-  raise ValueError(f"adapter optimizer must be 'sgd' or 'adam', got {name!r}")
+def require_batch_norm(name: str) -> Callable:
+  """A variables check raising when the model has no BatchNorm (BN-Adapt, Tent, EATA)."""
+  def check(variables):
+    if not models.has_batch_norm(variables):
+      raise ValueError(f'{name} needs a model with BatchNorm; this model has none')
+  return check
 
 
 class GradientState(NamedTuple):

@@ -21,7 +21,7 @@ import optax
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
-from fedjax_shift.adapters.tent import require_batch_norm
+from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import Adapter
 
 
@@ -73,7 +73,7 @@ def eata(module, num_classes: int, fisher=None, learning_rate: float = 0.005,
         jnp.linalg.norm(probs, axis=1) * jnp.linalg.norm(extra.mean_probs), 1e-12)
     keep = reliable & (~extra.seen | (jnp.abs(cosine) < redundancy_epsilon))
     coeff = jax.lax.stop_gradient(1.0 / jnp.exp(ents - margin))
-    loss = common.weighted_mean(ents * coeff, keep.astype(jnp.float32))
+    loss = masked_mean(ents * coeff, keep.astype(jnp.float32))
     if fisher is not None:
       selected, _ = common.split_params(variables['params'], models.is_batch_norm_path, 'eata')
       penalty = sum(jnp.sum(fisher[p] * (selected[p] - extra.anchor[p]) ** 2)
@@ -94,4 +94,4 @@ def eata(module, num_classes: int, fisher=None, learning_rate: float = 0.005,
   return common.gradient_adapter(
       'eata', models.is_batch_norm_path, 'eata (BatchNorm affine parameters)', loss_fn,
       forward, optax.sgd(learning_rate, momentum=momentum or None), predict,
-      init_extra=init_extra, check=require_batch_norm('eata'))
+      init_extra=init_extra, check=common.require_batch_norm('eata'))

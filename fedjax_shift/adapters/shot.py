@@ -20,6 +20,7 @@ import optax
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
+from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import Adapter
 
 
@@ -58,7 +59,7 @@ def shot(module, learning_rate: float = 1e-3, pseudo_label_weight: float = 0.3,
     if pseudo_label_weight:
       labels = jax.lax.stop_gradient(cluster_pseudo_labels(features, probs, batch.weight))
       ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-      loss = loss + pseudo_label_weight * common.weighted_mean(ce, batch.weight)
+      loss = loss + pseudo_label_weight * masked_mean(ce, batch.weight)
     return loss, (logits, extra)
 
   return common.gradient_adapter(

@@ -14,13 +14,6 @@ from fedjax_shift.adapters import common
 from fedjax_shift.core.test_time import Adapter
 
 
-def require_batch_norm(name: str):
-  def check(variables):
-    if not models.has_batch_norm(variables):
-      raise ValueError(f'{name} needs a model with BatchNorm; this model has none')
-  return check
-
-
 def tent(module, learning_rate: float = 1e-3, predict: str = 'before',
          optimizer: optax.GradientTransformation | None = None) -> Adapter:
   def forward(variables, x):
@@ -33,4 +26,4 @@ def tent(module, learning_rate: float = 1e-3, predict: str = 'before',
   return common.gradient_adapter(
       'tent', models.is_batch_norm_path, 'tent (BatchNorm affine parameters)', loss_fn,
       forward, optimizer or optax.adam(learning_rate), predict,
-      check=require_batch_norm('tent'))
+      check=common.require_batch_norm('tent'))
