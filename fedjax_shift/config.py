@@ -182,7 +182,15 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
   if config.get('pipeline', 'federated') == 'federated':
     BENCHMARKS.get(config.data.benchmark, 'config.data.benchmark')
   source = config.data.source
-  _require(config.data.benchmark == 'circle' or source in EMBEDDED_SOURCES or (source.startswith('tfds:') and
+  if config.data.benchmark == 'timed_images':
+    from fedjax_shift.benchmarks.evolving import TIMED_SOURCES
+    _require(source in TIMED_SOURCES, 'data.source',
+             f'timed_images reads {sorted(TIMED_SOURCES)}, got {source!r}')
+    _require(bool(config.data.data_dir), 'data.data_dir',
+             f'{source} is not shipped with any package: pass the folder of its images '
+             f'(<class>/<file> with the capture time in the name; see '
+             f'fedjax_shift/data/sources.py TIMESTAMP_FORMATS)')
+  _require(config.data.benchmark in ('circle', 'timed_images') or source in EMBEDDED_SOURCES or (source.startswith('tfds:') and
            source[5:].split('/')[0] in sources.TFDS_DATASETS),
            'data.source', f'unknown source {source!r}; choose from {list(EMBEDDED_SOURCES)} or '
            f'tfds:<name> with <name> in {sorted(sources.TFDS_DATASETS)}')

@@ -199,3 +199,94 @@ def test_rotated_emnist_letters_through_tfds_mock_data():
   with tfds.testing.mock_data(num_examples=48):
     bench = BENCHMARKS.get('rotated_digits')(config.data, 0)
   assert bench.num_classes == 27 and bench.info['angles'] == [0.0, 8.0, 16.0, 24.0]
+
+
+def write_images(folder, names, size=(12, 10), mode='L', seed=0):
+  """Random images saved under ``folder`` with the given file names."""
+  from PIL import Image
+  rng = np.random.default_rng(seed)
+  folder.mkdir(parents=True, exist_ok=True)
+  for name in names:
+    channels = {'L': (), 'RGB': (3,)}[mode]
+    pixels = rng.integers(0, 256, size[::-1] + channels, dtype=np.uint8)
+    Image.fromarray(pixels, mode).save(folder / name)
+
+
+def portraits_folder(root, years=range(1905, 2014, 4)):
+  """A Portraits-shaped folder (the mock data): F/ and M/ of '<year>_…png', 2 per year."""
+  for sex in ('F', 'M'):
+    write_images(root / sex, [f'{y}_Ohio_Cleveland_School_{sex}{i}.png'
+                              for y in years for i in range(2)])
+  return len(years) * 4
+
+
+def timed_config(source, data_dir, num_domains, num_clients=2, alpha=float('inf')):
+  return ml_collections.ConfigDict({
+      'source': source, 'data_dir': str(data_dir), 'num_domains': num_domains,
+      'num_clients': num_clients, 'dirichlet_alpha': alpha, 'image_size': 0})
+
+
+def test_portraits_folder_gives_nine_twelve_year_domains(tmp_path):
+  total = portraits_folder(tmp_path)  # years 1905, 1909, …, 2013
+  bench = BENCHMARKS.get('timed_images')(timed_config('portraits', tmp_path, 9), 0)
+  train, test = bench.splits['train'], bench.splits['test']
+  # 12-year bins from 1905: 1905–1916 holds 1905, 1909, 1913 (3 years × 2 sexes × 2).
+  assert bench.info['images_per_domain'][0] == 12
+  # The last bin is 2001–2012 plus 2013 (which would open a 10th): 2001, 2005, 2009, 2013.
+  assert bench.info['images_per_domain'][-1] == 16
+  assert sum(bench.info['images_per_domain']) == total
+  assert bench.info['class_names'] == ['F', 'M'] and bench.num_classes == 2
+  assert bench.example_shape == (32, 32, 1)        # App. C.3: 32×32, grey
+  assert int(train.num_examples.sum()) + int(test.num_examples.sum()) == total  # each once
+  assert int(test.num_examples.sum()) == 16 and bench.info['num_domains'] == 8
+  assert 0.0 <= train.x.min() and train.x.max() <= 1.0
+  again = BENCHMARKS.get('timed_images')(timed_config('portraits', tmp_path, 9), 0)
+  np.testing.assert_array_equal(again.splits['train'].x, train.x)  # same seed, same data
+
+
+def test_caltran_folder_gives_two_hour_domains(tmp_path):
+  for label in ('car', 'empty'):
+    write_images(tmp_path / label, [f'caltran_2013-03-{10 + d:02d}-{h:02d}-{m:02d}.jpg'
+                                    for d in range(2) for h in range(24) for m in (0, 30)],
+                 mode='RGB')
+  config = timed_config('caltran', tmp_path, 12)
+  config.image_size = 16  # the default is the paper's 224
+  bench = BENCHMARKS.get('timed_images')(config, 0)
+  # 2 classes × 2 days × 2 hours × 2 frames per 2-hour block.
+  assert bench.info['images_per_domain'] == [16] * 12
+  assert bench.example_shape == (16, 16, 3) and bench.num_classes == 2
+
+
+def test_timed_images_bad_input(tmp_path):
+  from configs import fedevolve as fedevolve_config
+  from fedjax_shift import config as config_lib
+  config = fedevolve_config.get_config('portraits_dir1.0')
+  assert config.data.num_domains == 9 and config.model.name == 'wide_resnet'
+  with pytest.raises(ValueError, match='data.data_dir'):
+    config_lib.validate(config)
+  with pytest.raises(FileNotFoundError, match='not found'):
+    BENCHMARKS.get('timed_images')(timed_config('portraits', tmp_path / 'absent', 9), 0)
+  # Years 1905–1950 only: the bins after 1953 are empty, an error naming them.
+  portraits_folder(tmp_path / 'early', years=range(1905, 1951, 5))
+  with pytest.raises(ValueError, match=r'time domains \[4, 5, 6, 7, 8\] of 9 hold no images'):
+    BENCHMARKS.get('timed_images')(timed_config('portraits', tmp_path / 'early', 9), 0)
+  write_images(tmp_path / 'bad' / 'F', ['portrait_of_someone.png'])
+  with pytest.raises(ValueError, match='does not match'):
+    BENCHMARKS.get('timed_images')(timed_config('portraits', tmp_path / 'bad', 9), 0)
+
+
+def test_portraits_config_runs_end_to_end(tmp_path):
+  from configs import fedevolve as fedevolve_config
+  from fedjax_shift import experiment
+  portraits_folder(tmp_path / 'portraits')
+  config = fedevolve_config.get_config('portraits_dirinf,tiny')
+  config.data.data_dir = str(tmp_path / 'portraits')
+  config.data.image_size = 8
+  config.data.num_clients = config.cohort_size = 2
+  config.model = ml_collections.ConfigDict({'name': 'mlp', 'hidden': (8,)})
+  config.algorithms = ('fedavg', 'fedevolve', 'fedevp')
+  config.eval_adapters = ()
+  out = experiment.run(config, str(tmp_path / 'run'))
+  assert [row[0] for row in out['table']['rows']] == ['fedavg', 'fedevolve', 'fedevp']
+  for result in out['results']:
+    assert np.isfinite(result['metrics']['global/test/accuracy'])

@@ -12,6 +12,8 @@ from fedjax_shift import models
     ('atp_cnn', (2, 32, 32, 3), 23),      # REFERENCE.md: the ATP CNN has 23 modules
     ('evolve_cnn', (2, 28, 28, 1), 20),
     ('resnet18', (2, 32, 32, 3), 102),    # REFERENCE.md: ResNet-18 has 102 modules
+    # WRN-16-4: stem + 6 blocks × (2 conv + 2 BN × 4) + 3 projections + BN × 4 + head 2
+    ('wide_resnet', (2, 32, 32, 1), 70),
 ])
 def test_encoder_head_split_and_module_count(name, shape, modules):
   module = models.MODELS.get(name)(10)
@@ -46,3 +48,11 @@ def test_batch_norm_modes():
   np.testing.assert_allclose(new_mean, 0.1 * batch_mean, rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match='unknown model mode'):
     models.apply(module, variables, x, 'bogus')
+
+
+def test_wide_resnet_16_4_parameter_count():
+  # Zagoruyko & Komodakis (2016) list WRN-16-4 at 2.7M parameters; this count is
+  # that network with bias-free convolutions and 1×1 projection shortcuts, 10 classes.
+  module = models.MODELS.get('wide_resnet')(10)
+  variables = models.init(module, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+  assert models.num_parameters(variables['params']) == 2_748_890

@@ -18,6 +18,8 @@ distribution is fixed while its input distribution evolves.
 * ``rotated_digits``: the embedded real MNIST digits split into M + 1 equal random
   domains, domain m rotated by m·step degrees (RMNIST: 12 domains 0°–165°, step 15°).
 * ``circle``: 30 domains × 100 points on a half circle (CIDA), label radius > 5.
+* ``timed_images``: Portraits or Caltran read from a user folder
+  (``sources.timed_image_folder``), one domain per time bin (``TIMED_SOURCES``).
 """
 from __future__ import annotations
 
@@ -124,3 +126,53 @@ def circle(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
                                     data_config.dirichlet_alpha, rng)
   info = {'source': 'circle', 'num_domains': len(x) - 1, 'domain_size': size}
   return Benchmark({'train': train, 'test': test}, 2, (2,), info)
+
+
+def portraits_domain(stamp: dict, num_domains: int) -> int:
+  """Portraits (FedEvolve App. C.3): 12-year bins from 1905; 2013 joins the last."""
+  if stamp['year'] < 1905:
+    raise ValueError(f"Portraits: year {stamp['year']} precedes 1905, the first bin")
+  return min((stamp['year'] - 1905) // 12, num_domains - 1)
+
+
+def caltran_domain(stamp: dict, num_domains: int) -> int:
+  """Caltran (App. C.4): the day split into ``num_domains`` equal blocks by capture
+  hour (12 domains = 2-hour blocks, 22:00–24:00 the target)."""
+  if 24 % num_domains:
+    raise ValueError(f'Caltran: num_domains must divide 24 hours, got {num_domains}')
+  return stamp['hour'] // (24 // num_domains)
+
+
+# source: (file-name format, channels, default image size, domain of a stamp)
+TIMED_SOURCES = {
+    'portraits': ('year', 1, 32, portraits_domain),     # 32×32 grey, gender
+    'caltran': ('datetime', 3, 224, caltran_domain),    # 3×224×224
+}
+
+
+@BENCHMARKS.register('timed_images')
+def timed_images(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
+  """Portraits / Caltran (FedEvolve Table 3) from ``data_config.data_dir``: images
+  binned into ``num_domains`` time domains in order, the last is the target."""
+  if data_config.source not in TIMED_SOURCES:
+    raise ValueError(f'data.source: timed_images reads {sorted(TIMED_SOURCES)}, got '
+                     f'{data_config.source!r}')
+  timestamp, channels, default_size, domain_of = TIMED_SOURCES[data_config.source]
+  images = sources.timed_image_folder(data_config.data_dir, timestamp,
+                                      data_config.get('image_size') or default_size, channels)
+  num_domains = data_config.num_domains
+  domain = np.asarray([domain_of(stamp, num_domains) for stamp in images.stamps])
+  counts = np.bincount(domain, minlength=num_domains)
+  if not counts.all():
+    raise ValueError(f'{data_config.source} in {data_config.data_dir!r}: time domains '
+                     f'{np.nonzero(counts == 0)[0].tolist()} of {num_domains} hold no images '
+                     f'(images per domain: {counts.tolist()})')
+  rng = np.random.default_rng([seed, 17])
+  train, test, size = domain_blocks([images.x[domain == m] for m in range(num_domains)],
+                                    [images.y[domain == m] for m in range(num_domains)],
+                                    data_config.num_clients, len(images.class_names),
+                                    data_config.dirichlet_alpha, rng)
+  info = {'source': data_config.source, 'num_domains': num_domains - 1, 'domain_size': size,
+          'images_per_domain': counts.tolist(), 'class_names': list(images.class_names)}
+  return Benchmark({'train': train, 'test': test}, len(images.class_names),
+                   tuple(images.x.shape[1:]), info)

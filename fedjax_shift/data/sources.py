@@ -150,3 +150,62 @@ def to_channels(x: np.ndarray, channels: int) -> np.ndarray:
   if x.shape[-1] == 1:
     return np.repeat(x, channels, axis=-1)
   raise ValueError(f'cannot convert {x.shape[-1]} channels to {channels}')
+
+
+# Time-stamped image folders (FedEvolve's Portraits and Caltran; neither is in TFDS).
+# Layout: <data_dir>/<class name>/<file>.{png,jpg,jpeg}; classes are the sorted
+# sub-folder names (label = index), the capture time is parsed from the file name.
+IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg')
+TIMESTAMP_FORMATS = {
+    # Portraits (Ginosar et al. 2015): F/ and M/ folders (label F=0, M=1) of
+    # yearbook photos named '<year>_<state>_<city>_<school>_<n>.png'.
+    'year': r'^(?P<year>\d{4})_',
+    # Caltran (Hoffman et al. 2014): one folder per class of traffic-camera frames
+    # whose name holds the capture time '<YYYY>-<MM>-<DD>-<hh>-<mm>' anywhere.
+    'datetime': r'(?P<year>\d{4})-(?P<month>\d{2})-(?P<day>\d{2})-(?P<hour>\d{2})-(?P<minute>\d{2})',
+}
+
+
+class TimedImages(NamedTuple):
+  x: np.ndarray       # [M, size, size, C] float32 in [0, 1]
+  y: np.ndarray       # [M] int32, index into class_names
+  stamps: list        # [M] dicts of the parsed fields, e.g. {'year': 1905} or {'hour': 14, ...}
+  class_names: tuple
+
+
+def timed_image_folder(data_dir: str, timestamp: str, size: int, channels: int) -> TimedImages:
+  """Reads ``<data_dir>/<class>/<file>`` images, resized to size×size (bilinear)
+  with ``channels`` 1 (grey) or 3 (RGB), and parses each file name with
+  ``TIMESTAMP_FORMATS[timestamp]``. Raises FileNotFoundError when the folder is
+  missing or holds no images, ValueError for a file name the format does not match
+  (nothing is skipped silently)."""
+  import re
+
+  from PIL import Image
+  if not data_dir or not os.path.isdir(data_dir):
+    raise FileNotFoundError(
+        f'image folder {data_dir!r} not found: pass --config.data.data_dir=<DIR> holding one '
+        f'sub-folder per class (see fedjax_shift/data/sources.py TIMESTAMP_FORMATS)')
+  pattern = re.compile(TIMESTAMP_FORMATS[timestamp])
+  class_names = tuple(sorted(d for d in os.listdir(data_dir)
+                             if os.path.isdir(os.path.join(data_dir, d))))
+  images, labels, stamps = [], [], []
+  mode = {1: 'L', 3: 'RGB'}[channels]
+  for label, name in enumerate(class_names):
+    folder = os.path.join(data_dir, name)
+    for file in sorted(os.listdir(folder)):
+      if not file.lower().endswith(IMAGE_EXTENSIONS):
+        continue
+      match = pattern.search(file)
+      if match is None:
+        raise ValueError(f'{os.path.join(folder, file)}: file name does not match the '
+                         f'{timestamp!r} format {pattern.pattern!r}')
+      with Image.open(os.path.join(folder, file)) as image:
+        image = image.convert(mode).resize((size, size), Image.BILINEAR)
+        images.append(np.asarray(image, np.float32).reshape(size, size, channels) / 255.0)
+      labels.append(label)
+      stamps.append({k: int(v) for k, v in match.groupdict().items()})
+  if not images:
+    raise FileNotFoundError(f'no {"/".join(IMAGE_EXTENSIONS)} images in the class '
+                            f'sub-folders {list(class_names)} of {data_dir!r}')
+  return TimedImages(np.stack(images), np.asarray(labels, np.int32), stamps, class_names)

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from fedjax_shift.models.classifiers import (BN_MOMENTUM, ATPCNNEncoder, BNMLPEncoder, Classifier,
-                                             EvolveCNNEncoder, MLPEncoder, ResNet18Encoder)
+                                             EvolveCNNEncoder, MLPEncoder, ResNet18Encoder,
+                                             WideResNetEncoder)
 from fedjax_shift.registry import Registry
 
 Variables = Any
@@ -52,6 +53,11 @@ def evolve_cnn(num_classes: int) -> nn.Module:
 @MODELS.register('resnet18')
 def resnet18(num_classes: int) -> nn.Module:
   return Classifier(ResNet18Encoder(), num_classes)
+
+
+@MODELS.register('wide_resnet')
+def wide_resnet(num_classes: int, depth: int = 16, widen: int = 4) -> nn.Module:
+  return Classifier(WideResNetEncoder(depth, widen), num_classes)
 
 
 def create(model_config: ml_collections.ConfigDict, num_classes: int) -> nn.Module:

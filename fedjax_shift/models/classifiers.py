@@ -116,6 +116,44 @@ class ResNet18Encoder(nn.Module):
     return jnp.mean(x, axis=(1, 2))
 
 
+class WideBasicBlock(nn.Module):
+  """Pre-activation wide residual block (BN-ReLU-conv3x3, twice; Zagoruyko &
+  Komodakis 2016), a 1x1 projection when the shape changes."""
+  filters: int
+  strides: int = 1
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    out = nn.relu(batch_norm(train)(x))
+    residual = x
+    if x.shape[-1] != self.filters or self.strides != 1:
+      residual = nn.Conv(self.filters, (1, 1), (self.strides, self.strides), use_bias=False)(out)
+    y = nn.Conv(self.filters, (3, 3), (self.strides, self.strides), padding=1, use_bias=False)(out)
+    y = nn.relu(batch_norm(train)(y))
+    y = nn.Conv(self.filters, (3, 3), padding=1, use_bias=False)(y)
+    return y + residual
+
+
+class WideResNetEncoder(nn.Module):
+  """WRN-depth-widen (FedEvolve's Portraits model): 3 stages of (depth − 4) / 6
+  pre-activation blocks of 16·widen, 32·widen, 64·widen filters, BN-ReLU, global
+  average pool. WRN-16-4 by default."""
+  depth: int = 16
+  widen: int = 4
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    if (self.depth - 4) % 6:
+      raise ValueError(f'WideResNet depth must be 6n + 4, got {self.depth}')
+    x = nn.Conv(16, (3, 3), padding=1, use_bias=False)(x)
+    for stage in range(3):
+      for block in range((self.depth - 4) // 6):
+        strides = 2 if stage > 0 and block == 0 else 1
+        x = WideBasicBlock(16 * self.widen * 2 ** stage, strides)(x, train)
+    x = nn.relu(batch_norm(train)(x))
+    return jnp.mean(x, axis=(1, 2))
+
+
 class Classifier(nn.Module):
   """``head(encoder(x))``; ``features`` returns the encoder output [B, F]."""
   encoder: nn.Module
