@@ -269,6 +269,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, object]:
               f"{config.rounds} rounds, cohort {config.cohort_size}; accuracy (%) mean ± std "
               f"over seeds {tuple(config.seeds)}; hardware: {info['device_kind']} "
               f"({info['backend']}).")
-  report.write_table(table, workdir, preamble)
+  paper_tables = ''
+  if config.get('paper_tables') == 'fedevolve':
+    paper_tables = report.fedevolve_tables(config, results)
+  report.write_table(table, workdir, preamble, paper_tables)
   report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png'))
-  return {'results': results, 'table': table, 'preamble': preamble}
+  return {'results': results, 'table': table, 'preamble': preamble,
+          'paper_tables': paper_tables}

@@ -50,11 +50,14 @@ def results_table(results: List[Dict]) -> Dict[str, object]:
   return {'header': header, 'rows': rows, 'markdown': '\n'.join(lines)}
 
 
-def write_table(table: Dict[str, object], workdir: str, preamble: str = '') -> None:
+def write_table(table: Dict[str, object], workdir: str, preamble: str = '',
+                extra: str = '') -> None:
   with open(os.path.join(workdir, 'results.md'), 'w') as f:
     if preamble:
       f.write(preamble.rstrip() + '\n\n')
     f.write(table['markdown'] + '\n')
+    if extra:
+      f.write('\n' + extra.rstrip() + '\n')
   with open(os.path.join(workdir, 'results.csv'), 'w', newline='') as f:
     writer = csv.writer(f)
     writer.writerow(table['header'])
@@ -168,23 +171,51 @@ EVOLVING_ROWS = (
     ('FedEvp', 'fedevp', 'personalized', 'global'))
 
 
-def evolving_table(runs_by_column: Dict[str, List[Dict]], split: str = 'test') -> str:
+def evolving_table(runs_by_column: Dict[str, List[Dict]], split: str = 'test',
+                   server: bool = True) -> str:
   """FedEvolve Table 1 layout: per column group (e.g. a Dirichlet level) a 'Client'
   column — the mean over clients of each client's accuracy on its target domain with
   the model named in EVOLVING_ROWS — and a 'Server' column — the global model's
   accuracy over every client's target data. ``runs_by_column``: label -> per
-  (method, seed) result dicts as written to results.json."""
+  (method, seed) result dicts as written to results.json. ``server=False`` keeps the
+  Client columns alone (Table 6: one column per straggler ratio)."""
   header = ['Method']
   for label in runs_by_column:
-    header += [f'{label} Client', f'{label} Server']
+    header += [f'{label} Client', f'{label} Server'] if server else [label]
   rows = []
   for row_label, method, client_model, server_model in EVOLVING_ROWS:
     row = [row_label]
     for runs in runs_by_column.values():
       mine = [r for r in runs if r['algorithm'] == method]
-      for model, metric in ((client_model, 'client_accuracy'), (server_model, 'accuracy')):
+      models = ((client_model, 'client_accuracy'), (server_model, 'accuracy'))
+      for model, metric in (models if server else models[:1]):
         values = [r['metrics'].get(f'{model}/{split}/{metric}') for r in mine] if model else []
         row.append(mean_std(values))
     if any(cell != 'n/a' for cell in row[1:]):
       rows.append(row)
   return _markdown(header, rows)
+
+
+def parameters_table(results: List[Dict]) -> str:
+  """FedEvolve Table 7 layout: parameters each client uploads per round, per
+  method (read off the update pytrees by experiment.uploaded_parameters)."""
+  labels = {method: label for label, method, _, _ in reversed(EVOLVING_ROWS)}
+  methods = list(dict.fromkeys(r['algorithm'] for r in results))
+  header = [''] + [labels.get(m, m) for m in methods]
+  uploads = {r['algorithm']: r.get('uploaded_parameters', 0) for r in results}
+  return _markdown(header, [['Parameters'] + [f'{uploads[m]:,}' for m in methods]])
+
+
+def fedevolve_tables(config, results: List[Dict]) -> str:
+  """What launch/train.py prints for a configs/fedevolve.py run: its column of the
+  paper's Table 1 (RMNIST / REMNIST), Table 3 (Circle, Portraits, Caltran) or, with
+  stragglers, Table 6, then Table 7. launch/report.py merges runs into wider tables."""
+  label = f'Dir={config.data.dirichlet_alpha}'
+  if config.straggler_prob:
+    label += f', r={config.straggler_prob}'
+  table = 'Table 1' if config.data.benchmark == 'rotated_digits' else 'Table 3'
+  return (f'FedEvolve {table} layout: accuracy (%) on the target domain, mean ± std over '
+          f'seeds; Client = personalised model, mean over clients; Server = global '
+          f'model over all target data\n\n' + evolving_table({label: results}) +
+          '\n\nFedEvolve Table 7 layout: parameters uploaded per client per round\n\n' +
+          parameters_table(results))

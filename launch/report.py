@@ -4,10 +4,13 @@
     python launch/report.py --kind=evolving --workdirs=/tmp/fe_inf,/tmp/fe_1,/tmp/fe_01 \
         --labels='Dir=inf,Dir=1.0,Dir=0.1'
 
+    python launch/report.py --kind=straggler --workdirs=/tmp/fe_1,/tmp/fe_r01,/tmp/fe_r09 \
+        --labels='0,0.1,0.9'
+
 --kind=atp (test-time pipeline runs) merges their Table 1 columns (one shift per run,
 or several) and Table 3 where a run trained α on several shifts. --kind=evolving
-(configs/fedevolve.py runs) lays out FedEvolve's Table 1: one Client/Server column
-pair per workdir. Mean ± std over the seeds each run used; --out writes markdown.
+(configs/fedevolve.py runs) lays out FedEvolve's Table 1 / 3: one Client/Server column
+pair per workdir; --kind=straggler its Table 6: one Client column per workdir. Mean ± std over the seeds each run used; --out writes markdown.
 """
 import json
 import os
@@ -21,7 +24,8 @@ from fedjax_shift import report  # noqa: E402
 
 _WORKDIRS = flags.DEFINE_list('workdirs', None, 'Test-time pipeline workdirs.')
 _OUT = flags.DEFINE_string('out', '', 'Write the markdown here.')
-_KIND = flags.DEFINE_enum('kind', 'atp', ['atp', 'evolving'], 'Which paper layout.')
+_KIND = flags.DEFINE_enum('kind', 'atp', ['atp', 'evolving', 'straggler'],
+                          'Which paper layout.')
 _LABELS = flags.DEFINE_list('labels', [], 'Column labels, one per workdir (evolving).')
 flags.mark_flags_as_required(['workdirs'])
 
@@ -74,8 +78,9 @@ def load_evolving(workdirs, labels):
 
 def main(argv):
   del argv
-  if _KIND.value == 'evolving':
-    text = report.evolving_table(load_evolving(_WORKDIRS.value, _LABELS.value))
+  if _KIND.value in ('evolving', 'straggler'):
+    text = report.evolving_table(load_evolving(_WORKDIRS.value, _LABELS.value),
+                                 server=_KIND.value == 'evolving')
   else:
     text = report.tta_tables(*load(_WORKDIRS.value))
   print(text)

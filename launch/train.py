@@ -53,6 +53,9 @@ def main(argv):
   print(out['preamble'])
   print()
   print(out['table']['markdown'])
+  if out['paper_tables']:
+    print()
+    print(out['paper_tables'])
   print(f"\nwritten: {os.path.join(_WORKDIR.value, 'results.md')}, results.csv, curves.png")
 
 

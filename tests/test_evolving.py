@@ -161,7 +161,10 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
   config = fedevolve_config.get_config('rmnist_dir0.1,straggler0.5')
   assert config.data.dirichlet_alpha == 0.1 and config.straggler_prob == 0.5
   assert config.straggler_max_steps == config.client.local_epochs == 10
-  assert fedevolve_config.get_config('rmnist_domains7').data.num_domains == 7
+  seven = fedevolve_config.get_config('rmnist_domains7').data
+  assert seven.num_domains == 7 and seven.rotation_start == 75.0  # App.: 75° … 165°
+  from fedjax_shift.benchmarks.evolving import rotation_angles
+  assert rotation_angles(7, 15.0, 75.0) == [75.0, 90.0, 105.0, 120.0, 135.0, 150.0, 165.0]
   with pytest.raises(ValueError, match='unknown variant'):
     fedevolve_config.get_config('rmnist_dirx,bogus')
   config = fedevolve_config.get_config('circle_dirinf,tiny')
@@ -181,6 +184,17 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
   labels = [line.split(' | ')[0].strip('| ') for line in table.splitlines()[2:]]
   assert labels == ['MEMO(G)', 'FedAvg-FT', 'MEMO(P)', 'T3A', 'FedEvolve']
   assert '| T3A |' in table and table.count('n/a') == 2  # MEMO(P), T3A have no Server
+  # What launch/train.py prints: this run's Table 3 column, and Table 7 read off the
+  # update pytrees (FedEvolve uploads φ and ψ and its C×F prototype sums).
+  uploads = {r['algorithm']: r['uploaded_parameters'] for r in out['results']}
+  assert uploads['fedevolve'] > uploads['fedavg_ft']
+  assert 'Table 3 layout' in out['paper_tables'] and '| Dir=inf Client |' in out['paper_tables']
+  assert (f"| Parameters | {uploads['fedavg_ft']:,} | {uploads['fedevolve']:,} |"
+          in out['paper_tables'])
+  assert out['paper_tables'] in open(tmp_path / 'results.md').read()
+  # Table 6 layout: Client columns alone, one per straggler ratio.
+  table6 = report.evolving_table({'0': out['results'], '0.5': out['results']}, server=False)
+  assert table6.splitlines()[0] == '| Method | 0 | 0.5 |'
 
 
 def test_more_clients_than_examples_is_an_error():

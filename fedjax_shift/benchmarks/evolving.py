@@ -91,11 +91,12 @@ def domain_blocks(domains_x: List[np.ndarray], domains_y: List[np.ndarray], num_
   return train, test, size
 
 
-def rotation_angles(num_domains: int, step: float) -> List[float]:
+def rotation_angles(num_domains: int, step: float, start: float = 0.0) -> List[float]:
+  """start, start + step, …: one angle per domain, the last is the target's."""
   if num_domains < 2:
     raise ValueError(f'config.data.num_domains: need >= 2 (sources + the target), got '
                      f'{num_domains}')
-  return [m * step for m in range(num_domains)]
+  return [start + m * step for m in range(num_domains)]
 
 
 @BENCHMARKS.register('rotated_digits')
@@ -104,7 +105,8 @@ def rotated_digits(data_config: ml_collections.ConfigDict, seed: int) -> Benchma
   degrees; the last is the target. REMNIST: a TFDS emnist/letters source, step 8."""
   rng = np.random.default_rng([seed, 11])
   src = load_source(data_config)
-  angles = rotation_angles(data_config.num_domains, data_config.rotation_step)
+  angles = rotation_angles(data_config.num_domains, data_config.rotation_step,
+                           data_config.get('rotation_start', 0.0))
   order = rng.permutation(len(src.y))
   pieces = np.array_split(order, len(angles))
   domains_x = [sources.rotate(src.x[p], angle) for p, angle in zip(pieces, angles)]
