@@ -287,6 +287,9 @@ def test_timed_images_bad_input(tmp_path):
   write_images(tmp_path / 'bad' / 'F', ['portrait_of_someone.png'])
   with pytest.raises(ValueError, match='does not match'):
     BENCHMARKS.get('timed_images')(timed_config('portraits', tmp_path / 'bad', 9), 0)
+  write_images(tmp_path / 'loose', ['1905_Ohio_x.png'])
+  with pytest.raises(ValueError, match='outside any class sub-folder'):
+    BENCHMARKS.get('timed_images')(timed_config('portraits', tmp_path / 'loose', 9), 0)
 
 
 def test_portraits_config_runs_end_to_end(tmp_path):

@@ -177,8 +177,9 @@ def timed_image_folder(data_dir: str, timestamp: str, size: int, channels: int) 
   """Reads ``<data_dir>/<class>/<file>`` images, resized to size×size (bilinear)
   with ``channels`` 1 (grey) or 3 (RGB), and parses each file name with
   ``TIMESTAMP_FORMATS[timestamp]``. Raises FileNotFoundError when the folder is
-  missing or holds no images, ValueError for a file name the format does not match
-  (nothing is skipped silently)."""
+  missing or holds no images, ValueError for an image whose name the format does not
+  match or that sits outside a class folder; only files without an image extension
+  (.png, .jpg, .jpeg) are passed over."""
   import re
 
   from PIL import Image
@@ -187,6 +188,10 @@ def timed_image_folder(data_dir: str, timestamp: str, size: int, channels: int) 
         f'image folder {data_dir!r} not found: pass --config.data.data_dir=<DIR> holding one '
         f'sub-folder per class (see fedjax_shift/data/sources.py TIMESTAMP_FORMATS)')
   pattern = re.compile(TIMESTAMP_FORMATS[timestamp])
+  loose = [f for f in os.listdir(data_dir) if f.lower().endswith(IMAGE_EXTENSIONS)]
+  if loose:
+    raise ValueError(f'{data_dir!r} holds images outside any class sub-folder (e.g. '
+                     f'{loose[0]!r}): put each image in <data_dir>/<class name>/')
   class_names = tuple(sorted(d for d in os.listdir(data_dir)
                              if os.path.isdir(os.path.join(data_dir, d))))
   images, labels, stamps = [], [], []
