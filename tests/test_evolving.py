@@ -220,8 +220,8 @@ def write_images(folder, names, size=(12, 10), mode='L', seed=0):
   from PIL import Image
   rng = np.random.default_rng(seed)
   folder.mkdir(parents=True, exist_ok=True)
+  channels = {'L': (), 'RGB': (3,)}[mode]
   for name in names:
-    channels = {'L': (), 'RGB': (3,)}[mode]
     pixels = rng.integers(0, 256, size[::-1] + channels, dtype=np.uint8)
     Image.fromarray(pixels, mode).save(folder / name)
 

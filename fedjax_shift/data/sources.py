@@ -188,12 +188,12 @@ def timed_image_folder(data_dir: str, timestamp: str, size: int, channels: int) 
         f'image folder {data_dir!r} not found: pass --config.data.data_dir=<DIR> holding one '
         f'sub-folder per class (see fedjax_shift/data/sources.py TIMESTAMP_FORMATS)')
   pattern = re.compile(TIMESTAMP_FORMATS[timestamp])
-  loose = [f for f in os.listdir(data_dir) if f.lower().endswith(IMAGE_EXTENSIONS)]
+  entries = sorted(os.listdir(data_dir))
+  loose = [f for f in entries if f.lower().endswith(IMAGE_EXTENSIONS)]
   if loose:
     raise ValueError(f'{data_dir!r} holds images outside any class sub-folder (e.g. '
                      f'{loose[0]!r}): put each image in <data_dir>/<class name>/')
-  class_names = tuple(sorted(d for d in os.listdir(data_dir)
-                             if os.path.isdir(os.path.join(data_dir, d))))
+  class_names = tuple(d for d in entries if os.path.isdir(os.path.join(data_dir, d)))
   images, labels, stamps = [], [], []
   mode = {1: 'L', 3: 'RGB'}[channels]
   for label, name in enumerate(class_names):
