@@ -76,7 +76,7 @@ def get_config(arg: str = 'rmnist_dirinf') -> ml_collections.ConfigDict:
                'num_steps': 3},                                    # 3 optimisation steps
       't3a': {'filter_k': 50}})                                    # App. D: M = 50
   c.eval_every = 10
-  c.paper_tables = 'fedevolve'        # launch/train.py prints Tables 1/3/6 and 7
+  c.paper_tables = 'fedevolve'        # launch/train.py prints its Table 1/2/3 column and Table 7
   for part in filter(None, (arg or '').split(',')):
     apply_part(c, part)
   return c

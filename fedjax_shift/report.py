@@ -208,12 +208,15 @@ def parameters_table(results: List[Dict]) -> str:
 
 def fedevolve_tables(config, results: List[Dict]) -> str:
   """What launch/train.py prints for a configs/fedevolve.py run: its column of the
-  paper's Table 1 (RMNIST / REMNIST), Table 3 (Circle, Portraits, Caltran) or, with
-  stragglers, Table 6, then Table 7. launch/report.py merges runs into wider tables."""
+  paper's Table 1 (RMNIST), Table 2 (REMNIST) or Table 3 (Circle, Portraits,
+  Caltran) — labelled with the straggler ratio r when there is one — then Table 7.
+  launch/report.py merges runs into the wider tables (--kind=straggler: Table 6)."""
   label = f'Dir={config.data.dirichlet_alpha}'
   if config.straggler_prob:
     label += f', r={config.straggler_prob}'
-  table = 'Table 1' if config.data.benchmark == 'rotated_digits' else 'Table 3'
+  table = 'Table 3'
+  if config.data.benchmark == 'rotated_digits':
+    table = 'Table 2' if 'emnist' in config.data.source else 'Table 1'
   return (f'FedEvolve {table} layout: accuracy (%) on the target domain, mean ± std over '
           f'seeds; Client = personalised model, mean over clients; Server = global '
           f'model over all target data\n\n' + evolving_table({label: results}) +

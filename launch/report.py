@@ -9,8 +9,9 @@
 
 --kind=atp (test-time pipeline runs) merges their Table 1 columns (one shift per run,
 or several) and Table 3 where a run trained α on several shifts. --kind=evolving
-(configs/fedevolve.py runs) lays out FedEvolve's Table 1 / 3: one Client/Server column
-pair per workdir; --kind=straggler its Table 6: one Client column per workdir. Mean ± std over the seeds each run used; --out writes markdown.
+(configs/fedevolve.py runs) lays out FedEvolve's Table 1 / 2 / 3 / 4: one Client/Server
+column pair per workdir; --kind=straggler its Table 6: one Client column per workdir.
+Mean ± std over the seeds each run used; --out writes markdown.
 """
 import json
 import os

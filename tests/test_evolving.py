@@ -192,6 +192,11 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
   assert (f"| Parameters | {uploads['fedavg_ft']:,} | {uploads['fedevolve']:,} |"
           in out['paper_tables'])
   assert out['paper_tables'] in open(tmp_path / 'results.md').read()
+  rmnist = report.fedevolve_tables(fedevolve_config.get_config('rmnist_dir1.0,straggler0.5'),
+                                   out['results'])
+  assert rmnist.startswith('FedEvolve Table 1 layout') and '| Dir=1.0, r=0.5 Client |' in rmnist
+  remnist = report.fedevolve_tables(fedevolve_config.get_config('remnist_dir1.0'), out['results'])
+  assert remnist.startswith('FedEvolve Table 2 layout')
   # Table 6 layout: Client columns alone, one per straggler ratio.
   table6 = report.evolving_table({'0': out['results'], '0.5': out['results']}, server=False)
   assert table6.splitlines()[0] == '| Method | 0 | 0.5 |'
