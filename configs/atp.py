@@ -24,54 +24,12 @@ paper's ATP CNN (23 modules) at 28×28.
 """
 import ml_collections
 
-from fedjax_shift.config import base_config
-from fedjax_shift.data import corruptions
+from fedjax_shift.benchmarks.atp_shift import SHIFTS
+from fedjax_shift.config import apply_variant, base_config
 
-SHIFTS = ('feature', 'label', 'hybrid')
-# Table 1's rows in order: (key, label, adapter, test-time mode).
-ROWS = (('no_adapt', 'No adaptation', 'no_adapt', 'episodic'),
-        ('bn_adapt', 'BN-Adapt', 'bn_adapt', 'episodic'),
-        ('shot', 'SHOT', 'shot', 'online'),
-        ('tent', 'Tent', 'tent', 'online'),
-        ('eata', 'EATA', 'eata', 'online'),
-        ('t3a', 'T3A', 't3a', 'online'),
-        ('memo', 'MEMO', 'memo', 'episodic'),
-        ('em', 'EM', 'em', 'episodic'),
-        ('bbse', 'BBSE', 'bbse', 'episodic'),
-        ('surgical', 'Surgical', 'surgical', 'online'),
-        ('atp_batch', 'ATP-batch', 'atp', 'episodic'),
-        ('atp_online', 'ATP-online', 'atp', 'online'))
-
-
-def adapter_configs() -> ml_collections.ConfigDict:
-  """Each adapter's hyperparameters (its paper's defaults; REFERENCE.md)."""
-  a = ml_collections.ConfigDict()
-  a.no_adapt = ml_collections.ConfigDict()
-  a.bn_adapt = ml_collections.ConfigDict({'prior_strength': 16.0})  # ATP code: p = 16/(16+B)
-  a.tent = ml_collections.ConfigDict({'learning_rate': 1e-3,         # Tent: Adam 1e-3 (CIFAR)
-                                      'predict': 'before'})          # ATP code: logits before
-  a.eata = ml_collections.ConfigDict({
-      'learning_rate': 0.005, 'momentum': 0.9,   # SGD on BN affine (our choice; a field)
-      'entropy_margin': 0.4,                     # EATA: E0 = 0.4·ln C
-      'redundancy_epsilon': 0.05,                # EATA: ε = 0.05
-      'fisher_weight': 2000.0,                   # EATA: β = 2000
-      'fisher_samples': 2000,                    # EATA: 2000 source samples
-      'predict': 'before'})
-  a.shot = ml_collections.ConfigDict({'learning_rate': 1e-3,         # Tent's optimizer
-                                      'pseudo_label_weight': 0.3,    # SHOT: β = 0.3
-                                      'predict': 'before'})          # ATP code: logits before
-  a.t3a = ml_collections.ConfigDict({'filter_k': 100})               # T3A/DomainBed default K
-  a.memo = ml_collections.ConfigDict({'num_augmentations': 32,       # MEMO: 32 augmentations
-                                      'learning_rate': 0.005})       # MEMO: lr 0.005
-  a.em = ml_collections.ConfigDict({'num_iterations': 100})          # Saerens EM iterations
-  a.bbse = ml_collections.ConfigDict()
-  a.surgical = ml_collections.ConfigDict({'learning_rate': 1e-3, 'predict': 'before',
-                                          # Lee et al.: input-level shift → first block,
-                                          # label (output-level) shift → last layer.
-                                          'block': {'feature': 'first', 'label': 'head',
-                                                    'hybrid': 'head'}})
-  a.atp = ml_collections.ConfigDict()
-  return a
+# Table 1's rows, each adapter's hyperparameters (its paper's defaults) and the α
+# training settings are the registered defaults: fedjax_shift/pipelines/test_time.py
+# (ROWS, config.tta, config.atp) and fedjax_shift/adapters/<name>.py (config.adapters).
 
 
 def get_config(arg: str = 'digits_hybrid') -> ml_collections.ConfigDict:
@@ -88,82 +46,62 @@ def get_config(arg: str = 'digits_hybrid') -> ml_collections.ConfigDict:
   c.eval_every = 50
   c.checkpoint_every = 50
 
-  c.data.benchmark = 'atp_shift'
+  c.data.benchmark = 'atp_shift'      # fields: fedjax_shift/benchmarks/atp_shift.py
   c.data.source = 'mnist_embedded'
   c.data.shift = 'hybrid'
-  c.data.num_clients = 240            # ATP: 240 source clients ...
-  c.data.num_target_clients = 60      # ... and 60 target clients
-  c.data.source_train = 160           # ATP: 160 train / 40 held-out per source client
-  c.data.source_heldout = 40
-  c.data.target_test = 200            # ATP: 200 unlabelled test samples per target
-  c.data.target_data_fraction = 0.2   # ATP: 20 % of the data held out for targets
-  c.data.target_split = ''            # a separate TFDS split for targets ('test' for CIFAR-10)
-  c.data.target_corrupted_tfds = False  # targets from TFDS cifar10_corrupted
-  c.data.source_corruptions = corruptions.SOURCE_CORRUPTIONS    # ATP: 15 source corruptions
-  c.data.target_corruptions = corruptions.HELDOUT_CORRUPTIONS   # ATP: 4 held-out ones
-  c.data.severities = (1, 2, 3, 4, 5)  # one severity per client, drawn uniformly
-  c.data.step_major_classes = 2       # step_2_16: 2 major classes × 80, minors × 5
-  c.data.step_major_count = 80
-  c.data.step_minor_count = 5
+  c.data.num_clients = 240            # ATP: 240 source clients (+ data.num_target_clients 60)
   c.data.corruptions = ()
   c.model.name = 'bn_mlp'
   c.model.hidden = (200, 200)
-
-  c.tta = ml_collections.ConfigDict()
-  c.tta.shifts = ('hybrid',)          # Table 1 columns run by this config
-  c.tta.batch_size = 20               # ATP: test batch 20
-  c.tta.rows = tuple(key for key, _, _, _ in ROWS)   # drop keys to skip methods
-  c.tta.label = ml_collections.ConfigDict({key: label for key, label, _, _ in ROWS})
-  c.tta.adapter = ml_collections.ConfigDict({key: adapter for key, _, adapter, _ in ROWS})
-  c.tta.mode = ml_collections.ConfigDict({key: mode for key, _, _, mode in ROWS})
-  c.adapters = adapter_configs()
-
-  for part in filter(None, (arg or '').split(',')):
-    apply_part(c, part)
-  return c
+  return apply_variant(c, arg, VARIANTS, USAGE)
 
 
-def apply_part(c: ml_collections.ConfigDict, part: str) -> None:
-  name, _, shift = part.partition('_')
-  if name in ('digits', 'cifar10c') and (shift in SHIFTS or not shift):
-    c.tta.shifts = (shift,) if shift else SHIFTS
-    c.data.shift = c.tta.shifts[0]
-    if name == 'cifar10c':
-      c.data.source = 'tfds:cifar10'
-      c.data.tfds_split = 'train'
-      c.data.target_split = 'test'          # CIFAR-10-C rows are the CIFAR-10 test images
-      c.data.target_corrupted_tfds = True
-      c.model.name = 'atp_cnn'
-      c.engine.unroll = True
-  elif part == 'cnn':
-    c.model = ml_collections.ConfigDict({'name': 'atp_cnn'})
+def _shift(c: ml_collections.ConfigDict, match) -> None:
+  name, shift = match['name'], match['shift']
+  c.tta.shifts = (shift,) if shift else SHIFTS
+  c.data.shift = c.tta.shifts[0]
+  if name == 'cifar10c':
+    c.data.source = 'tfds:cifar10'
+    c.data.tfds_split = 'train'
+    c.data.target_split = 'test'          # CIFAR-10-C rows are the CIFAR-10 test images
+    c.data.target_corrupted_tfds = True
+    c.model.name = 'atp_cnn'
     c.engine.unroll = True
-  elif part in ('fedprox', 'qffl'):
-    c.algorithms = (part,)
-  elif part == 'quick':
-    c.seeds = (0,)
-    c.rounds = 40
-    c.atp.rounds = 40
-  elif part == 'tiny':
-    c.seeds = (0,)
-    c.rounds = 2
-    c.atp.rounds = 2
-    c.cohort_size = 4
-    c.atp.cohort_size = 4
-    c.data.num_clients = 12
-    c.data.num_target_clients = 4
-    c.data.source_train = 16
-    c.data.source_heldout = 8
-    c.data.target_test = 12
-    c.data.step_major_count = 8
-    c.data.step_minor_count = 1
-    c.tta.batch_size = 6
-    c.model.hidden = (16,)
-    c.adapters.memo.num_augmentations = 2
-    c.adapters.eata.fisher_samples = 16
-    c.eval_every = 2
-    c.checkpoint_every = 1
-    c.progress = False
-  else:
-    raise ValueError(f'configs/atp.py: unknown variant {part!r}; use digits[_<shift>], '
-                     f'cifar10c[_<shift>] (shift in {SHIFTS}), cnn, fedprox, qffl, quick, tiny')
+
+
+def _cnn(c: ml_collections.ConfigDict, match) -> None:
+  c.model = ml_collections.ConfigDict({'name': 'atp_cnn'})
+  c.engine.unroll = True
+
+
+def _pretrain(c: ml_collections.ConfigDict, match) -> None:
+  c.algorithms = (match[0],)
+
+
+def _quick(c: ml_collections.ConfigDict, match) -> None:
+  c.rounds = 40
+  c.atp.rounds = 40
+
+
+def _tiny(c: ml_collections.ConfigDict, match) -> None:
+  c.rounds = 2
+  c.atp.rounds = 2
+  c.cohort_size = 4
+  c.atp.cohort_size = 4
+  c.data.num_clients = 12
+  c.data.num_target_clients = 4
+  c.data.source_train = 16
+  c.data.source_heldout = 8
+  c.data.target_test = 12
+  c.data.step_major_count = 8
+  c.data.step_minor_count = 1
+  c.tta.batch_size = 6
+  c.model.hidden = (16,)
+  c.adapters.memo.num_augmentations = 2
+  c.adapters.eata.fisher_samples = 16
+  c.eval_every = 2
+
+
+VARIANTS = ((r'(?P<name>digits|cifar10c)(_(?P<shift>feature|label|hybrid))?', _shift),
+            ('cnn', _cnn), ('fedprox|qffl', _pretrain), ('quick', _quick), ('tiny', _tiny))
+USAGE = 'digits[_<shift>], cifar10c[_<shift>] (shift in feature, label, hybrid), cnn, fedprox, qffl'

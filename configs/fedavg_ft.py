@@ -8,5 +8,5 @@ from fedjax_shift.config import apply_variant, base_config
 def get_config(arg=None):
   config = base_config()
   config.algorithms = ('fedavg_ft',)
-  config.finetune.epochs = 1
+  config.fedavg_ft.epochs = 1  # one epoch of local fine-tuning
   return apply_variant(config, arg)

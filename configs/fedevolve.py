@@ -40,7 +40,7 @@ On 5,000 embedded digits each RMNIST domain holds ~417 images (~21 per client).
 """
 import ml_collections
 
-from fedjax_shift.config import base_config
+from fedjax_shift.config import apply_variant, base_config
 
 
 def get_config(arg: str = 'rmnist_dirinf') -> ml_collections.ConfigDict:
@@ -50,7 +50,7 @@ def get_config(arg: str = 'rmnist_dirinf') -> ml_collections.ConfigDict:
                   'fedevolve', 'fedevp')
   c.rounds = 50                       # FedEvolve App. D: 50 rounds
   c.weighting = 'uniform'             # FedEvolve/FedEvp: (1/|I_t|) Σ
-  c.data.benchmark = 'rotated_digits'
+  c.data.benchmark = 'rotated_digits'  # fields: fedjax_shift/benchmarks/evolving.py
   c.data.source = 'mnist_embedded'
   c.data.partition = 'dirichlet'
   c.data.dirichlet_alpha = float('inf')
@@ -58,7 +58,6 @@ def get_config(arg: str = 'rmnist_dirinf') -> ml_collections.ConfigDict:
   c.data.num_domains = 12             # 0°–165° step 15°, last = target
   c.data.rotation_step = 15.0
   c.data.rotation_start = 0.0         # first domain's angle
-  c.data.points_per_domain = 100      # Circle: 100 points per domain
   c.data.corruptions = ()
   c.cohort_size = 20
   c.model = ml_collections.ConfigDict({'name': 'evolve_cnn'})
@@ -67,92 +66,98 @@ def get_config(arg: str = 'rmnist_dirinf') -> ml_collections.ConfigDict:
   c.client.weight_decay = 5e-4        # App. D: SGD weight decay 5e-4
   c.client.batch_size = 32            # App. D, Table 11: batch 32
   c.client.local_epochs = 10          # App. D: 10 local epochs (τ iterations)
-  c.finetune.epochs = 1               # App. D: personalisation epoch 1
+  c.fedavg_ft.epochs = 1              # App. D: personalisation epoch 1
+  c.fedevp.finetune_epochs = 1
   # MEMO(G) = global+memo, MEMO(P) = personalized+memo, T3A = personalized+t3a of FedAvg-FT.
   c.eval_adapters = ('memo:episodic', 't3a:online')
   c.eval_adapter_algorithms = ('fedavg_ft',)
-  c.adapters = ml_collections.ConfigDict({
-      'memo': {'num_augmentations': 32, 'learning_rate': 0.005,   # App. D: 32 augmentations,
-               'num_steps': 3},                                    # 3 optimisation steps
-      't3a': {'filter_k': 50}})                                    # App. D: M = 50
+  c.adapters.memo.num_augmentations = 32   # App. D: 32 augmentations,
+  c.adapters.memo.learning_rate = 0.005
+  c.adapters.memo.num_steps = 3            # 3 optimisation steps
+  c.adapters.t3a.filter_k = 50             # App. D: M = 50
   c.eval_every = 10
   c.paper_tables = 'fedevolve'        # launch/train.py prints its Table 1/2/3 column and Table 7
-  for part in filter(None, (arg or '').split(',')):
-    apply_part(c, part)
-  return c
+  return apply_variant(c, arg, VARIANTS, USAGE)
 
 
-def apply_part(c: ml_collections.ConfigDict, part: str) -> None:
-  if part.startswith(('rmnist_dir', 'circle_dir', 'remnist_dir', 'portraits_dir',
-                      'caltran_dir')):
-    name, alpha = part.split('_dir')
-    try:
-      c.data.dirichlet_alpha = float(alpha)  # 'inf' parses to infinity
-    except ValueError:
-      raise ValueError(f'configs/fedevolve.py: unknown variant {part!r} (use _dir<number> '
-                       f'or _dirinf)') from None
-    if name == 'remnist':
-      c.data.source = 'tfds:emnist/letters'
-      c.data.rotation_step = 8.0      # REMNIST: 0°, 8°, …, 88°
-      c.client.optimizer = 'adam'     # App. D: Adam, weight decay 1e-4, batch 96
-      c.client.learning_rate = 1e-3
-      c.client.weight_decay = 1e-4
-      c.client.batch_size = 96
-    if name == 'circle':
-      c.data.benchmark = 'circle'
-      c.data.source = 'circle'
-      c.data.num_domains = 30         # Circle: 30 domains
-      c.data.num_clients = 10         # App. D: 10 clients
-      c.cohort_size = 10
-      c.model = ml_collections.ConfigDict({'name': 'mlp', 'hidden': (256, 256, 256)})
-      c.client.optimizer = 'adam'     # App. D: Adam, weight decay 5e-4, 5 epochs
-      c.client.learning_rate = 1e-4
-      c.client.local_epochs = 5
-    if name in ('portraits', 'caltran'):
-      c.data.benchmark = 'timed_images'
-      c.data.source = name
-      c.client.local_epochs = 5       # App. D: 5 epochs, weight decay 5e-4, batch 32
-      c.client.weight_decay = 5e-4
-    if name == 'portraits':
-      c.data.num_domains = 9          # App. C.3: 12-year bins from 1905
-      c.model = ml_collections.ConfigDict({'name': 'wide_resnet'})
-      c.client.optimizer = 'adam'     # App. D: Adam; Table 11 lr range 1e-3 … 1e-2
-      c.client.learning_rate = 1e-3
-    if name == 'caltran':
-      c.data.num_domains = 12         # App. C.4: 2-hour blocks of the day
-      c.data.num_clients = 10         # App. D: 10 clients
-      c.cohort_size = 10
-      c.model = ml_collections.ConfigDict({'name': 'resnet18'})
-      c.client.optimizer = 'sgd'      # App. D: SGD; Table 11 lr range 1e-5 … 5e-4
-      c.client.learning_rate = 5e-4
-  elif part.startswith('rmnist_domains'):
-    c.data.num_domains = int(part[len('rmnist_domains'):])
-    # Tables 5 / 9: fewer domains drop the earliest angles; the target stays at 165°.
-    c.data.rotation_start = 165.0 - (c.data.num_domains - 1) * c.data.rotation_step
-  elif part.startswith('straggler'):
-    c.straggler_prob = float(part[len('straggler'):])
-    c.straggler_max_steps = c.client.local_epochs
-  elif part == 'mlp':
-    c.model = ml_collections.ConfigDict({'name': 'mlp', 'hidden': (200, 200)})
-  elif part == 'quick':
-    c.seeds = (0,)
-    c.rounds = 10
-    c.client.local_epochs = 1
-  elif part == 'tiny':
-    c.seeds = (0,)
-    c.rounds = 2
-    c.data.num_domains = 4
-    c.data.num_clients = 3
-    c.cohort_size = 3
-    c.data.points_per_domain = 30
-    c.client.local_epochs = 1
-    c.client.batch_size = 8
-    c.eval_every = 2
-    c.checkpoint_every = 1
-    c.progress = False
-    c.adapters.memo.num_augmentations = 2
-    c.adapters.memo.num_steps = 1
-    if c.data.benchmark == 'circle':
-      c.model.hidden = (16,)
-  else:
-    raise ValueError(f'configs/fedevolve.py: unknown variant {part!r}')
+def _dataset(c: ml_collections.ConfigDict, match) -> None:
+  name = match['name']
+  c.data.dirichlet_alpha = float(match['alpha'])  # 'inf' parses to infinity
+  if name == 'remnist':
+    c.data.source = 'tfds:emnist/letters'
+    c.data.rotation_step = 8.0      # REMNIST: 0°, 8°, …, 88°
+    c.client.optimizer = 'adam'     # App. D: Adam, weight decay 1e-4, batch 96
+    c.client.learning_rate = 1e-3
+    c.client.weight_decay = 1e-4
+    c.client.batch_size = 96
+  if name == 'circle':
+    c.data.benchmark = 'circle'
+    c.data.source = 'circle'
+    c.data.num_domains = 30         # Circle: 30 domains
+    c.data.num_clients = 10         # App. D: 10 clients
+    c.cohort_size = 10
+    c.model = ml_collections.ConfigDict({'name': 'mlp', 'hidden': (256, 256, 256)})
+    c.client.optimizer = 'adam'     # App. D: Adam, weight decay 5e-4, 5 epochs
+    c.client.learning_rate = 1e-4
+    c.client.local_epochs = 5
+  if name in ('portraits', 'caltran'):
+    c.data.benchmark = 'timed_images'
+    c.data.source = name
+    c.client.local_epochs = 5       # App. D: 5 epochs, weight decay 5e-4, batch 32
+    c.client.weight_decay = 5e-4
+  if name == 'portraits':
+    c.data.num_domains = 9          # App. C.3: 12-year bins from 1905
+    c.model = ml_collections.ConfigDict({'name': 'wide_resnet'})
+    c.client.optimizer = 'adam'     # App. D: Adam; Table 11 lr range 1e-3 … 1e-2
+    c.client.learning_rate = 1e-3
+  if name == 'caltran':
+    c.data.num_domains = 12         # App. C.4: 2-hour blocks of the day
+    c.data.num_clients = 10         # App. D: 10 clients
+    c.cohort_size = 10
+    c.model = ml_collections.ConfigDict({'name': 'resnet18'})
+    c.client.optimizer = 'sgd'      # App. D: SGD; Table 11 lr range 1e-5 … 5e-4
+    c.client.learning_rate = 5e-4
+
+
+def _domains(c: ml_collections.ConfigDict, match) -> None:
+  c.data.num_domains = int(match['count'])
+  # Tables 5 / 9: fewer domains drop the earliest angles; the target stays at 165°.
+  c.data.rotation_start = 165.0 - (c.data.num_domains - 1) * c.data.rotation_step
+
+
+def _straggler(c: ml_collections.ConfigDict, match) -> None:
+  c.straggler_prob = float(match['ratio'])
+  c.straggler_max_steps = c.client.local_epochs
+
+
+def _mlp(c: ml_collections.ConfigDict, match) -> None:
+  c.model = ml_collections.ConfigDict({'name': 'mlp', 'hidden': (200, 200)})
+
+
+def _quick(c: ml_collections.ConfigDict, match) -> None:
+  c.client.local_epochs = 1
+
+
+def _tiny(c: ml_collections.ConfigDict, match) -> None:
+  c.rounds = 2
+  c.data.num_domains = 4
+  c.data.num_clients = 3
+  c.cohort_size = 3
+  c.data.points_per_domain = 30
+  c.client.local_epochs = 1
+  c.client.batch_size = 8
+  c.eval_every = 2
+  c.adapters.memo.num_augmentations = 2
+  c.adapters.memo.num_steps = 1
+  if c.data.benchmark == 'circle':
+    c.model.hidden = (16,)
+
+
+VARIANTS = (
+    (r'(?P<name>rmnist|circle|remnist|portraits|caltran)_dir(?P<alpha>inf|[0-9]+(\.[0-9]*)?)',
+     _dataset),
+    (r'rmnist_domains(?P<count>\d+)', _domains),
+    (r'straggler(?P<ratio>[0-9]+(\.[0-9]*)?)', _straggler),
+    ('mlp', _mlp), ('quick', _quick), ('tiny', _tiny))
+USAGE = ('rmnist_dir<α>, circle_dir<α>, remnist_dir<α>, portraits_dir<α>, caltran_dir<α>, '
+         'rmnist_domains<D>, straggler<r>, mlp')

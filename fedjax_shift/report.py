@@ -50,21 +50,17 @@ def results_table(results: List[Dict]) -> Dict[str, object]:
   return {'header': header, 'rows': rows, 'markdown': '\n'.join(lines)}
 
 
-def write_table(table: Dict[str, object], workdir: str, preamble: str = '',
-                extra: str = '') -> None:
-  with open(os.path.join(workdir, 'results.md'), 'w') as f:
-    if preamble:
-      f.write(preamble.rstrip() + '\n\n')
-    f.write(table['markdown'] + '\n')
-    if extra:
-      f.write('\n' + extra.rstrip() + '\n')
-  with open(os.path.join(workdir, 'results.csv'), 'w', newline='') as f:
+def write_csv(table: Dict[str, object], path: str) -> str:
+  """The results table (header + rows) as CSV; returns ``path``."""
+  with open(path, 'w', newline='') as f:
     writer = csv.writer(f)
     writer.writerow(table['header'])
     writer.writerows(table['rows'])
+  return path
 
 
-def plot_curves(run_dirs: Dict[str, List[str]], path: str, metric_suffix: str = 'accuracy'):
+def plot_curves(run_dirs: Dict[str, List[str]], path: str, metric_suffix: str = 'accuracy'
+                ) -> str:
   """Accuracy vs round, one line per (method, model/split), mean over seeds."""
   import matplotlib
   matplotlib.use('Agg')
@@ -88,6 +84,7 @@ def plot_curves(run_dirs: Dict[str, List[str]], path: str, metric_suffix: str = 
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+  return path
 
 
 def _markdown(header: List[str], rows: List[List[str]]) -> str:
@@ -130,7 +127,7 @@ def tta_tables(table1: Dict[str, Dict[str, Dict[int, float]]],
   return text
 
 
-def plot_alpha(alpha_by_shift: Dict[str, np.ndarray], names: Sequence[str], path: str) -> None:
+def plot_alpha(alpha_by_shift: Dict[str, np.ndarray], names: Sequence[str], path: str) -> str:
   """ATP Figure 4: learned α per module, one bar group per module, one colour per shift."""
   import matplotlib
   matplotlib.use('Agg')
@@ -152,6 +149,7 @@ def plot_alpha(alpha_by_shift: Dict[str, np.ndarray], names: Sequence[str], path
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
+  return path
 
 
 # FedEvolve Table 1 rows: (label, method, model for Client, model for Server).

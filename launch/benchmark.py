@@ -112,22 +112,22 @@ def setup_algorithm(num_clients_data, kind='fedavg'):
   import jax
   import jax.numpy as jnp
   from fedjax_shift import models
-  from fedjax_shift.algorithms import ALGORITHMS
+  from fedjax_shift import algorithms
   from fedjax_shift.algorithms.atp import atp_training
   config = make_config()
   module = models.create(config.model, 10)
   data = cohort_data(num_clients_data)
   if kind == 'fedavg_1step':
     config.client.local_steps = 1
-  if kind == 'fedevolve':
-    config.data.num_domains = 11  # 10 source domains of N/10 examples each
-  algorithm = ALGORITHMS.get('fedevolve' if kind == 'fedevolve' else 'fedavg')(
-      config, module, FLAGS.examples)
+  info = {'num_domains': 10} if kind == 'fedevolve' else {}  # 10 source domains of N/10
+  algorithm = algorithms.build('fedevolve' if kind == 'fedevolve' else 'fedavg', config, module,
+                               FLAGS.examples, info)
   server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   if kind == 'alpha':
     config.atp.local_steps = 1
     config.atp.batch_size = FLAGS.batch_size
-    algorithm = atp_training(config, module, FLAGS.examples, server.variables)
+    algorithm = atp_training(config.atp, module, FLAGS.examples, server.variables,
+                             config.engine.unroll)
     server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   return config, module, algorithm, data, server
 

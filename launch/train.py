@@ -4,7 +4,9 @@
         --config.rounds=50 --config.seeds='(0,1,2)'
 
 Any config field can be overridden with --config.<field>=<value>. Re-running the
-same command resumes from the checkpoints in --workdir.
+same command resumes from the checkpoints in --workdir. ``config.pipeline`` picks the
+run loop from ``fedjax_shift.pipelines.PIPELINES``; every pipeline's results print
+the same way.
 """
 import logging
 import os
@@ -16,7 +18,9 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from fedjax_shift import experiment, tta_experiment  # noqa: E402
+import ml_collections  # noqa: E402
+
+from fedjax_shift import pipelines  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file[:variant].')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics, results.')
@@ -26,6 +30,13 @@ _COORDINATOR = flags.DEFINE_string('coordinator', None, 'HOST:PORT of process 0 
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Number of hosts (multi-host).')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This host\'s index (multi-host).')
 flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> pipelines.Results:
+  """Runs ``config.pipeline`` in ``workdir`` and prints its results."""
+  results = pipelines.run(config, workdir)
+  print(pipelines.format_results(results, workdir))
+  return results
 
 
 def main(argv):
@@ -42,21 +53,7 @@ def main(argv):
   log.addHandler(handler)
   log.setLevel(logging.INFO)
   log.propagate = False
-  config = _CONFIG.value
-  if config.get('pipeline', 'federated') == 'test_time':
-    out = tta_experiment.run(config, _WORKDIR.value)
-    print(f"\n{out['preamble']}\n\n{out['markdown']}")
-    print(f"\nwritten: {os.path.join(_WORKDIR.value, 'results.md')}, results.json, alpha.png")
-    return
-  out = experiment.run(config, _WORKDIR.value)
-  print()
-  print(out['preamble'])
-  print()
-  print(out['table']['markdown'])
-  if out['paper_tables']:
-    print()
-    print(out['paper_tables'])
-  print(f"\nwritten: {os.path.join(_WORKDIR.value, 'results.md')}, results.csv, curves.png")
+  train(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == '__main__':

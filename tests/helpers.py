@@ -17,6 +17,14 @@ def tiny_config(**overrides) -> ml_collections.ConfigDict:
   return config
 
 
+def data_config(**fields) -> ml_collections.ConfigDict:
+  """A full ``config.data`` (every benchmark's defaults) with ``fields`` set."""
+  config = base_config().data
+  for key, value in fields.items():
+    config[key] = value
+  return config
+
+
 def toy_clients(sizes, shape=(4, 4, 1), num_classes=3, seed=0, pad_to=None):
   """Random clients with the given example counts, stacked and padded."""
   rng = np.random.default_rng(seed)

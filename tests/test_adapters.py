@@ -54,7 +54,9 @@ def setup(model='bn_mlp', seed=0):
 
 
 def build(name, module, context):
-  return ADAPTERS.get(name)(module, ml_collections.ConfigDict(ADAPTER_CONFIGS[name]), context)
+  # The registered defaults, test-sized where listed.
+  section = ml_collections.ConfigDict({**ADAPTERS.defaults(name).to_dict(), **ADAPTER_CONFIGS[name]})
+  return ADAPTERS.get(name)(module, section, context)
 
 
 def test_every_registered_adapter_is_covered():
@@ -220,7 +222,7 @@ def test_batch_larger_than_a_client_repeats_its_examples_and_scores_each_once(na
 
 
 def test_pipeline_accuracy_skips_empty_target_clients():
-  from fedjax_shift.tta_experiment import run_adapter
+  from fedjax_shift.pipelines.test_time import run_adapter
   module, variables, context = setup()
   data, xs, ys = toy_clients([4, 0, 6], num_classes=NUM_CLASSES, pad_to=6)
   acc = run_adapter(no_adapt(module), 'episodic', 4, variables, data, jax.random.key(0),

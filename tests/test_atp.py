@@ -140,7 +140,7 @@ def alpha_round_setup(scaling='sqrt', weighting='uniform'):
   config.atp.scaling = scaling
   config.atp.batch_size = 4
   data, _, _ = toy_clients([4, 4, 0, 4], num_classes=NUM_CLASSES, pad_to=6, seed=1)
-  algorithm = atp_training(config, module, 6, variables)
+  algorithm = atp_training(config.atp, module, 6, variables)
   state = algorithm.init(jax.random.key(0), data.x[0, :1])
   round_config = RoundConfig(cohort_size=4, weighting=weighting)
   return module, variables, config, data, algorithm, state, round_config
@@ -171,7 +171,7 @@ def test_alpha_round_equals_hand_loop_over_clients():
 def test_alpha_training_lowers_source_loss():
   module, variables, config, data, algorithm, state, round_config = alpha_round_setup()
   config.atp.learning_rate = 1.0
-  algorithm = atp_training(config, module, 6, variables)
+  algorithm = atp_training(config.atp, module, 6, variables)
   round_device, _ = build_round(algorithm, round_config)
   losses = []
   for r in range(8):

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from fedjax_shift import config as config_lib
-from fedjax_shift import experiment
+from fedjax_shift import pipelines
+from fedjax_shift.pipelines import federated as experiment
 from helpers import tiny_config
 
 
@@ -66,11 +67,11 @@ def test_validation_happens_before_any_work(tmp_path, monkeypatch):
   calls = []
   monkeypatch.setattr(experiment, 'train_and_evaluate', lambda *a: calls.append(a))
   with pytest.raises(ValueError, match='cohort_size'):
-    experiment.run(tiny_config(cohort_size=100), str(tmp_path))
+    pipelines.run(tiny_config(cohort_size=100), str(tmp_path))
   assert not calls and not os.path.exists(tmp_path / 'config.json')
 
 
 def test_more_clients_than_examples_is_a_clear_error(tmp_path):
   config = tiny_config(**{'data.num_clients': 6000, 'cohort_size': 2})
   with pytest.raises(ValueError, match='5000 examples cannot give 6000 clients'):
-    experiment.run(config, str(tmp_path))
+    pipelines.run(config, str(tmp_path))

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from fedjax_shift import models
+from fedjax_shift import algorithms
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.core import algorithm as alg
 from fedjax_shift.core import local
@@ -20,7 +21,7 @@ NUM_CLASSES = 3
 
 def make(name, config, data):
   module = models.create(config.model, NUM_CLASSES)
-  algorithm = ALGORITHMS.get(name)(config, module, data.max_examples)
+  algorithm = algorithms.build(name, config, module, data.max_examples)
   server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   clients = stack_client_states(algorithm, server, data.num_clients)
   return module, algorithm, server, clients
@@ -374,10 +375,10 @@ def test_loop_backend_names_failing_client():
 
 
 def test_fedavg_ft_personalises_by_local_fine_tuning():
-  """FedAvg-FT's personalised model is the global model after `finetune.epochs` of local
+  """FedAvg-FT's personalised model is the global model after `fedavg_ft.epochs` of local
   SGD on the client's own data: it moves away from the global model and fits that
   client's data better (lower loss) than the global model does."""
-  config = tiny_config(**{'finetune.epochs': 5, 'client.learning_rate': 0.5,
+  config = tiny_config(**{'fedavg_ft.epochs': 5, 'client.learning_rate': 0.5,
                           'client.batch_size': 4})
   data, xs, ys = toy_clients([12, 12], num_classes=NUM_CLASSES)
   module, fedavg_ft, server, clients = make('fedavg_ft', config, data)

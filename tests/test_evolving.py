@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from fedjax_shift import models
+from fedjax_shift import algorithms
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.algorithms.prototypes import (class_prototypes, prototype_head,
                                                 prototype_loss)
@@ -14,7 +15,7 @@ from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.benchmarks.evolving import split_domain, client_proportions
 from fedjax_shift.core.algorithm import ClientData
 from fedjax_shift.core.round import NO_STEP_LIMIT, RoundConfig, build_round, round_key
-from helpers import tiny_config
+from helpers import data_config, tiny_config
 
 
 def circle_config(alpha=float('inf'), num_domains=5):
@@ -82,9 +83,8 @@ def test_domain_split_is_reproducible_and_assigns_every_example_once(alpha):
 
 
 def test_rotated_digits_layout_and_bad_input():
-  config = ml_collections.ConfigDict({'source': 'mnist_embedded', 'num_domains': 4,
-                                      'rotation_step': 15.0, 'num_clients': 3,
-                                      'dirichlet_alpha': 1.0})
+  config = data_config(**{'source': 'mnist_embedded', 'num_domains': 4,
+                          'rotation_step': 15.0, 'num_clients': 3, 'dirichlet_alpha': 1.0})
   bench = BENCHMARKS.get('rotated_digits')(config, 0)
   train, test = bench.splits['train'], bench.splits['test']
   assert train.max_examples == 3 * bench.info['domain_size']
@@ -103,7 +103,7 @@ def make(name, config):
   bench = BENCHMARKS.get('circle')(config.data, 0)
   train = bench.splits['train']
   module = models.create(config.model, 2)
-  algorithm = ALGORITHMS.get(name)(config, module, train.max_examples)
+  algorithm = algorithms.build(name, config, module, train.max_examples, bench.info)
   state = algorithm.init(jax.random.key(0), jnp.asarray(train.x[0, :1]))
   return bench, module, algorithm, state
 
@@ -141,7 +141,7 @@ def test_round_trains_and_evaluates_without_nan(name):
   assert np.all(np.isfinite(losses))
   chex.assert_tree_all_finite(state)
   evaluate = evaluation.build_evaluate(algorithm, module, 64)
-  per_client = evaluation.evaluate_population(evaluate, state, jnp.zeros(3), train,
+  per_client = evaluation.evaluate_models(evaluate, state, jnp.zeros(3), train,
                                               {'test': test}, jax.random.key(0), 3)
   summary = evaluation.summarize(per_client)
   for model in ('global', 'personalized'):
@@ -152,12 +152,12 @@ def test_fedevolve_rejects_data_without_domain_blocks():
   config = circle_config()
   module = models.create(config.model, 2)
   with pytest.raises(ValueError, match='evolving benchmark'):
-    ALGORITHMS.get('fedevolve')(config, module, 7)  # 7 is not 4 domains × n
+    algorithms.build('fedevolve', config, module, 7, {'num_domains': 3})  # 7 is not 3 × n
 
 
 def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
   from configs import fedevolve as fedevolve_config
-  from fedjax_shift import experiment
+  from fedjax_shift import pipelines
   config = fedevolve_config.get_config('rmnist_dir0.1,straggler0.5')
   assert config.data.dirichlet_alpha == 0.1 and config.straggler_prob == 0.5
   assert config.straggler_max_steps == config.client.local_epochs == 10
@@ -169,42 +169,42 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
     fedevolve_config.get_config('rmnist_dirx,bogus')
   config = fedevolve_config.get_config('circle_dirinf,tiny')
   config.algorithms = ('fedavg_ft', 'fedevolve')
-  out = experiment.run(config, str(tmp_path))
-  methods = [row[0] for row in out['table']['rows']]
+  out = pipelines.run(config, str(tmp_path))
+  methods = [row[0] for row in out.records['table']['rows']]
   assert methods == ['fedavg_ft', 'fedevolve']
   # MEMO(G), MEMO(P) and T3A on FedAvg-FT: adapted columns, only for FedAvg-FT.
-  header = out['table']['header']
+  header = out.records['table']['header']
   for column in ('global+memo/test', 'personalized+memo/test', 'personalized+t3a/test'):
     assert column in header
-    assert out['table']['rows'][1][header.index(column)] == 'n/a'
-    assert out['table']['rows'][0][header.index(column)] != 'n/a'
+    assert out.records['table']['rows'][1][header.index(column)] == 'n/a'
+    assert out.records['table']['rows'][0][header.index(column)] != 'n/a'
   # The paper's Table 1 layout: FedAvg-FT gives the FedAvg-FT, MEMO(G), MEMO(P), T3A rows.
   from fedjax_shift import report
-  table = report.evolving_table({'Dir=inf': out['results']})
+  table = report.evolving_table({'Dir=inf': out.records['results']})
   labels = [line.split(' | ')[0].strip('| ') for line in table.splitlines()[2:]]
   assert labels == ['MEMO(G)', 'FedAvg-FT', 'MEMO(P)', 'T3A', 'FedEvolve']
   assert '| T3A |' in table and table.count('n/a') == 2  # MEMO(P), T3A have no Server
   # What launch/train.py prints: this run's Table 3 column, and Table 7 read off the
   # update pytrees (FedEvolve uploads φ and ψ and its C×F prototype sums).
-  uploads = {r['algorithm']: r['uploaded_parameters'] for r in out['results']}
+  uploads = {r['algorithm']: r['uploaded_parameters'] for r in out.records['results']}
   assert uploads['fedevolve'] > uploads['fedavg_ft']
-  assert 'Table 3 layout' in out['paper_tables'] and '| Dir=inf Client |' in out['paper_tables']
+  assert 'Table 3 layout' in out.records['paper_tables'] and '| Dir=inf Client |' in out.records['paper_tables']
   assert (f"| Parameters | {uploads['fedavg_ft']:,} | {uploads['fedevolve']:,} |"
-          in out['paper_tables'])
-  assert out['paper_tables'] in open(tmp_path / 'results.md').read()
+          in out.records['paper_tables'])
+  assert out.records['paper_tables'] in open(tmp_path / 'results.md').read()
   rmnist = report.fedevolve_tables(fedevolve_config.get_config('rmnist_dir1.0,straggler0.5'),
-                                   out['results'])
+                                   out.records['results'])
   assert rmnist.startswith('FedEvolve Table 1 layout') and '| Dir=1.0, r=0.5 Client |' in rmnist
-  remnist = report.fedevolve_tables(fedevolve_config.get_config('remnist_dir1.0'), out['results'])
+  remnist = report.fedevolve_tables(fedevolve_config.get_config('remnist_dir1.0'), out.records['results'])
   assert remnist.startswith('FedEvolve Table 2 layout')
   # Table 6 layout: Client columns alone, one per straggler ratio.
-  table6 = report.evolving_table({'0': out['results'], '0.5': out['results']}, server=False)
+  table6 = report.evolving_table({'0': out.records['results'], '0.5': out.records['results']}, server=False)
   assert table6.splitlines()[0] == '| Method | 0 | 0.5 |'
 
 
 def test_more_clients_than_examples_is_an_error():
-  config = ml_collections.ConfigDict({'num_domains': 3, 'points_per_domain': 4,
-                                      'num_clients': 5, 'dirichlet_alpha': 1.0})
+  config = data_config(**{'num_domains': 3, 'points_per_domain': 4,
+                          'num_clients': 5, 'dirichlet_alpha': 1.0})
   with pytest.raises(ValueError, match='config.data.num_clients=5 exceeds'):
     BENCHMARKS.get('circle')(config, 0)
 
@@ -240,7 +240,7 @@ def portraits_folder(root, years=range(1905, 2014, 4)):
 
 
 def timed_config(source, data_dir, num_domains, num_clients=2, alpha=float('inf')):
-  return ml_collections.ConfigDict({
+  return data_config(**{
       'source': source, 'data_dir': str(data_dir), 'num_domains': num_domains,
       'num_clients': num_clients, 'dirichlet_alpha': alpha, 'image_size': 0})
 
@@ -299,7 +299,7 @@ def test_timed_images_bad_input(tmp_path):
 
 def test_portraits_config_runs_end_to_end(tmp_path):
   from configs import fedevolve as fedevolve_config
-  from fedjax_shift import experiment
+  from fedjax_shift import pipelines
   portraits_folder(tmp_path / 'portraits')
   config = fedevolve_config.get_config('portraits_dirinf,tiny')
   config.data.data_dir = str(tmp_path / 'portraits')
@@ -308,7 +308,7 @@ def test_portraits_config_runs_end_to_end(tmp_path):
   config.model = ml_collections.ConfigDict({'name': 'mlp', 'hidden': (8,)})
   config.algorithms = ('fedavg', 'fedevolve', 'fedevp')
   config.eval_adapters = ()
-  out = experiment.run(config, str(tmp_path / 'run'))
-  assert [row[0] for row in out['table']['rows']] == ['fedavg', 'fedevolve', 'fedevp']
-  for result in out['results']:
+  out = pipelines.run(config, str(tmp_path / 'run'))
+  assert [row[0] for row in out.records['table']['rows']] == ['fedavg', 'fedevolve', 'fedevp']
+  for result in out.records['results']:
     assert np.isfinite(result['metrics']['global/test/accuracy'])

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from fedjax_shift import experiment
+from fedjax_shift import pipelines
 from fedjax_shift.metrics import read_metrics
 from helpers import tiny_config
 
@@ -19,8 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize('name', ['fedavg', 'fedprox', 'fedbn', 'fedavg_ft', 'local'])
 def test_tiny_run_writes_table_and_metrics(tmp_path, name):
   config = tiny_config(algorithms=(name,), **{'model.name': 'bn_mlp'})
-  out = experiment.run(config, str(tmp_path))
-  metrics = out['results'][0]['metrics']
+  out = pipelines.run(config, str(tmp_path))
+  metrics = out.records['results'][0]['metrics']
   has_global = name in ('fedavg', 'fedprox', 'fedavg_ft')
   has_personal = name in ('fedbn', 'fedavg_ft', 'local')
   assert ('global/test/accuracy' in metrics) == has_global
@@ -38,9 +38,9 @@ def test_tiny_run_writes_table_and_metrics(tmp_path, name):
 def test_training_beats_chance(tmp_path):
   config = tiny_config(rounds=15, eval_every=15, **{'data.num_clients': 6, 'cohort_size': 6,
                                                     'data.partition': 'iid'})
-  out = experiment.run(config, str(tmp_path))
+  out = pipelines.run(config, str(tmp_path))
   # 10 classes: chance is 10 %; 15 FedAvg rounds of an MLP on MNIST digits get far past it.
-  assert out['results'][0]['metrics']['global/test/accuracy'] > 0.6
+  assert out.records['results'][0]['metrics']['global/test/accuracy'] > 0.6
 
 
 def _launch(workdir, rounds):
@@ -80,7 +80,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
 def test_divergence_stops_with_round_and_keeps_checkpoint(tmp_path):
   config = tiny_config(rounds=6, checkpoint_every=1, **{'client.learning_rate': 1e30})
   with pytest.raises(FloatingPointError, match=r'non-finite training loss .* in round \d'):
-    experiment.run(config, str(tmp_path))
+    pipelines.run(config, str(tmp_path))
   ckpt_dir = tmp_path / 'fedavg' / 'seed_0' / 'checkpoints'
   saved = sorted(int(p) for p in os.listdir(ckpt_dir) if p.isdigit())
   records = read_metrics(str(tmp_path / 'fedavg' / 'seed_0' / 'metrics.jsonl'))
@@ -90,10 +90,10 @@ def test_divergence_stops_with_round_and_keeps_checkpoint(tmp_path):
 
 
 def test_host_store_run_matches_device_store(tmp_path):
-  a = experiment.run(tiny_config(), str(tmp_path / 'device'))
-  b = experiment.run(tiny_config(**{'data.store': 'host'}), str(tmp_path / 'host'))
-  for key, value in a['results'][0]['metrics'].items():
-    np.testing.assert_allclose(b['results'][0]['metrics'][key], value, rtol=1e-5, atol=1e-6)
+  a = pipelines.run(tiny_config(), str(tmp_path / 'device'))
+  b = pipelines.run(tiny_config(**{'data.store': 'host'}), str(tmp_path / 'host'))
+  for key, value in a.records['results'][0]['metrics'].items():
+    np.testing.assert_allclose(b.records['results'][0]['metrics'][key], value, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -107,9 +107,9 @@ def test_default_experiment_full(tmp_path):
                                                 os.path.join(ROOT, 'configs', 'default.py'))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  out = experiment.run(module.get_config(), str(tmp_path))
+  out = pipelines.run(module.get_config(), str(tmp_path))
   by_method = {}
-  for result in out['results']:
+  for result in out.records['results']:
     by_method.setdefault(result['algorithm'], []).append(result['metrics'])
   assert set(by_method) == {'fedavg', 'fedprox', 'fedbn'}
   mean = lambda name, key: np.mean([m[key] for m in by_method[name]])

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fedjax_shift import models
+from fedjax_shift import algorithms
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.core.algorithm import ClientData
 from fedjax_shift.core.round import RoundConfig, build_round, stack_client_states
@@ -16,7 +17,7 @@ NUM_CLASSES = 3
 
 def make(name, config, data):
   module = models.create(config.model, NUM_CLASSES)
-  algorithm = ALGORITHMS.get(name)(config, module, data.max_examples)
+  algorithm = algorithms.build(name, config, module, data.max_examples)
   server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   return algorithm, server, stack_client_states(algorithm, server, data.num_clients)
 
@@ -140,7 +141,7 @@ def test_fedsr_kl_closed_form_and_zero_weights_train_like_fedavg_on_mu():
 def test_uploaded_parameters_are_counted_from_the_update_pytrees():
   """FedEvolve Table 7: FedAvg uploads its model, FedRep only its representation,
   FedBN all but its BatchNorm layers, Local nothing."""
-  from fedjax_shift.experiment import uploaded_parameters
+  from fedjax_shift.pipelines.federated import uploaded_parameters
   config = tiny_config()
   data, _, _ = toy_clients([6, 9], num_classes=NUM_CLASSES)
   counts = {}

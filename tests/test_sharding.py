@@ -12,14 +12,14 @@ SCRIPT = textwrap.dedent('''
     import sys; sys.path.insert(0, 'tests')
     from helpers import tiny_config, toy_clients
     from fedjax_shift import models
-    from fedjax_shift.algorithms import ALGORITHMS
+    from fedjax_shift import algorithms
     from fedjax_shift.core.round import (RoundConfig, build_round, client_mesh, round_key,
                                          stack_client_states)
     config = tiny_config(**{'model.name': 'bn_mlp'})
     data, _, _ = toy_clients([5, 8, 3, 6, 7, 4, 9, 2], num_classes=3)
     for name in ['fedavg', 'fedbn']:
       module = models.create(config.model, 3)
-      algorithm = ALGORITHMS.get(name)(config, module, data.max_examples)
+      algorithm = algorithms.build(name, config, module, data.max_examples)
       server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
       clients = stack_client_states(algorithm, server, data.num_clients)
       round_config = RoundConfig(cohort_size=4)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from configs import atp as atp_configs
-from fedjax_shift import tta_experiment
+from fedjax_shift import config as config_lib
+from fedjax_shift import pipelines
 from fedjax_shift.benchmarks.atp_shift import atp_protocol, class_counts
 from fedjax_shift.data import corruptions
 from fedjax_shift.metrics import read_metrics
@@ -88,7 +89,7 @@ def test_pipeline_config_errors_name_the_field(field, value, message, tmp_path):
     target = target[part]
   target[leaf] = value
   with pytest.raises(ValueError, match=message):
-    tta_experiment.validate(config, str(tmp_path))
+    config_lib.validate(config, str(tmp_path))
 
 
 def test_pipeline_end_to_end_tables_alpha_and_resume(tmp_path):
@@ -99,10 +100,10 @@ def test_pipeline_end_to_end_tables_alpha_and_resume(tmp_path):
   config.tta.rows = ('no_adapt', 'bn_adapt', 'atp_batch', 'atp_online')
   config.atp.learning_rate = 5.0  # move α visibly in two tiny rounds
   workdir = str(tmp_path)
-  out = tta_experiment.run(config, workdir)
-  assert 'Table 1' in out['markdown'] and 'Table 3' in out['markdown']
-  assert set(out['table1']) == set(config.tta.rows)
-  assert set(out['table3']) == {('feature', 'label'), ('label', 'feature')}
+  out = pipelines.run(config, workdir)
+  assert 'Table 1' in out.records['markdown'] and 'Table 3' in out.records['markdown']
+  assert set(out.records['table1']) == set(config.tta.rows)
+  assert set(out.records['table3']) == {('feature', 'label'), ('label', 'feature')}
   run_dir = os.path.join(workdir, 'label', 'seed_0')
   records = read_metrics(os.path.join(run_dir, 'alpha', 'metrics.jsonl'))
   assert [r['round'] for r in records] == [1, 2]
@@ -113,8 +114,8 @@ def test_pipeline_end_to_end_tables_alpha_and_resume(tmp_path):
   assert any(abs(v) > 0 for v in alpha.values())
   assert all(np.isclose(alpha[k[len('alpha/'):]], records[-1][k]) for k in alpha_keys)
   assert os.path.exists(os.path.join(workdir, 'alpha.png'))
-  again = tta_experiment.run(config, workdir)
-  assert again['table1'] == out['table1']
+  again = pipelines.run(config, workdir)
+  assert again.records['table1'] == out.records['table1']
   # launch/report.py rebuilds the same tables from the workdir.
   import importlib.util
   spec = importlib.util.spec_from_file_location(
@@ -122,7 +123,7 @@ def test_pipeline_end_to_end_tables_alpha_and_resume(tmp_path):
   launch_report = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(launch_report)
   table1, table3, _, shifts, seeds = launch_report.load([workdir])
-  assert table1 == out['table1'] and table3 == out['table3'] and seeds == [0]
+  assert table1 == out.records['table1'] and table3 == out.records['table3'] and seeds == [0]
   assert shifts == ['feature', 'label']
   with pytest.raises(ValueError, match='also in an earlier workdir'):
     launch_report.load([workdir, workdir])
@@ -135,9 +136,9 @@ def test_digits_hybrid_quick_protocol_runs_every_row(tmp_path):
   every Table 1 row gives a finite accuracy above chance (10 %)."""
   config = atp_configs.get_config('digits_hybrid,quick')
   config.progress = False
-  out = tta_experiment.run(config, str(tmp_path))
+  out = pipelines.run(config, str(tmp_path))
   for key in config.tta.rows:
-    accuracy = out['table1'][key]['hybrid'][0]
+    accuracy = out.records['table1'][key]['hybrid'][0]
     assert np.isfinite(accuracy) and accuracy > 0.1, (key, accuracy)
 
 

@@ -26,7 +26,7 @@ from flax import traverse_util
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
-from fedjax_shift.core.test_time import AdaptBatch, Adapter
+from fedjax_shift.core.test_time import ADAPTERS, SourceContext, AdaptBatch, Adapter
 
 Alpha = Any          # {'params': tree of [] scalars, ['batch_stats': tree of [] scalars]}
 SCALINGS = ('sqrt', 'none', 'numel')
@@ -137,3 +137,11 @@ def atp(module, alpha: Alpha) -> Adapter:
     return ATPState(state.variables, state.alpha, mean_h, count), logits
 
   return Adapter(init, step)
+
+
+@ADAPTERS.register('atp', defaults={})
+def build_atp(module, hparams, context: SourceContext) -> Adapter:
+  """The registry's builder: this method from its ``config.adapters.atp``."""
+  if context.alpha is None:
+    raise ValueError('atp: no learned alpha; the pipeline trains it before test time')
+  return atp(module, context.alpha)

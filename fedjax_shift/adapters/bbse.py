@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from fedjax_shift import models
 from fedjax_shift.adapters.em import reweight
-from fedjax_shift.core.test_time import Adapter
+from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
 
 
 def confusion_matrix(module, variables, x: jax.Array, y: jax.Array, num_classes: int,
@@ -51,3 +51,10 @@ def bbse(module, confusion: jax.Array) -> Adapter:
     return (variables, counts), reweight(jax.nn.log_softmax(logits), w)
 
   return Adapter(init, step)
+
+
+@ADAPTERS.register('bbse', defaults={})
+def build_bbse(module, hparams, context: SourceContext) -> Adapter:
+  """The registry's builder: this method from its ``config.adapters.bbse``."""
+  return bbse(module, confusion_matrix(module, context.variables, context.source_x,
+                                      context.source_y, context.num_classes))

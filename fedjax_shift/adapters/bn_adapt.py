@@ -12,7 +12,7 @@ import jax
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
-from fedjax_shift.core.test_time import Adapter
+from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
 
 
 def prior_weight(prior_strength: float, batch_size: int) -> float:
@@ -41,3 +41,9 @@ def bn_adapt(module, prior: float) -> Adapter:
     return variables, logits
 
   return Adapter(init, step)
+
+
+@ADAPTERS.register('bn_adapt', defaults={'prior_strength': 16.0})  # ATP code: p = N/(N+B), N = 16
+def build_bn_adapt(module, hparams, context: SourceContext) -> Adapter:
+  """The registry's builder: this method from its ``config.adapters.bn_adapt``."""
+  return bn_adapt(module, prior_weight(hparams.prior_strength, context.batch_size))

@@ -22,7 +22,7 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
-from fedjax_shift.core.test_time import Adapter
+from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
 
 
 class EATAExtra(NamedTuple):
@@ -95,3 +95,20 @@ def eata(module, num_classes: int, fisher=None, learning_rate: float = 0.005,
       'eata', models.is_batch_norm_path, 'eata (BatchNorm affine parameters)', loss_fn,
       forward, optax.sgd(learning_rate, momentum=momentum or None), predict,
       init_extra=init_extra, check=common.require_batch_norm('eata'))
+
+
+@ADAPTERS.register('eata', defaults={
+    'learning_rate': 0.005, 'momentum': 0.9,   # SGD on BN affine (our choice; a field)
+    'entropy_margin': 0.4,                     # EATA: E0 = 0.4·ln C
+    'redundancy_epsilon': 0.05,                # EATA: ε = 0.05
+    'fisher_weight': 2000.0,                   # EATA: β = 2000
+    'fisher_samples': 2000,                    # EATA: 2000 source samples
+    'predict': 'before'})
+def build_eata(module, hparams, context: SourceContext) -> Adapter:
+  """The registry's builder: this method from its ``config.adapters.eata``."""
+  fisher = fisher_information(module, context.variables,
+                              context.source_x[:hparams.fisher_samples]
+                              ) if hparams.fisher_weight else None
+  return eata(module, context.num_classes, fisher, hparams.learning_rate, hparams.momentum,
+              hparams.entropy_margin, hparams.redundancy_epsilon, hparams.fisher_weight,
+              hparams.predict)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_shift import models
-from fedjax_shift.core.test_time import Adapter
+from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
 
 
 def reweight(log_probs: jax.Array, ratio: jax.Array) -> jax.Array:
@@ -52,3 +52,9 @@ def em(module, num_classes: int, num_iterations: int = 100, source_prior=None) -
     return (variables, prior), reweight(log_probs, prior / source_prior)
 
   return Adapter(init, step)
+
+
+@ADAPTERS.register('em', defaults={'num_iterations': 100})  # Saerens et al. EM iterations
+def build_em(module, hparams, context: SourceContext) -> Adapter:
+  """The registry's builder: this method from its ``config.adapters.em``."""
+  return em(module, context.num_classes, hparams.num_iterations)

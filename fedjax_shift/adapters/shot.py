@@ -21,7 +21,7 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
-from fedjax_shift.core.test_time import Adapter
+from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
 
 
 def cluster_pseudo_labels(features: jax.Array, probs: jax.Array, weight: jax.Array
@@ -66,3 +66,11 @@ def shot(module, learning_rate: float = 1e-3, pseudo_label_weight: float = 0.3,
       'shot', lambda path: path[0] == 'encoder', 'shot (encoder parameters)', loss_fn,
       lambda variables, x: forward(variables, x)[1], optimizer or optax.adam(learning_rate),
       predict)
+
+
+@ADAPTERS.register('shot', defaults={'learning_rate': 1e-3,        # Tent's optimizer
+               'pseudo_label_weight': 0.3,   # SHOT: β = 0.3
+               'predict': 'before'})          # ATP code: logits before
+def build_shot(module, hparams, context: SourceContext) -> Adapter:
+  """The registry's builder: this method from its ``config.adapters.shot``."""
+  return shot(module, hparams.learning_rate, hparams.pseudo_label_weight, hparams.predict)

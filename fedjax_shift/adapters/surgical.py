@@ -14,7 +14,7 @@ import optax
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
-from fedjax_shift.core.test_time import Adapter
+from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
 
 
 def block_selector(block: str, params):
@@ -41,3 +41,16 @@ def surgical(module, block: str = 'first', learning_rate: float = 1e-3,
                                  f'surgical block {block!r}', loss_fn, forward,
                                  optimizer or optax.adam(learning_rate), predict,
                                  selector_of_params=True)
+
+
+@ADAPTERS.register('surgical', defaults={'learning_rate': 1e-3, 'predict': 'before',
+       # Lee et al.: input-level shift → first block, label (output-level) shift → last
+       # layer; a name, or one per ATP shift
+       'block': {'feature': 'first', 'label': 'head', 'hybrid': 'head'}})
+def build_surgical(module, hparams, context: SourceContext) -> Adapter:
+  """The registry's builder: this method from its ``config.adapters.surgical``."""
+  block = hparams.block
+  if not isinstance(block, str):
+    raise ValueError(f'config.adapters.surgical.block: name one block here; a mapping per '
+                     f'shift ({dict(block)}) is resolved by the test_time pipeline')
+  return surgical(module, block, hparams.learning_rate, hparams.predict)

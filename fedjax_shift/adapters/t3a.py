@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from fedjax_shift import models
 from fedjax_shift.adapters.common import entropy
-from fedjax_shift.core.test_time import Adapter
+from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
 
 
 class Supports(NamedTuple):
@@ -80,3 +80,9 @@ def t3a(module, filter_k: int = 100) -> Adapter:
     return (variables, supports), prototype_logits(supports, features)
 
   return Adapter(init, step)
+
+
+@ADAPTERS.register('t3a', defaults={'filter_k': 100})  # T3A / DomainBed default K
+def build_t3a(module, hparams, context: SourceContext) -> Adapter:
+  """The registry's builder: this method from its ``config.adapters.t3a``."""
+  return t3a(module, hparams.filter_k)

@@ -24,13 +24,19 @@ def mix(alpha: float, personal, global_params):
   return jax.tree.map(lambda v, w: alpha * v + (1.0 - alpha) * w, personal, global_params)
 
 
-def apfl(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
-  alpha = config.apfl.alpha
-  if not 0.0 <= alpha <= 1.0:
-    raise ValueError(f'config.apfl.alpha: must be in [0, 1], got {alpha}')
-  server_opt = base.server_optimizer(config)
-  client_opt = base.client_optimizer(config)
-  schedule = base.schedule(config, max_examples)
+def check(hparams: ml_collections.ConfigDict) -> None:
+  if not 0.0 <= hparams.alpha <= 1.0:
+    raise ValueError(f'config.apfl.alpha: must be in [0, 1], got {hparams.alpha}')
+
+
+@base.ALGORITHMS.register('apfl', defaults={'alpha': 0.5},  # fixed mixing α (our default)
+                          check=check)
+def apfl(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  check(hparams)
+  alpha = hparams.alpha
+  module = context.module
+  server_opt, client_opt, schedule = (context.server_optimizer, context.client_optimizer,
+                                      context.schedule)
 
   def loss_fn(both, model_state, x, y, weight, rng):
     del rng

@@ -49,17 +49,18 @@ def alpha_optimizer(atp_config: ml_collections.ConfigDict, variables
   return optax.chain(scale_tx, inner)
 
 
-def atp_training(config: ml_collections.ConfigDict, module, max_examples: int,
-                 global_variables) -> FederatedAlgorithm:
-  """α-training algorithm around the pretrained ``global_variables``.
+def atp_training(atp_config: ml_collections.ConfigDict, module, max_examples: int,
+                 global_variables, unroll: int = 1) -> FederatedAlgorithm:
+  """α-training algorithm around the pretrained ``global_variables``, from the
+  ``config.atp`` section (optimizer, learning_rate, scaling, batch_size,
+  local_epochs, local_steps).
 
   ServerState is ``ATPServerState``; ``global_model`` returns θ_G (α is evaluated
   by the test-time adapters, not by the training loop).
   """
-  atp_config = config.atp
   schedule = LocalSchedule(batch_size=atp_config.batch_size, num_epochs=atp_config.local_epochs,
                            num_steps=atp_config.local_steps, max_examples=max_examples,
-                           unroll=config.engine.unroll)
+                           unroll=unroll)
   server_opt = optax.sgd(1.0)
 
   def init(rng, example_x):

@@ -16,6 +16,7 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.core.algorithm import ClientData, ClientOutput
 from fedjax_shift.core.local import LocalSchedule, local_train, masked_mean
+from fedjax_shift.registry import Registry
 
 PyTree = Any
 SERVER_OPTIMIZERS = ('sgd', 'fedavgm', 'fedadam')
@@ -28,37 +29,103 @@ class ServerState(NamedTuple):
   round: jax.Array    # [] int32, rounds applied
 
 
-def client_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+class BuildContext(NamedTuple):
+  """What the engine prepares for an algorithm builder (besides its own config
+  section ``config.<name>``).
+
+  Attributes:
+    module: the Flax classifier (encoder / head).
+    client_optimizer: the local optimizer from ``config.client``.
+    server_optimizer: the server optimizer from ``config.server`` (SGD lr 1 = FedAvg).
+    schedule: local steps per round (batch size, epochs or steps, padded N, unroll).
+    client_learning_rate: η of ``config.client`` (q-FFL's Lipschitz estimate 1/η).
+    info: the benchmark's ``Benchmark.info`` (evolving shifts: 'num_domains',
+      'domain_size'); {} when the caller has none.
+  """
+  module: Any
+  client_optimizer: optax.GradientTransformation
+  server_optimizer: optax.GradientTransformation
+  schedule: LocalSchedule
+  client_learning_rate: float
+  info: dict
+
+
+# name -> builder(hparams: its config.<name> section, context: BuildContext)
+#           -> FederatedAlgorithm; each method file registers itself with its defaults.
+ALGORITHMS: Registry = Registry('algorithm')
+
+
+def client_optimizer(client: ml_collections.ConfigDict) -> optax.GradientTransformation:
   """config.client: optimizer ('sgd'|'adam'), learning_rate, momentum, weight_decay."""
-  c = config.client
+  c = client
   if c.optimizer == 'sgd':
     opt = optax.sgd(c.learning_rate, momentum=c.momentum or None)
   elif c.optimizer == 'adam':
     opt = optax.adam(c.learning_rate)
   else:
-    raise ValueError(f'client.optimizer: unknown {c.optimizer!r}; choose from {CLIENT_OPTIMIZERS}')
+    raise ValueError(f'config.client.optimizer: unknown {c.optimizer!r}; choose from '
+                     f'{list(CLIENT_OPTIMIZERS)}')
   if c.weight_decay:
     opt = optax.chain(optax.add_decayed_weights(c.weight_decay), opt)
   return opt
 
 
-def server_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def server_optimizer(server: ml_collections.ConfigDict) -> optax.GradientTransformation:
   """config.server: optimizer 'sgd' (lr 1 = FedAvg), 'fedavgm' (momentum), 'fedadam'."""
-  s = config.server
+  s = server
   if s.optimizer == 'sgd':
     return optax.sgd(s.learning_rate)
   if s.optimizer == 'fedavgm':
     return optax.sgd(s.learning_rate, momentum=s.momentum)
   if s.optimizer == 'fedadam':
     return optax.adam(s.learning_rate, b1=s.beta1, b2=s.beta2, eps=s.adam_eps)
-  raise ValueError(f'server.optimizer: unknown {s.optimizer!r}; choose from {SERVER_OPTIMIZERS}')
+  raise ValueError(f'config.server.optimizer: unknown {s.optimizer!r}; choose from '
+                   f'{list(SERVER_OPTIMIZERS)}')
 
 
-def schedule(config: ml_collections.ConfigDict, max_examples: int) -> LocalSchedule:
+def check_training(config: ml_collections.ConfigDict) -> None:
+  """The client and server sections (optimizers, rates, local schedule)."""
+  client_optimizer(config.client)
+  server_optimizer(config.server)
+  _require(config.client.learning_rate > 0, 'client.learning_rate',
+           f'must be > 0, got {config.client.learning_rate}')
+  _require(config.server.learning_rate > 0, 'server.learning_rate',
+           f'must be > 0, got {config.server.learning_rate}')
+  _require(config.client.batch_size >= 1, 'client.batch_size',
+           f'must be >= 1, got {config.client.batch_size}')
+  _require(config.client.local_epochs >= 1 or config.client.local_steps >= 1,
+           'client.local_epochs', 'need local_epochs >= 1 or local_steps >= 1')
+  _require(config.client.local_steps >= 0, 'client.local_steps',
+           f'must be >= 0, got {config.client.local_steps}')
+
+
+def _require(condition: bool, field: str, message: str):
+  if not condition:
+    raise ValueError(f'config.{field}: {message}')
+
+
+def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
+                  info: Optional[dict] = None) -> BuildContext:
+  """The engine's part of a builder's input, from ``config.client``, ``config.server``
+  and ``config.engine.unroll``."""
   c = config.client
-  return LocalSchedule(batch_size=c.batch_size, num_epochs=c.local_epochs,
-                       num_steps=c.local_steps, max_examples=max_examples,
-                       unroll=config.engine.unroll)
+  schedule = LocalSchedule(batch_size=c.batch_size, num_epochs=c.local_epochs,
+                           num_steps=c.local_steps, max_examples=max_examples,
+                           unroll=config.engine.unroll)
+  return BuildContext(module, client_optimizer(c), server_optimizer(config.server), schedule,
+                      float(c.learning_rate), dict(info or {}))
+
+
+def build(name: str, config: ml_collections.ConfigDict, module, max_examples: int,
+          info: Optional[dict] = None):
+  """The registered algorithm ``name`` with its section ``config.<name>``."""
+  builder = ALGORITHMS.get(name, 'config.algorithms')
+  return builder(config[name], build_context(config, module, max_examples, info))
+
+
+def epochs_schedule(schedule: LocalSchedule, epochs: int) -> LocalSchedule:
+  """``schedule`` running ``epochs`` full epochs (fine-tuning, head epochs)."""
+  return schedule._replace(num_epochs=epochs, num_steps=0)
 
 
 def cross_entropy_loss(module, extra_loss: Optional[Callable[[PyTree], jax.Array]] = None):
@@ -87,13 +154,14 @@ def init_server(module, server_opt: optax.GradientTransformation):
   return init
 
 
-def train_variables(module, config, max_examples: int, variables, data: ClientData, rng,
-                    extra_loss=None):
-  """Local SGD from ``variables`` on ``data``; returns (new variables, metrics)."""
+def train_variables(context: BuildContext, variables, data: ClientData, rng, extra_loss=None,
+                    schedule: Optional[LocalSchedule] = None):
+  """Local training (``context.client_optimizer``, ``schedule`` or the context's) from
+  ``variables`` on ``data``; returns (new variables, metrics)."""
   params, model_state = split_variables(variables)
   params, model_state, _, metrics = local_train(
-      cross_entropy_loss(module, extra_loss), client_optimizer(config), params, model_state,
-      data, rng, schedule(config, max_examples))
+      cross_entropy_loss(context.module, extra_loss), context.client_optimizer, params,
+      model_state, data, rng, schedule or context.schedule)
   return {'params': params, **model_state}, metrics
 
 

@@ -19,13 +19,19 @@ from fedjax_shift.core.algorithm import FederatedAlgorithm
 from fedjax_shift.core.local import local_train
 
 
-def ditto(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
-  lam = config.ditto.lam
-  if lam < 0:
-    raise ValueError(f'config.ditto.lam: must be >= 0, got {lam}')
-  global_part = fedavg(config, module, max_examples)
-  client_opt = base.client_optimizer(config)
-  schedule = base.schedule(config, max_examples)
+def check(hparams: ml_collections.ConfigDict) -> None:
+  if hparams.lam < 0:
+    raise ValueError(f'config.ditto.lam: must be >= 0, got {hparams.lam}')
+
+
+@base.ALGORITHMS.register('ditto', defaults={'lam': 0.1},  # λ (FedEvolve App. D: 0.1)
+                          check=check)
+def ditto(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  check(hparams)
+  lam = hparams.lam
+  module = context.module
+  global_part = fedavg(ml_collections.ConfigDict(), context)
+  client_opt, schedule = context.client_optimizer, context.schedule
 
   def init_client_state(server_state):
     return server_state.variables, client_opt.init(server_state.variables['params'])

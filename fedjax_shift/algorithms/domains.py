@@ -37,6 +37,22 @@ def domain_batch(data: ClientData, layout: DomainLayout, m, rng: jax.Array, batc
   return x[idx], y[idx], weight
 
 
+def layout_from_info(info: dict, max_examples: int, method: str) -> DomainLayout:
+  """M = ``info['num_domains']`` source domains (the benchmark's ``Benchmark.info``);
+  n = padded examples / M."""
+  if 'num_domains' not in info:
+    raise ValueError(f'{method} trains on domain-major client data: use an evolving '
+                     f'benchmark (rotated_digits, circle, timed_images); this benchmark\'s '
+                     f'info has no num_domains')
+  num_sources = int(info['num_domains'])
+  if num_sources < 1:
+    raise ValueError(f'config.data.num_domains: need >= 2 (sources + target), got '
+                     f'{num_sources + 1}')
+  layout = DomainLayout(num_sources, max_examples // num_sources)
+  check_layout(layout, max_examples)
+  return layout
+
+
 def check_layout(layout: DomainLayout, max_examples: int) -> None:
   if layout.num_domains < 1 or layout.domain_size < 1:
     raise ValueError(f'evolving methods need domain-major client data; got {layout}')

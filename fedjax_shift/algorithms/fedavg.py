@@ -14,17 +14,19 @@ from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 
 
-def fedavg(config: ml_collections.ConfigDict, module, max_examples: int,
+@base.ALGORITHMS.register('fedavg')
+def fedavg(hparams: ml_collections.ConfigDict, context: base.BuildContext,
            extra_loss_fn=None) -> FederatedAlgorithm:
-  """FedAvg. ``extra_loss_fn(global_params)`` -> (params -> penalty) adds a local
-  regulariser that may depend on the broadcast model (FedProx)."""
-  server_opt = base.server_optimizer(config)
+  """FedAvg (no hyperparameters of its own). ``extra_loss_fn(global_params)`` ->
+  (params -> penalty) adds a local regulariser that may depend on the broadcast
+  model (FedProx)."""
+  del hparams
+  module, server_opt = context.module, context.server_optimizer
 
   def client_update(server_state, client_state, data, rng):
     variables = server_state.variables
     extra = extra_loss_fn(variables['params']) if extra_loss_fn else None
-    new_variables, metrics = base.train_variables(module, config, max_examples, variables,
-                                                  data, rng, extra)
+    new_variables, metrics = base.train_variables(context, variables, data, rng, extra)
     return ClientOutput(base.tree_sub(new_variables, variables), metrics), client_state
 
   return FederatedAlgorithm(

@@ -33,12 +33,13 @@ def merge_local(variables, local):
   return traverse_util.unflatten_dict(flat)
 
 
-def fedbn(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
-  server_opt = base.server_optimizer(config)
+@base.ALGORITHMS.register('fedbn')
+def fedbn(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  module, server_opt = context.module, context.server_optimizer
 
   def client_update(server_state, client_local, data, rng):
     start = merge_local(server_state.variables, client_local)
-    new_variables, metrics = base.train_variables(module, config, max_examples, start, data, rng)
+    new_variables, metrics = base.train_variables(context, start, data, rng)
     # Only the shared (non-BN) part is uploaded and averaged.
     delta = base.send_only(base.tree_sub(new_variables, start), lambda p: not is_local(p))
     return ClientOutput(delta, metrics), local_part(new_variables)

@@ -29,7 +29,7 @@ import optax
 
 from fedjax_shift import models
 from fedjax_shift.algorithms import base
-from fedjax_shift.algorithms.domains import DomainLayout, check_layout, domain_batch, domain_block
+from fedjax_shift.algorithms.domains import domain_batch, domain_block, layout_from_info
 from fedjax_shift.algorithms.prototypes import (class_prototypes, prototype_head,
                                                 prototype_loss)
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
@@ -44,32 +44,25 @@ class FedEvolveState(NamedTuple):
   round: jax.Array
 
 
-def layout_from_config(config: ml_collections.ConfigDict, max_examples: int) -> DomainLayout:
-  """M = data.num_domains − 1 source domains; n = padded examples / M."""
-  num_sources = config.data.num_domains - 1
-  if num_sources < 1:
-    raise ValueError(f'config.data.num_domains: need >= 2 (sources + target), got '
-                     f'{config.data.num_domains}')
-  layout = DomainLayout(num_sources, max_examples // num_sources)
-  check_layout(layout, max_examples)
-  return layout
-
-
 def encoder_features(module, encoder_params, x):
   return models.features(module, {'params': {'encoder': encoder_params}}, x)
 
 
-def fedevolve(config: ml_collections.ConfigDict, module, max_examples: int
+@base.ALGORITHMS.register('fedevolve')
+def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
               ) -> FederatedAlgorithm:
-  layout = layout_from_config(config, max_examples)
+  """Local iterations τ = the schedule's epochs, batches of its batch size, from
+  domain-major data laid out as ``context.info`` says."""
+  del hparams
+  module = context.module
+  layout = layout_from_info(context.info, context.schedule.max_examples, 'fedevolve')
   if layout.num_domains < 2:
     raise ValueError('FedEvolve aligns consecutive source domains: config.data.num_domains '
                      'must be >= 3 (two sources and the target)')
   num_classes = module.num_classes
-  iterations = config.client.local_epochs
-  batch_size = config.client.batch_size
-  client_opt = base.client_optimizer(config)
-  server_opt = base.server_optimizer(config)
+  iterations = context.schedule.num_epochs
+  batch_size = context.schedule.batch_size
+  client_opt, server_opt = context.client_optimizer, context.server_optimizer
 
   def init(rng, example_x):
     phi_key, psi_key = jax.random.split(rng)
@@ -118,7 +111,7 @@ def fedevolve(config: ml_collections.ConfigDict, module, max_examples: int
     params = server_state.params
     init_carry = (params, client_opt.init(params), jnp.float32(0.0))
     (params, _, loss_sum), _ = jax.lax.scan(iteration, init_carry, jnp.arange(iterations),
-                                            unroll=config.engine.unroll)
+                                            unroll=context.schedule.unroll)
     sums, counts = last_domain_sums(params['phi'], data)
     steps = budget * (layout.num_domains - 1)
     metrics = {'loss': loss_sum / jnp.maximum(steps, 1), 'num_steps': steps.astype(jnp.float32)}

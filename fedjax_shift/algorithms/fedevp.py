@@ -15,7 +15,7 @@ The running prototypes are state (no gradient flows into past domains); a class 
 yet seen is absent from C and skipped. Algorithm 2 of the paper updates C_m with A
 before aligning A to it; we follow Eq. 6, which aligns domain m to C_{m−1}.
 Server: uniform mean of (φ, w). Personalisation (Sec. 4.2): the classifier and the
-encoder's last layer fine-tuned for ``finetune.epochs`` (1) epoch on the client's
+encoder's last layer fine-tuned for ``fedevp.finetune_epochs`` (1) epoch on the client's
 data; "client" accuracy uses it, "server" the global model.
 """
 from __future__ import annotations
@@ -28,11 +28,10 @@ from flax import traverse_util
 
 from fedjax_shift import models
 from fedjax_shift.algorithms import base
-from fedjax_shift.algorithms.domains import domain_batch
-from fedjax_shift.algorithms.fedevolve import layout_from_config
+from fedjax_shift.algorithms.domains import domain_batch, layout_from_info
 from fedjax_shift.algorithms.prototypes import class_prototypes, prototype_loss
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
-from fedjax_shift.core.local import LocalSchedule, local_train, masked_mean, select
+from fedjax_shift.core.local import local_train, masked_mean, select
 
 
 def last_layer_selector(params):
@@ -41,15 +40,15 @@ def last_layer_selector(params):
   return lambda path: path[0] == 'head' or tuple(path[:2]) == ('encoder', last)
 
 
-def fedevp(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
-  layout = layout_from_config(config, max_examples)
+@base.ALGORITHMS.register('fedevp', defaults={'finetune_epochs': 1})  # App. D: 1 epoch
+def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  module = context.module
+  layout = layout_from_info(context.info, context.schedule.max_examples, 'fedevp')
   num_classes = module.num_classes
-  iterations = config.client.local_epochs
-  batch_size = config.client.batch_size
-  client_opt = base.client_optimizer(config)
-  server_opt = base.server_optimizer(config)
-  finetune_schedule = LocalSchedule(batch_size, config.finetune.epochs, 0, max_examples,
-                                    config.engine.unroll)
+  iterations = context.schedule.num_epochs
+  batch_size = context.schedule.batch_size
+  client_opt, server_opt = context.client_optimizer, context.server_optimizer
+  finetune_schedule = base.epochs_schedule(context.schedule, hparams.finetune_epochs)
 
   def init(rng, example_x):
     state = base.init_server(module, server_opt)(rng, example_x)
@@ -99,7 +98,7 @@ def fedevp(config: ml_collections.ConfigDict, module, max_examples: int) -> Fede
     features_dim = models.features(module, {'params': params}, data.x[:1]).shape[-1]
     (params, _, loss_sum), _ = jax.lax.scan(
         iteration, (params, client_opt.init(params), jnp.float32(0.0)), jnp.arange(iterations),
-        unroll=config.engine.unroll)
+        unroll=context.schedule.unroll)
     steps = budget * layout.num_domains
     metrics = {'loss': loss_sum / jnp.maximum(steps, 1), 'num_steps': steps.astype(jnp.float32)}
     update = base.tree_sub({'params': params}, server_state.variables)

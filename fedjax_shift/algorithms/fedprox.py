@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from fedjax_shift.algorithms import base
 from fedjax_shift.algorithms.fedavg import fedavg
 from fedjax_shift.core.algorithm import FederatedAlgorithm
 
@@ -25,5 +26,14 @@ def proximal_term(mu: float):
   return bind
 
 
-def fedprox(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
-  return fedavg(config, module, max_examples, extra_loss_fn=proximal_term(config.fedprox.mu))
+def check(hparams: ml_collections.ConfigDict) -> None:
+  if hparams.mu < 0:
+    raise ValueError(f'config.fedprox.mu: must be >= 0, got {hparams.mu}')
+
+
+@base.ALGORITHMS.register('fedprox', defaults={'mu': 0.01},  # μ (ATP Table 7: 0.01)
+                          check=check)
+def fedprox(hparams: ml_collections.ConfigDict, context: base.BuildContext
+            ) -> FederatedAlgorithm:
+  check(hparams)
+  return fedavg(hparams, context, extra_loss_fn=proximal_term(hparams.mu))

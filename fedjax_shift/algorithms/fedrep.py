@@ -15,40 +15,40 @@ import ml_collections
 
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
-from fedjax_shift.core.local import LocalSchedule, local_train
+from fedjax_shift.core.local import local_train
 
 
 def with_head(variables, head):
   return {**variables, 'params': {**variables['params'], 'head': head}}
 
 
-def train_part(module, config, max_examples, variables, part: str, epochs: int, data, rng):
+def train_part(context: base.BuildContext, variables, part: str, epochs: int, data, rng):
   """Local SGD of ``variables['params'][part]`` ('head' or 'encoder') only."""
   params, model_state = base.split_variables(variables)
   frozen = {k: v for k, v in params.items() if k != part}
-  ce = base.cross_entropy_loss(module)
+  ce = base.cross_entropy_loss(context.module)
 
   def loss_fn(trained, model_state, x, y, weight, step_rng):
     return ce({**frozen, part: trained}, model_state, x, y, weight, step_rng)
 
-  schedule = LocalSchedule(config.client.batch_size, epochs, 0, max_examples,
-                           config.engine.unroll)
-  trained, model_state, _, metrics = local_train(loss_fn, base.client_optimizer(config),
-                                                 params[part], model_state, data, rng, schedule)
+  trained, model_state, _, metrics = local_train(
+      loss_fn, context.client_optimizer, params[part], model_state, data, rng,
+      base.epochs_schedule(context.schedule, epochs))
   return {'params': {**frozen, part: trained}, **model_state}, metrics
 
 
-def fedrep(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
-  head_epochs, body_epochs = config.fedrep.head_epochs, config.client.local_epochs
-  server_opt = base.server_optimizer(config)
+@base.ALGORITHMS.register('fedrep', defaults={'head_epochs': 10})  # head epochs (our default)
+def fedrep(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  head_epochs, body_epochs = hparams.head_epochs, context.schedule.num_epochs
+  module, server_opt = context.module, context.server_optimizer
 
   def client_update(server_state, head, data, rng):
     variables = with_head(server_state.variables, head)
-    variables, metrics = train_part(module, config, max_examples, variables, 'head',
+    variables, metrics = train_part(context, variables, 'head',
                                     head_epochs, data, jax.random.fold_in(rng, 0))
     head = variables['params']['head']
     if body_epochs:
-      variables, metrics = train_part(module, config, max_examples, variables, 'encoder',
+      variables, metrics = train_part(context, variables, 'encoder',
                                       body_epochs, data, jax.random.fold_in(rng, 1))
     # Only the representation (and BN statistics) is uploaded; heads stay on the client.
     delta = base.send_only(base.tree_sub(variables, with_head(server_state.variables, head)),

@@ -27,10 +27,11 @@ def label_log_prior(data, num_classes: int) -> jax.Array:
   return jnp.log((counts + 1e-3) / jnp.maximum(jnp.sum(counts), 1e-12))
 
 
-def fedrod(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
-  server_opt = base.server_optimizer(config)
-  client_opt = base.client_optimizer(config)
-  schedule = base.schedule(config, max_examples)
+@base.ALGORITHMS.register('fedrod')
+def fedrod(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  module = context.module
+  server_opt, client_opt, schedule = (context.server_optimizer, context.client_optimizer,
+                                      context.schedule)
   num_classes = module.num_classes
 
   def client_update(server_state, personal_head, data, rng):

@@ -30,11 +30,12 @@ def gaussian_kl(mean_q, std_q, mean_p, std_p) -> jax.Array:
                  (2 * std_p ** 2) - 0.5, -1)
 
 
-def fedsr(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
-  l2r, cmi = config.fedsr.l2r, config.fedsr.cmi
-  server_opt = base.server_optimizer(config)
-  client_opt = base.client_optimizer(config)
-  schedule = base.schedule(config, max_examples)
+@base.ALGORITHMS.register('fedsr', defaults={'l2r': 0.01, 'cmi': 0.001})  # FedEvolve App. D
+def fedsr(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  l2r, cmi = hparams.l2r, hparams.cmi
+  module = context.module
+  server_opt, client_opt, schedule = (context.server_optimizer, context.client_optimizer,
+                                      context.schedule)
   num_classes = module.num_classes
 
   def init(rng, example_x):

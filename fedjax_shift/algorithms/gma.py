@@ -30,11 +30,17 @@ def agreement_mask(stacked_deltas, weights, threshold: float):
   return jax.tree.map(mask, stacked_deltas)
 
 
-def gma(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
-  threshold = config.gma.threshold
-  if not 0.0 <= threshold <= 1.0:
-    raise ValueError(f'config.gma.threshold: must be in [0, 1], got {threshold}')
-  server_opt = base.server_optimizer(config)
+def check(hparams: ml_collections.ConfigDict) -> None:
+  if not 0.0 <= hparams.threshold <= 1.0:
+    raise ValueError(f'config.gma.threshold: must be in [0, 1], got {hparams.threshold}')
+
+
+@base.ALGORITHMS.register('gma', defaults={'threshold': 0.1},  # τ (FedEvolve App. D: 0.1)
+                          check=check)
+def gma(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  check(hparams)
+  threshold = hparams.threshold
+  server_opt = context.server_optimizer
 
   def server_update(state: base.ServerState, outputs: ClientOutput, weights):
     mean_delta = base.weighted_sum(outputs.update, weights)
@@ -49,4 +55,4 @@ def gma(config: ml_collections.ConfigDict, module, max_examples: int) -> Federat
     rest = jax.tree.map(jnp.add, rest, delta_rest)
     return base.ServerState({'params': params, **rest}, opt_state, state.round + 1)
 
-  return fedavg(config, module, max_examples)._replace(server_update=server_update)
+  return fedavg(ml_collections.ConfigDict(), context)._replace(server_update=server_update)

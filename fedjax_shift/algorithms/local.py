@@ -14,9 +14,10 @@ from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train
 
 
-def local(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
-  server_opt = base.server_optimizer(config)
-  client_opt = base.client_optimizer(config)
+@base.ALGORITHMS.register('local')
+def local(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  module = context.module
+  server_opt, client_opt = context.server_optimizer, context.client_optimizer
   loss_fn = base.cross_entropy_loss(module)
 
   def init_client_state(server_state):
@@ -28,7 +29,7 @@ def local(config: ml_collections.ConfigDict, module, max_examples: int) -> Feder
     params, model_state = base.split_variables(variables)
     params, model_state, opt_state, metrics = local_train(
         loss_fn, client_opt, params, model_state, data, rng,
-        base.schedule(config, max_examples), opt_state)
+        context.schedule, opt_state)
     return ClientOutput((), metrics), ({'params': params, **model_state}, opt_state)
 
   def server_update(server_state, outputs, weights):

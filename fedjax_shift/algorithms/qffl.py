@@ -31,18 +31,23 @@ def client_loss(module, variables, data) -> jax.Array:
                      data.mask.astype(jnp.float32))
 
 
-def qffl(config: ml_collections.ConfigDict, module, max_examples: int) -> FederatedAlgorithm:
-  q = float(config.qffl.q)
-  if q < 0:
-    raise ValueError(f'config.qffl.q: must be >= 0, got {q}')
-  lipschitz = 1.0 / config.client.learning_rate
-  server_opt = base.server_optimizer(config)
+def check(hparams: ml_collections.ConfigDict) -> None:
+  if hparams.q < 0:
+    raise ValueError(f'config.qffl.q: must be >= 0, got {hparams.q}')
+
+
+@base.ALGORITHMS.register('qffl', defaults={'q': 1.0},  # q (ATP Table 7: q = 1)
+                          check=check)
+def qffl(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  check(hparams)
+  q = float(hparams.q)
+  lipschitz = 1.0 / context.client_learning_rate
+  module, server_opt = context.module, context.server_optimizer
 
   def client_update(server_state, client_state, data, rng):
     variables = server_state.variables
     loss = client_loss(module, variables, data) + 1e-10
-    new_variables, metrics = base.train_variables(module, config, max_examples, variables,
-                                                  data, rng)
+    new_variables, metrics = base.train_variables(context, variables, data, rng)
     params, rest = base.split_variables(variables)
     new_params, new_rest = base.split_variables(new_variables)
     delta_w = jax.tree.map(lambda w, w_k: lipschitz * (w - w_k), params, new_params)

@@ -30,7 +30,8 @@ from typing import Dict, List, NamedTuple, Tuple
 import ml_collections
 import numpy as np
 
-from fedjax_shift.benchmarks import Benchmark, load_source
+from fedjax_shift.benchmarks.base import (BENCHMARKS, Benchmark, check_dirichlet, check_source,
+                                          load_source, require)
 from fedjax_shift.data import corruptions, sources
 from fedjax_shift.data.federated import FederatedData, stack_clients
 
@@ -107,23 +108,53 @@ def _tfds_corrupted(data_config, names, severities, indices) -> List[np.ndarray]
   for name, severity, idx in zip(names, severities, indices):
     key = f'cifar10_corrupted/{name}_{severity}'
     if key not in cache:
-      cache[key] = sources.tfds_source(key, 'test', data_config.get('data_dir') or None).x
+      cache[key] = sources.tfds_source(key, 'test', data_config.data_dir or None).x
     out.append(cache[key][idx % len(cache[key])])
   return out
 
 
-def atp_protocol(data_config: ml_collections.ConfigDict, seed: int) -> ShiftData:
-  shift = data_config.shift
-  if shift not in SHIFTS:
-    raise ValueError(f'config.data.shift: unknown {shift!r}; choose from {list(SHIFTS)}')
+def check(data_config: ml_collections.ConfigDict) -> None:
+  """The shift, client counts and sizes, corruptions and severities of ``config.data``."""
+  require(data_config.shift in SHIFTS, 'data.shift',
+          f'unknown {data_config.shift!r}; choose from {list(SHIFTS)}')
   for field in ('num_clients', 'num_target_clients', 'source_train', 'source_heldout',
                 'target_test'):
-    if data_config[field] < 1:
-      raise ValueError(f'config.data.{field}: must be >= 1, got {data_config[field]}')
+    require(data_config[field] >= 1, f'data.{field}', f'must be >= 1, got {data_config[field]}')
+  check_source(data_config)
+  for field in ('source_corruptions', 'target_corruptions'):
+    for name in data_config[field]:
+      require(name in corruptions.ALL_CORRUPTIONS, f'data.{field}',
+              f'unknown corruption {name!r}; choose from {list(corruptions.ALL_CORRUPTIONS)}')
+  require(len(data_config.severities) >= 1 and
+          all(isinstance(s, int) and 1 <= s <= 5 for s in data_config.severities),
+          'data.severities', f'name severities in 1..5, got {tuple(data_config.severities)}')
+  require(0 < data_config.target_data_fraction < 1 or bool(data_config.target_split),
+          'data.target_data_fraction',
+          f'must be in (0, 1), got {data_config.target_data_fraction}')
+
+
+@BENCHMARKS.register('atp_shift', defaults={
+    'shift': 'hybrid',                # 'feature' | 'label' | 'hybrid'
+    'num_target_clients': 60,         # ATP: 60 target clients (data.num_clients: 240 sources)
+    'source_train': 160,              # ATP: 160 train / 40 held-out per source client
+    'source_heldout': 40,
+    'target_test': 200,               # ATP: 200 unlabelled test samples per target
+    'target_data_fraction': 0.2,      # ATP: 20 % of the data held out for targets
+    'target_split': '',               # a separate TFDS split for targets ('test' for CIFAR-10)
+    'target_corrupted_tfds': False,   # targets from TFDS cifar10_corrupted
+    'source_corruptions': corruptions.SOURCE_CORRUPTIONS,   # ATP: 15 source corruptions
+    'target_corruptions': corruptions.HELDOUT_CORRUPTIONS,  # ATP: 4 held-out ones
+    'severities': (1, 2, 3, 4, 5),    # one severity per client, drawn uniformly
+}, check=check, pipelines=('test_time',))
+def atp_protocol(data_config: ml_collections.ConfigDict, seed: int) -> ShiftData:
+  """Source clients (train + held-out) and disjoint target clients under
+  ``data_config.shift`` (see the module docstring)."""
+  check(data_config)
+  shift = data_config.shift
   rng = np.random.default_rng([seed, 7])
   pooled = load_source(data_config)
   num_classes = pooled.num_classes
-  if data_config.get('target_split'):
+  if data_config.target_split:
     source_x, source_y = pooled.x, pooled.y
     target_config = ml_collections.ConfigDict(data_config.to_dict())
     target_config.tfds_split = data_config.target_split
@@ -153,7 +184,7 @@ def atp_protocol(data_config: ml_collections.ConfigDict, seed: int) -> ShiftData
     cut = data_config.source_train
     train_x.append(x[:cut]); train_y.append(source_y[idx[:cut]])
     val_x.append(x[cut:]); val_y.append(source_y[idx[cut:]])
-  if data_config.get('target_corrupted_tfds') and shift != 'label':
+  if data_config.target_corrupted_tfds and shift != 'label':
     test_x = _tfds_corrupted(data_config, t_names, t_sev, t_idx)
   else:
     test_x = [_apply(target_x[idx], name, sev, seed * 1_000_003 + 500_000 + k)

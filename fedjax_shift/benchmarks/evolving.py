@@ -28,7 +28,8 @@ from typing import List, Tuple
 import ml_collections
 import numpy as np
 
-from fedjax_shift.benchmarks import BENCHMARKS, Benchmark, load_source
+from fedjax_shift.benchmarks.base import (BENCHMARKS, Benchmark, check_dirichlet, check_source,
+                                          load_source, require)
 from fedjax_shift.data import sources
 from fedjax_shift.data.federated import FederatedData, stack_clients
 
@@ -99,14 +100,37 @@ def rotation_angles(num_domains: int, step: float, start: float = 0.0) -> List[f
   return [start + m * step for m in range(num_domains)]
 
 
-@BENCHMARKS.register('rotated_digits')
+# config.data fields of the evolving benchmarks (RMNIST's values; variants set the rest).
+EVOLVING_DEFAULTS = {
+    'num_domains': 12,                # M + 1 domains, the last is the target (RMNIST: 12)
+    'rotation_step': 15.0,            # RMNIST: 0°, 15°, …, 165° (REMNIST: step 8°)
+    'rotation_start': 0.0,            # the first domain's angle
+    'points_per_domain': 100,         # Circle: 100 points per domain
+}
+
+
+def check_domains(data_config: ml_collections.ConfigDict) -> None:
+  require(data_config.num_domains >= 2, 'data.num_domains',
+          f'need >= 2 (sources + the target), got {data_config.num_domains}')
+  check_dirichlet(data_config)
+  require(data_config.num_clients >= 1, 'data.num_clients',
+          f'must be >= 1, got {data_config.num_clients}')
+
+
+def check_rotated(data_config: ml_collections.ConfigDict) -> None:
+  check_source(data_config)
+  check_domains(data_config)
+
+
+@BENCHMARKS.register('rotated_digits', defaults=EVOLVING_DEFAULTS, check=check_rotated,
+                     pipelines=('federated',))
 def rotated_digits(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """RMNIST (FedEvolve Sec. 5.1): ``num_domains`` domains rotated 0, step, 2·step …
   degrees; the last is the target. REMNIST: a TFDS emnist/letters source, step 8."""
   rng = np.random.default_rng([seed, 11])
   src = load_source(data_config)
   angles = rotation_angles(data_config.num_domains, data_config.rotation_step,
-                           data_config.get('rotation_start', 0.0))
+                           data_config.rotation_start)
   order = rng.permutation(len(src.y))
   pieces = np.array_split(order, len(angles))
   domains_x = [sources.rotate(src.x[p], angle) for p, angle in zip(pieces, angles)]
@@ -119,7 +143,14 @@ def rotated_digits(data_config: ml_collections.ConfigDict, seed: int) -> Benchma
                    info)
 
 
-@BENCHMARKS.register('circle')
+def check_circle(data_config: ml_collections.ConfigDict) -> None:
+  require(data_config.source == 'circle', 'data.source',
+          f"the circle benchmark generates its data: set 'circle', got {data_config.source!r}")
+  check_domains(data_config)
+
+
+@BENCHMARKS.register('circle', defaults=EVOLVING_DEFAULTS, check=check_circle,
+                     pipelines=('federated',))
 def circle(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """Circle (CIDA; FedEvolve Table 3): 30 domains × 100 points, last domain = target."""
   rng = np.random.default_rng([seed, 13])
@@ -152,7 +183,19 @@ TIMED_SOURCES = {
 }
 
 
-@BENCHMARKS.register('timed_images')
+def check_timed(data_config: ml_collections.ConfigDict) -> None:
+  source = data_config.source
+  require(source in TIMED_SOURCES, 'data.source',
+          f'timed_images reads {sorted(TIMED_SOURCES)}, got {source!r}')
+  require(bool(data_config.data_dir), 'data.data_dir',
+          f'{source} is not shipped with any package: pass the folder of its images '
+          f'(<class>/<file> with the capture time in the name; see '
+          f'fedjax_shift/data/sources.py TIMESTAMP_FORMATS)')
+  check_domains(data_config)
+
+
+@BENCHMARKS.register('timed_images', defaults=EVOLVING_DEFAULTS, check=check_timed,
+                     pipelines=('federated',))
 def timed_images(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """Portraits / Caltran (FedEvolve Table 3) from ``data_config.data_dir``: images
   binned into ``num_domains`` time domains in order, the last is the target."""
@@ -161,7 +204,7 @@ def timed_images(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark
                      f'{data_config.source!r}')
   timestamp, channels, default_size, domain_of = TIMED_SOURCES[data_config.source]
   images = sources.timed_image_folder(data_config.data_dir, timestamp,
-                                      data_config.get('image_size') or default_size, channels)
+                                      data_config.image_size or default_size, channels)
   num_domains = data_config.num_domains
   domain = np.asarray([domain_of(stamp, num_domains) for stamp in images.stamps])
   counts = np.bincount(domain, minlength=num_domains)

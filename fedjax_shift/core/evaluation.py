@@ -6,7 +6,7 @@ so a run compiles it once whatever the population.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,8 @@ import optax
 
 from fedjax_shift import models
 from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
-from fedjax_shift.core.round import NO_STEP_LIMIT, take_clients
+from fedjax_shift.core.round import NO_STEP_LIMIT
+from fedjax_shift.core.test_time import client_runner
 from fedjax_shift.data.federated import FederatedData
 
 PyTree = Any
@@ -116,26 +117,68 @@ def build_adapted_evaluate(algorithm: FederatedAlgorithm, runners: Dict[str, Any
   return jax.jit(evaluate_chunk)
 
 
-def evaluate_population(evaluate_chunk, server_state, client_states, train: FederatedData,
-                        splits: Dict[str, FederatedData], key, chunk_size: int
-                        ) -> Dict[str, Dict[str, Dict[str, np.ndarray]]]:
-  """Runs ``evaluate_chunk`` over all K clients in chunks of ``chunk_size``.
+def take_chunk(tree, client_ids: np.ndarray):
+  """Clients ``client_ids`` of a per-client pytree: numpy leaves are gathered on the
+  host (the data store), device arrays on the device (client states)."""
+  device_ids = jnp.asarray(client_ids)
+  return jax.tree.map(lambda leaf: leaf[client_ids] if isinstance(leaf, np.ndarray)
+                      else leaf[device_ids], tree)
 
-  Returns per-client numpy sums {model: {split: {'correct','loss','count'} [K]}}.
-  The last chunk is padded by repeating client 0; the padding is dropped.
+
+def evaluate_population(evaluate_chunk, shared: tuple, per_client: tuple, num_clients: int,
+                        key, chunk_size: int):
+  """Runs ``evaluate_chunk(*shared, *per_client_chunk, client_ids [C], key)`` over all
+  K = ``num_clients`` clients in chunks of C = ``chunk_size`` (every leaf of
+  ``per_client`` has a leading K axis; ``shared`` is passed whole).
+
+  Returns the outputs' per-client numpy leaves concatenated to [K]. The last chunk is
+  padded by repeating client 0 and the padding dropped, so ``evaluate_chunk``
+  compiles once whatever K.
   """
-  num_clients = train.num_clients
-  chunk_size = min(chunk_size, num_clients)
+  chunk_size = min(chunk_size or num_clients, num_clients)
   pieces = []
   for start in range(0, num_clients, chunk_size):
     ids = np.arange(start, min(start + chunk_size, num_clients))
     real = len(ids)
     ids = np.concatenate([ids, np.zeros(chunk_size - real, ids.dtype)])
-    out = evaluate_chunk(server_state, take_clients(client_states, jnp.asarray(ids)),
-                         train.take(ids), {n: s.take(ids) for n, s in splits.items()},
+    out = evaluate_chunk(*shared, *take_chunk(per_client, ids),
                          jnp.asarray(ids, jnp.int32), key)
     pieces.append(jax.tree.map(lambda a, r=real: np.asarray(a)[:r], out))
   return jax.tree.map(lambda *xs: np.concatenate(xs), *pieces)
+
+
+def evaluate_models(evaluate_chunk, server_state, client_states, train: FederatedData,
+                    splits: Dict[str, FederatedData], key, chunk_size: int
+                    ) -> Dict[str, Dict[str, Dict[str, np.ndarray]]]:
+  """``build_evaluate`` / ``build_adapted_evaluate``'s function over the population:
+  per-client numpy sums {model: {split: {'correct','loss','count'} [K]}}."""
+  return evaluate_population(evaluate_chunk, (server_state,), (client_states, train, splits),
+                             train.num_clients, key, chunk_size)
+
+
+def build_adapter_evaluate(make_adapter: Callable[[Any], Any], batch_size: int, mode: str):
+  """One adapter on clients that share the model variables (a pipeline's target
+  clients). Returns jitted ``evaluate_chunk(rates, variables, data [C, N, ...],
+  client_ids [C], key)`` -> {'correct', 'loss', 'count'} [C] and 'predictions' [C, N].
+
+  ``make_adapter(rates)`` builds the Adapter inside the compiled function, so the
+  rates it learns (ATP's α) are an argument, not constants: one compilation per
+  adapter, mode and shape serves every α. Client k's key is ``fold_in(key, k)``.
+  """
+
+  def evaluate_chunk(rates, variables, data: FederatedData, client_ids, key):
+    run_one = client_runner(make_adapter(rates), batch_size, mode)
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, client_ids)
+    return jax.vmap(run_one, (None, 0, 0, 0, 0))(variables, data.x, data.y, data.num_examples,
+                                                 keys)
+
+  return jax.jit(evaluate_chunk)
+
+
+def client_accuracy(sums: Dict[str, np.ndarray]) -> np.ndarray:
+  """Per-client accuracy [K] from sums (NaN for clients without examples)."""
+  count = np.asarray(sums['count'])
+  return np.where(count > 0, np.asarray(sums['correct']) / np.maximum(count, 1), np.nan)
 
 
 def summarize(per_client: Dict[str, Dict[str, Dict[str, np.ndarray]]]) -> Dict[str, float]:

@@ -11,14 +11,16 @@ Modes: 'episodic' resets the state to ``init`` before every batch; 'online' carr
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedjax_shift.core.local import select
 from fedjax_shift.data.federated import FederatedData
+from fedjax_shift.registry import Registry
 
 AdaptState = Any
 Variables = Any
@@ -41,6 +43,29 @@ class Adapter(NamedTuple):
   """
   init: Callable[[Variables, jax.Array], AdaptState]
   step: Callable[[AdaptState, AdaptBatch], Tuple[AdaptState, jax.Array]]
+
+
+class SourceContext(NamedTuple):
+  """What adapters may use besides the test batches.
+
+  Attributes:
+    variables: the global model θ_G (None where no source side exists).
+    num_classes: C.
+    batch_size: the test-time batch size B.
+    source_x, source_y: labelled source held-out examples [M, ...], [M] (or None).
+    alpha: ATP's learned rates (None before α training).
+  """
+  variables: Any
+  num_classes: int
+  batch_size: int
+  source_x: Optional[np.ndarray] = None
+  source_y: Optional[np.ndarray] = None
+  alpha: Optional[Any] = None
+
+
+# name -> build(module, hparams: config.adapters.<name>, context: SourceContext) -> Adapter;
+# each adapter file registers itself with its paper's defaults.
+ADAPTERS: Registry = Registry('adapter')
 
 
 def client_batches(x: jax.Array, num_examples: jax.Array, batch_size: int) -> AdaptBatch:

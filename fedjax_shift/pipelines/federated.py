@@ -1,5 +1,6 @@
-"""The experiment: ``run(config, workdir)`` trains every configured method over every
-seed, evaluates, checkpoints, resumes, and writes the results table.
+"""The federated pipeline (``config.pipeline = 'federated'``): ``run(config, workdir)``
+trains every configured method over every seed, evaluates, checkpoints, resumes, and
+returns the results table.
 
 Workdir layout::
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -23,34 +23,24 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from fedjax_shift import config as config_lib
-from fedjax_shift import models, report
-from fedjax_shift.algorithms import ALGORITHMS
+from fedjax_shift import algorithms, models, report
 from fedjax_shift.benchmarks import BENCHMARKS, Benchmark
 from fedjax_shift.checkpoint import Checkpointer
 from fedjax_shift.core import evaluation
-from fedjax_shift.core.algorithm import FederatedAlgorithm
-from fedjax_shift.core.round import (HostStore, RoundConfig, build_round, client_mesh,
-                                     round_key, stack_client_states)
+from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
+from fedjax_shift.core.round import (NO_STEP_LIMIT, HostStore, RoundConfig, build_round,
+                                     client_mesh, round_key, stack_client_states)
+from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
 from fedjax_shift.metrics import MetricsWriter
+from fedjax_shift.pipelines.base import (PIPELINES, Results, algorithm_names, check_run,
+                                         eval_adapter_specs, hardware)
 
 log = logging.getLogger('fedjax_shift')
 
 
 class DivergenceError(FloatingPointError):
   """Training produced a non-finite loss."""
-
-
-def hardware() -> Dict[str, object]:
-  devices = jax.devices()
-  info = {'backend': jax.default_backend(), 'devices': [str(d) for d in devices],
-          'device_kind': devices[0].device_kind, 'jax': jax.__version__,
-          'host': platform.node(), 'cpu_count': os.cpu_count()}
-  stats = devices[0].memory_stats() if hasattr(devices[0], 'memory_stats') else None
-  if stats and 'bytes_limit' in stats:
-    info['device_memory_gb'] = round(stats['bytes_limit'] / 2 ** 30, 2)
-  return info
 
 
 def build_data(config: ml_collections.ConfigDict, seed: int) -> Benchmark:
@@ -71,8 +61,6 @@ def uploaded_parameters(algorithm: FederatedAlgorithm, server_state, client_stat
                         train: federated.FederatedData) -> int:
   """Numbers a client sends per round: the elements of its ``ClientOutput.update``
   (from the pytree shapes, no computation; FedEvolve Table 7)."""
-  from fedjax_shift.core.algorithm import ClientData
-  from fedjax_shift.core.round import NO_STEP_LIMIT
   one = ClientData(jnp.asarray(train.x[0]), jnp.asarray(train.y[0]), jnp.asarray(train.mask[0]),
                    jnp.asarray(train.num_examples[0]), jnp.int32(NO_STEP_LIMIT))
   state = jax.tree.map(lambda a: a[0], client_states)
@@ -86,19 +74,14 @@ def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: 
   """The jitted adapted evaluation of ``config.eval_adapters`` ('<adapter>:<mode>'
   strings, e.g. 'memo:episodic', 't3a:online'; hyperparameters from
   ``config.adapters.<adapter>``), run on the test splits; None when there are none."""
-  specs = tuple(config.get('eval_adapters', ()))
+  specs = eval_adapter_specs(config)
   if not specs:
     return None
-  from fedjax_shift.adapters import ADAPTERS, SourceContext
-  from fedjax_shift.core.test_time import client_runner
-  context = SourceContext(None, num_classes, config.eval_adapter_batch_size, None, None)
+  context = SourceContext(None, num_classes, config.eval_adapter_batch_size)
   runners = {}
-  for spec in specs:
-    name, _, mode = spec.partition(':')
-    section = config.adapters[name] if name in config.get('adapters', {}) else \
-        ml_collections.ConfigDict()
-    adapter = ADAPTERS.get(name, 'config.eval_adapters')(module, section, context)
-    runners[name] = client_runner(adapter, config.eval_adapter_batch_size, mode or 'episodic')
+  for name, mode in specs:
+    adapter = ADAPTERS.get(name, 'config.eval_adapters')(module, config.adapters[name], context)
+    runners[name] = client_runner(adapter, config.eval_adapter_batch_size, mode)
   return evaluation.build_adapted_evaluate(algorithm, runners)
 
 
@@ -111,8 +94,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   checkpoint); returns {'algorithm', 'seed', 'metrics', 'rounds', 'train_seconds',
   'server_state'} ('server_state' is not written to results.json).
 
-  ``bench`` (default: built from ``config.data``) and ``algorithm`` (default:
-  ``ALGORITHMS[algorithm_name]``) let pipelines train on data or with methods of
+  ``bench`` (default: built from ``config.data``) and ``algorithm`` (default: the
+  registered ``algorithm_name`` with its section ``config.<algorithm_name>``) let pipelines train on data or with methods of
   their own (ATP's α training); ``log_state(server_state)`` adds fields to every
   metrics.jsonl record (ATP: α per module).
   """
@@ -136,8 +119,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
 
   module = models.create(config.model, bench.num_classes)
   if algorithm is None:
-    algorithm = ALGORITHMS.get(algorithm_name, 'config.algorithms')(config, module,
-                                                                     train.max_examples)
+    algorithm = algorithms.build(algorithm_name, config, module, train.max_examples,
+                                 bench.info)
   seed_key = jax.random.key(seed)
   init_key, train_key, eval_key = (jax.random.fold_in(seed_key, i) for i in range(3))
   server_state = algorithm.init(init_key, jnp.asarray(train.x[0, :1]))
@@ -161,7 +144,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
                                          backend=config.engine.backend)
   evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size)
   adapted_chunk = None
-  if algorithm_name in tuple(config.get('eval_adapter_algorithms', ())):
+  if algorithm_name in tuple(config.eval_adapter_algorithms):
     adapted_chunk = build_eval_adapters(config, module, bench.num_classes, algorithm)
   host_store = None
   if config.data.store == 'host':
@@ -172,12 +155,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   def evaluate(server_state, client_states):
     if not eval_splits:
       return {}
-    per_client = evaluation.evaluate_population(
+    per_client = evaluation.evaluate_models(
         evaluate_chunk, server_state, client_states, train, eval_splits, eval_key,
         config.engine.eval_chunk_size)
     if adapted_chunk is not None:
       test_splits = {n: s for n, s in eval_splits.items() if n.startswith('test')}
-      per_client.update(evaluation.evaluate_population(
+      per_client.update(evaluation.evaluate_models(
           adapted_chunk, server_state, client_states, train, test_splits, eval_key,
           config.engine.eval_chunk_size))
     return evaluation.summarize(per_client)
@@ -244,20 +227,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   return {**result, 'server_state': server_state}
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, object]:
-  """Every method × seed of ``config``; writes results.md / results.csv / curves.png.
-
-  Returns {'results': [per run], 'table': report table}.
-  """
-  config_lib.validate(config, workdir)
-  with open(os.path.join(workdir, 'config.json'), 'w') as f:
-    f.write(config.to_json_best_effort(indent=1))
+@PIPELINES.register('federated', check=check_run)
+def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
+  """Every method × seed of ``config`` (validated by ``pipelines.run``); writes
+  results.csv and curves.png. ``records``: 'results' (one dict per run), 'table'
+  (the report table: header, rows, markdown), 'paper_tables' (markdown or '')."""
   info = hardware()
-  log.info('devices: %s (%s), jax %s, device memory %s GB', info['devices'], info['backend'],
-           info['jax'], info.get('device_memory_gb', 'n/a'))
   results: List[Dict] = []
   run_dirs: Dict[str, List[str]] = {}
-  for name in config_lib.algorithm_names(config):
+  for name in algorithm_names(config):
     for seed in config.seeds:
       run_dir = os.path.join(workdir, name, f'seed_{seed}')
       results.append(train_and_evaluate(config, run_dir, name, seed))
@@ -270,9 +248,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, object]:
               f"over seeds {tuple(config.seeds)}; hardware: {info['device_kind']} "
               f"({info['backend']}).")
   paper_tables = ''
-  if config.get('paper_tables') == 'fedevolve':
+  if config.paper_tables == 'fedevolve':
     paper_tables = report.fedevolve_tables(config, results)
-  report.write_table(table, workdir, preamble, paper_tables)
-  report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png'))
-  return {'results': results, 'table': table, 'preamble': preamble,
-          'paper_tables': paper_tables}
+  files = (report.write_csv(table, os.path.join(workdir, 'results.csv')),
+           report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png')))
+  tables = (table['markdown'],) + ((paper_tables,) if paper_tables else ())
+  return Results(preamble, tables, files,
+                 {'results': results, 'table': table, 'paper_tables': paper_tables})

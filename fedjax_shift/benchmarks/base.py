@@ -1,0 +1,123 @@
+"""The benchmark base: ``Benchmark`` (splits, classes, example shape, info), the
+``BENCHMARKS`` registry, and what benchmarks share (loading a pooled source,
+partitioning it, checking those ``config.data`` fields).
+
+A benchmark is a function ``(data_config, seed) -> Benchmark`` registered with the
+``config.data`` fields it adds (``defaults``), a ``check(data_config)`` that raises
+naming ``config.data.<field>``, and ``pipelines``: the run loops it feeds.
+``DATA_DEFAULTS`` are the fields every benchmark may read.
+"""
+from __future__ import annotations
+
+from typing import Dict, NamedTuple
+
+import ml_collections
+import numpy as np
+
+from fedjax_shift.data import partitions, sources
+from fedjax_shift.data.federated import FederatedData
+from fedjax_shift.registry import Registry
+
+BENCHMARKS: Registry = Registry('benchmark')
+
+EMBEDDED_SOURCES = ('mnist_embedded', 'uci_digits')
+PARTITIONS = ('dirichlet', 'iid', 'pathological', 'step')
+
+# config.data fields shared by the benchmarks (each adds its own when registered).
+DATA_DEFAULTS = {
+    'benchmark': 'label_skew_corrupted',
+    'source': 'mnist_embedded',       # or 'uci_digits', 'tfds:<name>'
+    'tfds_split': 'train',
+    'data_dir': '',                   # TFDS data_dir ('' = TFDS default / $TFDS_DATA_DIR)
+    'max_examples': 0,                # cap on TFDS examples read (0 = all)
+    'num_clients': 20,                # FedTHE: 20 clients
+    'partition': 'dirichlet',
+    'dirichlet_alpha': 0.1,           # FedTHE / FedEvolve: 0.1 and 1.0
+    'min_examples_per_client': 10,
+    'classes_per_client': 2,          # pathological (FedTTA: 2 classes per client)
+    'step_major_classes': 2,          # ATP step_2_16: 2 major classes ...
+    'step_major_count': 80,           # ... with 80 samples each
+    'step_minor_count': 5,            # ... and 5 for each minor class
+    'image_size': 0,                  # resize (0 = keep)
+    'channels': 0,                    # repeat grey to 3 channels (0 = keep)
+    'store': 'device',                # 'device' | 'host' (population larger than device memory)
+}
+
+
+def require(condition: bool, field: str, message: str) -> None:
+  """Raises ValueError('config.<field>: <message>') unless ``condition``."""
+  if not condition:
+    raise ValueError(f'config.{field}: {message}')
+
+
+def check_source(data_config: ml_collections.ConfigDict) -> None:
+  """``data.source``: an embedded source or tfds:<name> of a known TFDS dataset."""
+  source = data_config.source
+  require(source in EMBEDDED_SOURCES or (source.startswith('tfds:') and
+          source[5:].split('/')[0] in sources.TFDS_DATASETS),
+          'data.source', f'unknown source {source!r}; choose from {list(EMBEDDED_SOURCES)} or '
+          f'tfds:<name> with <name> in {sorted(sources.TFDS_DATASETS)}')
+
+
+def check_dirichlet(data_config: ml_collections.ConfigDict) -> None:
+  alpha = data_config.dirichlet_alpha
+  require(alpha > 0, 'data.dirichlet_alpha', f'must be > 0 (or inf), got {alpha}')
+
+
+def check_partition(data_config: ml_collections.ConfigDict) -> None:
+  """``data.partition`` and its parameters, ``data.num_clients``."""
+  require(data_config.partition in PARTITIONS, 'data.partition',
+          f'unknown partition {data_config.partition!r}; choose from {list(PARTITIONS)}')
+  if data_config.partition == 'dirichlet':
+    check_dirichlet(data_config)
+  require(data_config.num_clients >= 1, 'data.num_clients',
+          f'must be >= 1, got {data_config.num_clients}')
+
+
+class Benchmark(NamedTuple):
+  splits: Dict[str, FederatedData]  # split name -> data over the same K clients
+  num_classes: int
+  example_shape: tuple
+  info: dict  # partition statistics, corruptions per client, ...
+
+
+def load_source(data_config: ml_collections.ConfigDict) -> sources.Source:
+  """Pooled source data named by ``data_config.source``, resized if asked."""
+  name = data_config.source
+  check_source(data_config)
+  if name == 'mnist_embedded':
+    src = sources.mnist_embedded()
+  elif name == 'uci_digits':
+    src = sources.uci_digits()
+  elif name.startswith('tfds:'):
+    src = sources.tfds_source(name[len('tfds:'):], data_config.tfds_split,
+                              data_config.data_dir or None, data_config.max_examples or None)
+  x = src.x
+  size = data_config.image_size
+  if size and x.shape[1] != size:
+    x = sources.resize_images(x, size, size)
+  channels = data_config.channels
+  if channels:
+    x = sources.to_channels(x, channels)
+  return sources.Source(x, src.y, src.num_classes)
+
+
+def partition(labels: np.ndarray, data_config: ml_collections.ConfigDict, num_classes: int,
+              rng: np.random.Generator):
+  kind = data_config.partition
+  num_clients = data_config.num_clients
+  if kind == 'dirichlet':
+    return partitions.dirichlet(labels, num_clients, data_config.dirichlet_alpha, rng,
+                                min_examples=data_config.min_examples_per_client)
+  if kind == 'iid':
+    return partitions.dirichlet(labels, num_clients, float('inf'), rng, min_examples=0)
+  if kind == 'pathological':
+    return partitions.pathological(labels, num_clients, data_config.classes_per_client, rng)
+  if kind == 'step':
+    return partitions.step(labels, num_clients, data_config.step_major_classes,
+                           data_config.step_major_count, data_config.step_minor_count, rng,
+                           num_classes)
+  raise ValueError(f'config.data.partition: unknown partition {kind!r}; choose from '
+                   f'{list(PARTITIONS)}')
+
+

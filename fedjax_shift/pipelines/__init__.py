@@ -1,0 +1,23 @@
+"""Run loops, looked up by ``config.pipeline`` (``base.PIPELINES``), one file each:
+``federated`` (every method × seed trained and evaluated) and ``test_time`` (ATP's
+pretraining → α → adapters). Adding a pipeline: one file plus one import line here.
+
+    results = pipelines.run(config, workdir)   # validate, config.json, run, results.md
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from fedjax_shift.pipelines import federated, test_time  # noqa: F401
+from fedjax_shift.pipelines.base import (PIPELINES, Results, format_results,  # noqa: F401
+                                         prologue, validate, write_results)
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
+  """Validates ``config``, writes the prologue, runs ``config.pipeline`` and writes
+  results.md; returns its ``Results``."""
+  pipeline = PIPELINES.get(config.pipeline, 'config.pipeline')
+  prologue(config, workdir)
+  results = pipeline(config, workdir)
+  write_results(workdir, results)
+  return results

@@ -1,0 +1,197 @@
+"""What every pipeline shares: the ``PIPELINES`` registry, ``Results``, the run
+prologue (validation, config.json, hardware log), the results writer, and the checks
+of the config fields every run reads.
+
+A pipeline is ``run(config, workdir) -> Results`` registered under the name that
+``config.pipeline`` selects, with the config sections it owns (``defaults``) and a
+``check(config)`` of the fields it reads; ``fedjax_shift.pipelines.run`` validates,
+writes the prologue, runs it and writes ``results.md``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from typing import Any, Dict, NamedTuple, Tuple
+
+import jax
+import ml_collections
+
+from fedjax_shift import models
+from fedjax_shift.algorithms import ALGORITHMS, base
+from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.core.round import BACKENDS, SAMPLING, WEIGHTING
+from fedjax_shift.core.test_time import ADAPTERS, MODES
+from fedjax_shift.registry import Registry
+
+log = logging.getLogger('fedjax_shift')
+
+# name -> run(config, workdir) -> Results; meta 'check': (config) -> None.
+PIPELINES: Registry = Registry('pipeline')
+
+
+class Results(NamedTuple):
+  """What a pipeline returns; ``launch/train.py`` prints every pipeline's the same way.
+
+  Attributes:
+    preamble: one paragraph: protocol, seeds, hardware.
+    tables: markdown tables in print order (results.md holds the preamble and these).
+    files: paths the pipeline wrote besides results.md (csv, json, png).
+    records: the per-run records, keyed by the pipeline ('results': one dict per
+      method × seed for 'federated'; 'table1', 'table3' for 'test_time').
+  """
+  preamble: str
+  tables: Tuple[str, ...]
+  files: Tuple[str, ...]
+  records: Dict[str, Any]
+
+
+def hardware() -> Dict[str, object]:
+  devices = jax.devices()
+  info = {'backend': jax.default_backend(), 'devices': [str(d) for d in devices],
+          'device_kind': devices[0].device_kind, 'jax': jax.__version__,
+          'host': platform.node(), 'cpu_count': os.cpu_count()}
+  stats = devices[0].memory_stats() if hasattr(devices[0], 'memory_stats') else None
+  if stats and 'bytes_limit' in stats:
+    info['device_memory_gb'] = round(stats['bytes_limit'] / 2 ** 30, 2)
+  return info
+
+
+def require(condition: bool, field: str, message: str) -> None:
+  if not condition:
+    raise ValueError(f'config.{field}: {message}')
+
+
+def algorithm_names(config: ml_collections.ConfigDict) -> Tuple[str, ...]:
+  algorithms = config.algorithms
+  if isinstance(algorithms, str):
+    return tuple(a.strip() for a in algorithms.split(',') if a.strip())
+  return tuple(algorithms)
+
+
+def eval_adapter_specs(config: ml_collections.ConfigDict) -> Tuple[Tuple[str, str], ...]:
+  """``config.eval_adapters`` ('<adapter>:<mode>', mode 'episodic' if omitted) as pairs."""
+  specs = []
+  for spec in config.eval_adapters:
+    name, _, mode = spec.partition(':')
+    specs.append((name, mode or 'episodic'))
+  return tuple(specs)
+
+
+def check_sections(config: ml_collections.ConfigDict) -> None:
+  """Every method's section (``config.<algorithm>``, ``config.adapters.<adapter>``)
+  holds only the fields its file registered."""
+  for name in ALGORITHMS.names():
+    if name in config:
+      ALGORITHMS.check(name, config[name], f'config.{name}', run_check=False)
+  for name in config.adapters.keys():
+    ADAPTERS.get(name, 'config.adapters')
+    ADAPTERS.check(name, config.adapters[name], f'config.adapters.{name}', run_check=False)
+
+
+def check_run(config: ml_collections.ConfigDict) -> None:
+  """The fields every federated run reads: methods and their sections, model,
+  benchmark (its own ``config.data`` check), rounds, cohort, engine, evaluation."""
+  names = algorithm_names(config)
+  require(len(names) > 0, 'algorithms', 'name at least one algorithm')
+  check_sections(config)
+  for name in names:
+    ALGORITHMS.get(name, 'config.algorithms')
+    ALGORITHMS.check(name, config[name], f'config.{name}')
+  models.MODELS.get(config.model.name, 'config.model.name')
+  benchmark = config.data.benchmark
+  BENCHMARKS.get(benchmark, 'config.data.benchmark')
+  feeds = BENCHMARKS.meta(benchmark).get('pipelines', ())
+  require(config.pipeline in feeds, 'data.benchmark',
+          f'{benchmark!r} feeds the {list(feeds)} pipeline(s), not '
+          f'config.pipeline={config.pipeline!r}')
+  BENCHMARKS.check(benchmark, config.data, 'config.data', known_fields_only=False)
+  require(config.data.num_clients >= 1, 'data.num_clients',
+          f'must be >= 1, got {config.data.num_clients}')
+  require(1 <= config.cohort_size <= config.data.num_clients, 'cohort_size',
+          f'must be in [1, data.num_clients={config.data.num_clients}], got {config.cohort_size}')
+  require(config.sampling in SAMPLING, 'sampling',
+          f'unknown {config.sampling!r}; choose from {list(SAMPLING)}')
+  require(config.weighting in WEIGHTING, 'weighting',
+          f'unknown {config.weighting!r}; choose from {list(WEIGHTING)}')
+  require(config.data.store in ('device', 'host'), 'data.store',
+          f"unknown {config.data.store!r}; choose from ['device', 'host']")
+  require(config.rounds >= 1, 'rounds', f'must be >= 1, got {config.rounds}')
+  base.check_training(config)
+  require(0.0 <= config.straggler_prob <= 1.0, 'straggler_prob',
+          f'must be in [0, 1], got {config.straggler_prob}')
+  require(config.straggler_max_steps >= 1, 'straggler_max_steps',
+          f'must be >= 1, got {config.straggler_max_steps}')
+  require(config.eval_every >= 1, 'eval_every', f'must be >= 1, got {config.eval_every}')
+  require(config.checkpoint_every >= 1, 'checkpoint_every',
+          f'must be >= 1, got {config.checkpoint_every}')
+  engine = config.engine
+  require(engine.num_devices >= 0, 'engine.num_devices',
+          f'must be >= 0, got {engine.num_devices}')
+  if engine.num_devices:
+    require(config.cohort_size % engine.num_devices == 0, 'cohort_size',
+            f'{config.cohort_size} is not divisible by engine.num_devices={engine.num_devices}')
+  require(engine.backend in BACKENDS, 'engine.backend',
+          f'unknown {engine.backend!r}; choose from {list(BACKENDS)}')
+  require(not (engine.backend == 'loop' and engine.num_devices), 'engine.backend',
+          "'loop' runs clients one at a time and cannot shard over engine.num_devices")
+  chunk = engine.client_chunk
+  require(chunk >= 0 and (chunk == 0 or config.cohort_size % chunk == 0), 'engine.client_chunk',
+          f'must be 0 or divide cohort_size={config.cohort_size}, got {chunk}')
+  for name, mode in eval_adapter_specs(config):
+    ADAPTERS.get(name, 'config.eval_adapters')
+    require(mode in MODES, 'eval_adapters', f'unknown mode {mode!r} in {name}:{mode}; '
+            f'choose from {list(MODES)}')
+  require(config.eval_adapter_batch_size >= 1, 'eval_adapter_batch_size',
+          f'must be >= 1, got {config.eval_adapter_batch_size}')
+  require(len(config.seeds) >= 1, 'seeds', 'name at least one seed')
+
+
+def check_workdir(workdir: str) -> None:
+  """Raises ValueError when ``workdir`` cannot be created or written."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as err:
+    raise ValueError(f'workdir {workdir!r} cannot be created: {err}') from err
+  probe = os.path.join(workdir, '.write_test')
+  try:
+    with open(probe, 'w') as f:
+      f.write('ok')
+    os.remove(probe)
+  except OSError as err:
+    raise ValueError(f'workdir {workdir!r} is not writable: {err}') from err
+
+
+def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> None:
+  """The selected pipeline's checks, before any data is built or function compiled."""
+  PIPELINES.get(config.pipeline, 'config.pipeline')
+  PIPELINES.check(config.pipeline, config, 'config', known_fields_only=False)
+  if workdir is not None:
+    check_workdir(workdir)
+
+
+def prologue(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, object]:
+  """Validates, writes ``config.json`` and logs the devices; returns the hardware."""
+  validate(config, workdir)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(config.to_json_best_effort(indent=1))
+  info = hardware()
+  log.info('pipeline %s; devices: %s (%s), jax %s, device memory %s GB', config.pipeline,
+           info['devices'], info['backend'], info['jax'], info.get('device_memory_gb', 'n/a'))
+  return info
+
+
+def write_results(workdir: str, results: Results) -> str:
+  """``results.md``: the preamble and every table. Returns its path."""
+  path = os.path.join(workdir, 'results.md')
+  with open(path, 'w') as f:
+    f.write(results.preamble.rstrip() + '\n\n' + '\n\n'.join(t.rstrip() for t in results.tables)
+            + '\n')
+  return path
+
+
+def format_results(results: Results, workdir: str) -> str:
+  """What ``launch/train.py`` prints for any pipeline."""
+  written = ', '.join([os.path.join(workdir, 'results.md')] +
+                      [os.path.relpath(p, workdir) for p in results.files])
+  return '\n' + '\n\n'.join([results.preamble] + list(results.tables)) + f'\n\nwritten: {written}'

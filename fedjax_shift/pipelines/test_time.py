@@ -1,0 +1,332 @@
+"""The test-time pipeline (``config.pipeline = 'test_time'``; ATP Table 1 / Table 3 /
+Figure 4): for every shift and seed, pretrain the global model on the source clients,
+train ATP's α on their held-out data, then run every configured adapter on the target
+clients.
+
+Workdir layout::
+
+    <workdir>/<shift>/seed_<s>/pretrain/   a federated run (checkpoints, metrics.jsonl)
+    <workdir>/<shift>/seed_<s>/alpha/      α training (checkpoints; α per round in metrics)
+    <workdir>/<shift>/seed_<s>/alpha.json  the learned α per module
+    <workdir>/<shift>/seed_<s>/test_time.json  accuracy per row (+ per client), seconds
+    <workdir>/results.md, results.json, alpha.png
+
+Re-running the command resumes pretraining and α training from their checkpoints.
+Every adapter runs through one compiled function per (adapter, mode, hyperparameters)
+whose arguments are the source context (global model, source examples, α), so ATP's
+Table 3 reuses Table 1's compilation for every α.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, Dict, List, NamedTuple, Tuple
+
+import jax
+import ml_collections
+import numpy as np
+
+from fedjax_shift import models, report
+from fedjax_shift.adapters import atp as atp_lib
+from fedjax_shift.algorithms.atp import OPTIMIZERS, atp_training
+from fedjax_shift.benchmarks import Benchmark
+from fedjax_shift.benchmarks.atp_shift import SHIFTS, ShiftData, atp_protocol
+from fedjax_shift.core import evaluation
+from fedjax_shift.core.test_time import ADAPTERS, MODES, Adapter, SourceContext
+from fedjax_shift.data import federated
+from fedjax_shift.pipelines.base import (PIPELINES, Results, algorithm_names, check_run,
+                                         hardware, require)
+from fedjax_shift.pipelines.federated import train_and_evaluate
+
+log = logging.getLogger('fedjax_shift')
+PRETRAIN_ALGORITHMS = ('fedavg', 'fedprox', 'qffl')
+# ATP Table 1's rows in order: (key, label, adapter, test-time mode).
+ROWS = (('no_adapt', 'No adaptation', 'no_adapt', 'episodic'),
+        ('bn_adapt', 'BN-Adapt', 'bn_adapt', 'episodic'),
+        ('shot', 'SHOT', 'shot', 'online'),
+        ('tent', 'Tent', 'tent', 'online'),
+        ('eata', 'EATA', 'eata', 'online'),
+        ('t3a', 'T3A', 't3a', 'online'),
+        ('memo', 'MEMO', 'memo', 'episodic'),
+        ('em', 'EM', 'em', 'episodic'),
+        ('bbse', 'BBSE', 'bbse', 'episodic'),
+        ('surgical', 'Surgical', 'surgical', 'online'),
+        ('atp_batch', 'ATP-batch', 'atp', 'episodic'),
+        ('atp_online', 'ATP-online', 'atp', 'online'))
+SECTIONS = {
+    'tta': {
+        'shifts': ('hybrid',),        # Table 1 columns run by this config
+        'batch_size': 20,             # ATP: test batch 20
+        'rows': tuple(key for key, _, _, _ in ROWS),  # drop keys to skip methods
+        'label': {key: label for key, label, _, _ in ROWS},
+        'adapter': {key: adapter for key, _, adapter, _ in ROWS},
+        'mode': {key: mode for key, _, _, mode in ROWS},
+        'client_chunk': 0,            # target clients per compiled call (0 = all)
+    },
+    # ATP α training (atp.txt Algorithm 1; REFERENCE.md, the authors' code).
+    'atp': {
+        'rounds': 400,                # CNN: 400 rounds (ResNet-18: 200)
+        'cohort_size': 60,            # 25 % of the 240 source clients
+        'optimizer': 'sgd',
+        'learning_rate': 0.1,         # lr_α = 0.1
+        'scaling': 'sqrt',            # ∂CE/∂α_i / sqrt(numel_i) ('none', 'numel')
+        'batch_size': 20,             # batch 20
+        'local_epochs': 1,            # one pass over the client's 40 held-out samples
+        'local_steps': 0,             # > 0: fixed α steps per round instead
+    },
+}
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """The federated checks plus the test-time ones, before any data or compilation."""
+  check_run(config)
+  names = algorithm_names(config)
+  require(len(names) == 1 and names[0] in PRETRAIN_ALGORITHMS, 'algorithms',
+          f'the test-time pipeline pretrains with one of {list(PRETRAIN_ALGORITHMS)}, '
+          f'got {names}')
+  tta = config.tta
+  require(len(tta.shifts) >= 1 and all(s in SHIFTS for s in tta.shifts), 'tta.shifts',
+          f'name shifts from {list(SHIFTS)}, got {tuple(tta.shifts)}')
+  require(tta.batch_size >= 1, 'tta.batch_size', f'must be >= 1, got {tta.batch_size}')
+  require(tta.client_chunk >= 0, 'tta.client_chunk', f'must be >= 0, got {tta.client_chunk}')
+  require(len(tta.rows) >= 1, 'tta.rows', 'name at least one row')
+  for key in tta.rows:
+    for field in ('label', 'adapter', 'mode'):
+      require(key in tta[field], f'tta.{field}', f'has no entry for row {key!r}')
+    adapter = tta.adapter[key]
+    ADAPTERS.get(adapter, f'config.tta.adapter.{key}')
+    require(tta.mode[key] in MODES, f'tta.mode.{key}',
+            f'unknown {tta.mode[key]!r}; choose from {list(MODES)}')
+    require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
+  atp = config.atp
+  require(atp.scaling in atp_lib.SCALINGS, 'atp.scaling',
+          f'unknown {atp.scaling!r}; choose from {list(atp_lib.SCALINGS)}')
+  require(atp.optimizer in OPTIMIZERS, 'atp.optimizer',
+          f'unknown {atp.optimizer!r}; choose from {list(OPTIMIZERS)}')
+  require(atp.rounds >= 1, 'atp.rounds', f'must be >= 1, got {atp.rounds}')
+  require(atp.learning_rate > 0, 'atp.learning_rate', f'must be > 0, got {atp.learning_rate}')
+  require(atp.batch_size >= 1, 'atp.batch_size', f'must be >= 1, got {atp.batch_size}')
+  require(1 <= atp.cohort_size <= config.data.num_clients, 'atp.cohort_size',
+          f'must be in [1, data.num_clients={config.data.num_clients}], got {atp.cohort_size}')
+
+
+def alpha_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The federated-run config of α training: ATP's rounds, cohort, batch and an
+  unweighted server mean (Algorithm 1, line 6)."""
+  c = ml_collections.ConfigDict(config.to_dict())
+  c.rounds = config.atp.rounds
+  c.cohort_size = config.atp.cohort_size
+  c.weighting = 'uniform'
+  c.sampling = 'uniform'
+  c.client.batch_size = config.atp.batch_size
+  c.eval_every = config.atp.rounds
+  return c
+
+
+def alpha_record(names: List[str]):
+  return lambda state: {f'alpha/{n}': float(a) for n, a in zip(names, jax.tree.leaves(state.alpha))}
+
+
+def source_examples(data: federated.FederatedData) -> Tuple[np.ndarray, np.ndarray]:
+  """The real (unpadded) examples of every client, concatenated."""
+  mask = np.asarray(data.mask)
+  return np.asarray(data.x)[mask], np.asarray(data.y)[mask]
+
+
+class AdapterInputs(NamedTuple):
+  """The arrays of a ``SourceContext``: arguments of the compiled adapter evaluation."""
+  variables: Any
+  source_x: Any
+  source_y: Any
+  alpha: Any
+
+
+def adapter_evaluator(build: Callable[..., Adapter], module, hparams: ml_collections.ConfigDict,
+                      num_classes: int, batch_size: int, mode: str):
+  """The compiled ``evaluation.build_adapter_evaluate`` of a registered adapter: its
+  first argument is an ``AdapterInputs``, so one compilation serves every α, model
+  and source set of the same shapes."""
+  def make_adapter(inputs: AdapterInputs) -> Adapter:
+    return build(module, hparams, SourceContext(inputs.variables, num_classes, batch_size,
+                                                inputs.source_x, inputs.source_y,
+                                                inputs.alpha))
+  return evaluation.build_adapter_evaluate(make_adapter, batch_size, mode)
+
+
+def adapter_accuracy(evaluate_chunk, inputs, variables, target: federated.FederatedData, rng,
+                     client_chunk: int) -> np.ndarray:
+  """Per-client accuracy [K] (NaN for clients without examples) of a compiled adapter
+  evaluation over the target clients, in padded chunks of ``client_chunk`` (0 = all)."""
+  sums = evaluation.evaluate_population(evaluate_chunk, (inputs, variables), (target,),
+                                        target.num_clients, rng, client_chunk)
+  return evaluation.client_accuracy(sums)
+
+
+def run_adapter(adapter: Adapter, mode: str, batch_size: int, variables,
+                target: federated.FederatedData, rng, client_chunk: int) -> np.ndarray:
+  """Per-client accuracy [K] of one built adapter (NaN for clients without examples)."""
+  evaluate_chunk = evaluation.build_adapter_evaluate(lambda inputs: adapter, batch_size, mode)
+  return adapter_accuracy(evaluate_chunk, (), variables, target, rng, client_chunk)
+
+
+class Evaluators:
+  """Compiled adapter evaluations of one pipeline run, one per (adapter, mode,
+  hyperparameters); shapes are fixed by the protocol, so each compiles once."""
+
+  def __init__(self, config: ml_collections.ConfigDict, module, num_classes: int):
+    self.config, self.module, self.num_classes = config, module, num_classes
+    self.compiled: Dict[Tuple[str, str, str], Any] = {}
+
+  def get(self, name: str, mode: str, hparams: ml_collections.ConfigDict):
+    key = (name, mode, hparams.to_json(sort_keys=True))
+    if key not in self.compiled:
+      self.compiled[key] = adapter_evaluator(ADAPTERS.get(name), self.module, hparams,
+                                             self.num_classes, self.config.tta.batch_size, mode)
+    return self.compiled[key]
+
+
+def adapter_section(config: ml_collections.ConfigDict, name: str, shift: str
+                    ) -> ml_collections.ConfigDict:
+  """``config.adapters.<name>`` with a per-shift choice resolved (Surgical's block)."""
+  fields = config.adapters[name].to_dict()
+  if isinstance(fields.get('block'), dict):
+    fields['block'] = fields['block'][shift]
+  return ml_collections.ConfigDict(fields)
+
+
+def test_time(config, evaluators: Evaluators, inputs: AdapterInputs, data: ShiftData, rows,
+              seed: int, shift: str) -> Dict[str, Dict]:
+  """Every row's adapter on the target clients: {row: {'accuracy', 'per_client', 'seconds'}}."""
+  rng = jax.random.fold_in(jax.random.key(seed), 7)
+  out = {}
+  for key in rows:
+    name = config.tta.adapter[key]
+    tick = time.perf_counter()
+    evaluate_chunk = evaluators.get(name, config.tta.mode[key], adapter_section(config, name, shift))
+    per_client = adapter_accuracy(evaluate_chunk, inputs, inputs.variables, data.target, rng,
+                                  config.tta.client_chunk)
+    out[key] = {'accuracy': float(np.nanmean(per_client)), 'per_client': per_client.tolist(),
+                'seconds': time.perf_counter() - tick}
+    log.info('%s seed %d  %-14s %.2f%%  (%.1f s)', shift, seed, config.tta.label[key],
+             100 * out[key]['accuracy'], out[key]['seconds'])
+  return out
+
+
+def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callable):
+  """Pretraining → α → test time for one (shift, seed). Returns (rows, α, adapter
+  inputs, data, α module names); ``evaluators_for(module, num_classes)`` gives the
+  run's shared ``Evaluators``."""
+  shift_config = ml_collections.ConfigDict(config.to_dict())
+  shift_config.data.shift = shift
+  data = atp_protocol(shift_config.data, seed)
+  for name, split in data.source.splits.items():
+    federated.validate(split, data.source.num_classes, name)
+  federated.validate(data.target, data.source.num_classes, 'target')
+  smallest = int(np.min(data.target.num_examples))
+  if smallest < config.tta.batch_size:
+    log.warning('a target client has %d examples, fewer than tta.batch_size=%d: its batch '
+                'repeats its examples (each scored once)', smallest, config.tta.batch_size)
+  with open(os.path.join(workdir, 'protocol.json'), 'w') as f:
+    json.dump(data.info, f, default=int)
+  module = models.create(config.model, data.source.num_classes)
+  evaluators = evaluators_for(module, data.source.num_classes)
+  algorithm_name = algorithm_names(config)[0]
+  pre = train_and_evaluate(shift_config, os.path.join(workdir, 'pretrain'), algorithm_name,
+                           seed, bench=data.source)
+  variables = pre['server_state'].variables
+
+  a_config = alpha_config(shift_config)
+  val = data.source.splits['val']
+  algorithm = atp_training(a_config.atp, module, val.max_examples, variables,
+                           config.engine.unroll)
+  names = atp_lib.module_names(atp_lib.init_alpha(variables))
+  trained = train_and_evaluate(a_config, os.path.join(workdir, 'alpha'), 'atp', seed,
+                               bench=Benchmark({'train': val}, data.source.num_classes,
+                                               data.source.example_shape, data.info),
+                               algorithm=algorithm, log_state=alpha_record(names))
+  alpha = trained['server_state'].alpha
+  with open(os.path.join(workdir, 'alpha.json'), 'w') as f:
+    json.dump(dict(zip(names, map(float, jax.tree.leaves(alpha)))), f, indent=1)
+  source_x, source_y = source_examples(val)
+  inputs = jax.device_put(AdapterInputs(variables, source_x, source_y, alpha))
+  rows = test_time(config, evaluators, inputs, data, config.tta.rows, seed, shift)
+  with open(os.path.join(workdir, 'test_time.json'), 'w') as f:
+    json.dump({'rows': rows, 'pretrain': pre['metrics'], 'pretrain_seconds': pre['train_seconds'],
+               'alpha_seconds': trained['train_seconds']}, f, indent=1)
+  return rows, alpha, inputs, data, names
+
+
+@PIPELINES.register('test_time', defaults=SECTIONS, check=validate)
+def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
+  """Every shift × seed (validated by ``pipelines.run``); writes results.json and
+  alpha.png. ``records``: 'table1', 'table3', 'markdown'."""
+  info = hardware()
+  table1: Dict[str, Dict[str, Dict[int, float]]] = {}
+  alphas: Dict[Tuple[str, int], object] = {}
+  runs = {}
+  names: List[str] = []
+  shared: Dict[str, Evaluators] = {}
+
+  def evaluators_for(module, num_classes: int) -> Evaluators:
+    if 'evaluators' not in shared:  # one model and label set per config
+      shared['evaluators'] = Evaluators(config, module, num_classes)
+    return shared['evaluators']
+
+  tick = time.perf_counter()
+  for shift in config.tta.shifts:
+    for seed in config.seeds:
+      run_dir = os.path.join(workdir, shift, f'seed_{seed}')
+      os.makedirs(run_dir, exist_ok=True)
+      rows, alpha, inputs, data, names = run_one(config, run_dir, shift, seed, evaluators_for)
+      for key, result in rows.items():
+        table1.setdefault(key, {}).setdefault(shift, {})[seed] = result['accuracy']
+      alphas[(shift, seed)] = alpha
+      runs[(shift, seed)] = (inputs, data)
+  table3 = (cross_shift(config, shared['evaluators'], alphas, runs)
+            if len(config.tta.shifts) > 1 else {})
+  seconds = time.perf_counter() - tick
+  labels = {key: config.tta.label[key] for key in config.tta.rows}
+  markdown = report.tta_tables(table1, table3, labels, tuple(config.tta.shifts),
+                               tuple(config.seeds))
+  preamble = (f"ATP protocol on {config.data.source}: {config.data.num_clients} source + "
+              f"{config.data.num_target_clients} target clients, model {config.model.name}, "
+              f"{algorithm_names(config)[0]} {config.rounds} rounds → α "
+              f"{config.atp.rounds} rounds; test batch {config.tta.batch_size}; accuracy (%) "
+              f"on target clients, mean ± std over seeds {tuple(config.seeds)}; "
+              f"{seconds:.0f} s on {info['device_kind']} ({info['backend']}).")
+  alpha_means = {shift: np.mean([np.asarray(jax.tree.leaves(alphas[(shift, s)]))
+                                 for s in config.seeds], axis=0)
+                 for shift in config.tta.shifts}
+  alpha_png = report.plot_alpha(alpha_means, names, os.path.join(workdir, 'alpha.png'))
+  results_json = os.path.join(workdir, 'results.json')
+  with open(results_json, 'w') as f:
+    json.dump({'table1': table1, 'table3': {f'{a}->{b}': v for (a, b), v in table3.items()},
+               'alpha': {s: dict(zip(names, v.tolist())) for s, v in alpha_means.items()},
+               'seconds': seconds, 'hardware': info}, f, indent=1)
+  return Results(preamble, (markdown,), (results_json, alpha_png),
+                 {'table1': table1, 'table3': table3, 'markdown': markdown})
+
+
+def cross_shift(config, evaluators: Evaluators, alphas, runs
+                ) -> Dict[Tuple[str, str], Dict[str, Dict[int, float]]]:
+  """ATP Table 3: α trained on shift a, tested on shift b's model and targets, through
+  Table 1's compiled ATP evaluations (α is their argument).
+  Returns {(train a, test b): {'atp_batch' | 'atp_online': {seed: accuracy}}}."""
+  out = {}
+  for train_shift in config.tta.shifts:
+    for test_shift in config.tta.shifts:
+      if train_shift == test_shift:
+        continue
+      for seed in config.seeds:
+        inputs, data = runs[(test_shift, seed)]
+        inputs = inputs._replace(alpha=alphas[(train_shift, seed)])
+        rng = jax.random.fold_in(jax.random.key(seed), 7)
+        for key, mode in (('atp_batch', 'episodic'), ('atp_online', 'online')):
+          evaluate_chunk = evaluators.get('atp', mode, config.adapters.atp)
+          acc = adapter_accuracy(evaluate_chunk, inputs, inputs.variables, data.target, rng,
+                                 config.tta.client_chunk)
+          out.setdefault((train_shift, test_shift), {}).setdefault(key, {})[seed] = float(
+              np.nanmean(acc))
+  return out
