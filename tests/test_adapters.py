@@ -55,15 +55,17 @@ def setup(model='bn_mlp', seed=0):
 
 def build(name, module, context):
   # The registered defaults, test-sized where listed.
-  section = ml_collections.ConfigDict({**ADAPTERS.defaults(name).to_dict(), **ADAPTER_CONFIGS[name]})
+  section = ml_collections.ConfigDict({**ADAPTERS.defaults(name).to_dict(),
+                                       **ADAPTER_CONFIGS.get(name, {})})
   return ADAPTERS.get(name)(module, section, context)
 
 
-def test_every_registered_adapter_is_covered():
-  assert set(ADAPTERS.names()) == set(ADAPTER_CONFIGS)
+def test_test_sized_overrides_name_registered_adapters():
+  # Tests parametrize over the registry; ADAPTER_CONFIGS only shrinks some defaults.
+  assert set(ADAPTER_CONFIGS) <= set(ADAPTERS.names())
 
 
-@pytest.mark.parametrize('name', sorted(ADAPTER_CONFIGS))
+@pytest.mark.parametrize('name', ADAPTERS.names())
 @pytest.mark.parametrize('mode', ['episodic', 'online'])
 def test_vmapped_clients_equal_python_loop_and_no_nan(name, mode):
   """The vmapped scan over clients gives each client exactly what running it alone

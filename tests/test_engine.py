@@ -144,8 +144,10 @@ def test_qffl_q_zero_equals_uniform_fedavg_and_q_one_matches_formula():
                               atol=1e-6)
 
 
-@pytest.mark.parametrize('name', ['fedavg', 'fedprox', 'fedbn', 'fedavg_ft', 'local', 'qffl',
-                                  'ditto', 'fedrep', 'apfl', 'fedrod', 'gma', 'fedsr'])
+# Every registered method that trains on ordinary client data (the evolving ones need
+# domain blocks; tests/test_evolving.py covers them).
+@pytest.mark.parametrize('name', [n for n in ALGORITHMS.names()
+                                  if ALGORITHMS.meta(n).get('layout') != 'domains'])
 def test_padding_does_not_change_update(name):
   # BatchNorm where the method supports it (FedSR's probabilistic head here does not).
   model = 'mlp' if name == 'fedsr' else 'bn_mlp'

@@ -51,7 +51,8 @@ class BuildContext(NamedTuple):
 
 
 # name -> builder(hparams: its config.<name> section, context: BuildContext)
-#           -> FederatedAlgorithm; each method file registers itself with its defaults.
+#           -> FederatedAlgorithm; each method file registers itself with its defaults
+# (meta layout='domains': trains on the evolving benchmarks' domain-major data).
 ALGORITHMS: Registry = Registry('algorithm')
 
 

@@ -48,7 +48,7 @@ def encoder_features(module, encoder_params, x):
   return models.features(module, {'params': {'encoder': encoder_params}}, x)
 
 
-@base.ALGORITHMS.register('fedevolve')
+@base.ALGORITHMS.register('fedevolve', layout='domains')  # domain-major client data
 def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
               ) -> FederatedAlgorithm:
   """Local iterations τ = the schedule's epochs, batches of its batch size, from

@@ -40,7 +40,8 @@ def last_layer_selector(params):
   return lambda path: path[0] == 'head' or tuple(path[:2]) == ('encoder', last)
 
 
-@base.ALGORITHMS.register('fedevp', defaults={'finetune_epochs': 1})  # App. D: 1 epoch
+@base.ALGORITHMS.register('fedevp', defaults={'finetune_epochs': 1},  # App. D: 1 epoch
+                          layout='domains')  # domain-major client data
 def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module = context.module
   layout = layout_from_info(context.info, context.schedule.max_examples, 'fedevp')

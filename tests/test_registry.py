@@ -1,0 +1,273 @@
+"""Registries: a method is one file, configs come from what files registered, bad
+names and fields are errors, the package layering holds, and the adapter
+evaluation compiles once."""
+import ast
+import importlib.util
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from fedjax_shift import algorithms, models, pipelines
+from fedjax_shift import config as config_lib
+from fedjax_shift.adapters import ADAPTERS
+from fedjax_shift.adapters import atp as atp_lib
+from fedjax_shift.algorithms import ALGORITHMS
+from fedjax_shift.algorithms.fedavg import fedavg
+from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.core.algorithm import ClientOutput
+from fedjax_shift.core.test_time import Adapter, build_test_time
+from fedjax_shift.pipelines import PIPELINES
+from fedjax_shift.pipelines.test_time import adapter_accuracy, adapter_evaluator
+from helpers import tiny_config, toy_clients
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, 'fedjax_shift')
+
+
+def load_launcher():
+  """launch/train.py as a module (it is a script, not part of the package)."""
+  spec = importlib.util.spec_from_file_location('launch_train',
+                                                os.path.join(ROOT, 'launch', 'train.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def scaled_fedavg(hparams, context):
+  """A toy method: FedAvg whose clients upload ``scale`` × their update."""
+  base = fedavg(hparams, context)
+
+  def client_update(server_state, client_state, data, rng):
+    output, client_state = base.client_update(server_state, client_state, data, rng)
+    update = jax.tree.map(lambda u: hparams.scale * u, output.update)
+    return ClientOutput(update, output.metrics), client_state
+
+  return base._replace(client_update=client_update)
+
+
+def tempered(module, hparams, context):
+  """A toy adapter: the model's logits divided by a temperature (argmax unchanged)."""
+  def init(variables, rng):
+    del rng
+    return variables
+
+  def step(variables, batch):
+    return variables, models.apply(module, variables, batch.x, 'eval')[0] / hparams.temperature
+
+  return Adapter(init, step)
+
+
+def test_toy_algorithm_and_adapter_from_a_test_file_run_through_the_launcher(tmp_path):
+  launcher = load_launcher()
+  ALGORITHMS.register('toy_scaled_fedavg', defaults={'scale': 1.0})(scaled_fedavg)
+  ADAPTERS.register('toy_tempered', defaults={'temperature': 2.0})(tempered)
+  try:
+    config = config_lib.apply_variant(config_lib.base_config(), 'tiny')
+    assert config.toy_scaled_fedavg.scale == 1.0
+    assert config.adapters.toy_tempered.temperature == 2.0
+    config.algorithms = ('fedavg', 'toy_scaled_fedavg')
+    config.eval_adapters = ('toy_tempered:online',)
+    config.eval_adapter_algorithms = ('toy_scaled_fedavg',)
+    out = launcher.train(config, str(tmp_path))
+    fedavg_run, toy_run = out.records['results']
+    # scale = 1 uploads FedAvg's update: the same model, the same accuracies.
+    for key, value in fedavg_run['metrics'].items():
+      np.testing.assert_allclose(toy_run['metrics'][key], value, rtol=1e-5, atol=1e-6)
+    # A temperature keeps every argmax: the adapted accuracy is the global one.
+    assert toy_run['metrics']['global+toy_tempered/test/accuracy'] == pytest.approx(
+        toy_run['metrics']['global/test/accuracy'])
+    assert '| toy_scaled_fedavg |' in out.tables[0]
+    assert 'global+toy_tempered/test' in open(tmp_path / 'results.md').read()
+    # scale = 0 uploads nothing: the global model never moves from its initialisation.
+    config.toy_scaled_fedavg.scale = 0.0
+    config.algorithms = ('toy_scaled_fedavg',)
+    frozen = pipelines.run(config, str(tmp_path / 'frozen'))
+    assert frozen.records['results'][0]['metrics']['global/test/accuracy'] < 0.5
+  finally:
+    ALGORITHMS.unregister('toy_scaled_fedavg')
+    ADAPTERS.unregister('toy_tempered')
+  assert 'toy_scaled_fedavg' not in config_lib.base_config()
+
+
+def test_every_method_section_holds_its_registered_defaults():
+  config = config_lib.base_config()
+  for name in ALGORITHMS.names():
+    assert config[name].to_dict() == ALGORITHMS.defaults(name).to_dict()
+  for name in ADAPTERS.names():
+    assert config.adapters[name].to_dict() == ADAPTERS.defaults(name).to_dict()
+  for name in BENCHMARKS.names():
+    for field, value in BENCHMARKS.defaults(name).to_dict().items():
+      assert config.data[field] == value or (isinstance(value, dict) and
+                                             config.data[field].to_dict() == value)
+  assert config.fedprox.mu == 0.01 and config.adapters.tent.learning_rate == 1e-3
+
+
+@pytest.mark.parametrize('field, value, pattern', [
+    ('pipeline', 'nope', r"config.pipeline: unknown pipeline 'nope'; choose from "
+                         r"\['federated', 'test_time'\]"),
+    ('data.benchmark', 'nope', r"config.data.benchmark: unknown benchmark 'nope'; choose from "
+                               r"\['atp_shift', 'circle', 'label_skew_corrupted'"),
+    ('data.benchmark', 'atp_shift', r"config.data.benchmark: 'atp_shift' feeds the "
+                                    r"\['test_time'\] pipeline"),
+    ('fedprox.nu', 0.1, r"config.fedprox.nu: unknown field; config.fedprox has \['mu'\]"),
+    ('fedavg.mu', 0.1, r'config.fedavg.mu: unknown field; config.fedavg has no fields'),
+    ('adapters.tent.lr', 0.1, r'config.adapters.tent.lr: unknown field'),
+    ('eval_adapters', ('tent:sometimes',), r"config.eval_adapters: unknown mode 'sometimes'"),
+    ('eval_adapters', ('tnet:online',), r"config.eval_adapters: unknown adapter 'tnet'"),
+])
+def test_bad_names_and_fields_are_errors(field, value, pattern):
+  config = tiny_config()
+  *path, leaf = field.split('.')
+  target = config
+  for part in path:
+    target = target[part]
+  target[leaf] = value
+  with pytest.raises(ValueError, match=pattern):
+    config_lib.validate(config)
+
+
+def test_registry_rejects_duplicates_and_names_choices():
+  with pytest.raises(ValueError, match="algorithm 'fedavg' is registered twice"):
+    ALGORITHMS.register('fedavg')(scaled_fedavg)
+  with pytest.raises(ValueError, match=r"unknown pipeline 'x'; choose from"):
+    PIPELINES.get('x')
+
+
+# data → models → core → algorithms/adapters → benchmarks → pipelines → config, as stated
+# in fedjax_shift/__init__.py; registry, metrics and checkpoint are leaves anyone may use.
+LAYERS = {'registry': 0, 'metrics': 0, 'checkpoint': 0, 'data': 1, 'models': 2, 'core': 3,
+          'algorithms': 4, 'adapters': 4, 'benchmarks': 5, 'report': 6, 'pipelines': 6,
+          'config': 7}
+
+
+def package_modules():
+  """{dotted module name: path} of every module of the package."""
+  out = {}
+  for directory, _, files in os.walk(PACKAGE):
+    for file in files:
+      if file.endswith('.py'):
+        rel = os.path.relpath(os.path.join(directory, file), ROOT)[:-3].replace(os.sep, '.')
+        out[rel[:-len('.__init__')] if rel.endswith('.__init__') else rel] = \
+            os.path.join(directory, file)
+  return out
+
+
+def imported_modules(path, modules):
+  """The package modules a file imports (``from pkg import mod`` names mod itself)."""
+  found = set()
+  for node in ast.walk(ast.parse(open(path).read())):
+    if isinstance(node, ast.Import):
+      found |= {a.name for a in node.names if a.name in modules}
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      for alias in node.names:
+        full = f'{node.module}.{alias.name}'
+        found.add(full if full in modules else node.module)
+  return {m for m in found if m in modules}
+
+
+def layer(module):
+  parts = module.split('.')
+  return LAYERS[parts[1]] if len(parts) > 1 else None
+
+
+def test_imports_follow_the_layering_and_have_no_cycles():
+  modules = package_modules()
+  assert set(LAYERS) >= {m.split('.')[1] for m in modules if '.' in m}, \
+      'a new top-level module needs its layer in LAYERS and fedjax_shift/__init__.py'
+  graph = {m: imported_modules(path, modules) - {m} for m, path in modules.items()}
+  upward = [(m, d) for m, deps in graph.items() for d in deps
+            if layer(m) is not None and layer(d) is not None and layer(d) > layer(m)]
+  assert not upward, f'modules importing from a higher layer: {upward}'
+  # No cycle of any length (Tarjan's strongly connected components).
+  index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in graph[v]:
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        cycles.append(sorted(component))
+
+  for v in graph:
+    if v not in index:
+      visit(v)
+  assert not cycles, f'modules importing each other: {cycles}'
+  assert 'data → models → core' in open(os.path.join(PACKAGE, '__init__.py')).read()
+
+
+def test_the_layering_test_sees_an_upward_import_and_a_cycle(tmp_path):
+  """The check above can fail: an upward import and a two-module cycle are found."""
+  modules = {'fedjax_shift.data.a': str(tmp_path / 'a.py'),
+             'fedjax_shift.pipelines.b': str(tmp_path / 'b.py')}
+  (tmp_path / 'a.py').write_text('from fedjax_shift.pipelines import b\n')
+  (tmp_path / 'b.py').write_text('from fedjax_shift.data import a\n')
+  graph = {m: imported_modules(p, modules) for m, p in modules.items()}
+  assert graph == {'fedjax_shift.data.a': {'fedjax_shift.pipelines.b'},
+                   'fedjax_shift.pipelines.b': {'fedjax_shift.data.a'}}
+  assert layer('fedjax_shift.pipelines.b') > layer('fedjax_shift.data.a')
+
+
+def test_adapter_evaluation_compiles_once_and_takes_alpha_as_an_argument():
+  """ATP through the pipeline's compiled evaluation: three clients in padded chunks of
+  two, two different α — one compilation, and each α gives what an adapter built
+  around it (the reference, ``build_test_time``) gives."""
+  module = models.MODELS.get('bn_mlp')(3, hidden=(8,))
+  variables = models.init(module, jax.random.key(0), jnp.zeros((1, 4, 4, 1)))
+  data, _, _ = toy_clients([6, 4, 5], num_classes=3, pad_to=6)
+  evaluate_chunk = adapter_evaluator(ADAPTERS.get('atp'), module, ml_collections.ConfigDict(),
+                                     3, 4, 'online')
+  from fedjax_shift.pipelines.test_time import AdapterInputs
+  rng = jax.random.key(3)
+  results = []
+  for shift in (0.3, 3.0):
+    alpha = jax.tree.map(lambda a, s=shift: a + s, atp_lib.init_alpha(variables))
+    inputs = AdapterInputs(variables, None, None, alpha)
+    accuracy = adapter_accuracy(evaluate_chunk, inputs, variables, data, rng, client_chunk=2)
+    reference = build_test_time(atp_lib.atp(module, alpha), 4, 'online')(variables, data, rng)
+    np.testing.assert_allclose(accuracy, np.asarray(reference['correct']) /
+                               np.asarray(reference['count']), rtol=1e-6)
+    results.append(accuracy)
+  assert evaluate_chunk._cache_size() == 1
+  chex.assert_tree_all_finite(results)
+
+
+def test_builders_take_their_section_and_the_engine_context():
+  config = tiny_config()
+  module = models.create(config.model, 3)
+  seen = {}
+
+  def recorder(hparams, context):
+    seen.update(hparams=hparams, context=context)
+    return fedavg(hparams, context)
+
+  ALGORITHMS.register('toy_recorder', defaults={'strength': 0.01})(recorder)
+  try:
+    config = config_lib.apply_variant(config_lib.base_config(), 'tiny')
+    config.toy_recorder.strength = 0.5
+    algorithms.build('toy_recorder', config, module, 7, {'num_domains': 2})
+  finally:
+    ALGORITHMS.unregister('toy_recorder')
+  assert seen['hparams'].to_dict() == {'strength': 0.5}
+  assert seen['context'].info == {'num_domains': 2}
+  assert seen['context'].schedule.batch_size == config.client.batch_size
+  assert seen['context'].schedule.max_examples == 7
+  assert seen['context'].client_learning_rate == config.client.learning_rate
