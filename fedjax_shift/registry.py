@@ -79,6 +79,13 @@ class Registry(Generic[T]):
     return name in self._entries
 
 
+def require(condition: bool, field: str, message: str) -> None:
+  """Raises ValueError('config.<field>: <message>') unless ``condition`` (every config
+  check of the library reports this way)."""
+  if not condition:
+    raise ValueError(f'config.{field}: {message}')
+
+
 def check_fields(section: ml_collections.ConfigDict, defaults: Mapping[str, Any],
                  where: str) -> None:
   """Every field of ``section`` must be one of ``defaults`` (``where``: its config

@@ -8,7 +8,6 @@ import pytest
 
 from fedjax_shift import models
 from fedjax_shift import algorithms
-from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.algorithms.prototypes import (class_prototypes, prototype_head,
                                                 prototype_loss)
 from fedjax_shift.benchmarks import BENCHMARKS

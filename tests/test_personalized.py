@@ -7,7 +7,6 @@ import pytest
 
 from fedjax_shift import models
 from fedjax_shift import algorithms
-from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.core.algorithm import ClientData
 from fedjax_shift.core.round import RoundConfig, build_round, stack_client_states
 from helpers import tiny_config, toy_clients

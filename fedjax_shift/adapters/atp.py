@@ -26,7 +26,7 @@ from flax import traverse_util
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
-from fedjax_shift.core.test_time import ADAPTERS, SourceContext, AdaptBatch, Adapter
+from fedjax_shift.core.test_time import ADAPTERS, AdaptBatch, Adapter, SourceContext
 
 Alpha = Any          # {'params': tree of [] scalars, ['batch_stats': tree of [] scalars]}
 SCALINGS = ('sqrt', 'none', 'numel')

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from fedjax_shift import models
 from fedjax_shift.adapters.em import reweight
-from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
+from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 
 
 def confusion_matrix(module, variables, x: jax.Array, y: jax.Array, num_classes: int,

@@ -22,7 +22,7 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
-from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
+from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 
 
 class EATAExtra(NamedTuple):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_shift import models
-from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
+from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 
 
 def reweight(log_probs: jax.Array, ratio: jax.Array) -> jax.Array:

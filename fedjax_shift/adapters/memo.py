@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_shift import models
-from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
+from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 from fedjax_shift.data.augment import augment_many
 
 
@@ -58,9 +58,10 @@ def memo(module, num_augmentations: int = 32, learning_rate: float = 0.005,
   return Adapter(init, step)
 
 
-@ADAPTERS.register('memo', defaults={'num_augmentations': 32,   # MEMO: 32 augmentations
-               'learning_rate': 0.005,    # MEMO: lr 0.005
-               'num_steps': 1})            # MEMO: one step per test point
+@ADAPTERS.register('memo', defaults={
+    'num_augmentations': 32,          # MEMO: 32 augmentations
+    'learning_rate': 0.005,           # MEMO: lr 0.005
+    'num_steps': 1})                  # MEMO: one step per test point
 def build_memo(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.memo``."""
   return memo(module, hparams.num_augmentations, hparams.learning_rate,

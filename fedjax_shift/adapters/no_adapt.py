@@ -1,6 +1,6 @@
 """No adaptation: the source model predicts with its running statistics."""
 from fedjax_shift import models
-from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
+from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 
 
 def no_adapt(module) -> Adapter:

@@ -21,7 +21,7 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
-from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
+from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 
 
 def cluster_pseudo_labels(features: jax.Array, probs: jax.Array, weight: jax.Array
@@ -68,9 +68,10 @@ def shot(module, learning_rate: float = 1e-3, pseudo_label_weight: float = 0.3,
       predict)
 
 
-@ADAPTERS.register('shot', defaults={'learning_rate': 1e-3,        # Tent's optimizer
-               'pseudo_label_weight': 0.3,   # SHOT: β = 0.3
-               'predict': 'before'})          # ATP code: logits before
+@ADAPTERS.register('shot', defaults={
+    'learning_rate': 1e-3,            # Tent's optimizer
+    'pseudo_label_weight': 0.3,       # SHOT: β = 0.3
+    'predict': 'before'})             # ATP code: logits before the update
 def build_shot(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.shot``."""
   return shot(module, hparams.learning_rate, hparams.pseudo_label_weight, hparams.predict)

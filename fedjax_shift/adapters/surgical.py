@@ -14,7 +14,7 @@ import optax
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
-from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
+from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 
 
 def block_selector(block: str, params):
@@ -43,10 +43,11 @@ def surgical(module, block: str = 'first', learning_rate: float = 1e-3,
                                  selector_of_params=True)
 
 
-@ADAPTERS.register('surgical', defaults={'learning_rate': 1e-3, 'predict': 'before',
-       # Lee et al.: input-level shift → first block, label (output-level) shift → last
-       # layer; a name, or one per ATP shift
-       'block': {'feature': 'first', 'label': 'head', 'hybrid': 'head'}})
+@ADAPTERS.register('surgical', defaults={
+    'learning_rate': 1e-3, 'predict': 'before',
+    # Lee et al.: input-level shift → first block, label (output-level) shift → last
+    # layer; one block name, or one per ATP shift (resolved by the test_time pipeline)
+    'block': {'feature': 'first', 'label': 'head', 'hybrid': 'head'}})
 def build_surgical(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.surgical``."""
   block = hparams.block

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from fedjax_shift import models
 from fedjax_shift.adapters.common import entropy
-from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
+from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 
 
 class Supports(NamedTuple):

@@ -11,7 +11,7 @@ import optax
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
-from fedjax_shift.core.test_time import ADAPTERS, SourceContext, Adapter
+from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 
 
 def tent(module, learning_rate: float = 1e-3, predict: str = 'before',
@@ -29,8 +29,9 @@ def tent(module, learning_rate: float = 1e-3, predict: str = 'before',
       check=common.require_batch_norm('tent'))
 
 
-@ADAPTERS.register('tent', defaults={'learning_rate': 1e-3,   # Tent: Adam 1e-3 (CIFAR)
-               'predict': 'before'})    # ATP code: logits before the update
+@ADAPTERS.register('tent', defaults={
+    'learning_rate': 1e-3,            # Tent: Adam 1e-3 (CIFAR)
+    'predict': 'before'})             # ATP code: logits before the update
 def build_tent(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.tent``."""
   return tent(module, hparams.learning_rate, hparams.predict)

@@ -16,7 +16,7 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.core.algorithm import ClientData, ClientOutput
 from fedjax_shift.core.local import LocalSchedule, local_train, masked_mean
-from fedjax_shift.registry import Registry
+from fedjax_shift.registry import Registry, require
 
 PyTree = Any
 SERVER_OPTIMIZERS = ('sgd', 'fedavgm', 'fedadam')
@@ -88,21 +88,16 @@ def check_training(config: ml_collections.ConfigDict) -> None:
   """The client and server sections (optimizers, rates, local schedule)."""
   client_optimizer(config.client)
   server_optimizer(config.server)
-  _require(config.client.learning_rate > 0, 'client.learning_rate',
+  require(config.client.learning_rate > 0, 'client.learning_rate',
            f'must be > 0, got {config.client.learning_rate}')
-  _require(config.server.learning_rate > 0, 'server.learning_rate',
+  require(config.server.learning_rate > 0, 'server.learning_rate',
            f'must be > 0, got {config.server.learning_rate}')
-  _require(config.client.batch_size >= 1, 'client.batch_size',
+  require(config.client.batch_size >= 1, 'client.batch_size',
            f'must be >= 1, got {config.client.batch_size}')
-  _require(config.client.local_epochs >= 1 or config.client.local_steps >= 1,
+  require(config.client.local_epochs >= 1 or config.client.local_steps >= 1,
            'client.local_epochs', 'need local_epochs >= 1 or local_steps >= 1')
-  _require(config.client.local_steps >= 0, 'client.local_steps',
+  require(config.client.local_steps >= 0, 'client.local_steps',
            f'must be >= 0, got {config.client.local_steps}')
-
-
-def _require(condition: bool, field: str, message: str):
-  if not condition:
-    raise ValueError(f'config.{field}: {message}')
 
 
 def build_context(config: ml_collections.ConfigDict, module, max_examples: int,

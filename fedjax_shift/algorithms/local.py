@@ -6,7 +6,6 @@ clients for their local epochs. There is no global model.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 import ml_collections
 
 from fedjax_shift.algorithms import base

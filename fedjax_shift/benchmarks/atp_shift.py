@@ -30,10 +30,11 @@ from typing import Dict, List, NamedTuple, Tuple
 import ml_collections
 import numpy as np
 
-from fedjax_shift.benchmarks.base import (BENCHMARKS, Benchmark, check_dirichlet, check_source,
-                                          load_source, require)
+from fedjax_shift.benchmarks.base import (BENCHMARKS, Benchmark, check_source,
+                                          load_source)
 from fedjax_shift.data import corruptions, sources
 from fedjax_shift.data.federated import FederatedData, stack_clients
+from fedjax_shift.registry import require
 
 SHIFTS = ('feature', 'label', 'hybrid')
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from fedjax_shift.data import partitions, sources
 from fedjax_shift.data.federated import FederatedData
-from fedjax_shift.registry import Registry
+from fedjax_shift.registry import Registry, require
 
 BENCHMARKS: Registry = Registry('benchmark')
 
@@ -42,12 +42,6 @@ DATA_DEFAULTS = {
     'channels': 0,                    # repeat grey to 3 channels (0 = keep)
     'store': 'device',                # 'device' | 'host' (population larger than device memory)
 }
-
-
-def require(condition: bool, field: str, message: str) -> None:
-  """Raises ValueError('config.<field>: <message>') unless ``condition``."""
-  if not condition:
-    raise ValueError(f'config.{field}: {message}')
 
 
 def check_source(data_config: ml_collections.ConfigDict) -> None:

@@ -29,9 +29,10 @@ import ml_collections
 import numpy as np
 
 from fedjax_shift.benchmarks.base import (BENCHMARKS, Benchmark, check_dirichlet, check_source,
-                                          load_source, require)
+                                          load_source)
 from fedjax_shift.data import sources
 from fedjax_shift.data.federated import FederatedData, stack_clients
+from fedjax_shift.registry import require
 
 
 def client_proportions(num_clients: int, num_classes: int, alpha: float,

@@ -7,9 +7,10 @@ import ml_collections
 import numpy as np
 
 from fedjax_shift.benchmarks.base import (BENCHMARKS, Benchmark, check_partition, check_source,
-                                          load_source, partition, require)
+                                          load_source, partition)
 from fedjax_shift.data import corruptions, partitions
 from fedjax_shift.data.federated import split_clients, stack_clients
+from fedjax_shift.registry import require
 
 
 def check(data_config: ml_collections.ConfigDict) -> None:

@@ -22,7 +22,7 @@ from fedjax_shift.algorithms import ALGORITHMS, base
 from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.core.round import BACKENDS, SAMPLING, WEIGHTING
 from fedjax_shift.core.test_time import ADAPTERS, MODES
-from fedjax_shift.registry import Registry
+from fedjax_shift.registry import Registry, require
 
 log = logging.getLogger('fedjax_shift')
 
@@ -55,11 +55,6 @@ def hardware() -> Dict[str, object]:
   if stats and 'bytes_limit' in stats:
     info['device_memory_gb'] = round(stats['bytes_limit'] / 2 ** 30, 2)
   return info
-
-
-def require(condition: bool, field: str, message: str) -> None:
-  if not condition:
-    raise ValueError(f'config.{field}: {message}')
 
 
 def algorithm_names(config: ml_collections.ConfigDict) -> Tuple[str, ...]:
