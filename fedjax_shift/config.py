@@ -21,7 +21,6 @@ from fedjax_shift.adapters import ADAPTERS
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS
 from fedjax_shift.pipelines import PIPELINES
-from fedjax_shift.pipelines.base import algorithm_names, check_workdir  # noqa: F401
 
 
 def registered_data_defaults() -> dict:

@@ -204,7 +204,8 @@ def test_time(config, evaluators: Evaluators, inputs: AdapterInputs, data: Shift
   for key in rows:
     name = config.tta.adapter[key]
     tick = time.perf_counter()
-    evaluate_chunk = evaluators.get(name, config.tta.mode[key], adapter_section(config, name, shift))
+    evaluate_chunk = evaluators.get(name, config.tta.mode[key],
+                                    adapter_section(config, name, shift))
     per_client = adapter_accuracy(evaluate_chunk, inputs, inputs.variables, data.target, rng,
                                   config.tta.client_chunk)
     out[key] = {'accuracy': float(np.nanmean(per_client)), 'per_client': per_client.tolist(),
