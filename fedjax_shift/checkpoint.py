@@ -3,10 +3,19 @@
 The state pytree is saved as its flat list of leaves and restored into the
 structure of a freshly initialised state, so any NamedTuple / dict layout an
 algorithm uses round-trips without orbax needing to know it.
+
+Restoring tries the newest checkpoint first; one that cannot be read (a truncated
+file, a missing manifest or ``default/`` folder) is moved aside to
+``<directory>/../corrupt_checkpoints/`` with a warning naming its round and the
+error, and the next older one is tried. A checkpoint whose leaves do not have the
+template's shapes is an error (another model's state), never restored.
 """
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import time
 from typing import Any, Optional, Tuple
 
 import jax
@@ -14,16 +23,25 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 PyTree = Any
+log = logging.getLogger('fedjax_shift')
+
+
+class CheckpointMismatchError(ValueError):
+  """A checkpoint holds a state of other shapes than the run's template."""
 
 
 class Checkpointer:
-  """Saves every ``every`` rounds into ``directory``, keeps the last ``keep``."""
+  """Saves every ``every`` rounds into ``directory``, keeps the last ``keep`` (>= 1)."""
 
   def __init__(self, directory: str, every: int, keep: int):
+    if keep < 1:
+      raise ValueError(f'config.keep_checkpoints: must be >= 1 (the final checkpoint is '
+                       f'what a re-run resumes from), got {keep}')
     self.every = every
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=False)
-    self.manager = ocp.CheckpointManager(os.path.abspath(directory), options=options)
+    self.directory = os.path.abspath(directory)
+    self.options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                                enable_async_checkpointing=False)
+    self.manager = ocp.CheckpointManager(self.directory, options=self.options)
 
   @staticmethod
   def _as_leaves(state: PyTree) -> dict:
@@ -44,17 +62,59 @@ class Checkpointer:
   def latest_round(self) -> Optional[int]:
     return self.manager.latest_step()
 
-  def restore(self, template: PyTree) -> Tuple[Optional[int], PyTree]:
-    """(round, state) from the latest checkpoint, or (None, template) if none."""
-    step = self.manager.latest_step()
-    if step is None:
-      return None, template
+  def rounds(self) -> Tuple[int, ...]:
+    """The rounds of the kept checkpoints, ascending."""
+    return tuple(sorted(self.manager.all_steps()))
+
+  def _move_aside(self, step: int, reason: str) -> str:
+    target_dir = os.path.join(os.path.dirname(self.directory), 'corrupt_checkpoints')
+    os.makedirs(target_dir, exist_ok=True)
+    target = os.path.join(target_dir, f'{step}-{time.strftime("%Y%m%dT%H%M%S")}')
+    shutil.move(os.path.join(self.directory, str(step)), target)
+    with open(os.path.join(target, 'WHY.txt'), 'w') as f:
+      f.write(reason + '\n')
+    self.manager.close()
+    self.manager = ocp.CheckpointManager(self.directory, options=self.options)
+    return target
+
+  def _restore_step(self, step: int, template: PyTree) -> PyTree:
     leaves, treedef = jax.tree_util.tree_flatten(template)
     abstract = {f'leaf_{i:05d}': jax.ShapeDtypeStruct(np.shape(leaf), np.asarray(leaf).dtype)
                 for i, leaf in enumerate(leaves)}
     restored = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
-    new_leaves = [restored[f'leaf_{i:05d}'] for i in range(len(leaves))]
-    return step, jax.tree_util.tree_unflatten(treedef, new_leaves)
+    if len(restored) != len(leaves):
+      raise CheckpointMismatchError(
+          f'the checkpoint of round {step} in {self.directory} holds {len(restored)} arrays, '
+          f'this run\'s state {len(leaves)}: it is another model\'s or method\'s state')
+    new_leaves = []
+    for i, leaf in enumerate(leaves):
+      value = restored[f'leaf_{i:05d}']
+      if np.shape(value) != np.shape(leaf):
+        raise CheckpointMismatchError(
+            f'the checkpoint of round {step} in {self.directory} holds array {i} of shape '
+            f'{np.shape(value)} where this run\'s state has {np.shape(leaf)}: it is another '
+            f'model\'s state')
+      new_leaves.append(value)
+    return jax.tree_util.tree_unflatten(treedef, new_leaves)
+
+  def restore(self, template: PyTree, max_round: Optional[int] = None
+              ) -> Tuple[Optional[int], PyTree]:
+    """(round, state) from the newest readable checkpoint of a round <= ``max_round``
+    (any round when None), or (None, template) if there is none. Unreadable ones are
+    moved aside with a warning (see the module docstring)."""
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      if max_round is not None and step > max_round:
+        continue
+      try:
+        return step, self._restore_step(step, template)
+      except CheckpointMismatchError:
+        raise
+      except Exception as err:  # orbax / tensorstore errors of a damaged checkpoint
+        reason = f'{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ""}'
+        target = self._move_aside(step, reason)
+        log.warning('the checkpoint of round %d in %s is unreadable (%s); moved it to %s and '
+                    'falling back to an earlier one', step, self.directory, reason, target)
+    return None, template
 
   def close(self):
     self.manager.close()

@@ -96,7 +96,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_adapter_batch_size = 32    # their test batch size
   c.paper_tables = ''               # '' | 'fedevolve': also print that paper's table layouts
   c.checkpoint_every = 5
-  c.keep_checkpoints = 2
+  c.keep_checkpoints = 2            # >= 1: the final checkpoint is what a re-run resumes from
+  c.resume = ''                     # '' | 'extend': continue finished runs to a larger rounds
   c.progress = True
   return c
 

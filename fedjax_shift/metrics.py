@@ -1,10 +1,21 @@
-"""metrics.jsonl: one JSON object per round, truncated on resume."""
+"""metrics.jsonl: one JSON object per round, each append flushed to disk.
+
+On resume the records after the checkpoint's round are recomputed, so they are
+removed from the file — with a warning naming them, after the whole file is copied
+to ``metrics.jsonl.before_resume_<round>``. A line that is not JSON is an error
+naming it, unless it is the last line (a write cut by a kill), which is dropped
+with a warning.
+"""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import shutil
 from typing import Dict, List
+
+log = logging.getLogger('fedjax_shift')
 
 
 def _clean(value):
@@ -14,15 +25,31 @@ def _clean(value):
 
 
 class MetricsWriter:
-  """Appends per-round metrics to ``<directory>/metrics.jsonl``."""
+  """Appends per-round metrics to ``<directory>/metrics.jsonl``, keeping the records
+  of rounds <= ``resume_round`` (None: a new run)."""
 
   def __init__(self, directory: str, resume_round: int | None):
     self.path = os.path.join(directory, 'metrics.jsonl')
-    kept = [r for r in read_metrics(self.path)
-            if resume_round is not None and r['round'] <= resume_round]
-    with open(self.path, 'w') as f:
+    records = read_metrics(self.path)
+    kept = [r for r in records if resume_round is not None and r['round'] <= resume_round]
+    if os.path.exists(self.path):
+      with open(self.path) as f:
+        text = f.read()
+      lines = sum(1 for line in text.splitlines() if line.strip())
+      if len(kept) == lines and (not text or text.endswith('\n')):
+        return  # nothing to drop: append after the existing records
+    if len(kept) < len(records):
+      backup = f'{self.path}.before_resume_{resume_round or 0}'
+      shutil.copyfile(self.path, backup)
+      dropped = sorted({r['round'] for r in records if r not in kept})
+      log.warning('%s: records of rounds %s come after the checkpoint of round %s and are '
+                  'recomputed; the previous file is kept as %s', self.path,
+                  _ranges(dropped), resume_round or 0, backup)
+    tmp = self.path + '.tmp'
+    with open(tmp, 'w') as f:
       for record in kept:
         f.write(json.dumps(record) + '\n')
+    os.replace(tmp, self.path)
 
   def write(self, record: Dict) -> None:
     with open(self.path, 'a') as f:
@@ -31,16 +58,36 @@ class MetricsWriter:
       os.fsync(f.fileno())
 
 
+def _ranges(values: List[int]) -> str:
+  if not values:
+    return ''
+  out, start, prev = [], values[0], values[0]
+  for v in values[1:] + [None]:
+    if v is not None and v == prev + 1:
+      prev = v
+      continue
+    out.append(f'{start}' if start == prev else f'{start}–{prev}')
+    if v is not None:
+      start = prev = v
+  return ', '.join(out)
+
+
 def read_metrics(path: str) -> List[Dict]:
+  """The records of ``path`` ([] if absent). A malformed last line (cut by a kill) is
+  dropped with a warning; a malformed line before it is a ValueError naming it."""
   if not os.path.exists(path):
     return []
-  records = []
   with open(path) as f:
-    for line in f:
-      line = line.strip()
-      if line:
-        try:
-          records.append(json.loads(line))
-        except json.JSONDecodeError:
-          break  # a line cut by a kill: drop it and everything after
+    lines = [(number, line.strip()) for number, line in enumerate(f, 1) if line.strip()]
+  records = []
+  for i, (number, line) in enumerate(lines):
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError as err:
+      if i == len(lines) - 1:
+        log.warning('%s: dropping its last line %d, cut short (%s)', path, number, err.msg)
+        break
+      raise ValueError(f'{path}, line {number}: not a JSON record ({err.msg}); the lines '
+                       f'after it hold {len(lines) - i - 1} more records. Repair or remove '
+                       f'the line, then re-run') from None
   return records

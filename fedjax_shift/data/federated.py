@@ -65,12 +65,20 @@ def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray],
   for k, (x, y) in enumerate(zip(xs, ys)):
     if len(x) != len(y):
       raise ValueError(f'client {k}: {len(x)} inputs but {len(y)} labels')
+    check_integer_labels(np.asarray(y), f'client {k}')
   num_pad = int(pad_to if pad_to is not None else max(1, counts.max()))
   if counts.max() > num_pad:
     raise ValueError(f'pad_to={num_pad} is smaller than the largest client '
                      f'({counts.max()} examples)')
   if example_shape is None:
-    example_shape = next(np.asarray(x).shape[1:] for x in xs if len(x))
+    shapes = [np.asarray(x).shape[1:] for x in xs if len(x)]
+    if not shapes:
+      raise ValueError(f'all {len(xs)} clients are empty: pass example_shape to stack them')
+    example_shape = shapes[0]
+  for k, x in enumerate(xs):
+    if len(x) and tuple(np.asarray(x).shape[1:]) != tuple(example_shape):
+      raise ValueError(f'client {k}: examples of shape {tuple(np.asarray(x).shape[1:])}, '
+                       f'the others {tuple(example_shape)}')
   x_out = np.zeros((len(xs), num_pad) + tuple(example_shape), np.float32)
   y_out = np.zeros((len(xs), num_pad), np.int32)
   mask = np.zeros((len(xs), num_pad), bool)
@@ -83,17 +91,36 @@ def stack_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray],
   return FederatedData(x_out, y_out, mask, counts)
 
 
+def check_integer_labels(y: np.ndarray, where: str) -> None:
+  """Labels must be whole numbers (a float array of 0., 1., … is accepted)."""
+  if y.size and not np.issubdtype(y.dtype, np.integer):
+    if not np.issubdtype(y.dtype, np.number):
+      raise ValueError(f'{where}: labels of dtype {y.dtype}, need integers')
+    fractional = ~np.isfinite(y) | (np.floor(y) != y)
+    if fractional.any():
+      raise ValueError(f'{where}: label {y[fractional][0]} is not an integer class index')
+
+
 def validate(data: FederatedData, num_classes: int, split: str = '') -> None:
   """Raises ValueError naming the client on malformed data.
 
-  Checks shapes, mask/num_examples consistency, finiteness of inputs and labels in
+  Checks shapes (x [K, N, ...], y and mask [K, N], num_examples [K]),
+  mask/num_examples consistency, finiteness of inputs, and integer labels in
   [0, num_classes) for every real (unmasked) example.
   """
   where = f' in split {split!r}' if split else ''
+  if np.ndim(data.y) != 2:
+    raise ValueError(f'labels{where} must be [clients, examples], got shape {np.shape(data.y)}')
   num_clients, num_pad = data.y.shape
   if data.x.shape[:2] != (num_clients, num_pad) or data.mask.shape != (num_clients, num_pad):
     raise ValueError(f'inconsistent shapes{where}: x {data.x.shape}, y {data.y.shape}, '
                      f'mask {data.mask.shape}')
+  if np.shape(data.num_examples) != (num_clients,):
+    raise ValueError(f'num_examples{where} has shape {np.shape(data.num_examples)}, '
+                     f'need one count per client ({num_clients},)')
+  for k in ([] if np.issubdtype(np.asarray(data.y).dtype, np.integer) else range(num_clients)):
+    check_integer_labels(np.asarray(data.y[k])[np.asarray(data.mask[k])],
+                         f'client {k}{where}')
   counts = data.mask.sum(1)
   bad = np.nonzero(counts != data.num_examples)[0]
   if bad.size:

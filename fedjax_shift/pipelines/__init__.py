@@ -11,13 +11,18 @@ import ml_collections
 from fedjax_shift.pipelines import federated, test_time  # noqa: F401
 from fedjax_shift.pipelines.base import (PIPELINES, Results, format_results,  # noqa: F401
                                          prologue, validate, write_results)
+from fedjax_shift.pipelines.workdir import (RunMismatchError, WorkdirBusyError,  # noqa: F401
+                                            WorkdirLock)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
-  """Validates ``config``, writes the prologue, runs ``config.pipeline`` and writes
-  results.md; returns its ``Results``."""
+  """Validates ``config``, locks ``workdir`` (one writer), checks its runs' fingerprints,
+  writes the prologue, runs ``config.pipeline`` and writes results.md; returns its
+  ``Results``."""
   pipeline = PIPELINES.get(config.pipeline, 'config.pipeline')
-  prologue(config, workdir)
-  results = pipeline(config, workdir)
-  write_results(workdir, results)
+  validate(config, workdir)
+  with WorkdirLock(workdir):
+    prologue(config, workdir)
+    results = pipeline(config, workdir)
+    write_results(workdir, results)
   return results

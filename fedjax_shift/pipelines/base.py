@@ -9,9 +9,12 @@ writes the prologue, runs it and writes ``results.md``.
 """
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import platform
+import time
 from typing import Any, Dict, NamedTuple, Tuple
 
 import jax
@@ -22,12 +25,17 @@ from fedjax_shift.algorithms import ALGORITHMS, base
 from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.core.round import BACKENDS, SAMPLING, WEIGHTING
 from fedjax_shift.core.test_time import ADAPTERS, MODES
+from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.registry import Registry, require
 
 log = logging.getLogger('fedjax_shift')
 
-# name -> run(config, workdir) -> Results; meta 'check': (config) -> None.
+# name -> run(config, workdir) -> Results; ``check(config)`` validates what it reads;
+# meta ``run_dirs(config, workdir)`` -> [(run_dir, run_config, own section)] names the
+# run directories it will train, so their fingerprints are checked before anything.
 PIPELINES: Registry = Registry('pipeline')
+# Float fields where infinity is a meaningful value (Dirichlet α = ∞: IID).
+INFINITE_ALLOWED = ('data.dirichlet_alpha',)
 
 
 class Results(NamedTuple):
@@ -84,11 +92,35 @@ def check_sections(config: ml_collections.ConfigDict) -> None:
     ADAPTERS.check(name, config.adapters[name], f'config.adapters.{name}', run_check=False)
 
 
+def check_finite(config: ml_collections.ConfigDict, prefix: str = '') -> None:
+  """Every float field is finite (NaN / inf only where ``INFINITE_ALLOWED``)."""
+  for key, value in config.items():
+    path = f'{prefix}{key}'
+    if isinstance(value, ml_collections.ConfigDict):
+      check_finite(value, path + '.')
+    elif isinstance(value, float) and not math.isfinite(value):
+      require(path in INFINITE_ALLOWED and value == float('inf'), path,
+              f'must be a finite number, got {value}')
+
+
 def check_run(config: ml_collections.ConfigDict) -> None:
   """The fields every federated run reads: methods and their sections, model,
-  benchmark (its own ``config.data`` check), rounds, cohort, engine, evaluation."""
+  benchmark (its own ``config.data`` check), rounds, cohort, engine, evaluation,
+  checkpoints and resuming."""
   names = algorithm_names(config)
   require(len(names) > 0, 'algorithms', 'name at least one algorithm')
+  require(len(set(names)) == len(names), 'algorithms',
+          f'names a method twice ({list(names)}): each (method, seed) is one run')
+  seeds = tuple(config.seeds)
+  require(len(set(seeds)) == len(seeds), 'seeds',
+          f'names a seed twice ({list(seeds)}): each (method, seed) is one run')
+  check_finite(config)
+  require(config.keep_checkpoints >= 1, 'keep_checkpoints',
+          f'must be >= 1 (the final checkpoint is what a re-run resumes from), got '
+          f'{config.keep_checkpoints}')
+  require(config.resume in workdir_lib.RESUME_CHOICES, 'resume',
+          f'unknown {config.resume!r}; choose from {list(workdir_lib.RESUME_CHOICES)} '
+          f"('extend': continue finished runs to a larger config.rounds)")
   check_sections(config)
   for name in names:
     ALGORITHMS.get(name, 'config.algorithms')
@@ -157,6 +189,27 @@ def check_workdir(workdir: str) -> None:
     raise ValueError(f'workdir {workdir!r} is not writable: {err}') from err
 
 
+def method_sections() -> set:
+  """Top-level config sections that belong to one method or pipeline stage."""
+  return set(ALGORITHMS.names()) | {section for name in PIPELINES.names()
+                                    for section in PIPELINES.defaults(name)}
+
+
+def run_fields(config: ml_collections.ConfigDict, section: str) -> dict:
+  """The fingerprinted fields of a run trained by ``section``'s method."""
+  return workdir_lib.state_fields(config, method_sections(), (section,))
+
+
+def preflight(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Checks every run directory the pipeline will train against its ``run.json``
+  and kept checkpoints before anything is written (read-only)."""
+  for run_dir, run_config, section in PIPELINES.meta(config.pipeline)['run_dirs'](
+      config, workdir):
+    workdir_lib.check_run_dir(run_dir, run_fields(run_config, section), run_config.rounds,
+                              config.resume)
+    workdir_lib.check_rounds(run_dir, run_config.rounds)
+
+
 def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> None:
   """The selected pipeline's checks, before any data is built or function compiled."""
   PIPELINES.get(config.pipeline, 'config.pipeline')
@@ -166,10 +219,16 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
 
 
 def prologue(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, object]:
-  """Validates, writes ``config.json`` and logs the devices; returns the hardware."""
-  validate(config, workdir)
+  """With the workdir validated and locked: checks its runs (``preflight``), writes
+  ``config.json``, appends the invocation to ``config_history.jsonl`` and logs the
+  devices; returns the hardware."""
+  preflight(config, workdir)
   with open(os.path.join(workdir, 'config.json'), 'w') as f:
     f.write(config.to_json_best_effort(indent=1))
+  with open(os.path.join(workdir, 'config_history.jsonl'), 'a') as f:
+    f.write(json.dumps({'time': time.strftime('%Y-%m-%dT%H:%M:%S'), 'pid': os.getpid(),
+                        'host': platform.node(),
+                        'config': json.loads(config.to_json_best_effort())}) + '\n')
   info = hardware()
   log.info('pipeline %s; devices: %s (%s), jax %s, device memory %s GB', config.pipeline,
            info['devices'], info['backend'], info['jax'], info.get('device_memory_gb', 'n/a'))

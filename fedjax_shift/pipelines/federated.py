@@ -33,8 +33,9 @@ from fedjax_shift.core.round import (NO_STEP_LIMIT, HostStore, RoundConfig, buil
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
 from fedjax_shift.metrics import MetricsWriter
+from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.base import (PIPELINES, Results, algorithm_names, check_run,
-                                         eval_adapter_specs, hardware)
+                                         eval_adapter_specs, hardware, run_fields)
 
 log = logging.getLogger('fedjax_shift')
 
@@ -45,9 +46,23 @@ class DivergenceError(FloatingPointError):
 
 def build_data(config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   bench = BENCHMARKS.get(config.data.benchmark, 'config.data.benchmark')(config.data, seed)
+  validate_benchmark(bench)
+  return bench
+
+
+def validate_benchmark(bench: Benchmark) -> None:
+  """Every split well formed (``data.federated.validate``) and a 'train' split with
+  at least one example; errors name the split and client."""
+  if 'train' not in bench.splits:
+    raise ValueError(f'the benchmark has no train split (splits: {sorted(bench.splits)})')
   for name, split in bench.splits.items():
     federated.validate(split, bench.num_classes, name)
-  return bench
+    if split.num_clients != bench.splits['train'].num_clients:
+      raise ValueError(f'split {name!r} has {split.num_clients} clients, the train split '
+                       f'{bench.splits["train"].num_clients}')
+  if int(np.sum(bench.splits['train'].num_examples)) == 0:
+    raise ValueError('the train split holds no examples at any client (e.g. '
+                     'config.data.split_fractions.train=0): nothing would be trained')
 
 
 def _round_config(config) -> RoundConfig:
@@ -94,13 +109,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   checkpoint); returns {'algorithm', 'seed', 'metrics', 'rounds', 'train_seconds',
   'server_state'} ('server_state' is not written to results.json).
 
-  ``bench`` (default: built from ``config.data``) and ``algorithm`` (default: the
-  registered ``algorithm_name`` with its section ``config.<algorithm_name>``) let pipelines train on data or with methods of
-  their own (ATP's α training); ``log_state(server_state)`` adds fields to every
+  ``bench`` (default: built from ``config.data``; validated either way) and
+  ``algorithm`` (default: the registered ``algorithm_name`` with its section
+  ``config.<algorithm_name>``) let pipelines train on data or with methods of their
+  own (ATP's α training); ``log_state(server_state)`` adds fields to every
   metrics.jsonl record (ATP: α per module).
+
+  ``workdir/run.json`` records the config fields that determine the trained state; a
+  re-run whose fields differ, or that raises ``rounds`` without
+  ``config.resume='extend'``, is refused before anything is touched (pipelines/workdir.py).
   """
+  fields = run_fields(config, algorithm_name)
+  workdir_lib.check_run_dir(workdir, fields, config.rounds, config.resume)
+  workdir_lib.check_rounds(workdir, config.rounds)
   os.makedirs(workdir, exist_ok=True)
-  bench = bench if bench is not None else build_data(config, seed)
+  if bench is None:
+    bench = build_data(config, seed)
+  else:
+    validate_benchmark(bench)
   train = bench.splits['train']
   eval_splits = {name: s for name, s in bench.splits.items() if name != 'train'}
   if config.sampling == 'num_examples' and (train.num_examples > 0).sum() < config.cohort_size:
@@ -130,12 +156,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'), config.checkpoint_every,
                               config.keep_checkpoints)
   start_round, (server_state, client_states, elapsed) = checkpointer.restore(
-      (server_state, client_states, jnp.float32(0.0)))
+      (server_state, client_states, jnp.float32(0.0)), max_round=config.rounds)
   start_round = start_round or 0
   elapsed = float(elapsed)
   if start_round:
     log.info('resumed from round %d in %s', start_round, workdir)
-  writer = MetricsWriter(workdir, start_round)
+  workdir_lib.record_run(workdir, fields, config.rounds)
+  writer = MetricsWriter(workdir, start_round) if start_round < config.rounds else None
 
   round_config = _round_config(config)
   mesh = client_mesh(config.engine.num_devices) if config.engine.num_devices else None
@@ -186,8 +213,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
       if not np.isfinite(loss):
         raise DivergenceError(
             f'{algorithm_name} seed {seed}: non-finite training loss ({loss}) in round '
-            f'{round_index + 1}; the last good checkpoint (round '
-            f'{checkpointer.latest_round()}) is kept in {workdir}')
+            f'{round_index + 1}; '
+            + (f'the last good checkpoint (round {checkpointer.latest_round()}) is kept in '
+               f'{workdir}' if checkpointer.latest_round() is not None else
+               'no checkpoint was saved before it'))
       server_state, client_states = out.server_state, out.client_states
       elapsed += seconds
       completed = round_index + 1
@@ -227,7 +256,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   return {**result, 'server_state': server_state}
 
 
-@PIPELINES.register('federated', check=check_run)
+def run_dirs(config: ml_collections.ConfigDict, workdir: str):
+  """[(run_dir, run config, own section)]: one run per method × seed."""
+  return [(os.path.join(workdir, name, f'seed_{seed}'), config, name)
+          for name in algorithm_names(config) for seed in config.seeds]
+
+
+@PIPELINES.register('federated', check=check_run, run_dirs=run_dirs)
 def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   """Every method × seed of ``config`` (validated by ``pipelines.run``); writes
   results.csv and curves.png. ``records``: 'results' (one dict per run), 'table'

@@ -112,6 +112,27 @@ def validate(config: ml_collections.ConfigDict) -> None:
           f'must be in [1, data.num_clients={config.data.num_clients}], got {atp.cohort_size}')
 
 
+def for_shift(config: ml_collections.ConfigDict, shift: str) -> ml_collections.ConfigDict:
+  """The config of one shift's runs (``data.shift`` set)."""
+  out = ml_collections.ConfigDict(config.to_dict())
+  out.data.shift = shift
+  return out
+
+
+def run_dirs(config: ml_collections.ConfigDict, workdir: str):
+  """[(run_dir, run config, own section)]: per shift and seed, the pretraining run
+  (the pretraining method's section) and the α run (``config.atp``)."""
+  out = []
+  for shift in config.tta.shifts:
+    shift_config = for_shift(config, shift)
+    for seed in config.seeds:
+      run_dir = os.path.join(workdir, shift, f'seed_{seed}')
+      out.append((os.path.join(run_dir, 'pretrain'), shift_config,
+                  algorithm_names(config)[0]))
+      out.append((os.path.join(run_dir, 'alpha'), alpha_config(shift_config), 'atp'))
+  return out
+
+
 def alpha_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The federated-run config of α training: ATP's rounds, cohort, batch and an
   unweighted server mean (Algorithm 1, line 6)."""
@@ -219,8 +240,7 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
   """Pretraining → α → test time for one (shift, seed). Returns (rows, α, adapter
   inputs, data, α module names); ``evaluators_for(module, num_classes)`` gives the
   run's shared ``Evaluators``."""
-  shift_config = ml_collections.ConfigDict(config.to_dict())
-  shift_config.data.shift = shift
+  shift_config = for_shift(config, shift)
   data = atp_protocol(shift_config.data, seed)
   for name, split in data.source.splits.items():
     federated.validate(split, data.source.num_classes, name)
@@ -259,7 +279,7 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
   return rows, alpha, inputs, data, names
 
 
-@PIPELINES.register('test_time', defaults=SECTIONS, check=validate)
+@PIPELINES.register('test_time', defaults=SECTIONS, check=validate, run_dirs=run_dirs)
 def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   """Every shift × seed (validated by ``pipelines.run``); writes results.json and
   alpha.png. ``records``: 'table1', 'table3', 'markdown'."""

@@ -1,0 +1,227 @@
+"""A workdir holds one experiment's runs, and a re-run must never report a result
+of a different configuration: one writer at a time (``WorkdirLock``), and each run
+directory's fingerprint (``run.json``: the config fields that determine its trained
+state) checked before it resumes.
+
+``run.json``::
+
+    {"fields": {"client.learning_rate": "0.05", ...},   # what determines the state
+     "fingerprint": "<sha256 of fields>",
+     "rounds": 30,                                       # the run's target
+     "history": [{"time": ..., "rounds": 30, "event": "created"}, ...]}
+
+Fields that only change outputs or speed (progress, evaluation cadence, checkpoint
+cadence, the engine, test-time adapters) are left out; so are other methods'
+sections. ``rounds`` is checked on its own: raising it continues a finished run only
+with ``config.resume='extend'`` (recorded in the history); lowering it evaluates the
+kept checkpoint of that round, or refuses.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from typing import Dict, Iterable, Optional, Tuple
+
+import ml_collections
+
+log = logging.getLogger('fedjax_shift')
+
+RESUME_CHOICES = ('', 'extend')
+# Top-level fields (and dotted paths) that do not change a run's trained state.
+NON_STATE_FIELDS = ('progress', 'eval_every', 'checkpoint_every', 'keep_checkpoints', 'seeds',
+                    'algorithms', 'rounds', 'resume', 'eval_adapters', 'eval_adapter_algorithms',
+                    'eval_adapter_batch_size', 'paper_tables', 'engine', 'adapters', 'tta',
+                    'pipeline', 'data.store')
+
+
+class RunMismatchError(ValueError):
+  """The workdir holds a run of another configuration."""
+
+
+class WorkdirBusyError(RuntimeError):
+  """Another live process holds the workdir."""
+
+
+def _flatten(tree, prefix: str = '') -> Dict[str, object]:
+  out = {}
+  for key, value in tree.items():
+    path = f'{prefix}{key}'
+    if isinstance(value, dict):
+      out.update(_flatten(value, path + '.'))
+    else:
+      out[path] = value
+  return out
+
+
+def state_fields(config: ml_collections.ConfigDict, method_sections: Iterable[str],
+                 own_sections: Iterable[str] = ()) -> Dict[str, str]:
+  """{dotted field: JSON value} of the fields that determine a run's trained state:
+  all of ``config`` but ``NON_STATE_FIELDS`` and the ``method_sections`` (every
+  method's ``config.<name>``) other than ``own_sections``."""
+  skip = set(method_sections) - set(own_sections)
+  out = {}
+  for path, value in _flatten(config.to_dict()).items():
+    top = path.split('.')[0]
+    if top in skip or any(path == f or path.startswith(f + '.') for f in NON_STATE_FIELDS):
+      continue
+    out[path] = json.dumps(value, sort_keys=True, default=repr)
+  return out
+
+
+def fingerprint(fields: Dict[str, str]) -> str:
+  return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def _read_json(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as err:
+    raise ValueError(f'{path} is not valid JSON ({err}); it records which configuration '
+                     f'this run belongs to: restore it or use a new --workdir') from None
+
+
+def check_run_dir(run_dir: str, fields: Dict[str, str], rounds: int, resume: str) -> None:
+  """Raises RunMismatchError when ``run_dir`` holds a run whose state fields differ
+  from ``fields``, or whose round target is below ``rounds`` without
+  ``resume='extend'``. Reads only."""
+  path = os.path.join(run_dir, 'run.json')
+  if not os.path.exists(path):
+    return
+  recorded = _read_json(path)
+  old = recorded['fields']
+  changed = [f'{k}: {old.get(k, "(absent)")} → {fields.get(k, "(absent)")}'
+             for k in sorted(set(old) | set(fields)) if old.get(k) != fields.get(k)]
+  if changed:
+    raise RunMismatchError(
+        f'{run_dir} holds a run of another configuration; changed fields:\n  ' +
+        '\n  '.join(changed) + '\nUse a new --workdir for the new configuration (or delete '
+        f'{run_dir} to retrain it).')
+  if rounds > recorded['rounds'] and resume != 'extend':
+    raise RunMismatchError(
+        f'{run_dir} was trained for rounds={recorded["rounds"]}; config.rounds={rounds} would '
+        f'continue it. Pass --config.resume=extend to extend it (recorded in run.json), or use '
+        f'a new --workdir.')
+
+
+def record_run(run_dir: str, fields: Dict[str, str], rounds: int) -> None:
+  """Writes (or updates) ``run.json`` after ``check_run_dir`` passed."""
+  path = os.path.join(run_dir, 'run.json')
+  now = time.strftime('%Y-%m-%dT%H:%M:%S')
+  if os.path.exists(path):
+    recorded = _read_json(path)
+    if rounds > recorded['rounds']:
+      recorded['history'].append({'time': now, 'rounds': rounds, 'event': 'extended',
+                                  'from_rounds': recorded['rounds']})
+      recorded['rounds'] = rounds
+    else:
+      return
+  else:
+    recorded = {'fields': fields, 'fingerprint': fingerprint(fields), 'rounds': rounds,
+                'history': [{'time': now, 'rounds': rounds, 'event': 'created'}]}
+  os.makedirs(run_dir, exist_ok=True)
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    json.dump(recorded, f, indent=1)
+  os.replace(tmp, path)
+
+
+def checkpoint_rounds(run_dir: str) -> Tuple[int, ...]:
+  """The rounds of the checkpoints kept in ``<run_dir>/checkpoints`` (read-only)."""
+  directory = os.path.join(run_dir, 'checkpoints')
+  if not os.path.isdir(directory):
+    return ()
+  return tuple(sorted(int(name) for name in os.listdir(directory) if name.isdigit()))
+
+
+def check_rounds(run_dir: str, rounds: int) -> None:
+  """A run holding checkpoints past ``rounds`` can report round ``rounds`` only from
+  its checkpoint of that round; raises RunMismatchError when it was not kept."""
+  kept = checkpoint_rounds(run_dir)
+  if kept and kept[-1] > rounds and rounds not in kept:
+    raise RunMismatchError(
+        f'{run_dir} has trained past config.rounds={rounds} and kept checkpoints of rounds '
+        f'{list(kept)} only: set rounds to one of those (its checkpoint is evaluated), or use '
+        f'a new --workdir to train {rounds} rounds.')
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+class WorkdirLock:
+  """``<workdir>/.lock`` holding host, pid and start time, created exclusively.
+
+  A lock left by a dead process on this host is taken over with a warning; a live
+  one (or one from another host, whose process cannot be checked) is an error that
+  names its holder. Use as a context manager.
+  """
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(workdir, '.lock')
+    self.held = False
+
+  def _holder(self) -> Optional[dict]:
+    try:
+      with open(self.path) as f:
+        return json.load(f)
+    except (OSError, json.JSONDecodeError):
+      return None
+
+  def acquire(self) -> 'WorkdirLock':
+    mine = {'host': socket.gethostname(), 'pid': os.getpid(),
+            'started': time.strftime('%Y-%m-%dT%H:%M:%S')}
+    for _ in range(2):
+      try:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+      except FileExistsError:
+        holder = self._holder()
+        if holder is None:
+          log.warning('%s is unreadable (a run killed while taking it?); taking it over',
+                      self.path)
+        elif holder.get('host') != mine['host']:
+          raise WorkdirBusyError(
+              f'{os.path.dirname(self.path)} is in use by pid {holder.get("pid")} on host '
+              f'{holder.get("host")} since {holder.get("started")}; if that run is dead, '
+              f'delete {self.path}') from None
+        elif _alive(int(holder.get('pid', -1))):
+          raise WorkdirBusyError(
+              f'{os.path.dirname(self.path)} is in use by a live run: pid {holder["pid"]} on '
+              f'this host since {holder.get("started")}; wait for it or use another '
+              f'--workdir') from None
+        else:
+          log.warning('taking over the lock of a dead run (pid %s, started %s) in %s',
+                      holder.get('pid'), holder.get('started'), os.path.dirname(self.path))
+        try:
+          os.remove(self.path)
+        except FileNotFoundError:
+          pass
+        continue
+      with os.fdopen(fd, 'w') as f:
+        json.dump(mine, f)
+      self.held = True
+      return self
+    raise WorkdirBusyError(f'could not take {self.path}: another run took it meanwhile')
+
+  def release(self) -> None:
+    if self.held:
+      holder = self._holder()
+      if holder is not None and holder.get('pid') == os.getpid():
+        os.remove(self.path)
+      self.held = False
+
+  def __enter__(self) -> 'WorkdirLock':
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()
