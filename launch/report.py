@@ -31,6 +31,16 @@ _LABELS = flags.DEFINE_list('labels', [], 'Column labels, one per workdir (evolv
 flags.mark_flags_as_required(['workdirs'])
 
 
+def read_json(path: str):
+  """A results/config file; an unreadable one is an error naming it."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as err:
+    raise ValueError(f'{path} is not valid JSON ({err}): was its run interrupted while '
+                     f'writing it? Re-run that workdir to rewrite it') from None
+
+
 def load(workdirs):
   """(table1, table3, labels, shifts, seeds) merged over the workdirs' results.json."""
   table1, table3, labels, shifts, seeds = {}, {}, {}, [], []
@@ -38,10 +48,8 @@ def load(workdirs):
     path = os.path.join(workdir, 'results.json')
     if not os.path.exists(path):
       raise FileNotFoundError(f'{path} not found: is {workdir!r} a finished test-time run?')
-    with open(path) as f:
-      results = json.load(f)
-    with open(os.path.join(workdir, 'config.json')) as f:
-      config = json.load(f)
+    results = read_json(path)
+    config = read_json(os.path.join(workdir, 'config.json'))
     labels.update(config['tta']['label'])
     for key, columns in results['table1'].items():
       for shift, per_seed in columns.items():
@@ -71,23 +79,32 @@ def load_evolving(workdirs, labels):
       raise FileNotFoundError(f'no <method>/seed_<s>/results.json under {workdir!r}')
     runs = []
     for path in paths:
-      with open(path) as f:
-        runs.append(json.load(f))
+      runs.append(read_json(path))
     out[label] = runs
   return out
 
 
 def main(argv):
   del argv
-  if _KIND.value in ('evolving', 'straggler'):
-    text = report.evolving_table(load_evolving(_WORKDIRS.value, _LABELS.value),
-                                 server=_KIND.value == 'evolving')
-  else:
-    text = report.tta_tables(*load(_WORKDIRS.value))
+  workdirs = [w for w in _WORKDIRS.value if w.strip()]
+  if not workdirs:
+    sys.exit('launch/report.py: no workdirs given (--workdirs=DIR1,DIR2,...)')
+  try:
+    text = build(workdirs)
+  except (ValueError, FileNotFoundError) as err:
+    sys.exit(f'launch/report.py: {err}')
   print(text)
   if _OUT.value:
     with open(_OUT.value, 'w') as f:
       f.write(text + '\n')
+
+
+def build(workdirs) -> str:
+  """The markdown of ``--kind`` over ``workdirs``."""
+  if _KIND.value in ('evolving', 'straggler'):
+    return report.evolving_table(load_evolving(workdirs, _LABELS.value),
+                                 server=_KIND.value == 'evolving')
+  return report.tta_tables(*load(workdirs))
 
 
 if __name__ == '__main__':

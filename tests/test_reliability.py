@@ -1,0 +1,325 @@
+"""Runs that never report a wrong result: resuming checks the config, one writer per
+workdir, damaged checkpoints fall back, metrics history is never dropped silently,
+and bad data or hyperparameters are errors naming the field, client or file."""
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from fedjax_shift import pipelines
+from fedjax_shift import config as config_lib
+from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.checkpoint import CheckpointMismatchError, Checkpointer
+from fedjax_shift.data.federated import FederatedData, stack_clients, validate
+from fedjax_shift.metrics import MetricsWriter, read_metrics
+from fedjax_shift.pipelines.federated import train_and_evaluate
+from fedjax_shift.pipelines.workdir import RunMismatchError, WorkdirBusyError, WorkdirLock
+from helpers import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = os.path.join('fedavg', 'seed_0')
+
+
+def quick(**overrides):
+  """A 4-round tiny run checkpointed every round, keeping 2."""
+  return tiny_config(**{'rounds': 4, 'checkpoint_every': 1, 'eval_every': 2, **overrides})
+
+
+def files_of(workdir):
+  """{relative path: bytes} of every file under ``workdir``."""
+  out = {}
+  for directory, _, files in os.walk(workdir):
+    for name in files:
+      path = os.path.join(directory, name)
+      with open(path, 'rb') as f:
+        out[os.path.relpath(path, workdir)] = f.read()
+  return out
+
+
+def metrics_of(workdir):
+  return [{k: v for k, v in r.items() if k != 'round_seconds'}
+          for r in read_metrics(os.path.join(workdir, RUN, 'metrics.jsonl'))]
+
+
+def test_resume_with_another_config_is_refused_and_touches_nothing(tmp_path):
+  pipelines.run(quick(), str(tmp_path))
+  before = files_of(tmp_path)
+  with pytest.raises(RunMismatchError, match=r'client.learning_rate: 0.05 → 0.5'):
+    pipelines.run(quick(**{'client.learning_rate': 0.5, 'rounds': 8}), str(tmp_path))
+  with pytest.raises(RunMismatchError, match=r'model.hidden: \[32\] → \[64\]'):
+    pipelines.run(quick(**{'model.hidden': (64,)}), str(tmp_path))
+  assert files_of(tmp_path) == before  # config.json included: it still names the old run
+
+
+def test_raising_rounds_needs_resume_extend_and_matches_a_fresh_run(tmp_path):
+  pipelines.run(quick(), str(tmp_path / 'run'))
+  with pytest.raises(RunMismatchError, match='--config.resume=extend'):
+    pipelines.run(quick(rounds=6), str(tmp_path / 'run'))
+  extended = pipelines.run(quick(rounds=6, resume='extend'), str(tmp_path / 'run'))
+  fresh = pipelines.run(quick(rounds=6), str(tmp_path / 'fresh'))
+  assert metrics_of(tmp_path / 'run') == metrics_of(tmp_path / 'fresh')
+  assert extended.records['results'][0]['metrics'] == fresh.records['results'][0]['metrics']
+  history = json.load(open(tmp_path / 'run' / RUN / 'run.json'))['history']
+  assert [h['event'] for h in history] == ['created', 'extended']
+
+
+def test_lowering_rounds_evaluates_that_checkpoint_or_refuses(tmp_path):
+  pipelines.run(quick(), str(tmp_path / 'run'))  # keeps the checkpoints of rounds 3 and 4
+  metrics_before = metrics_of(tmp_path / 'run')
+  three = pipelines.run(quick(rounds=3), str(tmp_path / 'run'))
+  fresh = pipelines.run(quick(rounds=3), str(tmp_path / 'fresh'))
+  assert three.records['results'][0]['rounds'] == 3
+  assert three.records['results'][0]['metrics'] == fresh.records['results'][0]['metrics']
+  assert metrics_of(tmp_path / 'run') == metrics_before  # nothing dropped
+  with pytest.raises(RunMismatchError, match=r'kept checkpoints of rounds \[3, 4\]'):
+    pipelines.run(quick(rounds=2), str(tmp_path / 'run'))
+
+
+def test_checkpoint_of_other_shapes_is_an_error_naming_them(tmp_path):
+  checkpointer = Checkpointer(str(tmp_path), 1, 2)
+  checkpointer.save(1, {'w': np.zeros((32, 3))}, force=True)
+  with pytest.raises(CheckpointMismatchError, match=r'shape \(32, 3\) where this run.s '
+                                                    r'state has \(64, 3\)'):
+    checkpointer.restore({'w': np.zeros((64, 3))})
+  checkpointer.close()
+
+
+@pytest.mark.parametrize('field, value, pattern', [
+    ('seeds', (0, 0), r'config.seeds: names a seed twice'),
+    ('algorithms', ('fedavg', 'fedavg'), r'config.algorithms: names a method twice'),
+    ('keep_checkpoints', 0, r'config.keep_checkpoints: must be >= 1'),
+    ('keep_checkpoints', -1, r'config.keep_checkpoints: must be >= 1'),
+    ('client.learning_rate', float('inf'), r'config.client.learning_rate: must be a finite'),
+    ('client.momentum', float('nan'), r'config.client.momentum: must be a finite'),
+    ('fedprox.mu', float('inf'), r'config.fedprox.mu: must be a finite'),
+    ('resume', 'always', r"config.resume: unknown 'always'"),
+])
+def test_bad_run_fields_are_errors_before_any_work(field, value, pattern, tmp_path):
+  with pytest.raises(ValueError, match=pattern):
+    pipelines.run(tiny_config(**{field: value}), str(tmp_path))
+  assert not os.path.exists(tmp_path / 'config.json')
+
+
+def test_infinite_dirichlet_alpha_stays_allowed():
+  config_lib.validate(tiny_config(**{'data.dirichlet_alpha': float('inf')}))
+
+
+def test_empty_training_split_is_an_error(tmp_path):
+  config = tiny_config(**{'data.split_fractions': ml_collections.ConfigDict(
+      {'train': 0.0, 'val': 0.5, 'test': 0.5})})
+  with pytest.raises(ValueError, match='train split holds no examples'):
+    pipelines.run(config, str(tmp_path))
+
+
+def test_a_given_benchmark_is_validated(tmp_path):
+  config = tiny_config()
+  bench = BENCHMARKS.get('label_skew_corrupted')(config.data, 0)
+  train = bench.splits['train']
+  doubled = bench._replace(splits={**bench.splits, 'train': train._replace(
+      num_examples=train.num_examples * 2)})
+  with pytest.raises(ValueError, match=r"client 0 in split 'train': num_examples="):
+    train_and_evaluate(config, str(tmp_path / 'a'), 'fedavg', 0, bench=doubled)
+  y = np.array(train.y)
+  y[1, 0] = 12
+  bad_labels = bench._replace(splits={**bench.splits, 'train': train._replace(y=y)})
+  with pytest.raises(ValueError, match=r"client 1 in split 'train': label 12 outside"):
+    train_and_evaluate(config, str(tmp_path / 'b'), 'fedavg', 0, bench=bad_labels)
+
+
+def test_federated_data_edge_cases_name_the_client():
+  with pytest.raises(ValueError, match='all 2 clients are empty'):
+    stack_clients([np.zeros((0, 4)), np.zeros((0, 4))], [np.zeros(0, int), np.zeros(0, int)])
+  with pytest.raises(ValueError, match=r'client 1: examples of shape \(5,\), the others \(4,\)'):
+    stack_clients([np.zeros((2, 4)), np.zeros((2, 5))], [np.zeros(2, int), np.zeros(2, int)])
+  with pytest.raises(ValueError, match='client 0: label 1.5 is not an integer'):
+    stack_clients([np.zeros((2, 4))], [np.array([0.0, 1.5])])
+  data = stack_clients([np.zeros((2, 4)), np.zeros((3, 4))], [np.zeros(2, int), np.ones(3, int)])
+  with pytest.raises(ValueError, match=r'num_examples has shape \(3,\), need one count per '
+                                       r'client \(2,\)'):
+    validate(data._replace(num_examples=np.array([2, 3, 0])), 2)
+  with pytest.raises(ValueError, match=r'client 1: label 0.5 is not an integer'):
+    validate(data._replace(y=np.where(data.mask, 0.5, 0.0) * np.array([[0], [1]])), 2)
+  validate(data._replace(y=data.y.astype(np.float32)), 2)  # whole-number floats are labels
+
+
+def test_a_live_lock_stops_a_second_run_before_it_writes(tmp_path):
+  sleeper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+  try:
+    with open(tmp_path / '.lock', 'w') as f:
+      json.dump({'host': os.uname().nodename, 'pid': sleeper.pid, 'started': 'then'}, f)
+    with pytest.raises(WorkdirBusyError, match=f'in use by a live run: pid {sleeper.pid}'):
+      pipelines.run(tiny_config(), str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ['.lock']
+  finally:
+    sleeper.kill()
+    sleeper.wait()
+
+
+def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog):
+  dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+  dead.wait()
+  with open(tmp_path / '.lock', 'w') as f:
+    json.dump({'host': os.uname().nodename, 'pid': dead.pid, 'started': 'then'}, f)
+  with caplog.at_level(logging.WARNING, logger='fedjax_shift'):
+    pipelines.run(tiny_config(), str(tmp_path))
+  assert f'taking over the lock of a dead run (pid {dead.pid}' in caplog.text
+  assert not os.path.exists(tmp_path / '.lock')  # released at the end
+
+
+def test_lock_held_on_another_host_names_it(tmp_path):
+  with open(tmp_path / '.lock', 'w') as f:
+    json.dump({'host': 'elsewhere', 'pid': 1, 'started': 'then'}, f)
+  with pytest.raises(WorkdirBusyError, match='pid 1 on host elsewhere.*delete'):
+    WorkdirLock(str(tmp_path)).acquire()
+
+
+def test_malformed_metrics_line_is_an_error_and_a_cut_last_line_is_dropped(tmp_path, caplog):
+  pipelines.run(quick(), str(tmp_path))
+  path = tmp_path / RUN / 'metrics.jsonl'
+  lines = path.read_text().splitlines()
+  path.write_text('\n'.join(lines[:1] + ['{"round": 2, "lo'] + lines[2:]) + '\n')
+  damaged = path.read_text()
+  with pytest.raises(ValueError, match=r'metrics.jsonl, line 2: not a JSON record.*2 more'):
+    pipelines.run(quick(rounds=6, resume='extend'), str(tmp_path))
+  assert path.read_text() == damaged  # nothing deleted
+  path.write_text('\n'.join(lines) + '\n{"round": 5, "lo')  # a write cut by a kill
+  with caplog.at_level(logging.WARNING, logger='fedjax_shift'):
+    pipelines.run(quick(rounds=6, resume='extend'), str(tmp_path))
+  assert 'dropping its last line 5, cut short' in caplog.text
+  assert [r['round'] for r in read_metrics(str(path))] == [1, 2, 3, 4, 5, 6]
+
+
+def test_records_after_the_checkpoint_are_kept_aside_when_recomputed(tmp_path, caplog):
+  (tmp_path / 'metrics.jsonl').write_text(
+      ''.join(json.dumps({'round': r, 'loss': 1.0}) + '\n' for r in range(1, 6)))
+  with caplog.at_level(logging.WARNING, logger='fedjax_shift'):
+    MetricsWriter(str(tmp_path), 3)
+  assert 'records of rounds 4–5 come after the checkpoint of round 3' in caplog.text
+  assert [r['round'] for r in read_metrics(str(tmp_path / 'metrics.jsonl'))] == [1, 2, 3]
+  assert len(read_metrics(str(tmp_path / 'metrics.jsonl.before_resume_3'))) == 5
+
+
+def corrupt(step_dir, kind, rng):
+  """Damages one orbax checkpoint folder the way a crash or a bad disk would."""
+  default = os.path.join(step_dir, 'default')
+  if kind == 'delete_default':
+    shutil.rmtree(default)
+  elif kind == 'delete_manifest':
+    for directory, _, files in os.walk(default):
+      for name in files:
+        if name == 'manifest.ocdbt':
+          os.remove(os.path.join(directory, name))
+  elif kind == 'truncate_data':
+    for directory, _, files in os.walk(default):
+      if os.path.basename(directory) == 'd':
+        for name in files:
+          path = os.path.join(directory, name)
+          size = os.path.getsize(path)
+          with open(path, 'r+b') as f:
+            f.truncate(int(rng.integers(0, max(size // 2, 1))))
+  else:
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize('kind', ['delete_default', 'delete_manifest', 'truncate_data'])
+def test_damaged_newest_checkpoint_falls_back_and_reproduces_the_run(kind, tmp_path, caplog):
+  straight = pipelines.run(quick(rounds=6, keep_checkpoints=3), str(tmp_path / 'straight'))
+  pipelines.run(quick(rounds=4, keep_checkpoints=3), str(tmp_path / 'run'))
+  corrupt(str(tmp_path / 'run' / RUN / 'checkpoints' / '4'), kind, np.random.default_rng(0))
+  with caplog.at_level(logging.WARNING, logger='fedjax_shift'):
+    resumed = pipelines.run(quick(rounds=6, keep_checkpoints=3, resume='extend'),
+                            str(tmp_path / 'run'))
+  assert 'the checkpoint of round 4' in caplog.text and 'unreadable' in caplog.text
+  moved = os.listdir(tmp_path / 'run' / RUN / 'corrupt_checkpoints')
+  assert len(moved) == 1 and moved[0].startswith('4-')
+  assert metrics_of(tmp_path / 'run') == metrics_of(tmp_path / 'straight')
+  assert resumed.records['results'][0]['metrics'] == straight.records['results'][0]['metrics']
+
+
+def test_divergence_in_round_one_says_no_checkpoint_was_saved(tmp_path):
+  config = tiny_config(**{'client.learning_rate': 1e30})
+  with pytest.raises(FloatingPointError, match='in round 1; no checkpoint was saved before it'):
+    pipelines.run(config, str(tmp_path))
+
+
+def test_report_errors_name_the_file_and_exit_nonzero(tmp_path):
+  report = os.path.join(ROOT, 'launch', 'report.py')
+  empty = subprocess.run([sys.executable, report, '--workdirs='], capture_output=True,
+                         text=True, cwd=ROOT)
+  assert empty.returncode != 0 and 'no workdirs' in empty.stderr
+  (tmp_path / 'results.json').write_text('{"table1": {')
+  cut = subprocess.run([sys.executable, report, f'--workdirs={tmp_path}'], capture_output=True,
+                       text=True, cwd=ROOT)
+  assert cut.returncode != 0 and str(tmp_path / 'results.json') in cut.stderr
+
+
+# Fault injection: SIGKILL a run at a random round, damage its newest checkpoint in a
+# random way (or not), resume; the metrics must equal an uninterrupted run's.
+ROUNDS = 30
+
+
+def _launch(workdir, resume=''):
+  return [sys.executable, os.path.join(ROOT, 'launch', 'train.py'),
+          '--config=' + os.path.join(ROOT, 'configs', 'fedavg.py') + ':tiny',
+          f'--workdir={workdir}', f'--config.rounds={ROUNDS}', '--config.eval_every=3',
+          '--config.checkpoint_every=2', '--config.keep_checkpoints=3',
+          '--config.data.num_clients=10', '--config.cohort_size=4'] + (
+              [f'--config.resume={resume}'] if resume else [])
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('straight')
+  subprocess.run(_launch(workdir), check=True, capture_output=True, cwd=ROOT)
+  return metrics_of(workdir)
+
+
+def kill_corrupt_resume(workdir, trial: int):
+  """One trial; returns (kill round, corruption kind, resumed metrics)."""
+  rng = np.random.default_rng(trial)
+  kill_after = int(rng.integers(3, ROUNDS - 2))
+  kind = ['none', 'delete_default', 'delete_manifest', 'truncate_data'][trial % 4]
+  metrics_path = os.path.join(workdir, RUN, 'metrics.jsonl')
+  proc = subprocess.Popen(_launch(workdir), cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while time.time() < deadline:
+    try:
+      if len(read_metrics(metrics_path)) >= kill_after:
+        break
+    except ValueError:
+      pass
+    time.sleep(0.02 + 0.03 * random.Random(trial).random())
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  steps = sorted(int(p) for p in os.listdir(os.path.join(workdir, RUN, 'checkpoints'))
+                 if p.isdigit())
+  if kind != 'none' and steps:
+    corrupt(os.path.join(workdir, RUN, 'checkpoints', str(steps[-1])), kind, rng)
+  subprocess.run(_launch(workdir), check=True, capture_output=True, cwd=ROOT)
+  return kill_after, kind, metrics_of(workdir)
+
+
+@pytest.mark.parametrize('trial', [1, 2])
+def test_kill_corrupt_resume_matches_an_uninterrupted_run(trial, uninterrupted, tmp_path):
+  _, _, metrics = kill_corrupt_resume(str(tmp_path), trial)
+  assert [r['round'] for r in metrics] == list(range(1, ROUNDS + 1))
+  assert metrics == uninterrupted  # exact equality of every loss and accuracy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('trial', range(100, 120))
+def test_kill_corrupt_resume_twenty_trials(trial, uninterrupted, tmp_path):
+  kill_after, kind, metrics = kill_corrupt_resume(str(tmp_path), trial)
+  assert metrics == uninterrupted, f'trial {trial}: kill after {kill_after}, {kind}'
