@@ -55,6 +55,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.name = 'mlp'              # other fields are the model builder's keyword arguments
+  c.model.conv = 'auto'             # 'lax' | 'patches' | 'auto' (patches on GPU/TPU; models/)
 
   c.client = ml_collections.ConfigDict()
   c.client.optimizer = 'sgd'

@@ -1,4 +1,5 @@
 """Models: encoder/head split, ATP module counts, BatchNorm modes."""
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,3 +57,64 @@ def test_wide_resnet_16_4_parameter_count():
   module = models.MODELS.get('wide_resnet')(10)
   variables = models.init(module, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
   assert models.num_parameters(variables['params']) == 2_748_890
+
+
+def _loss(module, variables, x):
+  logits, _ = models.apply(module, variables, x, 'train')
+  return jnp.sum(jnp.sin(logits))  # a loss whose gradient touches every logit
+
+
+@pytest.mark.parametrize('name,shape', [
+    ('atp_cnn', (3, 32, 32, 3)),       # VALID 3×3, no bias
+    ('evolve_cnn', (3, 28, 28, 1)),    # SAME, stride 2, bias
+    ('resnet18', (2, 16, 16, 3)),      # padding 1, stride 2, 1×1 projections
+    ('wide_resnet', (2, 16, 16, 1)),   # pre-activation, 1×1 projections with stride
+])
+def test_patches_convolution_equals_lax_values_and_gradients(name, shape):
+  """Same parameters (names, shapes, init); outputs and gradients equal to 1e-9 in
+  float64, where the only difference left — the order of the same sums — is below
+  it (in float32, BatchNorm over a batch of 2–3 amplifies that order to ~1e-4)."""
+  lax_module = models.MODELS.get(name)(10, conv='lax')
+  patch_module = models.MODELS.get(name)(10, conv='patches')
+  x32 = jax.random.normal(jax.random.key(1), shape)
+  variables32 = models.init(lax_module, jax.random.key(0), x32)
+  chex.assert_trees_all_equal(variables32, models.init(patch_module, jax.random.key(0), x32))
+  np.testing.assert_allclose(models.apply(patch_module, variables32, x32)[0],
+                             models.apply(lax_module, variables32, x32)[0], rtol=1e-3,
+                             atol=1e-4)
+  with jax.enable_x64(True):
+    x = x32.astype(jnp.float64)
+    variables = jax.tree.map(lambda a: a.astype(jnp.float64), variables32)
+    np.testing.assert_allclose(models.apply(patch_module, variables, x)[0],
+                               models.apply(lax_module, variables, x)[0], rtol=1e-9,
+                               atol=1e-12)
+    grad_lax = jax.grad(lambda v: _loss(lax_module, v, x))(variables)
+    grad_patches = jax.grad(lambda v: _loss(patch_module, v, x))(variables)
+    chex.assert_trees_all_close(grad_patches, grad_lax, rtol=1e-9, atol=1e-12)
+
+
+def test_patches_convolution_vmapped_over_clients_is_a_batched_matmul():
+  """Vmapped over per-client kernels, 'lax' lowers to a grouped convolution and
+  'patches' to none; both give the per-client results."""
+  from fedjax_shift.models.classifiers import patches_conv
+  x = jax.random.normal(jax.random.key(0), (4, 2, 9, 9, 3))      # 4 clients
+  kernels = jax.random.normal(jax.random.key(1), (4, 3, 3, 3, 5))
+  dims = ('NHWC', 'HWIO', 'NHWC')
+  lax_conv = jax.vmap(lambda x, k: jax.lax.conv_general_dilated(x, k, (2, 2), 'SAME',
+                                                                dimension_numbers=dims))
+  patch_conv = jax.vmap(lambda x, k: patches_conv(x, k, (2, 2), 'SAME'))
+  np.testing.assert_allclose(patch_conv(x, kernels), lax_conv(x, kernels), rtol=1e-4,
+                             atol=1e-5)
+  assert 'feature_group_count=4' in jax.jit(lax_conv).lower(x, kernels).as_text() or \
+      'feature_group_count = 4' in jax.jit(lax_conv).lower(x, kernels).as_text()
+  text = jax.jit(patch_conv).lower(x, kernels).as_text()
+  assert 'feature_group_count = 4' not in text and 'feature_group_count=4' not in text
+
+
+def test_conv_choice_auto_and_bad_values():
+  assert models.conv_impl('auto') == ('lax' if jax.default_backend() == 'cpu' else 'patches')
+  with pytest.raises(ValueError, match=r"config.model.conv: unknown 'fft'"):
+    models.conv_impl('fft')
+  import ml_collections
+  with pytest.raises(ValueError, match=r"config.model.conv='patches': model 'mlp' has no"):
+    models.create(ml_collections.ConfigDict({'name': 'mlp', 'conv': 'patches'}), 10)

@@ -12,6 +12,7 @@ It returns ``(logits [B, C], variables)``, the variables carrying updated
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Tuple
 
@@ -20,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from fedjax_shift.models.classifiers import (BN_MOMENTUM, ATPCNNEncoder, BNMLPEncoder, Classifier,
+from fedjax_shift.models.classifiers import (BN_MOMENTUM, CONV_IMPLS, ATPCNNEncoder, BNMLPEncoder,
+                                             Classifier,
                                              EvolveCNNEncoder, MLPEncoder, ResNet18Encoder,
                                              WideResNetEncoder)
 from fedjax_shift.registry import Registry
@@ -41,29 +43,50 @@ def bn_mlp(num_classes: int, hidden=(200, 200)) -> nn.Module:
 
 
 @MODELS.register('atp_cnn')
-def atp_cnn(num_classes: int) -> nn.Module:
-  return Classifier(ATPCNNEncoder(), num_classes)
+def atp_cnn(num_classes: int, conv: str = 'lax') -> nn.Module:
+  return Classifier(ATPCNNEncoder(conv=conv), num_classes)
 
 
 @MODELS.register('evolve_cnn')
-def evolve_cnn(num_classes: int) -> nn.Module:
-  return Classifier(EvolveCNNEncoder(), num_classes)
+def evolve_cnn(num_classes: int, conv: str = 'lax') -> nn.Module:
+  return Classifier(EvolveCNNEncoder(conv=conv), num_classes)
 
 
 @MODELS.register('resnet18')
-def resnet18(num_classes: int) -> nn.Module:
-  return Classifier(ResNet18Encoder(), num_classes)
+def resnet18(num_classes: int, conv: str = 'lax') -> nn.Module:
+  return Classifier(ResNet18Encoder(conv=conv), num_classes)
 
 
 @MODELS.register('wide_resnet')
-def wide_resnet(num_classes: int, depth: int = 16, widen: int = 4) -> nn.Module:
-  return Classifier(WideResNetEncoder(depth, widen), num_classes)
+def wide_resnet(num_classes: int, depth: int = 16, widen: int = 4, conv: str = 'lax'
+                ) -> nn.Module:
+  return Classifier(WideResNetEncoder(depth, widen, conv=conv), num_classes)
+
+
+def conv_impl(choice: str) -> str:
+  """``config.model.conv``: 'lax' | 'patches' | 'auto' (patches on GPU/TPU, where a
+  vmapped lax convolution becomes a slow grouped convolution; lax on CPU)."""
+  if choice == 'auto':
+    return 'lax' if jax.default_backend() == 'cpu' else 'patches'
+  if choice not in CONV_IMPLS:
+    raise ValueError(f'config.model.conv: unknown {choice!r}; choose from '
+                     f'{list(CONV_IMPLS) + ["auto"]}')
+  return choice
 
 
 def create(model_config: ml_collections.ConfigDict, num_classes: int) -> nn.Module:
-  """Builds the model named by ``model_config.name`` with its extra fields."""
-  kwargs = {k: v for k, v in model_config.items() if k != 'name'}
-  return MODELS.get(model_config.name, 'model.name')(num_classes, **kwargs)
+  """Builds the model named by ``model_config.name`` with its extra fields (keyword
+  arguments of its builder); ``conv`` ('auto' if absent) picks how convolutional
+  models compute their convolutions and is ignored by models without any."""
+  kwargs = {k: v for k, v in model_config.items() if k not in ('name', 'conv')}
+  builder = MODELS.get(model_config.name, 'model.name')
+  conv = conv_impl(model_config.conv if 'conv' in model_config else 'auto')
+  if 'conv' in inspect.signature(builder).parameters:
+    kwargs['conv'] = conv
+  elif 'conv' in model_config and model_config.conv != 'auto':
+    raise ValueError(f'config.model.conv={model_config.conv!r}: model {model_config.name!r} '
+                     f'has no convolutions (leave it at auto)')
+  return builder(num_classes, **kwargs)
 
 
 def init(module: nn.Module, rng: jax.Array, example_x: jax.Array) -> Variables:

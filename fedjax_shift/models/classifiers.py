@@ -6,12 +6,13 @@ True normalises with batch statistics (and updates running ones when
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import functools
+from typing import Any, Sequence, Tuple
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 # Every BatchNorm of the library: running ← 0.9·running + 0.1·batch (PyTorch's 0.1).
 BN_MOMENTUM = 0.9
@@ -19,6 +20,58 @@ BN_MOMENTUM = 0.9
 
 def batch_norm(train: bool) -> nn.Module:
   return nn.BatchNorm(use_running_average=not train, momentum=BN_MOMENTUM, epsilon=1e-5)
+
+
+# How a convolution is computed (same parameters, same values):
+#   'lax'      lax.conv_general_dilated. Vmapped over stacked client models it lowers to
+#              a grouped convolution (feature_group_count = clients), slow on GPUs at
+#              large cohorts (DESIGN.md: 3.03 s vs a vmapped PyTorch peer's 1.10 s at 1,000).
+#   'patches'  the input's patches (shared by construction, exact: an identity
+#              convolution at HIGHEST precision) times the kernel as a matrix; vmapped
+#              over clients this is a batched matmul.
+CONV_IMPLS = ('lax', 'patches')
+NHWC = ('NHWC', 'HWIO', 'NHWC')
+
+
+def patches_conv(x: jax.Array, kernel: jax.Array, strides: Tuple[int, int], padding) -> jax.Array:
+  """x [B, H, W, C] ⊛ kernel [kh, kw, C, O] -> [B, H', W', O] as patches @ kernel."""
+  kh, kw, cin, cout = kernel.shape
+  patches = lax.conv_general_dilated_patches(x, (kh, kw), strides, padding,
+                                             dimension_numbers=NHWC,
+                                             precision=lax.Precision.HIGHEST)
+  # Patch features are ordered (C, kh, kw), channel-major.
+  weights = kernel.transpose(2, 0, 1, 3).reshape(cin * kh * kw, cout)
+  return patches @ weights
+
+
+class Conv(nn.Module):
+  """A 2-D convolution with ``nn.Conv``'s parameters (kernel [kh, kw, C, O] with
+  lecun-normal init, bias zeros) and names, computed by ``impl`` (CONV_IMPLS)."""
+  features: int
+  kernel_size: Tuple[int, int]
+  strides: Tuple[int, int] = (1, 1)
+  padding: Any = 'SAME'
+  use_bias: bool = True
+  impl: str = 'lax'
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = self.param('kernel', nn.initializers.lecun_normal(),
+                        tuple(self.kernel_size) + (x.shape[-1], self.features))
+    padding = self.padding
+    if isinstance(padding, int):
+      padding = ((padding, padding), (padding, padding))
+    strides = tuple(self.strides)
+    if self.impl == 'lax':
+      y = lax.conv_general_dilated(x, kernel, strides, padding, dimension_numbers=NHWC)
+    elif self.impl == 'patches':
+      y = patches_conv(x, kernel, strides, padding)
+    else:
+      raise ValueError(f'config.model.conv: unknown {self.impl!r}; choose from '
+                       f'{list(CONV_IMPLS)} or auto')
+    if self.use_bias:
+      y = y + self.param('bias', nn.initializers.zeros_init(), (self.features,))
+    return y
 
 
 class MLPEncoder(nn.Module):
@@ -52,12 +105,13 @@ class ATPCNNEncoder(nn.Module):
   max-pools, then Linear 64 + BatchNorm1d + ReLU."""
   channels: Sequence[int] = (32, 64, 64)
   features: int = 64
+  conv: str = 'lax'
 
   @nn.compact
   def __call__(self, x, train: bool = False):
     norm = functools.partial(batch_norm, train)
     for i, width in enumerate(self.channels):
-      x = nn.Conv(width, (3, 3), padding='VALID', use_bias=False)(x)
+      x = Conv(width, (3, 3), padding='VALID', use_bias=False, impl=self.conv)(x)
       x = nn.relu(norm()(x))
       if i < 2:
         x = nn.max_pool(x, (2, 2), (2, 2))
@@ -71,12 +125,14 @@ class EvolveCNNEncoder(nn.Module):
   width: int = 64
   groups: int = 8
   features: int = 64
+  conv: str = 'lax'
 
   @nn.compact
   def __call__(self, x, train: bool = False):
     del train
     for i in range(4):
-      x = nn.Conv(self.width, (3, 3), strides=(2, 2) if i else (1, 1), padding='SAME')(x)
+      x = Conv(self.width, (3, 3), strides=(2, 2) if i else (1, 1), padding='SAME',
+               impl=self.conv)(x)
       x = nn.relu(nn.GroupNorm(num_groups=self.groups)(x))
     x = jnp.mean(x, axis=(1, 2))
     return nn.relu(nn.Dense(self.features)(x))
@@ -85,17 +141,19 @@ class EvolveCNNEncoder(nn.Module):
 class ResidualBlock(nn.Module):
   filters: int
   strides: int = 1
+  conv: str = 'lax'
 
   @nn.compact
   def __call__(self, x, train: bool = False):
     norm = functools.partial(batch_norm, train)
     residual = x
-    y = nn.Conv(self.filters, (3, 3), (self.strides, self.strides), padding=1, use_bias=False)(x)
+    conv = functools.partial(Conv, use_bias=False, impl=self.conv)
+    y = conv(self.filters, (3, 3), (self.strides, self.strides), padding=1)(x)
     y = nn.relu(norm()(y))
-    y = nn.Conv(self.filters, (3, 3), padding=1, use_bias=False)(y)
+    y = conv(self.filters, (3, 3), padding=1)(y)
     y = norm()(y)
     if residual.shape != y.shape:
-      residual = nn.Conv(self.filters, (1, 1), (self.strides, self.strides), use_bias=False)(x)
+      residual = conv(self.filters, (1, 1), (self.strides, self.strides))(x)
       residual = norm()(residual)
     return nn.relu(y + residual)
 
@@ -104,15 +162,16 @@ class ResNet18Encoder(nn.Module):
   """CIFAR ResNet-18 (3x3 stem, no max-pool), BatchNorm, global average pool."""
   stage_sizes: Sequence[int] = (2, 2, 2, 2)
   width: int = 64
+  conv: str = 'lax'
 
   @nn.compact
   def __call__(self, x, train: bool = False):
-    x = nn.Conv(self.width, (3, 3), padding=1, use_bias=False)(x)
+    x = Conv(self.width, (3, 3), padding=1, use_bias=False, impl=self.conv)(x)
     x = nn.relu(batch_norm(train)(x))
     for stage, num_blocks in enumerate(self.stage_sizes):
       for block in range(num_blocks):
         strides = 2 if stage > 0 and block == 0 else 1
-        x = ResidualBlock(self.width * 2 ** stage, strides)(x, train)
+        x = ResidualBlock(self.width * 2 ** stage, strides, self.conv)(x, train)
     return jnp.mean(x, axis=(1, 2))
 
 
@@ -121,16 +180,18 @@ class WideBasicBlock(nn.Module):
   Komodakis 2016), a 1x1 projection when the shape changes."""
   filters: int
   strides: int = 1
+  conv: str = 'lax'
 
   @nn.compact
   def __call__(self, x, train: bool = False):
+    conv = functools.partial(Conv, use_bias=False, impl=self.conv)
     out = nn.relu(batch_norm(train)(x))
     residual = x
     if x.shape[-1] != self.filters or self.strides != 1:
-      residual = nn.Conv(self.filters, (1, 1), (self.strides, self.strides), use_bias=False)(out)
-    y = nn.Conv(self.filters, (3, 3), (self.strides, self.strides), padding=1, use_bias=False)(out)
+      residual = conv(self.filters, (1, 1), (self.strides, self.strides))(out)
+    y = conv(self.filters, (3, 3), (self.strides, self.strides), padding=1)(out)
     y = nn.relu(batch_norm(train)(y))
-    y = nn.Conv(self.filters, (3, 3), padding=1, use_bias=False)(y)
+    y = conv(self.filters, (3, 3), padding=1)(y)
     return y + residual
 
 
@@ -140,16 +201,17 @@ class WideResNetEncoder(nn.Module):
   average pool. WRN-16-4 by default."""
   depth: int = 16
   widen: int = 4
+  conv: str = 'lax'
 
   @nn.compact
   def __call__(self, x, train: bool = False):
     if (self.depth - 4) % 6:
       raise ValueError(f'WideResNet depth must be 6n + 4, got {self.depth}')
-    x = nn.Conv(16, (3, 3), padding=1, use_bias=False)(x)
+    x = Conv(16, (3, 3), padding=1, use_bias=False, impl=self.conv)(x)
     for stage in range(3):
       for block in range((self.depth - 4) // 6):
         strides = 2 if stage > 0 and block == 0 else 1
-        x = WideBasicBlock(16 * self.widen * 2 ** stage, strides)(x, train)
+        x = WideBasicBlock(16 * self.widen * 2 ** stage, strides, self.conv)(x, train)
     x = nn.relu(batch_norm(train)(x))
     return jnp.mean(x, axis=(1, 2))
 
