@@ -122,7 +122,7 @@ def local_train(loss_fn: LossFn, optimizer: optax.GradientTransformation, params
     carry = (select(active, new_params, params),
              select(active, new_model_state, model_state),
              select(active, new_opt_state, opt_state),
-             loss_sum + jnp.where(active, loss, 0.0))
+             loss_sum + jnp.where(active, loss, 0.0).astype(loss_sum.dtype))
     return carry, None
 
   init = (params, model_state, opt_state, jnp.float32(0.0))

@@ -58,6 +58,7 @@ class Conv(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     kernel = self.param('kernel', nn.initializers.lecun_normal(),
                         tuple(self.kernel_size) + (x.shape[-1], self.features))
+    x, kernel = nn.dtypes.promote_dtype(x, kernel)  # as nn.Conv: compute in the wider type
     padding = self.padding
     if isinstance(padding, int):
       padding = ((padding, padding), (padding, padding))
