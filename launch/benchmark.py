@@ -50,6 +50,8 @@ flags.DEFINE_integer('batch_size', 20, 'Local batch size B.')
 flags.DEFINE_integer('repeats', 5, 'Timed repeats after one warm-up (median reported).')
 flags.DEFINE_string('unroll', 'true', "lax.scan unroll of local steps: 'true', 'false' or an int.")
 flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a).')
+flags.DEFINE_enum('conv', 'auto', ['auto', 'lax', 'patches'],
+                  'config.model.conv: how convolutions are computed (auto: patches on GPU/TPU).')
 flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch', 'loop_backend'],
                   'Cases to run (loop_backend: the engine round with backend=loop; '
                   'tta_vmap / tta_loop: test-time Tent over the clients as target clients).')
@@ -77,6 +79,7 @@ def make_config():
   from fedjax_shift.config import base_config
   config = base_config()
   config.model.name = FLAGS.model
+  config.model.conv = FLAGS.conv
   config.client.batch_size = FLAGS.batch_size
   config.client.learning_rate = 0.01
   config.client.local_epochs = 1
@@ -365,7 +368,7 @@ def spawn(name):
   argv = [sys.executable, os.path.abspath(__file__), f'--case={name}']
   argv += [f'--{f}={FLAGS[f].serialize().split("=", 1)[1]}' for f in
            ('model', 'clients', 'examples', 'batch_size', 'repeats', 'unroll', 'client_chunk',
-            'sweep_repeats', 'tta_adapter')]
+            'sweep_repeats', 'tta_adapter', 'conv')]
   proc = subprocess.run(argv, capture_output=True, text=True)
   if proc.returncode:
     return {'error': proc.stderr.strip().splitlines()[-1] if proc.stderr else 'failed'}
@@ -387,7 +390,7 @@ def main(argv):
   steps = -(-FLAGS.examples // FLAGS.batch_size)
   header = (f'### {FLAGS.model}, {SHAPES[FLAGS.model]} inputs, {FLAGS.clients} clients × '
             f'{FLAGS.examples} examples, {steps} local steps of batch {FLAGS.batch_size}, '
-            f'unroll={FLAGS.unroll}, client_chunk={FLAGS.client_chunk}\n\n'
+            f'unroll={FLAGS.unroll}, client_chunk={FLAGS.client_chunk}, conv={FLAGS.conv}\n\n'
             f'Machine: {machine()}. Median of {FLAGS.repeats} after one warm-up.\n')
   print(header, flush=True)
   results = {}

@@ -422,3 +422,14 @@ def test_round_with_patch_convolutions_equals_the_grouped_convolution_round(name
                               atol=1e-10)
   chex.assert_trees_all_close(outputs[1].client_states, outputs[0].client_states, rtol=1e-7,
                               atol=1e-10)
+
+
+def test_auto_backend_picks_the_loop_for_conv_models_on_cpu():
+  from fedjax_shift.pipelines.base import round_backend
+  on_cpu = jax.default_backend() == 'cpu'
+  assert round_backend(tiny_config(**{'model.name': 'atp_cnn'})) == ('loop' if on_cpu else
+                                                                    'vmap')
+  assert round_backend(tiny_config(**{'model.name': 'mlp'})) == 'vmap'
+  assert round_backend(tiny_config(**{'model.name': 'atp_cnn', 'engine.num_devices': 1})) == \
+      'vmap'
+  assert round_backend(tiny_config(**{'model.name': 'mlp', 'engine.backend': 'loop'})) == 'loop'

@@ -118,3 +118,72 @@ def test_default_experiment_full(tmp_path):
   assert mean('fedbn', 'personalized/test/accuracy') > 0.75
   # the corrupted split is harder than the clean one for every method
   assert mean('fedavg', 'global/test_corrupted/accuracy') < mean('fedavg', 'global/test/accuracy')
+
+
+def _records(workdir):
+  return [{k: v for k, v in r.items() if k != 'round_seconds'}
+          for r in read_metrics(str(workdir / 'fedavg' / 'seed_0' / 'metrics.jsonl'))]
+
+
+def test_rounds_per_call_gives_the_same_rounds(tmp_path):
+  """12 rounds as 12 calls or as scans of 5 (chunks 1–4, 5, 6–8, 9–10, 11–12: cut at
+  multiples of 5 and at the evaluation rounds 4, 8, 12): the same per-round records and
+  the same final model and evaluation."""
+  base = dict(rounds=12, eval_every=4, checkpoint_every=3)
+  one = pipelines.run(tiny_config(**base), str(tmp_path / 'one'))
+  five = pipelines.run(tiny_config(**base, **{'engine.rounds_per_call': 5}),
+                       str(tmp_path / 'five'))
+  a, b = _records(tmp_path / 'one'), _records(tmp_path / 'five')
+  assert [r['round'] for r in b] == list(range(1, 13))
+  assert [sorted(r) for r in a] == [sorted(r) for r in b]  # evaluations on the same rounds
+  for ra, rb in zip(a, b):
+    for key, value in ra.items():
+      np.testing.assert_allclose(rb[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+  for key, value in one.records['results'][0]['metrics'].items():
+    np.testing.assert_allclose(five.records['results'][0]['metrics'][key], value, rtol=1e-5,
+                               atol=1e-6)
+  # Checkpoints at the ends of calls that crossed a multiple of checkpoint_every.
+  kept = sorted(int(p) for p in os.listdir(tmp_path / 'five' / 'fedavg' / 'seed_0' /
+                                           'checkpoints') if p.isdigit())
+  assert kept == [10, 12]  # keep_checkpoints=2 of the saves after rounds 4, 5, 8, 10, 12
+
+
+def test_divergence_inside_a_call_names_its_round_and_keeps_the_checkpoint(tmp_path):
+  """A loss that turns NaN in round 7, inside the call running rounds 7–8 (calls: 1–3,
+  4, 5–6, 7–8 for R=3 cut at evaluation round 4); the checkpoint saved at the end of the
+  call that crossed round 5 (checkpoint_every) — round 6 — stays."""
+  import jax.numpy as jnp
+  from fedjax_shift.algorithms import ALGORITHMS
+  from fedjax_shift.algorithms.fedavg import fedavg
+
+  def nan_in_round_seven(hparams, context):
+    base = fedavg(hparams, context)
+
+    def client_update(server_state, client_state, data, rng):
+      out, state = base.client_update(server_state, client_state, data, rng)
+      loss = jnp.where(server_state.round == 6, jnp.nan, out.metrics['loss'])
+      return out._replace(metrics={**out.metrics, 'loss': loss}), state
+    return base._replace(client_update=client_update)
+
+  ALGORITHMS.register('toy_nan_round7')(nan_in_round_seven)
+  try:
+    config = tiny_config(rounds=8, eval_every=4, checkpoint_every=5,
+                         algorithms=('toy_nan_round7',), **{'engine.rounds_per_call': 3})
+    with pytest.raises(FloatingPointError, match=r'in round 7; the last good checkpoint '
+                                                 r'\(round 6\)'):
+      pipelines.run(config, str(tmp_path))
+  finally:
+    ALGORITHMS.unregister('toy_nan_round7')
+  run_dir = tmp_path / 'toy_nan_round7' / 'seed_0'
+  assert [r['round'] for r in read_metrics(str(run_dir / 'metrics.jsonl'))] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize('field, value, pattern', [
+    ('engine.rounds_per_call', 0, r'config.engine.rounds_per_call: must be >= 1'),
+    ('data.store', 'host', r"config.engine.rounds_per_call: > 1 scans rounds over the device"),
+    ('engine.backend', 'loop', r"config.engine.rounds_per_call: > 1 scans the compiled round"),
+])
+def test_rounds_per_call_bad_input(field, value, pattern, tmp_path):
+  config = tiny_config(**{'engine.rounds_per_call': 3, field: value})
+  with pytest.raises(ValueError, match=pattern):
+    pipelines.run(config, str(tmp_path))

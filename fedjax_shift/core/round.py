@@ -169,8 +169,13 @@ def _finish_round(algorithm: FederatedAlgorithm, config: RoundConfig, server_sta
 
 
 def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
-                mesh: Optional[Mesh] = None, donate: bool = False, backend: str = 'vmap'):
+                mesh: Optional[Mesh] = None, donate: bool = False, backend: str = 'vmap',
+                rounds_per_call: int = 1):
   """Returns ``(round_device, round_host)``.
+
+  With ``rounds_per_call`` R > 1, round_device is instead
+  ``rounds(server_state, client_states, store, keys [R], active [R])``: R rounds as one
+  compiled ``lax.scan`` (``_scan_rounds``), metrics stacked [R, ...].
 
   round_device(server_state, client_states, store: FederatedData, round_key)
       samples, gathers and trains in one compiled call.
@@ -189,6 +194,9 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
   if mesh is not None and config.cohort_size % mesh.size:
     raise ValueError(f'cohort_size={config.cohort_size} must be divisible by the '
                      f'{mesh.size} devices of the client mesh')
+  if rounds_per_call > 1 and backend != 'vmap':
+    raise ValueError('config.engine.rounds_per_call > 1 scans rounds inside one compiled '
+                     "program: it needs config.engine.backend='vmap'")
   if backend == 'loop':
     if mesh is not None:
       raise ValueError("backend='loop' runs clients one at a time; it takes no mesh")
@@ -215,8 +223,32 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
     return round_on_cohort(server_state, client_states, cohort, cohort_ids, key)
 
   donate_argnums = (0, 1) if donate else ()
+  if rounds_per_call > 1:
+    return (jax.jit(_scan_rounds(round_device), donate_argnums=donate_argnums),
+            jax.jit(round_on_cohort, donate_argnums=donate_argnums))
   return (jax.jit(round_device, donate_argnums=donate_argnums),
           jax.jit(round_on_cohort, donate_argnums=donate_argnums))
+
+
+def _scan_rounds(round_device):
+  """R rounds as one ``lax.scan``: ``rounds(server, clients, store, keys [R],
+  active [R] bool)`` -> RoundOutput with metrics stacked [R, ...]. An inactive round
+  (past the end of a chunk) leaves the state unchanged; its metrics are computed and
+  ignored."""
+
+  def rounds(server_state, client_states, store: FederatedData, keys, active):
+    def body(carry, inputs):
+      key, on = inputs
+      out = round_device(*carry, store, key)
+      new = jax.tree.map(lambda a, b: jnp.where(on, a, b),
+                         (out.server_state, out.client_states), carry)
+      return new, out.metrics
+
+    (server_state, client_states), metrics = jax.lax.scan(
+        body, (server_state, client_states), (keys, active))
+    return RoundOutput(server_state, client_states, metrics)
+
+  return rounds
 
 
 def _build_loop_round(algorithm: FederatedAlgorithm, config: RoundConfig):

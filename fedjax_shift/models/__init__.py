@@ -74,6 +74,11 @@ def conv_impl(choice: str) -> str:
   return choice
 
 
+def is_convolutional(name: str) -> bool:
+  """Whether the registered model ``name`` has convolutions (its builder takes ``conv``)."""
+  return 'conv' in inspect.signature(MODELS.get(name, 'model.name')).parameters
+
+
 def create(model_config: ml_collections.ConfigDict, num_classes: int) -> nn.Module:
   """Builds the model named by ``model_config.name`` with its extra fields (keyword
   arguments of its builder); ``conv`` ('auto' if absent) picks how convolutional

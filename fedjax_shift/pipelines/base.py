@@ -65,6 +65,20 @@ def hardware() -> Dict[str, object]:
   return info
 
 
+def round_backend(config: ml_collections.ConfigDict) -> str:
+  """``config.engine.backend``, with 'auto' resolved: the loop backend for
+  convolutional models on CPU without device sharding (XLA:CPU runs vmapped, i.e.
+  grouped, convolutions 3–4× slower than a loop of per-client calls: BENCHMARKS.md),
+  the vmapped round everywhere else."""
+  backend = config.engine.backend
+  if backend != 'auto':
+    return backend
+  if (jax.default_backend() == 'cpu' and not config.engine.num_devices and
+      models.is_convolutional(config.model.name)):
+    return 'loop'
+  return 'vmap'
+
+
 def algorithm_names(config: ml_collections.ConfigDict) -> Tuple[str, ...]:
   algorithms = config.algorithms
   if isinstance(algorithms, str):
@@ -158,10 +172,19 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   if engine.num_devices:
     require(config.cohort_size % engine.num_devices == 0, 'cohort_size',
             f'{config.cohort_size} is not divisible by engine.num_devices={engine.num_devices}')
-  require(engine.backend in BACKENDS, 'engine.backend',
-          f'unknown {engine.backend!r}; choose from {list(BACKENDS)}')
+  require(engine.backend in BACKENDS + ('auto',), 'engine.backend',
+          f'unknown {engine.backend!r}; choose from {list(BACKENDS) + ["auto"]}')
   require(not (engine.backend == 'loop' and engine.num_devices), 'engine.backend',
           "'loop' runs clients one at a time and cannot shard over engine.num_devices")
+  require(engine.rounds_per_call >= 1, 'engine.rounds_per_call',
+          f'must be >= 1, got {engine.rounds_per_call}')
+  if engine.rounds_per_call > 1:
+    require(config.data.store == 'device', 'engine.rounds_per_call',
+            "> 1 scans rounds over the device store; data.store='host' moves a cohort per "
+            'round (use rounds_per_call=1)')
+    require(round_backend(config) == 'vmap', 'engine.rounds_per_call',
+            f"> 1 scans the compiled round: it needs engine.backend='vmap' (here "
+            f"'{engine.backend}' runs the {round_backend(config)} backend)")
   chunk = engine.client_chunk
   require(chunk >= 0 and (chunk == 0 or config.cohort_size % chunk == 0), 'engine.client_chunk',
           f'must be 0 or divide cohort_size={config.cohort_size}, got {chunk}')

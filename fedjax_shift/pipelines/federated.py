@@ -35,7 +35,8 @@ from fedjax_shift.data import federated
 from fedjax_shift.metrics import MetricsWriter
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.base import (PIPELINES, Results, algorithm_names, check_run,
-                                         eval_adapter_specs, hardware, run_fields)
+                                         eval_adapter_specs, hardware, round_backend,
+                                         run_fields)
 
 log = logging.getLogger('fedjax_shift')
 
@@ -168,7 +169,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   mesh = client_mesh(config.engine.num_devices) if config.engine.num_devices else None
   round_device, round_host = build_round(algorithm, round_config, mesh,
                                          donate=config.engine.donate,
-                                         backend=config.engine.backend)
+                                         backend=round_backend(config),
+                                         rounds_per_call=config.engine.rounds_per_call)
   evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size)
   adapted_chunk = None
   if algorithm_name in tuple(config.eval_adapter_algorithms):
@@ -197,43 +199,74 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
     from tqdm import tqdm
     progress = tqdm(total=config.rounds, initial=start_round, unit='round',
                     desc=f'{algorithm_name} seed {seed}', leave=False)
-  summary: Dict[str, float] = {}
-  completed = start_round
-  try:
-    for round_index in range(start_round, config.rounds):
-      tick = time.perf_counter()
-      key = round_key(train_key, round_index)
+  per_call = config.engine.rounds_per_call
+
+  def chunk_end(start: int) -> int:
+    """The round after which the call starting at ``start`` stops: a multiple of
+    rounds_per_call, an evaluation round or the last round, whichever comes first."""
+    if per_call == 1:
+      return start + 1
+    return min(config.rounds, (start // per_call + 1) * per_call,
+               (start // config.eval_every + 1) * config.eval_every)
+
+  def train_rounds(start: int, stop: int):
+    """Rounds start+1 … stop in one call: (RoundOutput, [(loss, num_steps)] per round)."""
+    if per_call == 1:
+      key = round_key(train_key, start)
       if host_store is not None:
-        cohort, cohort_ids = host_store.cohort(round_index)
+        cohort, cohort_ids = host_store.cohort(start)
         out = round_host(server_state, client_states, cohort, cohort_ids, key)
       else:
         out = round_device(server_state, client_states, device_train, key)
-      loss = float(out.metrics['loss'])
+      return out, [(float(out.metrics['loss']), float(out.metrics['num_steps']))]
+    count = stop - start
+    indices = start + jnp.minimum(jnp.arange(per_call), count - 1)
+    keys = jax.vmap(lambda r: round_key(train_key, r))(indices)
+    out = round_device(server_state, client_states, device_train, keys,
+                       jnp.arange(per_call) < count)
+    losses = np.asarray(out.metrics['loss'])[:count]
+    steps = np.asarray(out.metrics['num_steps'])[:count]
+    return out, [(float(l), float(n)) for l, n in zip(losses, steps)]
+
+  summary: Dict[str, float] = {}
+  completed = start_round
+  try:
+    while completed < config.rounds:
+      tick = time.perf_counter()
+      stop = chunk_end(completed)
+      out, per_round = train_rounds(completed, stop)
       seconds = time.perf_counter() - tick
-      if not np.isfinite(loss):
-        raise DivergenceError(
-            f'{algorithm_name} seed {seed}: non-finite training loss ({loss}) in round '
-            f'{round_index + 1}; '
-            + (f'the last good checkpoint (round {checkpointer.latest_round()}) is kept in '
-               f'{workdir}' if checkpointer.latest_round() is not None else
-               'no checkpoint was saved before it'))
+      for i, (loss, _) in enumerate(per_round):
+        if not np.isfinite(loss):
+          raise DivergenceError(
+              f'{algorithm_name} seed {seed}: non-finite training loss ({loss}) in round '
+              f'{completed + i + 1}; '
+              + (f'the last good checkpoint (round {checkpointer.latest_round()}) is kept in '
+                 f'{workdir}' if checkpointer.latest_round() is not None else
+                 'no checkpoint was saved before it'))
       server_state, client_states = out.server_state, out.client_states
       elapsed += seconds
-      completed = round_index + 1
-      record = {'round': completed, 'loss': loss, 'round_seconds': seconds,
-                'num_steps': float(out.metrics['num_steps'])}
-      if completed % config.eval_every == 0 or completed == config.rounds:
-        summary = evaluate(server_state, client_states)
-        record.update(summary)
-      if log_state is not None:
-        record.update(log_state(server_state))
-      writer.write(record)
+      first = completed
+      for i, (loss, num_steps) in enumerate(per_round):
+        completed = first + i + 1
+        record = {'round': completed, 'loss': loss, 'round_seconds': seconds / len(per_round),
+                  'num_steps': num_steps}
+        if completed == stop:  # the call's last round: its state is the one we hold
+          if completed % config.eval_every == 0 or completed == config.rounds:
+            summary = evaluate(server_state, client_states)
+            record.update(summary)
+          if log_state is not None:
+            record.update(log_state(server_state))
+        writer.write(record)
+      due = any(r % config.checkpoint_every == 0 for r in range(first + 1, completed + 1))
       checkpointer.save(completed, (server_state, client_states, jnp.float32(elapsed)),
-                        force=completed == config.rounds)
+                        force=completed == config.rounds or (per_call > 1 and due))
       if progress is not None:
-        progress.update(1)
-        examples = float(out.metrics['num_steps']) * config.client.batch_size * config.cohort_size
-        progress.set_postfix(loss=f'{loss:.3f}', examples_per_s=f'{examples / seconds:.0f}')
+        progress.update(len(per_round))
+        examples = (sum(n for _, n in per_round) * config.client.batch_size *
+                    config.cohort_size)
+        progress.set_postfix(loss=f'{per_round[-1][0]:.3f}',
+                             examples_per_s=f'{examples / seconds:.0f}')
   except KeyboardInterrupt:
     if completed > start_round:
       checkpointer.save(completed, (server_state, client_states, jnp.float32(elapsed)),
