@@ -90,6 +90,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.engine.client_chunk = 0         # 0: vmap the whole cohort; c: vmap chunks of c clients
   c.engine.num_devices = 0          # shard the cohort over this many devices (0 = one)
   c.engine.donate = False           # donate server/client buffers (GPU/TPU)
+  c.engine.deterministic = False    # XLA deterministic GPU ops (launch/train.py; no-op on CPU)
   c.engine.eval_chunk_size = 64     # clients per compiled evaluation call
   c.engine.eval_batch_size = 256
 

@@ -50,9 +50,10 @@ flags.DEFINE_integer('batch_size', 20, 'Local batch size B.')
 flags.DEFINE_integer('repeats', 5, 'Timed repeats after one warm-up (median reported).')
 flags.DEFINE_string('unroll', 'true', "lax.scan unroll of local steps: 'true', 'false' or an int.")
 flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a).')
+flags.DEFINE_integer('rounds_per_call', 5, 'R of the rounds_calls / rounds_scan cases.')
 flags.DEFINE_enum('conv', 'auto', ['auto', 'lax', 'patches'],
                   'config.model.conv: how convolutions are computed (auto: patches on GPU/TPU).')
-flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch', 'loop_backend'],
+flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch', 'torch_vmap', 'loop_backend'],
                   'Cases to run (loop_backend: the engine round with backend=loop; '
                   'tta_vmap / tta_loop: test-time Tent over the clients as target clients).')
 flags.DEFINE_enum('tta_adapter', 'atp', ['atp', 'tent'], 'Adapter of the tta_* cases.')
@@ -159,6 +160,43 @@ def case_round(backend='vmap', kind='fedavg'):
   return {'seconds': median, 'times': times, 'compile_s': compile_s}
 
 
+def case_rounds(scan: bool):
+  """--rounds_per_call R consecutive rounds (state chained, cohort = every client):
+  R calls of the compiled round, reading the loss back after each as the trainer does,
+  or one call scanning R rounds (config.engine.rounds_per_call). Seconds per round."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from fedjax_shift.core.round import RoundConfig, build_round, round_key, stack_client_states
+  _, _, algorithm, data, server = setup_algorithm(FLAGS.clients)
+  clients = stack_client_states(algorithm, server, FLAGS.clients)
+  count = FLAGS.rounds_per_call
+  round_config = RoundConfig(cohort_size=FLAGS.clients, client_chunk=FLAGS.client_chunk)
+  device_data = jax.device_put(data)
+  seed_key = jax.random.key(0)
+  if scan:
+    rounds = build_round(algorithm, round_config, rounds_per_call=count)[0]
+    keys = jax.vmap(lambda r: round_key(seed_key, r))(jnp.arange(count))
+    active = jnp.ones(count, bool)
+    run = lambda: np.asarray(rounds(server, clients, device_data, keys, active).metrics['loss'])
+  else:
+    round_device = build_round(algorithm, round_config)[0]
+
+    def run():
+      state, states = server, clients
+      for r in range(count):
+        out = round_device(state, states, device_data, round_key(seed_key, r))
+        float(out.metrics['loss'])
+        state, states = out.server_state, out.client_states
+
+  tick = time.perf_counter()
+  run()
+  compile_s = time.perf_counter() - tick  # the first call: compilation plus R rounds
+  median, times = timed(run, FLAGS.repeats)
+  return {'seconds': median / count, 'times': [t / count for t in times],
+          'compile_s': compile_s}
+
+
 def case_loop():
   import jax
   import jax.numpy as jnp
@@ -222,30 +260,44 @@ def case_fused():
   return {'seconds': median, 'times': times, 'compile_s': compile_s}
 
 
-def case_torch():
+def torch_twin(batch_statistics_only: bool = False):
+  """(model, x [K, N, ...], y [K, N]) of the PyTorch twin of --model, or a str saying
+  why there is none. ``batch_statistics_only``: BatchNorm without running statistics
+  (what a functional, vmapped call can use)."""
   try:
     import torch
   except ImportError:
-    return {'skipped': 'torch is not installed'}
+    return 'torch is not installed'
   if FLAGS.model not in ('atp_cnn', 'mlp'):
-    return {'skipped': f'no PyTorch twin of {FLAGS.model}'}
-  import copy
+    return f'no PyTorch twin of {FLAGS.model}'
   from torch import nn
   data = cohort_data(FLAGS.clients)
+  track = not batch_statistics_only
   if FLAGS.model == 'atp_cnn':
     def block(cin, cout, pool):
-      layers = [nn.Conv2d(cin, cout, 3, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+      layers = [nn.Conv2d(cin, cout, 3, bias=False),
+                nn.BatchNorm2d(cout, track_running_stats=track), nn.ReLU()]
       return layers + ([nn.MaxPool2d(2)] if pool else [])
     model = nn.Sequential(*block(3, 32, True), *block(32, 64, True), *block(64, 64, False),
-                          nn.Flatten(), nn.Linear(64 * 4 * 4, 64), nn.BatchNorm1d(64),
+                          nn.Flatten(), nn.Linear(64 * 4 * 4, 64),
+                          nn.BatchNorm1d(64, track_running_stats=track),
                           nn.ReLU(), nn.Linear(64, 10))
     x = torch.from_numpy(data.x).permute(0, 1, 4, 2, 3).contiguous()
   else:
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200),
                           nn.ReLU(), nn.Linear(200, 10))
     x = torch.from_numpy(data.x)
-  y = torch.from_numpy(data.y).long()
-  loss_fn = nn.CrossEntropyLoss()
+  return model, x, torch.from_numpy(data.y).long()
+
+
+def case_torch():
+  twin = torch_twin()
+  if isinstance(twin, str):
+    return {'skipped': twin}
+  import copy
+  import torch
+  model, x, y = twin
+  loss_fn = torch.nn.CrossEntropyLoss()
 
   def run():
     states = []
@@ -267,6 +319,44 @@ def case_torch():
 
   median, times = timed(run, FLAGS.repeats)
   return {'seconds': median, 'times': times, 'compile_s': 0.0,
+          'torch': torch.__version__, 'threads': torch.get_num_threads()}
+
+
+def case_torch_vmap():
+  """(e) PyTorch ``torch.func``: the clients' parameters stacked, one ``vmap``ped
+  gradient per local step over every client's batch (BatchNorm on batch statistics),
+  SGD, then the mean — the vmapped peer of (a), on the GPU when torch sees one."""
+  twin = torch_twin(batch_statistics_only=True)
+  if isinstance(twin, str):
+    return {'skipped': twin}
+  import torch
+  from torch.func import functional_call, grad, vmap
+  model, x, y = twin
+  device = 'cuda' if torch.cuda.is_available() else 'cpu'
+  model, x, y = model.to(device), x.to(device), y.to(device)
+  global_params = {k: v.detach() for k, v in model.named_parameters()}
+  loss_fn = torch.nn.CrossEntropyLoss()
+
+  def loss(params, xb, yb):
+    return loss_fn(functional_call(model, params, (xb,)), yb)
+
+  client_grads = vmap(grad(loss))
+  clients = torch.arange(FLAGS.clients, device=device)[:, None]
+
+  def run():
+    params = {k: v.expand(FLAGS.clients, *v.shape).clone() for k, v in global_params.items()}
+    perms = torch.argsort(torch.rand(FLAGS.clients, FLAGS.examples, device=device), dim=1)
+    for start in range(0, FLAGS.examples, FLAGS.batch_size):
+      idx = perms[:, start:start + FLAGS.batch_size]
+      grads = client_grads(params, x[clients, idx], y[clients, idx])
+      params = {k: params[k] - 0.01 * grads[k] for k in params}
+    averaged = {k: v.mean(0) for k, v in params.items()}
+    if device == 'cuda':
+      torch.cuda.synchronize()
+    return averaged
+
+  median, times = timed(run, FLAGS.repeats)
+  return {'seconds': median, 'times': times, 'compile_s': 0.0, 'device': device,
           'torch': torch.__version__, 'threads': torch.get_num_threads()}
 
 
@@ -355,7 +445,10 @@ def run_case(name):
     result = case_sweep(int(name.split(':')[1]))
   else:
     result = {'round': case_round, 'loop': case_loop, 'fused': case_fused,
-              'torch': case_torch, 'loop_backend': lambda: case_round('loop'),
+              'torch': case_torch, 'torch_vmap': case_torch_vmap,
+              'rounds_calls': lambda: case_rounds(scan=False),
+              'rounds_scan': lambda: case_rounds(scan=True),
+              'loop_backend': lambda: case_round('loop'),
               'tta_vmap': lambda: case_tta(True), 'tta_loop': lambda: case_tta(False),
               'fedavg_1step': lambda: case_round(kind='fedavg_1step'),
               'fedevolve': lambda: case_round(kind='fedevolve'),
@@ -368,7 +461,7 @@ def spawn(name):
   argv = [sys.executable, os.path.abspath(__file__), f'--case={name}']
   argv += [f'--{f}={FLAGS[f].serialize().split("=", 1)[1]}' for f in
            ('model', 'clients', 'examples', 'batch_size', 'repeats', 'unroll', 'client_chunk',
-            'sweep_repeats', 'tta_adapter', 'conv')]
+            'sweep_repeats', 'tta_adapter', 'conv', 'rounds_per_call')]
   proc = subprocess.run(argv, capture_output=True, text=True)
   if proc.returncode:
     return {'error': proc.stderr.strip().splitlines()[-1] if proc.stderr else 'failed'}
@@ -400,6 +493,11 @@ def main(argv):
   labels = {'round': '(a) compiled vmapped round', 'loop': '(b) Python loop of jitted clients',
             'fused': '(c) fused centralized step (same FLOPs)',
             'torch': '(d) PyTorch per-client loop',
+            'torch_vmap': '(e) PyTorch torch.func vmap over stacked clients',
+            'rounds_calls': f'{FLAGS.rounds_per_call} rounds as {FLAGS.rounds_per_call} calls '
+                            f'(loss read each round), per round',
+            'rounds_scan': f'{FLAGS.rounds_per_call} rounds as one scan '
+                           f'(rounds_per_call={FLAGS.rounds_per_call}), per round',
             'loop_backend': "engine backend='loop' round",
             'tta_vmap': f'{FLAGS.tta_adapter} online: vmapped lax.scan over clients',
             'tta_loop': f'{FLAGS.tta_adapter} online: Python loop of jitted steps',
@@ -417,10 +515,9 @@ def main(argv):
                  f"{result['peak_rss_gb']:.2f} | {ratio} |")
   if 'round' in results and 'seconds' in results['round']:
     a = results['round']['seconds']
-    for other in ('loop', 'torch'):
+    for other, letter in (('loop', 'b'), ('torch', 'd'), ('torch_vmap', 'e')):
       if 'seconds' in results.get(other, {}):
-        lines.append(f"\n(a)/({'b' if other == 'loop' else 'd'}) = "
-                     f"{a / results[other]['seconds']:.2f}")
+        lines.append(f"\n(a)/({letter}) = {a / results[other]['seconds']:.2f}")
   if all('seconds' in results.get(n, {}) for n in ('tta_vmap', 'tta_loop')):
     lines.append(f"\ntta vmapped / tta loop = "
                  f"{results['tta_vmap']['seconds'] / results['tta_loop']['seconds']:.2f}")

@@ -29,6 +29,10 @@ _DISTRIBUTED = flags.DEFINE_bool('distributed', False,
 _COORDINATOR = flags.DEFINE_string('coordinator', None, 'HOST:PORT of process 0 (multi-host).')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Number of hosts (multi-host).')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This host\'s index (multi-host).')
+_COMPILATION_CACHE = flags.DEFINE_string(
+    'compilation_cache', '~/.cache/fedjax_shift/jax',
+    "JAX's persistent compilation cache: a re-run, a resumed run or another seed with the "
+    "same shapes reuses compiled programs ('' turns it off).")
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -41,6 +45,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> pipelines.Results:
 
 def main(argv):
   del argv
+  config = _CONFIG.value
+  if config.engine.deterministic:
+    # XLA's deterministic GPU ops: read when the backend starts, i.e. before any array is
+    # made; on CPU XLA is deterministic already and this is a no-op.
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                               ' --xla_gpu_deterministic_ops=true').strip()
   if _DISTRIBUTED.value:
     import jax
     jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
@@ -53,7 +63,11 @@ def main(argv):
   log.addHandler(handler)
   log.setLevel(logging.INFO)
   log.propagate = False
-  train(_CONFIG.value, _WORKDIR.value)
+  if _COMPILATION_CACHE.value:
+    import jax
+    jax.config.update('jax_compilation_cache_dir', os.path.expanduser(_COMPILATION_CACHE.value))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+  train(config, _WORKDIR.value)
 
 
 if __name__ == '__main__':

@@ -19,7 +19,7 @@ from fedjax_shift.adapters.surgical import surgical
 from fedjax_shift.adapters.t3a import Supports, merge, t3a
 from fedjax_shift.core.test_time import AdaptBatch, build_test_time
 from fedjax_shift.data.augment import augment_many
-from helpers import toy_clients
+from helpers import backend_tolerance, toy_clients
 
 NUM_CLASSES = 3
 ADAPTER_CONFIGS = {
@@ -81,7 +81,8 @@ def test_vmapped_clients_equal_python_loop_and_no_nan(name, mode):
   for k in range(data.num_clients):
     one = run(variables, data.take([k]), jax.random.key(3), jnp.array([k]))
     for field in ('correct', 'loss', 'count'):
-      np.testing.assert_allclose(together[field][k], one[field][0], rtol=2e-5, atol=1e-5)
+      np.testing.assert_allclose(together[field][k], one[field][0],
+                                 **backend_tolerance(2e-5, 1e-5))
     np.testing.assert_array_equal(together['predictions'][k], one['predictions'][0])
 
 
@@ -168,7 +169,7 @@ def test_memo_marginal_entropy_and_augmentations():
   data, _, _ = toy_clients([5], num_classes=NUM_CLASSES)
   run = lambda adapter: build_test_time(adapter, 4)(variables, data, jax.random.key(0))
   np.testing.assert_allclose(run(memo(module, 4, learning_rate=0.0))['loss'],
-                             run(no_adapt(module))['loss'], rtol=1e-5)
+                             run(no_adapt(module))['loss'], **backend_tolerance(1e-5))
 
 
 def test_surgical_changes_only_its_block_and_rejects_unknown_blocks():

@@ -15,7 +15,7 @@ from fedjax_shift.core import local
 from fedjax_shift.core.round import (HostStore, RoundConfig, aggregation_weights, build_round,
                                      round_key, sample_cohort, stack_client_states)
 from fedjax_shift.data.federated import FederatedData
-from helpers import tiny_config, toy_clients
+from helpers import backend_tolerance, tiny_config, toy_clients
 
 NUM_CLASSES = 3
 
@@ -357,8 +357,8 @@ def test_loop_backend_equals_compiled_round(name):
     np.testing.assert_array_equal(a.metrics['cohort'], b.metrics['cohort'])
     a_server, a_clients, b_server, b_clients = (a.server_state, a.client_states,
                                                 b.server_state, b.client_states)
-  chex.assert_trees_all_close(a_server, b_server, atol=1e-5)
-  chex.assert_trees_all_close(a_clients, b_clients, atol=1e-5)
+  chex.assert_trees_all_close(a_server, b_server, **backend_tolerance(1e-6, 1e-5))
+  chex.assert_trees_all_close(a_clients, b_clients, **backend_tolerance(1e-6, 1e-5))
 
 
 def test_loop_backend_names_failing_client():

@@ -265,8 +265,10 @@ def _build_loop_round(algorithm: FederatedAlgorithm, config: RoundConfig):
     for slot in range(config.cohort_size):
       one = lambda tree: jax.tree.map(lambda leaf: leaf[slot], tree)
       try:
-        results.append(client_update(server_state, one(cohort_states), one(data),
-                                     client_keys[slot]))
+        # Block inside the try: on an accelerator a client's error (e.g. from a
+        # callback) surfaces only when its result is awaited.
+        results.append(jax.block_until_ready(client_update(
+            server_state, one(cohort_states), one(data), client_keys[slot])))
       except Exception as err:
         raise RuntimeError(f'client_update failed for client {int(cohort_ids[slot])} '
                            f'(cohort slot {slot}): {err}') from err

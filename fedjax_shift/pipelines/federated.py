@@ -34,7 +34,8 @@ from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
 from fedjax_shift.metrics import MetricsWriter
 from fedjax_shift.pipelines import workdir as workdir_lib
-from fedjax_shift.pipelines.base import (PIPELINES, Results, algorithm_names, check_run,
+from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
+                                         check_run,
                                          eval_adapter_specs, hardware, round_backend,
                                          run_fields)
 
@@ -106,6 +107,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
                        algorithm: Optional[FederatedAlgorithm] = None,
                        log_state: Optional[Callable[[object], Dict[str, float]]] = None
                        ) -> Dict[str, object]:
+  """``_train_and_evaluate`` with the seconds spent compiling written to results.json
+  ('compile_seconds': tracing, lowering and XLA compilation of every function the run
+  compiled)."""
+  with CompileClock() as clock:
+    result = _train_and_evaluate(config, workdir, algorithm_name, seed, bench, algorithm,
+                                 log_state, clock)
+  return result
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
+                        seed: int, bench: Optional[Benchmark], algorithm, log_state,
+                        clock: 'CompileClock') -> Dict[str, object]:
   """Trains one method with one seed in ``workdir`` (resuming if it holds a
   checkpoint); returns {'algorithm', 'seed', 'metrics', 'rounds', 'train_seconds',
   'server_state'} ('server_state' is not written to results.json).
@@ -283,7 +296,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
     summary = evaluate(server_state, client_states)
   result = {'algorithm': algorithm_name, 'seed': seed, 'metrics': summary,
             'rounds': config.rounds, 'train_seconds': elapsed, 'hardware': hardware(),
-            'uploaded_parameters': upload}
+            'uploaded_parameters': upload, 'compile_seconds': round(clock.seconds, 3)}
   with open(os.path.join(workdir, 'results.json'), 'w') as f:
     json.dump(result, f, indent=1)
   return {**result, 'server_state': server_state}
