@@ -72,6 +72,16 @@ def _ranges(values: List[int]) -> str:
   return ', '.join(out)
 
 
+def read_json(path: str, advice: str) -> Dict:
+  """A run's JSON file (results.json, run.json, config.json); one that does not parse
+  is a ValueError naming it, followed by ``advice``."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as err:
+    raise ValueError(f'{path} is not valid JSON ({err}); {advice}') from None
+
+
 def read_metrics(path: str) -> List[Dict]:
   """The records of ``path`` ([] if absent). A malformed last line (cut by a kill) is
   dropped with a warning; a malformed line before it is a ValueError naming it."""

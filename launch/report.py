@@ -13,7 +13,6 @@ or several) and Table 3 where a run trained α on several shifts. --kind=evolvin
 column pair per workdir; --kind=straggler its Table 6: one Client column per workdir.
 Mean ± std over the seeds each run used; --out writes markdown.
 """
-import json
 import os
 import sys
 
@@ -21,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from fedjax_shift import report  # noqa: E402
+from fedjax_shift import metrics, report  # noqa: E402
 
 _WORKDIRS = flags.DEFINE_list('workdirs', None, 'Test-time pipeline workdirs.')
 _OUT = flags.DEFINE_string('out', '', 'Write the markdown here.')
@@ -33,12 +32,8 @@ flags.mark_flags_as_required(['workdirs'])
 
 def read_json(path: str):
   """A results/config file; an unreadable one is an error naming it."""
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except json.JSONDecodeError as err:
-    raise ValueError(f'{path} is not valid JSON ({err}): was its run interrupted while '
-                     f'writing it? Re-run that workdir to rewrite it') from None
+  return metrics.read_json(path, 'was its run interrupted while writing it? Re-run that '
+                                 'workdir to rewrite it')
 
 
 def load(workdirs):

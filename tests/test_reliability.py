@@ -11,8 +11,6 @@ import subprocess
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
@@ -21,7 +19,7 @@ from fedjax_shift import pipelines
 from fedjax_shift import config as config_lib
 from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.checkpoint import CheckpointMismatchError, Checkpointer
-from fedjax_shift.data.federated import FederatedData, stack_clients, validate
+from fedjax_shift.data.federated import stack_clients, validate
 from fedjax_shift.metrics import MetricsWriter, read_metrics
 from fedjax_shift.pipelines.federated import train_and_evaluate
 from fedjax_shift.pipelines.workdir import RunMismatchError, WorkdirBusyError, WorkdirLock

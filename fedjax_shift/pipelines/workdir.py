@@ -28,6 +28,8 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import ml_collections
 
+from fedjax_shift.metrics import read_json
+
 log = logging.getLogger('fedjax_shift')
 
 RESUME_CHOICES = ('', 'extend')
@@ -77,12 +79,8 @@ def fingerprint(fields: Dict[str, str]) -> str:
 
 
 def _read_json(path: str) -> dict:
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except json.JSONDecodeError as err:
-    raise ValueError(f'{path} is not valid JSON ({err}); it records which configuration '
-                     f'this run belongs to: restore it or use a new --workdir') from None
+  return read_json(path, 'it records which configuration this run belongs to: restore it '
+                         'or use a new --workdir')
 
 
 def check_run_dir(run_dir: str, fields: Dict[str, str], rounds: int, resume: str) -> None:
