@@ -179,3 +179,70 @@ def test_alpha_training_lowers_source_loss():
     state = out.server_state
     losses.append(float(out.metrics['loss']))
   assert losses[-1] < losses[0]
+
+
+def test_variance_clamp_rules_on_a_hand_built_clamped_case():
+  """A running variance r pushed below 0 by α_var·h_var (α_var > r/(r − b) on some
+  channels, below it on others): the forward value is clamped at 0 either
+  way; α_var's gradient is −Σ_c g_c·h_c over every channel with the authors'
+  straight-through rule, and over the unclamped channels only with 'zero', where g is
+  ∂CE/∂(adapted variance) at the clamped model."""
+  module, variables, x, y = setup()
+  h, _ = atp_lib.update_direction(module, variables, x, jnp.ones(6))
+  alpha = jax.tree.map(jnp.zeros_like, atp_lib.init_alpha(variables))
+  path = ('batch_stats', 'encoder', 'BatchNorm_0', 'var')
+  get = lambda tree: tree[path[0]][path[1]][path[2]][path[3]]
+  running, direction = get(variables), get(h)
+  # α_var between the channels' thresholds r / h (h = r − b > 0): some clamp, some not.
+  thresholds = np.sort(np.asarray(running / direction)[np.asarray(direction) > 0])
+  rate = float(thresholds[len(thresholds) // 2]) * 1.001
+  alpha['batch_stats']['encoder']['BatchNorm_0']['var'] = jnp.float32(rate)
+  adapted = running - rate * direction
+  clamped = adapted < 0
+  assert clamped.any() and (~clamped).any()  # both kinds of channel
+  weight = jnp.ones(6)
+  at = {'straight_through': atp_lib.adapted_variables(variables, alpha, h, 'straight_through'),
+        'zero': atp_lib.adapted_variables(variables, alpha, h, 'zero')}
+  np.testing.assert_allclose(get(at['zero']), np.maximum(adapted, 0.0))
+  chex.assert_trees_all_equal(at['zero'], at['straight_through'])  # same forward
+
+  def ce(adapted_variables):
+    logits = models.apply(module, adapted_variables, x, 'eval')[0]
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+  g = get(jax.grad(ce, allow_int=True)(at['zero']))
+  for clamp, keep in (('straight_through', np.ones_like(clamped)), ('zero', ~clamped)):
+    grad = jax.grad(lambda a: atp_lib.alpha_loss(module, variables, a, h, x, y, weight,
+                                                 clamp))(alpha)
+    expected = -np.sum(np.asarray(g) * np.asarray(direction) * keep)
+    np.testing.assert_allclose(get(grad), expected, rtol=1e-4, atol=1e-7)
+
+
+def test_float64_round_of_fedavg_and_of_alpha_training():
+  """Under x64 every scan carry follows the loss dtype: one FedAvg round and one ATP
+  α round run in float64 and give finite results."""
+  from fedjax_shift import algorithms
+  from fedjax_shift.core.round import stack_client_states
+  with jax.enable_x64(True):
+    data, _, _ = toy_clients([4, 5, 6], num_classes=NUM_CLASSES, pad_to=6, seed=2)
+    data = data._replace(x=data.x.astype(np.float64))
+    config = tiny_config(**{'model.name': 'bn_mlp', 'client.batch_size': 3})
+    module = models.create(config.model, NUM_CLASSES)
+    fedavg = algorithms.build('fedavg', config, module, data.max_examples)
+    server = fedavg.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
+    server = jax.tree.map(lambda a: a.astype(jnp.float64) if jnp.issubdtype(
+        a.dtype, jnp.floating) else a, server)
+    clients = stack_client_states(fedavg, server, data.num_clients)
+    out = build_round(fedavg, RoundConfig(cohort_size=3))[0](server, clients, data,
+                                                             round_key(jax.random.key(0), 0))
+    assert out.server_state.variables['params']['head']['kernel'].dtype == jnp.float64
+    assert out.metrics['loss'].dtype == jnp.float64 or np.isfinite(out.metrics['loss'])
+    chex.assert_tree_all_finite(out.server_state.variables)
+    config.atp.batch_size = 3
+    alpha_training = atp_training(config.atp, module, data.max_examples,
+                                  out.server_state.variables)
+    state = alpha_training.init(jax.random.key(1), jnp.asarray(data.x[0, :1]))
+    alpha_out = build_round(alpha_training, RoundConfig(cohort_size=3, weighting='uniform'))[0](
+        state, (), data, round_key(jax.random.key(0), 1))
+    chex.assert_tree_all_finite(alpha_out.server_state.alpha)
+    assert np.isfinite(float(alpha_out.metrics['loss']))

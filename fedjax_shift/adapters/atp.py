@@ -88,8 +88,27 @@ def update_direction(module, variables, x: jax.Array, weight: jax.Array
   return jax.lax.stop_gradient(h), logits
 
 
-def adapted_variables(variables, alpha: Alpha, h: Alpha):
-  """θ' = θ − α ⊙ h per module; adapted running variances clamped at ≥ 0."""
+# How α's gradient passes the clamp of adapted running variances at 0 (the forward value
+# is max(v, 0) either way):
+#   'straight_through'  the authors' code: it clamps in place and dots ∂CE/∂θ' with the
+#                       unclamped h, i.e. the clamp has derivative 1 (the default).
+#   'zero'              the clamp's own derivative: clamped entries contribute 0.
+# They differ when α_var > r / (r − b) for a channel (r running, b batch variance).
+VARIANCE_CLAMPS = ('straight_through', 'zero')
+
+
+def clamp_variance(v: jax.Array, clamp: str) -> jax.Array:
+  if clamp == 'straight_through':
+    return v + jax.lax.stop_gradient(jnp.maximum(v, 0.0) - v)
+  if clamp == 'zero':
+    return jnp.maximum(v, 0.0)
+  raise ValueError(f'config.atp.variance_clamp: unknown {clamp!r}; choose from '
+                   f'{list(VARIANCE_CLAMPS)}')
+
+
+def adapted_variables(variables, alpha: Alpha, h: Alpha, clamp: str = 'straight_through'):
+  """θ' = θ − α ⊙ h per module; adapted running variances clamped at ≥ 0 (``clamp``
+  says how α's gradient passes the clamp: VARIANCE_CLAMPS)."""
   params = jax.tree.map(lambda w, a, d: w - a * d, variables['params'], alpha['params'],
                         h['params'])
   out = {**variables, 'params': params}
@@ -97,16 +116,16 @@ def adapted_variables(variables, alpha: Alpha, h: Alpha):
     stats = jax.tree.map(lambda s, a, d: s - a * d, variables['batch_stats'],
                          alpha['batch_stats'], h['batch_stats'])
     flat = traverse_util.flatten_dict(stats)
-    flat = {p: jnp.maximum(v, 0.0) if p[-1] == 'var' else v for p, v in flat.items()}
+    flat = {p: clamp_variance(v, clamp) if p[-1] == 'var' else v for p, v in flat.items()}
     out['batch_stats'] = traverse_util.unflatten_dict(flat)
   return out
 
 
 def alpha_loss(module, variables, alpha: Alpha, h: Alpha, x: jax.Array, y: jax.Array,
-               weight: jax.Array) -> jax.Array:
+               weight: jax.Array, clamp: str = 'straight_through') -> jax.Array:
   """Masked mean CE of the adapted model θ − α⊙h (eval mode: the adapted running
   statistics normalise, so the CE gradient reaches the BN-statistic rates)."""
-  logits = models.apply(module, adapted_variables(variables, alpha, h), x, 'eval')[0]
+  logits = models.apply(module, adapted_variables(variables, alpha, h, clamp), x, 'eval')[0]
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
   return masked_mean(losses, weight)
 

@@ -74,7 +74,8 @@ def atp_training(atp_config: ml_collections.ConfigDict, module, max_examples: in
     def loss_fn(alpha, model_state, x, y, weight, step_rng):
       del step_rng
       h, _ = atp_adapter.update_direction(module, variables, x, weight)
-      return atp_adapter.alpha_loss(module, variables, alpha, h, x, y, weight), model_state
+      return atp_adapter.alpha_loss(module, variables, alpha, h, x, y, weight,
+                                    atp_config.variance_clamp), model_state
 
     alpha, _, _, metrics = local_train(loss_fn, alpha_optimizer(atp_config, variables),
                                        server_state.alpha, (), data, rng, schedule)

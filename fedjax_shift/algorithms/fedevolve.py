@@ -103,7 +103,7 @@ def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
         new_params = optax.apply_updates(params, updates)
         active = it < budget
         return (select(active, new_params, params), select(active, new_opt, opt_state),
-                loss_sum + jnp.where(active, loss, 0.0)), None
+                loss_sum + jnp.where(active, loss, 0.0).astype(loss_sum.dtype)), None
 
       carry, _ = jax.lax.scan(pair, carry, jnp.arange(layout.num_domains - 1))
       return carry, None

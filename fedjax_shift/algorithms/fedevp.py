@@ -88,7 +88,8 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
         new_protos = jnp.where(seen, mixed, protos)
         active = it < budget
         return (select(active, new_params, params), select(active, new_opt, opt_state),
-                new_protos, domains_seen, loss_sum + jnp.where(active, loss, 0.0)), None
+                new_protos, domains_seen,
+                loss_sum + jnp.where(active, loss, 0.0).astype(loss_sum.dtype)), None
 
       params, opt_state, loss_sum = carry
       empty = (jnp.zeros((num_classes, features_dim)), jnp.zeros((num_classes,)))

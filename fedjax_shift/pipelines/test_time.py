@@ -75,6 +75,9 @@ SECTIONS = {
         'batch_size': 20,             # batch 20
         'local_epochs': 1,            # one pass over the client's 40 held-out samples
         'local_steps': 0,             # > 0: fixed α steps per round instead
+        # α's gradient through the clamp of adapted variances at 0 (adapters/atp.py):
+        # 'straight_through' as the authors' code, or 'zero' (this library before issue 17).
+        'variance_clamp': 'straight_through',
     },
 }
 
@@ -105,6 +108,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
           f'unknown {atp.scaling!r}; choose from {list(atp_lib.SCALINGS)}')
   require(atp.optimizer in OPTIMIZERS, 'atp.optimizer',
           f'unknown {atp.optimizer!r}; choose from {list(OPTIMIZERS)}')
+  require(atp.variance_clamp in atp_lib.VARIANCE_CLAMPS, 'atp.variance_clamp',
+          f'unknown {atp.variance_clamp!r}; choose from {list(atp_lib.VARIANCE_CLAMPS)}')
   require(atp.rounds >= 1, 'atp.rounds', f'must be >= 1, got {atp.rounds}')
   require(atp.learning_rate > 0, 'atp.learning_rate', f'must be > 0, got {atp.learning_rate}')
   require(atp.batch_size >= 1, 'atp.batch_size', f'must be >= 1, got {atp.batch_size}')
