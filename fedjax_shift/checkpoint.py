@@ -30,13 +30,19 @@ class CheckpointMismatchError(ValueError):
   """A checkpoint holds a state of other shapes than the run's template."""
 
 
+def check_keep(keep: int) -> None:
+  """``config.keep_checkpoints`` must be >= 1: the final checkpoint is what a re-run
+  resumes from."""
+  if keep < 1:
+    raise ValueError(f'config.keep_checkpoints: must be >= 1 (the final checkpoint is '
+                     f'what a re-run resumes from), got {keep}')
+
+
 class Checkpointer:
   """Saves every ``every`` rounds into ``directory``, keeps the last ``keep`` (>= 1)."""
 
   def __init__(self, directory: str, every: int, keep: int):
-    if keep < 1:
-      raise ValueError(f'config.keep_checkpoints: must be >= 1 (the final checkpoint is '
-                       f'what a re-run resumes from), got {keep}')
+    check_keep(keep)
     self.every = every
     self.directory = os.path.abspath(directory)
     self.options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,

@@ -30,14 +30,15 @@ class MetricsWriter:
 
   def __init__(self, directory: str, resume_round: int | None):
     self.path = os.path.join(directory, 'metrics.jsonl')
-    records = read_metrics(self.path)
-    kept = [r for r in records if resume_round is not None and r['round'] <= resume_round]
+    text = ''
     if os.path.exists(self.path):
       with open(self.path) as f:
         text = f.read()
-      lines = sum(1 for line in text.splitlines() if line.strip())
-      if len(kept) == lines and (not text or text.endswith('\n')):
-        return  # nothing to drop: append after the existing records
+    records = parse_metrics(text, self.path)
+    kept = [r for r in records if resume_round is not None and r['round'] <= resume_round]
+    lines = sum(1 for line in text.splitlines() if line.strip())
+    if text and len(kept) == lines and text.endswith('\n'):
+      return  # nothing to drop: append after the existing records
     if len(kept) < len(records):
       backup = f'{self.path}.before_resume_{resume_round or 0}'
       shutil.copyfile(self.path, backup)
@@ -83,12 +84,19 @@ def read_json(path: str, advice: str) -> Dict:
 
 
 def read_metrics(path: str) -> List[Dict]:
-  """The records of ``path`` ([] if absent). A malformed last line (cut by a kill) is
-  dropped with a warning; a malformed line before it is a ValueError naming it."""
+  """The records of ``path`` ([] if absent); see ``parse_metrics``."""
   if not os.path.exists(path):
     return []
   with open(path) as f:
-    lines = [(number, line.strip()) for number, line in enumerate(f, 1) if line.strip()]
+    return parse_metrics(f.read(), path)
+
+
+def parse_metrics(text: str, path: str) -> List[Dict]:
+  """The records of metrics.jsonl ``text`` read from ``path``. A malformed last line
+  (cut by a kill) is dropped with a warning; a malformed line before it is a
+  ValueError naming it."""
+  lines = [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1)
+           if line.strip()]
   records = []
   for i, (number, line) in enumerate(lines):
     try:

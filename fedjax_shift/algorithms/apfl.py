@@ -18,6 +18,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean
+from fedjax_shift.registry import require
 
 
 def mix(alpha: float, personal, global_params):
@@ -25,14 +26,12 @@ def mix(alpha: float, personal, global_params):
 
 
 def check(hparams: ml_collections.ConfigDict) -> None:
-  if not 0.0 <= hparams.alpha <= 1.0:
-    raise ValueError(f'config.apfl.alpha: must be in [0, 1], got {hparams.alpha}')
+  require(0.0 <= hparams.alpha <= 1.0, 'apfl.alpha', f'must be in [0, 1], got {hparams.alpha}')
 
 
 @base.ALGORITHMS.register('apfl', defaults={'alpha': 0.5},  # fixed mixing α (our default)
                           check=check)
 def apfl(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
-  check(hparams)
   alpha = hparams.alpha
   module = context.module
   server_opt, client_opt, schedule = (context.server_optimizer, context.client_optimizer,

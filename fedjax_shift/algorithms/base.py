@@ -114,8 +114,10 @@ def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
 
 def build(name: str, config: ml_collections.ConfigDict, module, max_examples: int,
           info: Optional[dict] = None):
-  """The registered algorithm ``name`` with its section ``config.<name>``."""
+  """The registered algorithm ``name`` with its section ``config.<name>``, checked
+  first (unknown fields, the method's registered ``check``)."""
   builder = ALGORITHMS.get(name, 'config.algorithms')
+  ALGORITHMS.check(name, config[name], f'config.{name}')
   return builder(config[name], build_context(config, module, max_examples, info))
 
 

@@ -17,17 +17,16 @@ from fedjax_shift.algorithms.fedavg import fedavg
 from fedjax_shift.algorithms.fedprox import proximal_term
 from fedjax_shift.core.algorithm import FederatedAlgorithm
 from fedjax_shift.core.local import local_train
+from fedjax_shift.registry import require
 
 
 def check(hparams: ml_collections.ConfigDict) -> None:
-  if hparams.lam < 0:
-    raise ValueError(f'config.ditto.lam: must be >= 0, got {hparams.lam}')
+  require(hparams.lam >= 0, 'ditto.lam', f'must be >= 0, got {hparams.lam}')
 
 
 @base.ALGORITHMS.register('ditto', defaults={'lam': 0.1},  # λ (FedEvolve App. D: 0.1)
                           check=check)
 def ditto(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
-  check(hparams)
   lam = hparams.lam
   module = context.module
   global_part = fedavg(ml_collections.ConfigDict(), context)

@@ -12,6 +12,7 @@ import ml_collections
 from fedjax_shift.algorithms import base
 from fedjax_shift.algorithms.fedavg import fedavg
 from fedjax_shift.core.algorithm import FederatedAlgorithm
+from fedjax_shift.registry import require
 
 
 def proximal_term(mu: float):
@@ -27,13 +28,11 @@ def proximal_term(mu: float):
 
 
 def check(hparams: ml_collections.ConfigDict) -> None:
-  if hparams.mu < 0:
-    raise ValueError(f'config.fedprox.mu: must be >= 0, got {hparams.mu}')
+  require(hparams.mu >= 0, 'fedprox.mu', f'must be >= 0, got {hparams.mu}')
 
 
 @base.ALGORITHMS.register('fedprox', defaults={'mu': 0.01},  # μ (ATP Table 7: 0.01)
                           check=check)
 def fedprox(hparams: ml_collections.ConfigDict, context: base.BuildContext
             ) -> FederatedAlgorithm:
-  check(hparams)
   return fedavg(hparams, context, extra_loss_fn=proximal_term(hparams.mu))

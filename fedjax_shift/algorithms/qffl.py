@@ -22,6 +22,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import masked_mean
+from fedjax_shift.registry import require
 
 
 def client_loss(module, variables, data) -> jax.Array:
@@ -32,14 +33,12 @@ def client_loss(module, variables, data) -> jax.Array:
 
 
 def check(hparams: ml_collections.ConfigDict) -> None:
-  if hparams.q < 0:
-    raise ValueError(f'config.qffl.q: must be >= 0, got {hparams.q}')
+  require(hparams.q >= 0, 'qffl.q', f'must be >= 0, got {hparams.q}')
 
 
 @base.ALGORITHMS.register('qffl', defaults={'q': 1.0},  # q (ATP Table 7: q = 1)
                           check=check)
 def qffl(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
-  check(hparams)
   q = float(hparams.q)
   lipschitz = 1.0 / context.client_learning_rate
   module, server_opt = context.module, context.server_optimizer

@@ -223,10 +223,8 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
     return round_on_cohort(server_state, client_states, cohort, cohort_ids, key)
 
   donate_argnums = (0, 1) if donate else ()
-  if rounds_per_call > 1:
-    return (jax.jit(_scan_rounds(round_device), donate_argnums=donate_argnums),
-            jax.jit(round_on_cohort, donate_argnums=donate_argnums))
-  return (jax.jit(round_device, donate_argnums=donate_argnums),
+  on_device = _scan_rounds(round_device) if rounds_per_call > 1 else round_device
+  return (jax.jit(on_device, donate_argnums=donate_argnums),
           jax.jit(round_on_cohort, donate_argnums=donate_argnums))
 
 

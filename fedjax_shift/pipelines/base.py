@@ -20,7 +20,7 @@ from typing import Any, Dict, NamedTuple, Tuple
 import jax
 import ml_collections
 
-from fedjax_shift import models
+from fedjax_shift import checkpoint, models
 from fedjax_shift.algorithms import ALGORITHMS, base
 from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.core.round import BACKENDS, SAMPLING, WEIGHTING
@@ -160,9 +160,7 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   require(len(set(seeds)) == len(seeds), 'seeds',
           f'names a seed twice ({list(seeds)}): each (method, seed) is one run')
   check_finite(config)
-  require(config.keep_checkpoints >= 1, 'keep_checkpoints',
-          f'must be >= 1 (the final checkpoint is what a re-run resumes from), got '
-          f'{config.keep_checkpoints}')
+  checkpoint.check_keep(config.keep_checkpoints)
   require(config.resume in workdir_lib.RESUME_CHOICES, 'resume',
           f'unknown {config.resume!r}; choose from {list(workdir_lib.RESUME_CHOICES)} '
           f"('extend': continue finished runs to a larger config.rounds)")
