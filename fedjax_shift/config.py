@@ -55,7 +55,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.name = 'mlp'              # other fields are the model builder's keyword arguments
-  c.model.conv = 'auto'             # 'lax' | 'patches' | 'auto' (patches on GPU/TPU; models/)
+  c.model.conv = 'auto'             # 'lax' | 'patches' | 'lax_patch_grad' | 'auto' (models/)
 
   c.client = ml_collections.ConfigDict()
   c.client.optimizer = 'sgd'

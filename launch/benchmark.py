@@ -51,8 +51,9 @@ flags.DEFINE_integer('repeats', 5, 'Timed repeats after one warm-up (median repo
 flags.DEFINE_string('unroll', 'true', "lax.scan unroll of local steps: 'true', 'false' or an int.")
 flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a).')
 flags.DEFINE_integer('rounds_per_call', 5, 'R of the rounds_calls / rounds_scan cases.')
-flags.DEFINE_enum('conv', 'auto', ['auto', 'lax', 'patches'],
-                  'config.model.conv: how convolutions are computed (auto: patches on GPU/TPU).')
+flags.DEFINE_enum('conv', 'auto', ['auto', 'lax', 'patches', 'lax_patch_grad'],
+                  'config.model.conv: how convolutions are computed (auto: patches on '
+                  'GPU/TPU, lax_patch_grad on CPU).')
 flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch', 'torch_vmap', 'loop_backend'],
                   'Cases to run (loop_backend: the engine round with backend=loop; '
                   'tta_vmap / tta_loop: test-time Tent over the clients as target clients).')

@@ -147,6 +147,46 @@ def test_round_trains_and_evaluates_without_nan(name):
     assert 0.0 <= summary[f'{model}/test/accuracy'] <= 1.0
 
 
+def test_class_absent_from_last_source_domain_is_reported_and_never_predicted(caplog):
+  """Class 1 has no example in S_M (the last source domain) at any client: the
+  benchmark names it (info + a warning), FedEvolve's global and personalised
+  prototype heads mark it absent (bias ABSENT_LOGIT, finite prototypes), and no
+  prediction is class 1 — documented behaviour, never a NaN prototype."""
+  from fedjax_shift.algorithms.prototypes import ABSENT_LOGIT
+  from fedjax_shift.benchmarks.evolving import domain_blocks, absent_from_last_source
+  rng = np.random.default_rng(0)
+  domains_y = [rng.integers(0, 3, 60) for _ in range(4)]
+  domains_y[2] = np.where(domains_y[2] == 1, 0, domains_y[2])   # S_M = domain 2 lacks 1
+  domains_y[3][:5] = 1                                            # the target has it
+  domains_x = [rng.normal(size=(60, 2)).astype(np.float32) for _ in range(4)]
+  with caplog.at_level('WARNING', logger='fedjax_shift'):
+    assert absent_from_last_source(domains_y, 3) == [1]
+  assert 'classes [1] of the target domain' in caplog.text
+  train, test, size = domain_blocks(domains_x, domains_y, 2, 3, float('inf'), rng)
+  info = {'num_domains': 3, 'domain_size': size}
+  config = circle_config()
+  module = models.create(config.model, 3)
+  algorithm = algorithms.build('fedevolve', config, module, train.max_examples, info)
+  state = algorithm.init(jax.random.key(0), jnp.asarray(train.x[0, :1]))
+  round_device, _ = build_round(algorithm, RoundConfig(cohort_size=2, weighting='uniform'))
+  state = round_device(state, (), train, round_key(jax.random.key(1), 0)).server_state
+  chex.assert_tree_all_finite(state)
+  one = ClientData(*(jnp.asarray(a[0]) for a in train), jnp.int32(NO_STEP_LIMIT))
+  for variables in (algorithm.global_model(state),
+                    algorithm.personalize(state, (), one, jax.random.key(2))):
+    assert float(variables['params']['head']['bias'][1]) == ABSENT_LOGIT
+    logits, _ = models.apply(module, variables, jnp.asarray(test.x[0]))
+    chex.assert_tree_all_finite(logits)
+    assert 1 not in np.argmax(logits, -1).tolist()
+
+
+def test_fedevolve_feature_widths_of_phi_and_psi_must_agree():
+  from fedjax_shift.algorithms.fedevolve import check_feature_dims
+  assert check_feature_dims(jnp.zeros((2, 8)), jnp.zeros((2, 8))) == 8
+  with pytest.raises(ValueError, match=r'widths differ \(8 vs 4\)'):
+    check_feature_dims(jnp.zeros((2, 8)), jnp.zeros((2, 4)))
+
+
 def test_fedevolve_rejects_data_without_domain_blocks():
   config = circle_config()
   module = models.create(config.model, 2)

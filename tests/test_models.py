@@ -64,18 +64,19 @@ def _loss(module, variables, x):
   return jnp.sum(jnp.sin(logits))  # a loss whose gradient touches every logit
 
 
+@pytest.mark.parametrize('impl', ['patches', 'lax_patch_grad'])
 @pytest.mark.parametrize('name,shape', [
     ('atp_cnn', (3, 32, 32, 3)),       # VALID 3×3, no bias
     ('evolve_cnn', (3, 28, 28, 1)),    # SAME, stride 2, bias
     ('resnet18', (2, 16, 16, 3)),      # padding 1, stride 2, 1×1 projections
     ('wide_resnet', (2, 16, 16, 1)),   # pre-activation, 1×1 projections with stride
 ])
-def test_patches_convolution_equals_lax_values_and_gradients(name, shape):
+def test_conv_impl_equals_lax_values_and_gradients(name, shape, impl):
   """Same parameters (names, shapes, init); outputs and gradients equal to 1e-9 in
   float64, where the only difference left — the order of the same sums — is below
   it (in float32, BatchNorm over a batch of 2–3 amplifies that order to ~1e-4)."""
   lax_module = models.MODELS.get(name)(10, conv='lax')
-  patch_module = models.MODELS.get(name)(10, conv='patches')
+  patch_module = models.MODELS.get(name)(10, conv=impl)
   x32 = jax.random.normal(jax.random.key(1), shape)
   variables32 = models.init(lax_module, jax.random.key(0), x32)
   chex.assert_trees_all_equal(variables32, models.init(patch_module, jax.random.key(0), x32))
@@ -112,7 +113,8 @@ def test_patches_convolution_vmapped_over_clients_is_a_batched_matmul():
 
 
 def test_conv_choice_auto_and_bad_values():
-  assert models.conv_impl('auto') == ('lax' if jax.default_backend() == 'cpu' else 'patches')
+  assert models.conv_impl('auto') == ('lax_patch_grad' if jax.default_backend() == 'cpu'
+                                      else 'patches')
   with pytest.raises(ValueError, match=r"config.model.conv: unknown 'fft'"):
     models.conv_impl('fft')
   import ml_collections

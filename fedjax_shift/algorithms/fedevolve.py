@@ -48,12 +48,22 @@ def encoder_features(module, encoder_params, x):
   return models.features(module, {'params': {'encoder': encoder_params}}, x)
 
 
-@base.ALGORITHMS.register('fedevolve', layout='domains')  # domain-major client data
+def check_feature_dims(phi_features: jax.Array, psi_features: jax.Array) -> int:
+  """F, the shared feature width: f_ψ(x) is compared with prototypes of f_φ, so both
+  must give [B, F] features of one F (a mismatch would broadcast into a wrong
+  distance, not fail)."""
+  if phi_features.shape[-1] != psi_features.shape[-1]:
+    raise ValueError(f'FedEvolve compares f_psi features with f_phi prototypes: their widths '
+                     f'differ ({phi_features.shape[-1]} vs {psi_features.shape[-1]})')
+  return phi_features.shape[-1]
+
+
+@base.ALGORITHMS.register('fedevolve', defaults={'distance': 'euclidean'},  # Sec. 4.1
+                          layout='domains')  # domain-major client data
 def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
               ) -> FederatedAlgorithm:
   """Local iterations τ = the schedule's epochs, batches of its batch size, from
   domain-major data laid out as ``context.info`` says."""
-  del hparams
   module = context.module
   layout = layout_from_info(context.info, context.schedule.max_examples, 'fedevolve')
   if layout.num_domains < 2:
@@ -70,7 +80,8 @@ def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
     if any(set(v) != {'params'} for v in variables):
       raise ValueError('FedEvolve needs a model without BatchNorm statistics (evolve_cnn, mlp)')
     params = {'phi': variables[0]['params']['encoder'], 'psi': variables[1]['params']['encoder']}
-    dim = encoder_features(module, params['phi'], example_x).shape[-1]
+    dim = check_feature_dims(encoder_features(module, params['phi'], example_x),
+                             encoder_features(module, params['psi'], example_x))
     return FedEvolveState(params, server_opt.init(params), jnp.zeros((num_classes, dim)),
                           jnp.zeros((num_classes,), bool), jnp.int32(0))
 
@@ -78,7 +89,7 @@ def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
     protos, counts = class_prototypes(encoder_features(module, params['phi'], x_a), y_a, w_a,
                                       num_classes)
     return prototype_loss(encoder_features(module, params['psi'], x_b), y_b, w_b, protos,
-                          counts > 0)
+                          counts > 0, hparams.distance)
 
   grad_fn = jax.value_and_grad(pair_loss)
 
@@ -105,7 +116,8 @@ def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
         return (select(active, new_params, params), select(active, new_opt, opt_state),
                 loss_sum + jnp.where(active, loss, 0.0).astype(loss_sum.dtype)), None
 
-      carry, _ = jax.lax.scan(pair, carry, jnp.arange(layout.num_domains - 1))
+      carry, _ = jax.lax.scan(pair, carry, jnp.arange(layout.num_domains - 1),
+                              unroll=context.schedule.unroll)
       return carry, None
 
     params = server_state.params

@@ -94,7 +94,8 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
       params, opt_state, loss_sum = carry
       empty = (jnp.zeros((num_classes, features_dim)), jnp.zeros((num_classes,)))
       (params, opt_state, _, _, loss_sum), _ = jax.lax.scan(
-          domain, (params, opt_state) + empty + (loss_sum,), jnp.arange(layout.num_domains))
+          domain, (params, opt_state) + empty + (loss_sum,), jnp.arange(layout.num_domains),
+          unroll=context.schedule.unroll)
       return (params, opt_state, loss_sum), None
 
     features_dim = models.features(module, {'params': params}, data.x[:1]).shape[-1]

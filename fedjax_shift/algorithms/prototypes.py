@@ -23,17 +23,28 @@ def class_prototypes(features: jax.Array, labels: jax.Array, weight: jax.Array,
   return sums / jnp.maximum(counts, 1e-12)[:, None], counts
 
 
-def distances(features: jax.Array, prototypes: jax.Array) -> jax.Array:
-  """Euclidean distances [B, C] (the FedEvolve paper's d), smooth at 0."""
+DISTANCES = ('euclidean', 'squared_euclidean')
+
+
+def distances(features: jax.Array, prototypes: jax.Array, kind: str = 'euclidean'
+              ) -> jax.Array:
+  """Distances [B, C]: 'euclidean' (the FedEvolve paper's d; smooth at 0) or
+  'squared_euclidean' (Snell et al. 2017's d)."""
   sq = jnp.sum((features[:, None, :] - prototypes[None]) ** 2, -1)
+  if kind == 'squared_euclidean':
+    return sq
+  if kind != 'euclidean':
+    raise ValueError(f'unknown distance {kind!r}; choose from {list(DISTANCES)}')
   return jnp.sqrt(sq + 1e-12)
 
 
 def prototype_loss(features: jax.Array, labels: jax.Array, weight: jax.Array,
-                   prototypes: jax.Array, present: jax.Array) -> jax.Array:
+                   prototypes: jax.Array, present: jax.Array, distance: str = 'euclidean'
+                   ) -> jax.Array:
   """Mean over examples of −log softmax_y(−d(f(x), C)) over present classes
   (FedEvolve Eq. 4, FedEvp Eq. 6); examples whose class is absent are skipped."""
-  logits = jnp.where(present[None, :], -distances(features, prototypes), ABSENT_LOGIT)
+  logits = jnp.where(present[None, :], -distances(features, prototypes, distance),
+                     ABSENT_LOGIT)
   log_probs = jax.nn.log_softmax(logits, -1)
   picked = jnp.take_along_axis(log_probs, labels[:, None], 1)[:, 0]
   weight = weight * present[labels]

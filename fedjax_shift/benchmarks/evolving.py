@@ -23,6 +23,7 @@ distribution is fixed while its input distribution evolves.
 """
 from __future__ import annotations
 
+import logging
 from typing import List, Tuple
 
 import ml_collections
@@ -33,6 +34,8 @@ from fedjax_shift.benchmarks.base import (BENCHMARKS, Benchmark, check_dirichlet
 from fedjax_shift.data import sources
 from fedjax_shift.data.federated import FederatedData, stack_clients
 from fedjax_shift.registry import require
+
+log = logging.getLogger('fedjax_shift')
 
 
 def client_proportions(num_clients: int, num_classes: int, alpha: float,
@@ -56,6 +59,20 @@ def split_domain(labels: np.ndarray, proportions: np.ndarray, rng: np.random.Gen
     for k, piece in enumerate(np.split(idx, cuts)):
       parts[k].extend(piece.tolist())
   return [np.asarray(sorted(p), dtype=np.int64) for p in parts]
+
+
+def absent_from_last_source(domains_y: List[np.ndarray], num_classes: int) -> List[int]:
+  """Classes of the target domain with no example in the last source domain S_M at
+  any client. FedEvolve predicts with prototypes of S_M: such a class has no
+  prototype, is marked absent (prototypes.py) and is never predicted — its target
+  examples count as errors, never as a NaN prototype. Logged as a warning."""
+  absent = sorted(set(np.unique(domains_y[-1]).tolist()) -
+                  set(np.unique(domains_y[-2]).tolist()))
+  if absent:
+    log.warning('classes %s of the target domain have no example in the last source domain '
+                '(S_M) at any client: FedEvolve has no prototype for them and never predicts '
+                'them (of %d classes)', absent, num_classes)
+  return absent
 
 
 def domain_blocks(domains_x: List[np.ndarray], domains_y: List[np.ndarray], num_clients: int,
@@ -139,7 +156,9 @@ def rotated_digits(data_config: ml_collections.ConfigDict, seed: int) -> Benchma
   train, test, size = domain_blocks(domains_x, domains_y, data_config.num_clients,
                                     src.num_classes, data_config.dirichlet_alpha, rng)
   info = {'source': data_config.source, 'angles': angles, 'num_domains': len(angles) - 1,
-          'domain_size': size, 'target_angle': angles[-1]}
+          'domain_size': size, 'target_angle': angles[-1],
+          'classes_absent_from_last_source': absent_from_last_source(domains_y,
+                                                                     src.num_classes)}
   return Benchmark({'train': train, 'test': test}, src.num_classes, tuple(src.x.shape[1:]),
                    info)
 
@@ -158,7 +177,8 @@ def circle(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   x, y = sources.circle(data_config.num_domains, data_config.points_per_domain, seed)
   train, test, size = domain_blocks(list(x), list(y), data_config.num_clients, 2,
                                     data_config.dirichlet_alpha, rng)
-  info = {'source': 'circle', 'num_domains': len(x) - 1, 'domain_size': size}
+  info = {'source': 'circle', 'num_domains': len(x) - 1, 'domain_size': size,
+          'classes_absent_from_last_source': absent_from_last_source(list(y), 2)}
   return Benchmark({'train': train, 'test': test}, 2, (2,), info)
 
 
@@ -219,6 +239,9 @@ def timed_images(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark
                                     data_config.num_clients, len(images.class_names),
                                     data_config.dirichlet_alpha, rng)
   info = {'source': data_config.source, 'num_domains': num_domains - 1, 'domain_size': size,
-          'images_per_domain': counts.tolist(), 'class_names': list(images.class_names)}
+          'images_per_domain': counts.tolist(), 'class_names': list(images.class_names),
+          'classes_absent_from_last_source': absent_from_last_source(
+              [images.y[domain == m] for m in (num_domains - 2, num_domains - 1)],
+              len(images.class_names))}
   return Benchmark({'train': train, 'test': test}, len(images.class_names),
                    tuple(images.x.shape[1:]), info)

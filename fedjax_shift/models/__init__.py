@@ -48,8 +48,8 @@ def atp_cnn(num_classes: int, conv: str = 'lax') -> nn.Module:
 
 
 @MODELS.register('evolve_cnn')
-def evolve_cnn(num_classes: int, conv: str = 'lax') -> nn.Module:
-  return Classifier(EvolveCNNEncoder(conv=conv), num_classes)
+def evolve_cnn(num_classes: int, pool: str = 'flatten', conv: str = 'lax') -> nn.Module:
+  return Classifier(EvolveCNNEncoder(pool=pool, conv=conv), num_classes)
 
 
 @MODELS.register('resnet18')
@@ -64,10 +64,12 @@ def wide_resnet(num_classes: int, depth: int = 16, widen: int = 4, conv: str = '
 
 
 def conv_impl(choice: str) -> str:
-  """``config.model.conv``: 'lax' | 'patches' | 'auto' (patches on GPU/TPU, where a
-  vmapped lax convolution becomes a slow grouped convolution; lax on CPU)."""
+  """``config.model.conv``: 'lax' | 'patches' | 'lax_patch_grad' | 'auto'.
+  auto: 'patches' on GPU/TPU, where a vmapped lax convolution becomes a slow grouped
+  convolution; 'lax_patch_grad' on CPU, where XLA's kernel-gradient convolution runs
+  6–14× slower inside the rolled ``lax.scan`` of local steps (BENCHMARKS.md)."""
   if choice == 'auto':
-    return 'lax' if jax.default_backend() == 'cpu' else 'patches'
+    return 'lax_patch_grad' if jax.default_backend() == 'cpu' else 'patches'
   if choice not in CONV_IMPLS:
     raise ValueError(f'config.model.conv: unknown {choice!r}; choose from '
                      f'{list(CONV_IMPLS) + ["auto"]}')
