@@ -397,10 +397,13 @@ def test_fedavg_ft_personalises_by_local_fine_tuning():
   assert fedavg_ft.global_model(server) is server.variables
 
 
+@pytest.mark.parametrize('impl', ['patches', 'lax_patch_grad'])
 @pytest.mark.parametrize('name', ['fedavg', 'fedbn'])
-def test_round_with_patch_convolutions_equals_the_grouped_convolution_round(name):
+def test_round_with_patch_convolutions_equals_the_grouped_convolution_round(name, impl):
   """The compiled round vmapped over clients with 'patches' convolutions (batched
-  matmuls) equals the same round with lax convolutions (grouped under vmap): to 1e-7
+  matmuls), or lax convolutions whose kernel gradient is a patch matmul
+  ('lax_patch_grad'), equals the same round with lax convolutions (grouped under
+  vmap), local steps in a rolled scan: to 1e-7
   relative in float64 (float32 epsilon is 1.2e-7; in float32, BatchNorm over batches
   of 3 amplifies the different order of the same sums to ~1e-4 after a round)."""
   shape = (20, 20, 3) if name == 'fedbn' else (8, 8, 3)
@@ -408,7 +411,7 @@ def test_round_with_patch_convolutions_equals_the_grouped_convolution_round(name
   outputs = []
   with jax.enable_x64(True):
     data = data._replace(x=data.x.astype(np.float64))
-    for conv in ('lax', 'patches'):
+    for conv in ('lax', impl):
       config = tiny_config(**{'client.batch_size': 3})
       config.model = ml_collections.ConfigDict({'name': 'atp_cnn' if name == 'fedbn' else
                                                 'evolve_cnn', 'conv': conv})

@@ -30,10 +30,11 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.algorithms.domains import domain_batch, domain_block, layout_from_info
-from fedjax_shift.algorithms.prototypes import (class_prototypes, prototype_head,
+from fedjax_shift.algorithms.prototypes import (DISTANCES, class_prototypes, prototype_head,
                                                 prototype_loss)
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import select
+from fedjax_shift.registry import require
 
 
 class FedEvolveState(NamedTuple):
@@ -58,7 +59,14 @@ def check_feature_dims(phi_features: jax.Array, psi_features: jax.Array) -> int:
   return phi_features.shape[-1]
 
 
-@base.ALGORITHMS.register('fedevolve', defaults={'distance': 'euclidean'},  # Sec. 4.1
+def check(hparams: ml_collections.ConfigDict) -> None:
+  require(hparams.distance in DISTANCES, 'fedevolve.distance',
+          f'choose from {list(DISTANCES)}, got {hparams.distance!r}')
+
+
+# d of Eq. 4: 'euclidean' (Sec. 4.1: "we employ Euclidean distance") or
+# 'squared_euclidean' (Snell et al. 2017).
+@base.ALGORITHMS.register('fedevolve', defaults={'distance': 'euclidean'}, check=check,
                           layout='domains')  # domain-major client data
 def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
               ) -> FederatedAlgorithm:
