@@ -39,8 +39,8 @@ class BuildContext(NamedTuple):
     server_optimizer: the server optimizer from ``config.server`` (SGD lr 1 = FedAvg).
     schedule: local steps per round (batch size, epochs or steps, padded N, unroll).
     client_learning_rate: η of ``config.client`` (q-FFL's Lipschitz estimate 1/η).
-    info: the benchmark's ``Benchmark.info`` (evolving shifts: 'num_domains',
-      'domain_size'); {} when the caller has none.
+    info: the ``BUILD_INFO`` fields of the benchmark's ``Benchmark.info`` that it
+      has (evolving shifts: 'num_domains', 'domain_size'); {} when it has none.
   """
   module: Any
   client_optimizer: optax.GradientTransformation
@@ -100,6 +100,17 @@ def check_training(config: ml_collections.ConfigDict) -> None:
            f'must be >= 0, got {config.client.local_steps}')
 
 
+# The Benchmark.info fields a builder may read. Only these reach BuildContext.info,
+# so a built method depends on the data only through them, the padded N and the
+# example shape: the federated pipeline reuses a built method (and its compiled round)
+# across seeds whose values agree. Add a field here when a builder needs one.
+BUILD_INFO = ('num_domains', 'domain_size')
+
+
+def build_info(info: Optional[dict]) -> dict:
+  return {key: info[key] for key in BUILD_INFO if key in (info or {})}
+
+
 def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
                   info: Optional[dict] = None) -> BuildContext:
   """The engine's part of a builder's input, from ``config.client``, ``config.server``
@@ -109,7 +120,7 @@ def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
                            num_steps=c.local_steps, max_examples=max_examples,
                            unroll=config.engine.unroll)
   return BuildContext(module, client_optimizer(c), server_optimizer(config.server), schedule,
-                      float(c.learning_rate), dict(info or {}))
+                      float(c.learning_rate), build_info(info))
 
 
 def build(name: str, config: ml_collections.ConfigDict, module, max_examples: int,

@@ -64,6 +64,7 @@ def _on_duration(event: str, seconds: float, **kwargs) -> None:
   if event in _COMPILE_EVENTS:
     for clock in _ACTIVE_CLOCKS:
       clock.seconds += seconds
+      clock.compilations += event == _COMPILE_EVENTS[-1]
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
@@ -71,11 +72,13 @@ jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 class CompileClock:
   """Seconds JAX spends tracing, lowering and compiling while the clock is active
-  (``with CompileClock() as clock: ...; clock.seconds``); a persistent-cache hit
-  costs only its tracing and lowering."""
+  (``with CompileClock() as clock: ...; clock.seconds``), and the number of XLA
+  compilations (``clock.compilations``); a persistent-cache hit costs only its
+  tracing and lowering."""
 
   def __init__(self):
     self.seconds = 0.0
+    self.compilations = 0
 
   def __enter__(self) -> 'CompileClock':
     _ACTIVE_CLOCKS.append(self)

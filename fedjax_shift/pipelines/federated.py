@@ -105,20 +105,26 @@ def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
                        seed: int, bench: Optional[Benchmark] = None,
                        algorithm: Optional[FederatedAlgorithm] = None,
-                       log_state: Optional[Callable[[object], Dict[str, float]]] = None
-                       ) -> Dict[str, object]:
+                       log_state: Optional[Callable[[object], Dict[str, float]]] = None,
+                       programs: Optional[Dict] = None) -> Dict[str, object]:
   """``_train_and_evaluate`` with the seconds spent compiling written to results.json
   ('compile_seconds': tracing, lowering and XLA compilation of every function the run
-  compiled)."""
+  compiled; 'compilations': how many XLA compilations it ran).
+
+  ``programs``: a dict shared by the runs of one process (``run`` passes one): the
+  built method, its round and its evaluation functions are kept there under the
+  method's name and the data's shapes, so a later seed with the same shapes reuses
+  their compilations instead of compiling again."""
   with CompileClock() as clock:
     result = _train_and_evaluate(config, workdir, algorithm_name, seed, bench, algorithm,
-                                 log_state, clock)
+                                 log_state, clock, programs)
   return result
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
                         seed: int, bench: Optional[Benchmark], algorithm, log_state,
-                        clock: 'CompileClock') -> Dict[str, object]:
+                        clock: 'CompileClock', programs: Optional[Dict]
+                        ) -> Dict[str, object]:
   """Trains one method with one seed in ``workdir`` (resuming if it holds a
   checkpoint); returns {'algorithm', 'seed', 'metrics', 'rounds', 'train_seconds',
   'server_state'} ('server_state' is not written to results.json).
@@ -158,9 +164,30 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
            s['examples_per_client_max'], s['classes_per_client_mean'])
 
   module = models.create(config.model, bench.num_classes)
-  if algorithm is None:
-    algorithm = algorithms.build(algorithm_name, config, module, train.max_examples,
-                                 bench.info)
+  program_key = None
+  if algorithm is None and programs is not None:
+    program_key = (algorithm_name, train.x.shape[1:], train.x.dtype.str, bench.num_classes,
+                   json.dumps(algorithms.base.build_info(bench.info), sort_keys=True))
+  if program_key in (programs or {}):
+    module, algorithm, round_device, round_host, evaluate_chunk, adapted_chunk = \
+        programs[program_key]
+  else:
+    if algorithm is None:
+      algorithm = algorithms.build(algorithm_name, config, module, train.max_examples,
+                                   bench.info)
+    round_device, round_host = build_round(algorithm, _round_config(config),
+                                           client_mesh(config.engine.num_devices)
+                                           if config.engine.num_devices else None,
+                                           donate=config.engine.donate,
+                                           backend=round_backend(config),
+                                           rounds_per_call=config.engine.rounds_per_call)
+    evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size)
+    adapted_chunk = None
+    if algorithm_name in tuple(config.eval_adapter_algorithms):
+      adapted_chunk = build_eval_adapters(config, module, bench.num_classes, algorithm)
+    if program_key is not None:
+      programs[program_key] = (module, algorithm, round_device, round_host, evaluate_chunk,
+                               adapted_chunk)
   seed_key = jax.random.key(seed)
   init_key, train_key, eval_key = (jax.random.fold_in(seed_key, i) for i in range(3))
   server_state = algorithm.init(init_key, jnp.asarray(train.x[0, :1]))
@@ -179,15 +206,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
   writer = MetricsWriter(workdir, start_round) if start_round < config.rounds else None
 
   round_config = _round_config(config)
-  mesh = client_mesh(config.engine.num_devices) if config.engine.num_devices else None
-  round_device, round_host = build_round(algorithm, round_config, mesh,
-                                         donate=config.engine.donate,
-                                         backend=round_backend(config),
-                                         rounds_per_call=config.engine.rounds_per_call)
-  evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size)
-  adapted_chunk = None
-  if algorithm_name in tuple(config.eval_adapter_algorithms):
-    adapted_chunk = build_eval_adapters(config, module, bench.num_classes, algorithm)
   host_store = None
   if config.data.store == 'host':
     host_store = HostStore(train, train_key, round_config)
@@ -296,7 +314,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
     summary = evaluate(server_state, client_states)
   result = {'algorithm': algorithm_name, 'seed': seed, 'metrics': summary,
             'rounds': config.rounds, 'train_seconds': elapsed, 'hardware': hardware(),
-            'uploaded_parameters': upload, 'compile_seconds': round(clock.seconds, 3)}
+            'uploaded_parameters': upload, 'compile_seconds': round(clock.seconds, 3),
+            'compilations': clock.compilations}
   with open(os.path.join(workdir, 'results.json'), 'w') as f:
     json.dump(result, f, indent=1)
   return {**result, 'server_state': server_state}
@@ -316,10 +335,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   info = hardware()
   results: List[Dict] = []
   run_dirs: Dict[str, List[str]] = {}
+  programs: Dict = {}  # compiled once per method and data shapes, reused across seeds
   for name in algorithm_names(config):
     for seed in config.seeds:
       run_dir = os.path.join(workdir, name, f'seed_{seed}')
-      results.append(train_and_evaluate(config, run_dir, name, seed))
+      results.append(train_and_evaluate(config, run_dir, name, seed, programs=programs))
       run_dirs.setdefault(name, []).append(run_dir)
   table = report.results_table(results)
   preamble = (f"Benchmark {config.data.benchmark}: {config.data.source}, "
