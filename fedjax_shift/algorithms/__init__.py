@@ -8,6 +8,6 @@ where ``hparams`` is the method's section ``config.<name>`` and ``context`` a
 Adding a method: one file plus one import line here.
 """
 from fedjax_shift.algorithms import (apfl, ditto, fedavg, fedavg_ft, fedbn,  # noqa: F401
-                                     fedevolve, fedevp, fedprox, fedrep, fedrod, fedsr, gma,
-                                     local, qffl)
+                                     fedevolve, fedevp, fedprox, fedrep, fedrod, fedsr, fedtta,
+                                     gma, local, qffl)
 from fedjax_shift.algorithms.base import ALGORITHMS, BuildContext, build  # noqa: F401

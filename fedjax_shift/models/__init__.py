@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from fedjax_shift.models.classifiers import (BN_MOMENTUM, CONV_IMPLS, ATPCNNEncoder, BNMLPEncoder,
+from fedjax_shift.models.classifiers import (BN_MOMENTUM, CONV_IMPLS, AdaptationMLP,  # noqa: F401
+                                             ATPCNNEncoder, BNMLPEncoder,
                                              Classifier,
                                              EvolveCNNEncoder, MLPEncoder, ResNet18Encoder,
                                              WideResNetEncoder)

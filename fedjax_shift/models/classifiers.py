@@ -109,6 +109,19 @@ class Conv(nn.Module):
     return y
 
 
+class AdaptationMLP(nn.Module):
+  """FedTTA's adaptation model g(·; φ): per example, logits [B, C] -> a score [B, 1]
+  (ReLU hidden layers of ``hidden`` widths; fedtta_upfl.txt Sec. 4.1)."""
+  hidden: Sequence[int] = (32, 32, 32)
+
+  @nn.compact
+  def __call__(self, logits):
+    x = logits
+    for width in self.hidden:
+      x = nn.relu(nn.Dense(width)(x))
+    return nn.Dense(1)(x)
+
+
 class MLPEncoder(nn.Module):
   hidden: Sequence[int] = (200, 200)
 

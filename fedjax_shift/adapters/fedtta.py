@@ -1,0 +1,115 @@
+"""FedTTA's personalisation of a new client at test time (fedtta_upfl.txt Eq. 11) and
+FedTTA++'s entropy early stopping (Sec. 3.4, Algorithm 1).
+
+On each test batch X, from the global base model ψ_0 = ψ and adaptation model φ (trained
+by ``algorithms/fedtta.py``; read from the 'fedtta_adaptation' collection):
+
+  ψ_e = ψ_{e−1} − η_inner ∇_ψ ‖g(f(X; ψ_{e−1}); φ)‖₂,   e = 1 … E
+
+FedTTA: E = 1. FedTTA++: up to E = 50 steps; H_e is the mean prediction entropy of
+f(X; ψ_e) (H_0 before any step). Adaptation stops after step e when H has not gone
+below its lowest value for ``patience`` consecutive steps; the model of that step is
+kept (``patience`` = 0: no early stopping, all E steps). The E steps are a masked
+``lax.scan`` (no data-dependent Python branch; differentiable). Predictions are
+f(X; ψ_final) on the same batch, in episodic mode from ψ for each batch.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_shift import models
+from fedjax_shift.adapters import common
+from fedjax_shift.algorithms.fedtta import ADAPTATION, inner_step
+from fedjax_shift.core.local import select
+from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.registry import require
+
+
+class FedTTAState(NamedTuple):
+  variables: dict   # {'params': ψ, 'fedtta_adaptation': φ}
+
+
+def adaptation_module_of(adaptation_params) -> models.AdaptationMLP:
+  """g's module from its parameters (hidden widths read off the kernels)."""
+  layers = sorted(adaptation_params, key=lambda name: int(name.split('_')[-1]))
+  return models.AdaptationMLP(tuple(adaptation_params[name]['kernel'].shape[1]
+                                    for name in layers[:-1]))
+
+
+def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rate: float,
+          max_steps: int, patience: int):
+  """(ψ_final, steps run [] int32) for one batch x [B, ...], weight [B]."""
+  adaptation_params = variables[ADAPTATION]
+  adaptation_module = adaptation_module_of(adaptation_params)
+
+  def entropy(params):
+    logits = models.apply(module, {'params': params}, x)[0]
+    return common.weighted_entropy(logits, weight)
+
+  def step(carry, _):
+    params, lowest, waited, stopped, steps = carry
+    new_params = inner_step(module, adaptation_module, params, adaptation_params, x, weight,
+                            inner_learning_rate)
+    value = entropy(new_params)
+    improved = value < lowest
+    new_waited = jnp.where(improved, 0, waited + 1)
+    new_stopped = (patience > 0) & (new_waited >= patience)
+    run = ~stopped
+    return (select(run, new_params, params), jnp.where(run, jnp.minimum(value, lowest), lowest),
+            jnp.where(run, new_waited, waited), stopped | new_stopped,
+            steps + run.astype(jnp.int32)), None
+
+  params = variables['params']
+  init = (params, entropy(params), jnp.int32(0), jnp.bool_(False), jnp.int32(0))
+  (params, _, _, _, steps), _ = jax.lax.scan(step, init, None, length=max_steps)
+  return params, steps
+
+
+def fedtta_adapter(module, inner_learning_rate: float, max_steps: int, patience: int) -> Adapter:
+  def init(variables, rng):
+    del rng
+    if ADAPTATION not in variables:
+      raise ValueError('the fedtta adapters personalise a model trained by fedtta or '
+                       'fedtta_prox (its adaptation model g is missing from the variables): '
+                       'list only those in config.eval_adapter_algorithms')
+    return FedTTAState(variables)
+
+  def step(state, batch):
+    params, _ = adapt(module, state.variables, batch.x, batch.weight, inner_learning_rate,
+                      max_steps, patience)
+    logits = models.apply(module, {'params': params}, batch.x)[0]
+    return state, logits
+
+  return Adapter(init, step)
+
+
+def check(name: str):
+  def check_fields(hparams) -> None:
+    require(hparams.inner_learning_rate >= 0, f'adapters.{name}.inner_learning_rate',
+            f'must be >= 0, got {hparams.inner_learning_rate}')
+    require(hparams.max_steps >= 1, f'adapters.{name}.max_steps',
+            f'E must be >= 1, got {hparams.max_steps}')
+    require(hparams.patience >= 0, f'adapters.{name}.patience',
+            f'must be >= 0 (0: no early stopping), got {hparams.patience}')
+  return check_fields
+
+
+@ADAPTERS.register('fedtta', defaults={
+    'inner_learning_rate': 0.5,   # η_inner, as config.fedtta (App. table, MNIST)
+    'max_steps': 1,               # FedTTA: one step (Eq. 11)
+    'patience': 0}, check=check('fedtta'))
+def build_fedtta(module, hparams, context: SourceContext) -> Adapter:
+  del context
+  return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience)
+
+
+@ADAPTERS.register('fedtta_pp', defaults={
+    'inner_learning_rate': 0.5,   # η_inner (App. table, MNIST)
+    'max_steps': 50,              # FedTTA++: E = 50 (Sec. 3.4)
+    'patience': 1}, check=check('fedtta_pp'))   # App. table, MNIST: patience 1
+def build_fedtta_pp(module, hparams, context: SourceContext) -> Adapter:
+  del context
+  return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience)

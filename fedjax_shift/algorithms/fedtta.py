@@ -1,0 +1,146 @@
+"""FedTTA and FedTTA-Prox: unsupervised personalisation of new clients (UPFL).
+Rong et al., fedtta_upfl.txt, Sec. 3.2 (Eqs. 3–9, Algorithm 1) and Sec. 3.3 (Eq. 12).
+
+A base prediction model f(·; ψ) (the classifier) and an adaptation model g(·; φ), an
+MLP on each example's logits (C → 32 → 32 → 32 → 1, Sec. 4.1). Client i, for each
+local step on a batch (X, Y):
+
+  Z = f(X; ψ)                                                    (Eq. 3)
+  ℓ_per = ‖g(Z; φ)‖₂, the L2 norm over the batch                 (Eq. 4)
+  ψ̃ = ψ − η_inner ∇_ψ ℓ_per                                       (Eq. 5)
+  L = CE(f(X; ψ̃), Y)                                             (Eqs. 6, 7)
+      + μ · KL(softmax f(X; ψ_s) ‖ softmax f(X; ψ))  (FedTTA-Prox, Eq. 12; ψ_s = server)
+  ψ ← ψ − η_outer ∇_ψ L,   φ ← φ − η_adapt ∇_φ L                   (Eqs. 8, 9)
+
+∇L reaches ψ and φ through the inner step (``jax.grad`` of ``jax.grad``). Server: the
+weighted mean of (ψ, φ). A new client adapts ψ on its unlabelled data with the same
+inner step (Eq. 11; FedTTA++ runs up to E of them with entropy early stopping):
+``adapters/fedtta.py``, which reads φ from the global model's 'fedtta_adaptation'
+collection. η_outer is ``config.client.learning_rate``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from fedjax_shift import models
+from fedjax_shift.algorithms import base
+from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
+from fedjax_shift.core.local import local_train, masked_mean
+from fedjax_shift.registry import require
+
+ADAPTATION = 'fedtta_adaptation'   # collection of φ in the global model's variables
+# g's hidden widths by the paper's model sizes (App., HeteroFedTTA: small / medium / big).
+ADAPTATION_SIZES = {'small': (32, 32, 32), 'medium': (64, 64, 64), 'big': (128, 128, 128)}
+
+
+def personalization_loss(adaptation_module, adaptation_params, logits: jax.Array,
+                         weight: jax.Array) -> jax.Array:
+  """ℓ_per = ‖g(Z; φ)‖₂ over the examples with weight > 0 (Eq. 4). logits [B, C]."""
+  scores = adaptation_module.apply({'params': adaptation_params}, logits)[:, 0]
+  return jnp.sqrt(jnp.sum(weight * scores ** 2) + 1e-12)
+
+
+def inner_step(module, adaptation_module, params, adaptation_params, x: jax.Array,
+               weight: jax.Array, inner_learning_rate: float):
+  """ψ̃ = ψ − η_inner ∇_ψ ‖g(f(X; ψ); φ)‖₂ (Eqs. 5 and 11); differentiable in ψ, φ."""
+  def loss(params):
+    logits = models.apply(module, {'params': params}, x)[0]
+    return personalization_loss(adaptation_module, adaptation_params, logits, weight)
+
+  grads = jax.grad(loss)(params)
+  return jax.tree.map(lambda p, g: p - inner_learning_rate * g, params, grads)
+
+
+def checker(section: str):
+  """The registered check of ``config.<section>`` (fedtta, fedtta_prox)."""
+  def check(hparams: ml_collections.ConfigDict) -> None:
+    for field in ('inner_learning_rate', 'adapt_learning_rate', 'mu'):
+      require(hparams[field] >= 0, f'{section}.{field}', f'must be >= 0, got {hparams[field]}')
+    require(hparams.adaptation_size in ADAPTATION_SIZES, f'{section}.adaptation_size',
+            f'choose from {list(ADAPTATION_SIZES)}, got {hparams.adaptation_size!r}')
+  return check
+
+
+def adaptation_model(size: str) -> models.AdaptationMLP:
+  return models.AdaptationMLP(ADAPTATION_SIZES[size])
+
+
+def build(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  module, server_opt = context.module, context.server_optimizer
+  adaptation_module = adaptation_model(hparams.adaptation_size)
+  # ψ with the client optimizer (η_outer), φ with SGD η_adapt (Eqs. 8, 9).
+  client_opt = optax.multi_transform(
+      {'base': context.client_optimizer, 'adaptation': optax.sgd(hparams.adapt_learning_rate)},
+      {'base': 'base', 'adaptation': 'adaptation'})
+
+  def init(rng, example_x):
+    base_key, adaptation_key = jax.random.split(rng)
+    variables = models.init(module, base_key, example_x)
+    if set(variables) != {'params'}:
+      raise ValueError('FedTTA differentiates through a step on unlabelled data: use a model '
+                       'without BatchNorm statistics (mlp, evolve_cnn)')
+    logits = models.apply(module, variables, example_x)[0]
+    params = {'base': variables['params'],
+              'adaptation': adaptation_module.init(adaptation_key, logits)['params']}
+    return base.ServerState({'params': params}, server_opt.init(params), jnp.int32(0))
+
+  def client_update(server_state, client_state, data, rng):
+    params = server_state.variables['params']
+    server_base = params['base']
+
+    def loss_fn(params, model_state, x, y, weight, step_rng):
+      del step_rng
+      adapted = inner_step(module, adaptation_module, params['base'], params['adaptation'], x,
+                           weight, hparams.inner_learning_rate)
+      logits = models.apply(module, {'params': adapted}, x)[0]
+      loss = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), weight)
+      if hparams.mu:   # FedTTA-Prox: the base model's outputs stay near the server's
+        base_logits = models.apply(module, {'params': params['base']}, x)[0]
+        server_probs = jax.nn.softmax(models.apply(module, {'params': server_base}, x)[0])
+        kl = jnp.sum(server_probs * (jnp.log(server_probs + 1e-12) -
+                                     jax.nn.log_softmax(base_logits)), -1)
+        loss = loss + hparams.mu * masked_mean(kl, weight)
+      return loss, model_state
+
+    new_params, _, _, metrics = local_train(loss_fn, client_opt, params, {}, data, rng,
+                                            context.schedule)
+    delta = base.tree_sub({'params': new_params}, server_state.variables)
+    return ClientOutput(delta, metrics), client_state
+
+  def global_model(server_state):
+    params = server_state.variables['params']
+    return {'params': params['base'], ADAPTATION: params['adaptation']}
+
+  return FederatedAlgorithm(
+      init=init, init_client_state=lambda server_state: (), client_update=client_update,
+      server_update=base.average_server_update(server_opt), personalize=None,
+      global_model=global_model)
+
+
+FEDTTA_DEFAULTS = {
+    'inner_learning_rate': 0.5,   # η_inner (App. table, MNIST)
+    'adapt_learning_rate': 0.01,  # η_adapt (App. table, MNIST FedTTA)
+    'mu': 0.0,                    # no proximal term
+    'adaptation_size': 'small',   # g: C → 32 → 32 → 32 → 1 (Sec. 4.1)
+}
+
+
+@base.ALGORITHMS.register('fedtta', defaults=FEDTTA_DEFAULTS,
+                          check=checker('fedtta'))
+def fedtta(hparams: ml_collections.ConfigDict, context: base.BuildContext
+           ) -> FederatedAlgorithm:
+  return build(hparams, context)
+
+
+@base.ALGORITHMS.register('fedtta_prox', defaults={
+    **FEDTTA_DEFAULTS,
+    'adapt_learning_rate': 0.001,  # η_adapt (App. table, MNIST FedTTA-Prox)
+    'mu': 0.01},                   # μ (App. table, MNIST FedTTA-Prox)
+    check=checker('fedtta_prox'))
+def fedtta_prox(hparams: ml_collections.ConfigDict, context: base.BuildContext
+                ) -> FederatedAlgorithm:
+  return build(hparams, context)
+

@@ -1,0 +1,173 @@
+"""FedTTA / FedTTA-Prox (algorithms/fedtta.py) and the FedTTA / FedTTA++ adapters."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_shift import algorithms, models
+from fedjax_shift.adapters.fedtta import adapt, adaptation_module_of
+from fedjax_shift.algorithms.fedtta import ADAPTATION, inner_step, personalization_loss
+from fedjax_shift.core.algorithm import ClientData
+from fedjax_shift.core.round import NO_STEP_LIMIT
+from fedjax_shift.core.test_time import ADAPTERS, AdaptBatch, SourceContext
+from helpers import tiny_config, toy_clients
+
+NUM_CLASSES = 3
+
+
+def setup(name='fedtta', **overrides):
+  config = tiny_config(**{'model.hidden': (6,), 'client.batch_size': 4,
+                          'client.local_steps': 2, **overrides})
+  module = models.create(config.model, NUM_CLASSES)
+  data, _, _ = toy_clients([7], shape=(4, 4, 1), num_classes=NUM_CLASSES)
+  algorithm = algorithms.build(name, config, module, data.max_examples, {})
+  state = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
+  client = ClientData(*(jnp.asarray(a[0]) for a in data), jnp.int32(NO_STEP_LIMIT))
+  return config, module, algorithm, state, client
+
+
+def outer_loss(module, params, x, y, inner_lr):
+  """L(ψ, φ) = CE(f(X; ψ − η ∇ψ ‖g(f(X; ψ); φ)‖₂), Y) (Eqs. 3–7)."""
+  adaptation_module = adaptation_module_of(params['adaptation'])
+  adapted = inner_step(module, adaptation_module, params['base'], params['adaptation'], x,
+                       jnp.ones(len(y)), inner_lr)
+  logits = models.apply(module, {'params': adapted}, x)[0]
+  return jnp.mean(-jax.nn.log_softmax(logits)[jnp.arange(len(y)), y])
+
+
+def test_meta_gradient_through_the_inner_step_equals_finite_differences():
+  """float64: the directional derivative of the outer loss along a random direction
+  (for ψ and φ together) equals a central finite difference, ε = 1e-6 — so the
+  gradient really flows through ψ̃ = ψ − η ∇ψ ℓ_per into φ and (second order) ψ."""
+  with jax.enable_x64(True):
+    _, module, _, state, client = setup()
+    params = jax.tree.map(lambda a: a.astype(jnp.float64), state.variables['params'])
+    x, y = client.x[:7].astype(jnp.float64), client.y[:7]
+    loss = lambda p: outer_loss(module, p, x, y, 0.5)
+    grads = jax.grad(loss)(params)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    direction = treedef.unflatten([jax.random.normal(k, l.shape, jnp.float64)
+                                   for k, l in zip(keys, leaves)])
+    analytic = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grads),
+                                                  jax.tree.leaves(direction)))
+    eps = 1e-6
+    shift = lambda s: jax.tree.map(lambda p, d: p + s * d, params, direction)
+    numeric = (loss(shift(eps)) - loss(shift(-eps))) / (2 * eps)
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-6)
+    assert float(jnp.abs(jax.tree.leaves(grads['adaptation'])[0]).max()) > 0
+
+
+def test_with_a_constant_adaptation_model_fedtta_equals_the_base_model_training():
+  """g ≡ constant (zero kernels): ∇ψ ℓ_per = 0, so ψ̃ = ψ and one FedTTA client update
+  of ψ equals FedAvg's local training from the same ψ with the same batches; φ's
+  gradient is zero except its last bias (η_adapt = 0 keeps it fixed)."""
+  config, module, algorithm, state, client = setup(**{'fedtta.adapt_learning_rate': 0.0})
+  params = state.variables['params']
+  params = {**params, 'adaptation': jax.tree.map(jnp.zeros_like, params['adaptation'])}
+  params['adaptation']['Dense_3']['bias'] = jnp.ones(1)
+  state = state._replace(variables={'params': params})
+  out, _ = algorithm.client_update(state, (), client, jax.random.key(5))
+  fedavg = algorithms.build('fedavg', config, module, client.x.shape[0], {})
+  avg_state = fedavg.init(jax.random.key(0), client.x[:1])
+  avg_state = avg_state._replace(variables={'params': params['base']})
+  avg_out, _ = fedavg.client_update(avg_state, (), client, jax.random.key(5))
+  chex.assert_trees_all_close(out.update['params']['base'], avg_out.update['params'],
+                              rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_equal(out.update['params']['adaptation'],
+                              jax.tree.map(jnp.zeros_like, params['adaptation']))
+
+
+def test_prox_term_changes_the_update_and_zero_mu_is_fedtta():
+  _, _, fedtta, state, client = setup()
+  a, _ = fedtta.client_update(state, (), client, jax.random.key(2))
+  _, _, prox0, _, _ = setup('fedtta_prox', **{'fedtta_prox.mu': 0.0,
+                                              'fedtta_prox.adapt_learning_rate': 0.01})
+  b, _ = prox0.client_update(state, (), client, jax.random.key(2))
+  chex.assert_trees_all_close(a.update, b.update, rtol=1e-6)
+  _, _, prox, _, _ = setup('fedtta_prox', **{'fedtta_prox.mu': 10.0,
+                                             'fedtta_prox.adapt_learning_rate': 0.01})
+  c, _ = prox.client_update(state, (), client, jax.random.key(2))
+  # The KL term is 0 with zero gradient at ψ = ψ_s (the first step) and pulls from the
+  # second step on: the updates differ, and only there.
+  difference = max(float(jnp.abs(u - v).max()) for u, v in zip(jax.tree.leaves(c.update),
+                                                               jax.tree.leaves(a.update)))
+  assert difference > 0
+
+
+def _variables():
+  _, module, algorithm, state, client = setup()
+  return module, algorithm.global_model(state), client
+
+
+def test_patience_at_least_e_runs_all_e_steps_like_a_plain_loop():
+  module, variables, client = _variables()
+  x, weight = client.x[:7], jnp.ones(7)
+  adaptation_module = adaptation_module_of(variables[ADAPTATION])
+  params = variables['params']
+  for _ in range(4):   # the reference: four plain inner steps
+    params = inner_step(module, adaptation_module, params, variables[ADAPTATION], x, weight,
+                        0.5)
+  for patience in (0, 4, 9):
+    adapted, steps = adapt(module, variables, x, weight, 0.5, 4, patience)
+    assert int(steps) == 4
+    chex.assert_trees_all_close(adapted, params, rtol=1e-6, atol=1e-7)
+
+
+def test_early_stop_fires_when_the_entropy_stops_decreasing():
+  """A hand-built case: the entropy after each step is recomputed here with plain
+  steps; with patience p the adapter must stop at the first step e where the entropy
+  has not gone below its running minimum for p consecutive steps (H_0 counts), and
+  return ψ_e."""
+  module, variables, client = _variables()
+  x, weight = client.x[:7], jnp.ones(7)
+  adaptation_module = adaptation_module_of(variables[ADAPTATION])
+  lr = 25.0   # large steps so the entropy goes up and down
+  params, history, entropies = variables['params'], [variables['params']], []
+  from fedjax_shift.adapters.common import weighted_entropy
+  entropy = lambda p: float(weighted_entropy(models.apply(module, {'params': p}, x)[0], weight))
+  entropies.append(entropy(params))
+  for _ in range(12):
+    params = inner_step(module, adaptation_module, params, variables[ADAPTATION], x, weight, lr)
+    history.append(params)
+    entropies.append(entropy(params))
+  for patience in (1, 2):
+    lowest, waited, expected = entropies[0], 0, 12
+    for e in range(1, 13):
+      waited = 0 if entropies[e] < lowest else waited + 1
+      lowest = min(lowest, entropies[e])
+      if waited >= patience:
+        expected = e
+        break
+    adapted, steps = adapt(module, variables, x, weight, lr, 12, patience)
+    assert int(steps) == expected, (patience, entropies)
+    chex.assert_trees_all_close(adapted, history[expected], rtol=1e-5, atol=1e-6)
+
+
+def test_adapter_on_a_model_without_g_and_bad_fields_are_errors():
+  module, variables, client = _variables()
+  config = tiny_config()
+  adapter = ADAPTERS.get('fedtta')(module, config.adapters.fedtta,
+                                   SourceContext(None, NUM_CLASSES, 8))
+  state = adapter.init(variables, jax.random.key(0))
+  _, logits = adapter.step(state, AdaptBatch(client.x[:7], jnp.ones(7)))
+  chex.assert_shape(logits, (7, NUM_CLASSES))
+  with pytest.raises(ValueError, match='trained by fedtta'):
+    adapter.init({'params': variables['params']}, jax.random.key(0))
+  config.adapters.fedtta_pp.max_steps = 0
+  with pytest.raises(ValueError, match=r'config.adapters.fedtta_pp.max_steps: E must be >= 1'):
+    ADAPTERS.check('fedtta_pp', config.adapters.fedtta_pp, 'config.adapters.fedtta_pp')
+  config.fedtta.adaptation_size = 'huge'
+  with pytest.raises(ValueError, match=r'config.fedtta.adaptation_size'):
+    algorithms.build('fedtta', config, module, 7, {})
+
+
+def test_personalization_loss_is_the_l2_norm_over_real_examples():
+  module = models.AdaptationMLP((4,))
+  logits = jax.random.normal(jax.random.key(0), (5, NUM_CLASSES))
+  params = module.init(jax.random.key(1), logits)['params']
+  scores = module.apply({'params': params}, logits)[:, 0]
+  weight = jnp.array([1., 1., 0., 1., 0.])
+  np.testing.assert_allclose(personalization_loss(module, params, logits, weight),
+                             np.linalg.norm(np.asarray(scores)[[0, 1, 3]]), rtol=1e-5)
