@@ -171,3 +171,78 @@ def test_personalization_loss_is_the_l2_norm_over_real_examples():
   weight = jnp.array([1., 1., 0., 1., 0.])
   np.testing.assert_allclose(personalization_loss(module, params, logits, weight),
                              np.linalg.norm(np.asarray(scores)[[0, 1, 3]]), rtol=1e-5)
+
+
+def upfl_config(**fields):
+  from configs import fedtta as fedtta_config
+  config = fedtta_config.get_config('tiny')
+  for key, value in fields.items():
+    config.data[key] = value
+  return config
+
+
+def test_upfl_splits_new_clients_and_bad_input():
+  from fedjax_shift.benchmarks import BENCHMARKS
+  config = upfl_config(num_clients=20)
+  bench = BENCHMARKS.get('upfl')(config.data, 0)
+  train, val, test = (bench.splits[s] for s in ('train', 'val', 'test'))
+  assert train.num_clients == val.num_clients == test.num_clients == 10
+  assert sorted(bench.info['training_clients'] + bench.info['new_clients']['test']) == \
+      list(range(20))
+  # every example once: 85/15 of the training clients plus all of the new clients'
+  assert int(train.num_examples.sum() + val.num_examples.sum() + test.num_examples.sum()) \
+      == 5000
+  np.testing.assert_allclose(val.num_examples.sum() / (train.num_examples.sum() +
+                                                       val.num_examples.sum()), 0.15, atol=0.01)
+  # new clients' images are none of the training clients' (disjoint pools)
+  train_images = {hash(x.tobytes()) for k in range(10) for x in train.x[k][train.mask[k]]}
+  assert not any(hash(x.tobytes()) in train_images
+                 for k in range(10) for x in test.x[k][test.mask[k]])
+  # 30 % new clients: 14 training, 6 new; the new side is padded with empty clients
+  uneven = BENCHMARKS.get('upfl')(upfl_config(num_clients=20, new_client_fraction=0.3).data, 0)
+  assert uneven.splits['test'].num_clients == 14
+  assert (uneven.splits['test'].num_examples > 0).sum() == 6
+  for field, value, match in [('classes_per_client', 11, 'only 10 classes'),
+                              ('new_client_fraction', 1.0, 'new_client_fraction')]:
+    bad = upfl_config(**{field: value})
+    with pytest.raises(ValueError, match=match):
+      from fedjax_shift.benchmarks.base import BENCHMARKS as registry
+      registry.check('upfl', bad.data, 'config.data', known_fields_only=False)
+      registry.get('upfl')(bad.data, 0)
+
+
+def test_new_clients_labels_are_never_read_by_the_adaptation():
+  """The FedTTA++ runner on a new client with its true labels and with poisoned
+  (permuted, out-of-range-free) labels predicts exactly the same."""
+  from fedjax_shift.core.test_time import client_runner
+  module, variables, client = _variables()
+  config = tiny_config()
+  adapter = ADAPTERS.get('fedtta_pp')(module, config.adapters.fedtta_pp,
+                                      SourceContext(None, NUM_CLASSES, 4))
+  run_one = jax.jit(client_runner(adapter, 4, 'episodic'))
+  y = client.y
+  poisoned = (y + 1) % NUM_CLASSES
+  clean = run_one(variables, client.x, y, client.num_examples, jax.random.key(0))
+  dirty = run_one(variables, client.x, poisoned, client.num_examples, jax.random.key(0))
+  np.testing.assert_array_equal(clean['predictions'], dirty['predictions'])
+  assert float(clean['correct']) != float(dirty['correct'])   # the labels did change
+
+
+def test_upfl_pipeline_runs_and_refuses_personalised_methods(tmp_path):
+  from fedjax_shift import pipelines
+  config = upfl_config()
+  config.algorithms = ('fedtta_prox',)
+  out = pipelines.run(config, str(tmp_path / 'ok'))
+  metrics = out.records['results'][0]['metrics']
+  for key in ('global/val/accuracy', 'global/test/accuracy', 'global+fedtta/test/accuracy',
+              'global+fedtta_pp/test/accuracy'):
+    assert 0.0 <= metrics[key] <= 1.0
+  config.algorithms = ('fedrep',)
+  config.eval_adapter_algorithms = ()
+  with pytest.raises(ValueError, match=r'fedrep personalises a model per training client'):
+    pipelines.run(config, str(tmp_path / 'fedrep'))
+  config.algorithms = ('fedavg',)
+  config.eval_adapter_algorithms = ('fedavg',)
+  with pytest.raises(ValueError, match=r"config.eval_adapter_algorithms: the fedtta adapter "
+                                       r"adapts models trained by \['fedtta', 'fedtta_prox'\]"):
+    pipelines.run(config, str(tmp_path / 'fedavg'))

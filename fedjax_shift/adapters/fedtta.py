@@ -28,6 +28,9 @@ from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 from fedjax_shift.registry import require
 
 
+TRAINED_BY = ('fedtta', 'fedtta_prox')   # the methods that train g
+
+
 class FedTTAState(NamedTuple):
   variables: dict   # {'params': ψ, 'fedtta_adaptation': φ}
 
@@ -100,7 +103,7 @@ def check(name: str):
 @ADAPTERS.register('fedtta', defaults={
     'inner_learning_rate': 0.5,   # η_inner, as config.fedtta (App. table, MNIST)
     'max_steps': 1,               # FedTTA: one step (Eq. 11)
-    'patience': 0}, check=check('fedtta'))
+    'patience': 0}, check=check('fedtta'), trained_by=TRAINED_BY)
 def build_fedtta(module, hparams, context: SourceContext) -> Adapter:
   del context
   return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience)
@@ -109,7 +112,8 @@ def build_fedtta(module, hparams, context: SourceContext) -> Adapter:
 @ADAPTERS.register('fedtta_pp', defaults={
     'inner_learning_rate': 0.5,   # η_inner (App. table, MNIST)
     'max_steps': 50,              # FedTTA++: E = 50 (Sec. 3.4)
-    'patience': 1}, check=check('fedtta_pp'))   # App. table, MNIST: patience 1
+    'patience': 1}, check=check('fedtta_pp'),   # App. table, MNIST: patience 1
+    trained_by=TRAINED_BY)
 def build_fedtta_pp(module, hparams, context: SourceContext) -> Adapter:
   del context
   return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience)

@@ -109,17 +109,30 @@ class Conv(nn.Module):
     return y
 
 
+def torch_linear_bias_init(fan_in: int):
+  """PyTorch ``nn.Linear``'s default bias init: U(−1/√fan_in, 1/√fan_in)."""
+  bound = 1.0 / fan_in ** 0.5
+  return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound,
+                                                                  bound)
+
+
 class AdaptationMLP(nn.Module):
   """FedTTA's adaptation model g(·; φ): per example, logits [B, C] -> a score [B, 1]
-  (ReLU hidden layers of ``hidden`` widths; fedtta_upfl.txt Sec. 4.1)."""
+  (ReLU hidden layers of ``hidden`` widths; fedtta_upfl.txt Sec. 4.1). Initialised as
+  PyTorch's ``nn.Linear`` (kernel U(±1/√fan_in), the authors' framework): with flax's
+  lecun-normal kernels and zero biases, g's gradient at initialisation is ~10× larger
+  and the paper's η_inner = 0.5 inner step diverges in the first round."""
   hidden: Sequence[int] = (32, 32, 32)
 
   @nn.compact
   def __call__(self, logits):
+    kernel_init = nn.initializers.variance_scaling(1 / 3, 'fan_in', 'uniform')
+    dense = lambda width, x: nn.Dense(width, kernel_init=kernel_init,
+                                      bias_init=torch_linear_bias_init(x.shape[-1]))(x)
     x = logits
     for width in self.hidden:
-      x = nn.relu(nn.Dense(width)(x))
-    return nn.Dense(1)(x)
+      x = nn.relu(dense(width, x))
+    return dense(1, x)
 
 
 class MLPEncoder(nn.Module):

@@ -224,6 +224,12 @@ def check_run(config: ml_collections.ConfigDict) -> None:
     ADAPTERS.get(name, 'config.eval_adapters')
     require(mode in MODES, 'eval_adapters', f'unknown mode {mode!r} in {name}:{mode}; '
             f'choose from {list(MODES)}')
+    trained_by = ADAPTERS.meta(name).get('trained_by')
+    if trained_by:   # adapters that need parts only some methods train (FedTTA's g)
+      others = [a for a in config.eval_adapter_algorithms if a not in trained_by]
+      require(not others, 'eval_adapter_algorithms',
+              f'the {name} adapter adapts models trained by {list(trained_by)}; '
+              f'{others} have none of their parts')
   require(config.eval_adapter_batch_size >= 1, 'eval_adapter_batch_size',
           f'must be >= 1, got {config.eval_adapter_batch_size}')
   require(len(config.seeds) >= 1, 'seeds', 'name at least one seed')

@@ -205,6 +205,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
   workdir_lib.record_run(workdir, fields, config.rounds)
   writer = MetricsWriter(workdir, start_round) if start_round < config.rounds else None
 
+  new_client_splits = sorted(bench.info.get('new_clients', {}))
+  if new_client_splits and algorithm.personalize is not None:
+    raise ValueError(f'config.algorithms: {algorithm_name} personalises a model per training '
+                     f'client, but split(s) {new_client_splits} of benchmark '
+                     f'{config.data.benchmark!r} hold new clients, not training clients')
   round_config = _round_config(config)
   host_store = None
   if config.data.store == 'host':
