@@ -18,6 +18,9 @@ B, FedAvg with SGD):
   fedevolve   FedEvolve's compiled round on the same cohort (the client data read as
               10 domains of N/10; one local iteration = 9 consecutive-domain steps,
               each a batch of B from both domains through φ and ψ), next to (a) (opt-in)
+  fedtta      FedTTA's compiled round on the same cohort: one epoch of steps, each an
+              inner step on ‖g(f(X; ψ); φ)‖₂ and the CE of the adapted model
+              differentiated through it (second order), next to (a) (opt-in)
   fedavg_1step / alpha_round  the compiled FedAvg round with ONE local step of batch
               B vs ATP's α-training round with one α step of batch B on the same
               cohort (entropy forward/backward for h, then CE forward/backward
@@ -112,8 +115,9 @@ def timed(fn, repeats):
 
 
 def setup_algorithm(num_clients_data, kind='fedavg'):
-  """kind: 'fedavg' (one epoch), 'fedavg_1step' (one local step), 'fedevolve' or
-  'alpha' (ATP's α training around the initial model, one α step)."""
+  """kind: 'fedavg' (one epoch), 'fedavg_1step' (one local step), 'fedevolve',
+  'fedtta' (one epoch) or 'alpha' (ATP's α training around the initial model, one α
+  step)."""
   import jax
   import jax.numpy as jnp
   from fedjax_shift import models
@@ -125,8 +129,8 @@ def setup_algorithm(num_clients_data, kind='fedavg'):
   if kind == 'fedavg_1step':
     config.client.local_steps = 1
   info = {'num_domains': 10} if kind == 'fedevolve' else {}  # 10 source domains of N/10
-  algorithm = algorithms.build('fedevolve' if kind == 'fedevolve' else 'fedavg', config, module,
-                               FLAGS.examples, info)
+  name = kind if kind in ('fedevolve', 'fedtta') else 'fedavg'
+  algorithm = algorithms.build(name, config, module, FLAGS.examples, info)
   server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   if kind == 'alpha':
     config.atp.local_steps = 1
@@ -453,6 +457,7 @@ def run_case(name):
               'tta_vmap': lambda: case_tta(True), 'tta_loop': lambda: case_tta(False),
               'fedavg_1step': lambda: case_round(kind='fedavg_1step'),
               'fedevolve': lambda: case_round(kind='fedevolve'),
+              'fedtta': lambda: case_round(kind='fedtta'),
               'alpha_round': lambda: case_round(kind='alpha')}[name]()
   result['peak_rss_gb'] = peak_rss_gb()
   return result
@@ -504,6 +509,7 @@ def main(argv):
             'tta_loop': f'{FLAGS.tta_adapter} online: Python loop of jitted steps',
             'fedavg_1step': 'FedAvg round, 1 local step',
             'fedevolve': 'FedEvolve round, 1 local iteration (9 domain pairs)',
+            'fedtta': 'FedTTA round, 1 epoch (inner + outer step each)',
             'alpha_round': 'ATP α round, 1 α step'}
   base = results.get('fused', {}).get('seconds')
   lines = ['| case | s/round | compile s | peak RSS GB | vs (c) fused |', '|---|---|---|---|---|']
