@@ -60,6 +60,28 @@ def test_resume_with_another_config_is_refused_and_touches_nothing(tmp_path):
   assert files_of(tmp_path) == before  # config.json included: it still names the old run
 
 
+def test_other_benchmarks_fields_do_not_fingerprint_a_run(tmp_path):
+  """A run recorded by an older library whose config had other fields for other
+  benchmarks (or a newer one that adds a benchmark, e.g. upfl's
+  data.new_client_fraction) still resumes; its own benchmark's fields still count."""
+  pipelines.run(quick(), str(tmp_path))
+  path = os.path.join(tmp_path, RUN, 'run.json')
+  with open(path) as f:
+    recorded = json.load(f)
+  assert 'data.new_client_fraction' not in recorded['fields']    # upfl's field
+  assert 'data.num_clients' in recorded['fields']
+  recorded['fields']['data.new_client_fraction'] = '0.3'
+  recorded['fields']['data.rotation_step'] = '8.0'               # an evolving field
+  with open(path, 'w') as f:
+    json.dump(recorded, f)
+  pipelines.run(quick(), str(tmp_path))    # resumes, nothing refused
+  recorded['fields']['data.num_clients'] = '99'
+  with open(path, 'w') as f:
+    json.dump(recorded, f)
+  with pytest.raises(RunMismatchError, match=r'data.num_clients: 99 → '):
+    pipelines.run(quick(), str(tmp_path))
+
+
 def test_raising_rounds_needs_resume_extend_and_matches_a_fresh_run(tmp_path):
   pipelines.run(quick(), str(tmp_path / 'run'))
   with pytest.raises(RunMismatchError, match='--config.resume=extend'):

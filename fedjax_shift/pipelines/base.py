@@ -22,7 +22,7 @@ import ml_collections
 
 from fedjax_shift import checkpoint, models
 from fedjax_shift.algorithms import ALGORITHMS, base
-from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS
 from fedjax_shift.core.round import BACKENDS, SAMPLING, WEIGHTING
 from fedjax_shift.core.test_time import ADAPTERS, MODES
 from fedjax_shift.pipelines import workdir as workdir_lib
@@ -256,9 +256,21 @@ def method_sections() -> set:
                                     for section in PIPELINES.defaults(name)}
 
 
+def other_benchmark_fields(benchmark: str) -> set:
+  """'data.<field>' of the fields only other benchmarks read: they cannot change this
+  benchmark's runs (and a new benchmark's fields do not invalidate existing workdirs)."""
+  own = set(DATA_DEFAULTS) | set(BENCHMARKS.defaults(benchmark) if benchmark in
+                                 BENCHMARKS.names() else ())
+  return {f'data.{field}' for name in BENCHMARKS.names()
+          for field in BENCHMARKS.defaults(name) if field not in own}
+
+
 def run_fields(config: ml_collections.ConfigDict, section: str) -> dict:
-  """The fingerprinted fields of a run trained by ``section``'s method."""
-  return workdir_lib.state_fields(config, method_sections(), (section,))
+  """The fingerprinted fields of a run trained by ``section``'s method (not those of
+  other methods' sections, nor the data fields of other benchmarks)."""
+  fields = workdir_lib.state_fields(config, method_sections(), (section,))
+  unused = other_benchmark_fields(config.data.benchmark)
+  return {path: value for path, value in fields.items() if path not in unused}
 
 
 def preflight(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -267,7 +279,7 @@ def preflight(config: ml_collections.ConfigDict, workdir: str) -> None:
   for run_dir, run_config, section in PIPELINES.meta(config.pipeline)['run_dirs'](
       config, workdir):
     workdir_lib.check_run_dir(run_dir, run_fields(run_config, section), run_config.rounds,
-                              config.resume)
+                              config.resume, other_benchmark_fields(run_config.data.benchmark))
     workdir_lib.check_rounds(run_dir, run_config.rounds)
 
 

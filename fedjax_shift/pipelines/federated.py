@@ -36,8 +36,8 @@ from fedjax_shift.metrics import MetricsWriter
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
                                          check_run,
-                                         eval_adapter_specs, hardware, round_backend,
-                                         run_fields)
+                                         eval_adapter_specs, hardware, other_benchmark_fields,
+                                         round_backend, run_fields)
 
 log = logging.getLogger('fedjax_shift')
 
@@ -140,7 +140,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
   ``config.resume='extend'``, is refused before anything is touched (pipelines/workdir.py).
   """
   fields = run_fields(config, algorithm_name)
-  workdir_lib.check_run_dir(workdir, fields, config.rounds, config.resume)
+  workdir_lib.check_run_dir(workdir, fields, config.rounds, config.resume,
+                            other_benchmark_fields(config.data.benchmark))
   workdir_lib.check_rounds(workdir, config.rounds)
   os.makedirs(workdir, exist_ok=True)
   if bench is None:

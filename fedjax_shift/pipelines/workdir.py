@@ -83,15 +83,18 @@ def _read_json(path: str) -> dict:
                          'or use a new --workdir')
 
 
-def check_run_dir(run_dir: str, fields: Dict[str, str], rounds: int, resume: str) -> None:
+def check_run_dir(run_dir: str, fields: Dict[str, str], rounds: int, resume: str,
+                  ignored: Iterable[str] = ()) -> None:
   """Raises RunMismatchError when ``run_dir`` holds a run whose state fields differ
   from ``fields``, or whose round target is below ``rounds`` without
-  ``resume='extend'``. Reads only."""
+  ``resume='extend'``; recorded fields in ``ignored`` (that cannot affect this run:
+  other benchmarks' data fields) are not compared. Reads only."""
   path = os.path.join(run_dir, 'run.json')
   if not os.path.exists(path):
     return
   recorded = _read_json(path)
-  old = recorded['fields']
+  ignored = set(ignored)
+  old = {k: v for k, v in recorded['fields'].items() if k not in ignored}
   changed = [f'{k}: {old.get(k, "(absent)")} → {fields.get(k, "(absent)")}'
              for k in sorted(set(old) | set(fields)) if old.get(k) != fields.get(k)]
   if changed:
