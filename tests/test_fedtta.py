@@ -142,7 +142,9 @@ def test_early_stop_fires_when_the_entropy_stops_decreasing():
         break
     adapted, steps = adapt(module, variables, x, weight, lr, 12, patience)
     assert int(steps) == expected, (patience, entropies)
-    chex.assert_trees_all_close(adapted, history[expected], rtol=1e-5, atol=1e-6)
+    assert patience > 1 or expected < 12, entropies   # the case really stops early
+    # (the large steps amplify float32 rounding between the scan and the eager loop)
+    chex.assert_trees_all_close(adapted, history[expected], rtol=1e-4, atol=1e-5)
 
 
 def test_adapter_on_a_model_without_g_and_bad_fields_are_errors():
@@ -169,8 +171,10 @@ def test_personalization_loss_is_the_l2_norm_over_real_examples():
   params = module.init(jax.random.key(1), logits)['params']
   scores = module.apply({'params': params}, logits)[:, 0]
   weight = jnp.array([1., 1., 0., 1., 0.])
+  from fedjax_shift.algorithms.fedtta import NORM_EPSILON
   np.testing.assert_allclose(personalization_loss(module, params, logits, weight),
-                             np.linalg.norm(np.asarray(scores)[[0, 1, 3]]), rtol=1e-5)
+                             np.sqrt(np.sum(np.asarray(scores)[[0, 1, 3]] ** 2) + NORM_EPSILON),
+                             rtol=1e-5)
 
 
 def upfl_config(**fields):
