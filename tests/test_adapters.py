@@ -36,6 +36,7 @@ ADAPTER_CONFIGS = {
     'bbse': {},
     'surgical': {'block': 'first', 'learning_rate': 0.05, 'predict': 'after'},
     'atp': {},
+    'fedtta_pp': {'max_steps': 3},
 }
 
 
@@ -60,6 +61,16 @@ def build(name, module, context):
   return ADAPTERS.get(name)(module, section, context)
 
 
+def variables_for(name, variables):
+  """Adapters of models trained by particular methods (FedTTA's g) get those parts."""
+  if 'fedtta' in ADAPTERS.meta(name).get('trained_by', ()):
+    from fedjax_shift.algorithms.fedtta import ADAPTATION
+    g = models.AdaptationMLP((4,))
+    params = g.init(jax.random.key(7), jnp.zeros((1, NUM_CLASSES)))['params']
+    return {**variables, ADAPTATION: params}
+  return variables
+
+
 def test_test_sized_overrides_name_registered_adapters():
   # Tests parametrize over the registry; ADAPTER_CONFIGS only shrinks some defaults.
   assert set(ADAPTER_CONFIGS) <= set(ADAPTERS.names())
@@ -73,6 +84,7 @@ def test_vmapped_clients_equal_python_loop_and_no_nan(name, mode):
   partial / wrapped batches produce no NaN."""
   module, variables, context = setup()
   adapter = build(name, module, context)
+  variables = variables_for(name, variables)
   data, _, _ = toy_clients([8, 0, 6, 3], num_classes=NUM_CLASSES, pad_to=10)
   run = build_test_time(adapter, 4, mode)
   together = run(variables, data, jax.random.key(3))

@@ -42,20 +42,27 @@ def adaptation_module_of(adaptation_params) -> models.AdaptationMLP:
                                     for name in layers[:-1]))
 
 
+def model_collections(variables) -> dict:
+  """The classifier's collections besides 'params' (e.g. BatchNorm statistics, used in
+  eval mode), without g's."""
+  return {k: v for k, v in variables.items() if k not in ('params', ADAPTATION)}
+
+
 def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rate: float,
           max_steps: int, patience: int):
   """(ψ_final, steps run [] int32) for one batch x [B, ...], weight [B]."""
   adaptation_params = variables[ADAPTATION]
   adaptation_module = adaptation_module_of(adaptation_params)
+  model_state = model_collections(variables)
 
   def entropy(params):
-    logits = models.apply(module, {'params': params}, x)[0]
+    logits = models.apply(module, {'params': params, **model_state}, x)[0]
     return common.weighted_entropy(logits, weight)
 
   def step(carry, _):
     params, lowest, waited, stopped, steps = carry
     new_params = inner_step(module, adaptation_module, params, adaptation_params, x, weight,
-                            inner_learning_rate)
+                            inner_learning_rate, model_state)
     value = entropy(new_params)
     improved = value < lowest
     new_waited = jnp.where(improved, 0, waited + 1)
@@ -83,7 +90,8 @@ def fedtta_adapter(module, inner_learning_rate: float, max_steps: int, patience:
   def step(state, batch):
     params, _ = adapt(module, state.variables, batch.x, batch.weight, inner_learning_rate,
                       max_steps, patience)
-    logits = models.apply(module, {'params': params}, batch.x)[0]
+    logits = models.apply(module, {'params': params, **model_collections(state.variables)},
+                          batch.x)[0]
     return state, logits
 
   return Adapter(init, step)

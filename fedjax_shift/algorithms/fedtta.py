@@ -50,10 +50,11 @@ def personalization_loss(adaptation_module, adaptation_params, logits: jax.Array
 
 
 def inner_step(module, adaptation_module, params, adaptation_params, x: jax.Array,
-               weight: jax.Array, inner_learning_rate: float):
-  """ψ̃ = ψ − η_inner ∇_ψ ‖g(f(X; ψ); φ)‖₂ (Eqs. 5 and 11); differentiable in ψ, φ."""
+               weight: jax.Array, inner_learning_rate: float, model_state=None):
+  """ψ̃ = ψ − η_inner ∇_ψ ‖g(f(X; ψ); φ)‖₂ (Eqs. 5 and 11); differentiable in ψ, φ.
+  ``model_state``: the model's other collections (eval mode), if any."""
   def loss(params):
-    logits = models.apply(module, {'params': params}, x)[0]
+    logits = models.apply(module, {'params': params, **(model_state or {})}, x)[0]
     return personalization_loss(adaptation_module, adaptation_params, logits, weight)
 
   grads = jax.grad(loss)(params)
