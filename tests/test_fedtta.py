@@ -31,7 +31,7 @@ def outer_loss(module, params, x, y, inner_lr):
   """L(ψ, φ) = CE(f(X; ψ − η ∇ψ ‖g(f(X; ψ); φ)‖₂), Y) (Eqs. 3–7)."""
   adaptation_module = adaptation_module_of(params['adaptation'])
   adapted = inner_step(module, adaptation_module, params['base'], params['adaptation'], x,
-                       jnp.ones(len(y)), inner_lr)
+                       jnp.ones(len(y)), inner_lr, 0.1)
   logits = models.apply(module, {'params': adapted}, x)[0]
   return jnp.mean(-jax.nn.log_softmax(logits)[jnp.arange(len(y)), y])
 
@@ -108,9 +108,9 @@ def test_patience_at_least_e_runs_all_e_steps_like_a_plain_loop():
   params = variables['params']
   for _ in range(4):   # the reference: four plain inner steps
     params = inner_step(module, adaptation_module, params, variables[ADAPTATION], x, weight,
-                        0.5)
+                        0.5, 0.1)
   for patience in (0, 4, 9):
-    adapted, steps = adapt(module, variables, x, weight, 0.5, 4, patience)
+    adapted, steps = adapt(module, variables, x, weight, 0.5, 4, patience, 0.1)
     assert int(steps) == 4
     chex.assert_trees_all_close(adapted, params, rtol=1e-6, atol=1e-7)
 
@@ -129,7 +129,8 @@ def test_early_stop_fires_when_the_entropy_stops_decreasing():
   entropy = lambda p: float(weighted_entropy(models.apply(module, {'params': p}, x)[0], weight))
   entropies.append(entropy(params))
   for _ in range(12):
-    params = inner_step(module, adaptation_module, params, variables[ADAPTATION], x, weight, lr)
+    params = inner_step(module, adaptation_module, params, variables[ADAPTATION], x, weight, lr,
+                        0.1)
     history.append(params)
     entropies.append(entropy(params))
   for patience in (1, 2):
@@ -140,7 +141,7 @@ def test_early_stop_fires_when_the_entropy_stops_decreasing():
       if waited >= patience:
         expected = e
         break
-    adapted, steps = adapt(module, variables, x, weight, lr, 12, patience)
+    adapted, steps = adapt(module, variables, x, weight, lr, 12, patience, 0.1)
     assert int(steps) == expected, (patience, entropies)
     assert patience > 1 or expected < 12, entropies   # the case really stops early
     # (the large steps amplify float32 rounding between the scan and the eager loop)
@@ -171,9 +172,8 @@ def test_personalization_loss_is_the_l2_norm_over_real_examples():
   params = module.init(jax.random.key(1), logits)['params']
   scores = module.apply({'params': params}, logits)[:, 0]
   weight = jnp.array([1., 1., 0., 1., 0.])
-  from fedjax_shift.algorithms.fedtta import NORM_EPSILON
-  np.testing.assert_allclose(personalization_loss(module, params, logits, weight),
-                             np.sqrt(np.sum(np.asarray(scores)[[0, 1, 3]] ** 2) + NORM_EPSILON),
+  np.testing.assert_allclose(personalization_loss(module, params, logits, weight, 0.1),
+                             np.sqrt(np.sum(np.asarray(scores)[[0, 1, 3]] ** 2) + 0.1),
                              rtol=1e-5)
 
 

@@ -49,7 +49,7 @@ def model_collections(variables) -> dict:
 
 
 def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rate: float,
-          max_steps: int, patience: int):
+          max_steps: int, patience: int, norm_epsilon: float):
   """(ψ_final, steps run [] int32) for one batch x [B, ...], weight [B]."""
   adaptation_params = variables[ADAPTATION]
   adaptation_module = adaptation_module_of(adaptation_params)
@@ -62,7 +62,7 @@ def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rat
   def step(carry, _):
     params, lowest, waited, stopped, steps = carry
     new_params = inner_step(module, adaptation_module, params, adaptation_params, x, weight,
-                            inner_learning_rate, model_state)
+                            inner_learning_rate, norm_epsilon, model_state)
     value = entropy(new_params)
     improved = value < lowest
     new_waited = jnp.where(improved, 0, waited + 1)
@@ -78,7 +78,8 @@ def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rat
   return params, steps
 
 
-def fedtta_adapter(module, inner_learning_rate: float, max_steps: int, patience: int) -> Adapter:
+def fedtta_adapter(module, inner_learning_rate: float, max_steps: int, patience: int,
+                   norm_epsilon: float) -> Adapter:
   def init(variables, rng):
     del rng
     if ADAPTATION not in variables:
@@ -89,7 +90,7 @@ def fedtta_adapter(module, inner_learning_rate: float, max_steps: int, patience:
 
   def step(state, batch):
     params, _ = adapt(module, state.variables, batch.x, batch.weight, inner_learning_rate,
-                      max_steps, patience)
+                      max_steps, patience, norm_epsilon)
     logits = models.apply(module, {'params': params, **model_collections(state.variables)},
                           batch.x)[0]
     return state, logits
@@ -111,17 +112,22 @@ def check(name: str):
 @ADAPTERS.register('fedtta', defaults={
     'inner_learning_rate': 0.5,   # η_inner, as config.fedtta (App. table, MNIST)
     'max_steps': 1,               # FedTTA: one step (Eq. 11)
-    'patience': 0}, check=check('fedtta'), trained_by=TRAINED_BY)
+    'patience': 0,
+    'norm_epsilon': 0.1},         # as config.fedtta.norm_epsilon
+    check=check('fedtta'), trained_by=TRAINED_BY)
 def build_fedtta(module, hparams, context: SourceContext) -> Adapter:
   del context
-  return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience)
+  return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience,
+                        hparams.norm_epsilon)
 
 
 @ADAPTERS.register('fedtta_pp', defaults={
     'inner_learning_rate': 0.5,   # η_inner (App. table, MNIST)
     'max_steps': 50,              # FedTTA++: E = 50 (Sec. 3.4)
-    'patience': 1}, check=check('fedtta_pp'),   # App. table, MNIST: patience 1
-    trained_by=TRAINED_BY)
+    'patience': 1,                # App. table, MNIST: patience 1
+    'norm_epsilon': 0.1},         # as config.fedtta.norm_epsilon
+    check=check('fedtta_pp'), trained_by=TRAINED_BY)
 def build_fedtta_pp(module, hparams, context: SourceContext) -> Adapter:
   del context
-  return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience)
+  return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience,
+                        hparams.norm_epsilon)
