@@ -150,8 +150,9 @@ def test_qffl_q_zero_equals_uniform_fedavg_and_q_one_matches_formula():
 @pytest.mark.parametrize('name', [n for n in ALGORITHMS.names()
                                   if ALGORITHMS.meta(n).get('layout') != 'domains'])
 def test_padding_does_not_change_update(name):
-  # BatchNorm where the method supports it (FedSR's probabilistic head here does not).
-  model = 'mlp' if name == 'fedsr' else 'bn_mlp'
+  # BatchNorm where the method supports it (FedSR's probabilistic head and FedTTA's
+  # step through the model on unlabelled data do not).
+  model = 'mlp' if name in ('fedsr', 'fedtta', 'fedtta_prox') else 'bn_mlp'
   config = tiny_config(**{'model.name': model, 'client.batch_size': 3})
   tight, _, _ = toy_clients([5, 8], num_classes=NUM_CLASSES)
   padded, _, _ = toy_clients([5, 8], num_classes=NUM_CLASSES, pad_to=20)
