@@ -36,8 +36,6 @@ from fedjax_shift.algorithms.fedevolve import encoder_features  # noqa: E402
 from fedjax_shift.algorithms.prototypes import class_prototypes  # noqa: E402
 from fedjax_shift.pipelines import federated  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'FedEvolve config file[:variant].')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Workdir of the FedEvolve run.')
 GROUPS = (1, 2, 4, 10, 20)
 
 
@@ -113,12 +111,14 @@ def probe_seed(config: ml_collections.ConfigDict, workdir: str, seed: int) -> Di
 
 def main(argv):
   del argv
-  config = _CONFIG.value
+  config = flags.FLAGS.config
   for seed in config.seeds:
-    row = probe_seed(config, _WORKDIR.value, seed)
+    row = probe_seed(config, flags.FLAGS.workdir, seed)
     print(json.dumps({'seed': seed, **{k: round(100 * v, 2) for k, v in row.items()}}))
 
 
-if __name__ == '__main__':
+if __name__ == '__main__':   # flags defined here only: tests import probe_seed
+  config_flags.DEFINE_config_file('config', None, 'FedEvolve config file[:variant].')
+  flags.DEFINE_string('workdir', None, 'Workdir of the FedEvolve run.')
   flags.mark_flags_as_required(['config', 'workdir'])
   app.run(main)
