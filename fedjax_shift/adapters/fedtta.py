@@ -106,28 +106,27 @@ def check(name: str):
             f'E must be >= 1, got {hparams.max_steps}')
     require(hparams.patience >= 0, f'adapters.{name}.patience',
             f'must be >= 0 (0: no early stopping), got {hparams.patience}')
+    require(hparams.norm_epsilon >= 0, f'adapters.{name}.norm_epsilon',
+            f'must be >= 0, got {hparams.norm_epsilon}')
   return check_fields
 
 
-@ADAPTERS.register('fedtta', defaults={
+def build(module, hparams, context: SourceContext) -> Adapter:
+  """The registry's builder of both adapters, from ``config.adapters.<name>``."""
+  del context
+  return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience,
+                        hparams.norm_epsilon)
+
+
+ADAPTERS.register('fedtta', defaults={
     'inner_learning_rate': 0.5,   # η_inner, as config.fedtta (App. table, MNIST)
     'max_steps': 1,               # FedTTA: one step (Eq. 11)
     'patience': 0,
     'norm_epsilon': 0.1},         # as config.fedtta.norm_epsilon
-    check=check('fedtta'), trained_by=TRAINED_BY)
-def build_fedtta(module, hparams, context: SourceContext) -> Adapter:
-  del context
-  return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience,
-                        hparams.norm_epsilon)
-
-
-@ADAPTERS.register('fedtta_pp', defaults={
+    check=check('fedtta'), trained_by=TRAINED_BY)(build)
+ADAPTERS.register('fedtta_pp', defaults={
     'inner_learning_rate': 0.5,   # η_inner (App. table, MNIST)
     'max_steps': 50,              # FedTTA++: E = 50 (Sec. 3.4)
     'patience': 1,                # App. table, MNIST: patience 1
     'norm_epsilon': 0.1},         # as config.fedtta.norm_epsilon
-    check=check('fedtta_pp'), trained_by=TRAINED_BY)
-def build_fedtta_pp(module, hparams, context: SourceContext) -> Adapter:
-  del context
-  return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience,
-                        hparams.norm_epsilon)
+    check=check('fedtta_pp'), trained_by=TRAINED_BY)(build)
