@@ -29,7 +29,7 @@ Variants (comma-separated):
                                   images/s on a 2-core CPU, the MLP at ~50,000)
   cnn_cpu                         the paper's CNN reduced for a 2-core CPU: τ = 2 local
                                   iterations (not 10), 15 rounds (not 50), local steps
-                                  unrolled; ~11 minutes per seed for FedAvg, FedEvp and
+                                  unrolled; ~13 minutes per seed for FedAvg, FedEvp and
                                   FedEvolve (README's RMNIST CNN table, slow test)
   quick                           one seed, 10 rounds, 1 local iteration
   tiny                            seconds (tests)
