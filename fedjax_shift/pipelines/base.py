@@ -273,14 +273,22 @@ def run_fields(config: ml_collections.ConfigDict, section: str) -> dict:
   return {path: value for path, value in fields.items() if path not in unused}
 
 
+def check_run_dir(run_dir: str, run_config: ml_collections.ConfigDict, section: str,
+                  resume: str) -> dict:
+  """Checks ``run_dir`` against its ``run.json`` (fingerprint, round target) and kept
+  checkpoints (read-only); returns the run's fingerprinted fields."""
+  fields = run_fields(run_config, section)
+  workdir_lib.check_run_dir(run_dir, fields, run_config.rounds, resume,
+                            other_benchmark_fields(run_config.data.benchmark))
+  workdir_lib.check_rounds(run_dir, run_config.rounds)
+  return fields
+
+
 def preflight(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Checks every run directory the pipeline will train against its ``run.json``
-  and kept checkpoints before anything is written (read-only)."""
+  """Checks every run directory the pipeline will train before anything is written."""
   for run_dir, run_config, section in PIPELINES.meta(config.pipeline)['run_dirs'](
       config, workdir):
-    workdir_lib.check_run_dir(run_dir, run_fields(run_config, section), run_config.rounds,
-                              config.resume, other_benchmark_fields(run_config.data.benchmark))
-    workdir_lib.check_rounds(run_dir, run_config.rounds)
+    check_run_dir(run_dir, run_config, section, config.resume)
 
 
 def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> None:

@@ -35,9 +35,8 @@ from fedjax_shift.data import federated
 from fedjax_shift.metrics import MetricsWriter
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
-                                         check_run,
-                                         eval_adapter_specs, hardware, other_benchmark_fields,
-                                         round_backend, run_fields)
+                                         check_run, check_run_dir, eval_adapter_specs,
+                                         hardware, round_backend)
 
 log = logging.getLogger('fedjax_shift')
 
@@ -139,10 +138,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
   re-run whose fields differ, or that raises ``rounds`` without
   ``config.resume='extend'``, is refused before anything is touched (pipelines/workdir.py).
   """
-  fields = run_fields(config, algorithm_name)
-  workdir_lib.check_run_dir(workdir, fields, config.rounds, config.resume,
-                            other_benchmark_fields(config.data.benchmark))
-  workdir_lib.check_rounds(workdir, config.rounds)
+  fields = check_run_dir(workdir, config, algorithm_name, config.resume)
   os.makedirs(workdir, exist_ok=True)
   if bench is None:
     bench = build_data(config, seed)
@@ -189,6 +185,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
     if program_key is not None:
       programs[program_key] = (module, algorithm, round_device, round_host, evaluate_chunk,
                                adapted_chunk)
+  new_client_splits = sorted(bench.info.get('new_clients', {}))
+  if new_client_splits and algorithm.personalize is not None:
+    raise ValueError(f'config.algorithms: {algorithm_name} personalises a model per training '
+                     f'client, but split(s) {new_client_splits} of benchmark '
+                     f'{config.data.benchmark!r} hold new clients, not training clients')
   seed_key = jax.random.key(seed)
   init_key, train_key, eval_key = (jax.random.fold_in(seed_key, i) for i in range(3))
   server_state = algorithm.init(init_key, jnp.asarray(train.x[0, :1]))
@@ -206,11 +207,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
   workdir_lib.record_run(workdir, fields, config.rounds)
   writer = MetricsWriter(workdir, start_round) if start_round < config.rounds else None
 
-  new_client_splits = sorted(bench.info.get('new_clients', {}))
-  if new_client_splits and algorithm.personalize is not None:
-    raise ValueError(f'config.algorithms: {algorithm_name} personalises a model per training '
-                     f'client, but split(s) {new_client_splits} of benchmark '
-                     f'{config.data.benchmark!r} hold new clients, not training clients')
   round_config = _round_config(config)
   host_store = None
   if config.data.store == 'host':
