@@ -1,7 +1,11 @@
-"""FedTTA, FedTTA-Prox and FedTTA++ (fedtta_upfl.txt) against FedAvg and FedProx on
-new, unlabelled clients (UPFL), the rows of the paper's Table 1 that the library has.
+"""FedTTA, FedTTA-Prox and FedTTA++ (fedtta_upfl.txt) against its Table 1 baselines on
+new, unlabelled clients (UPFL): FedAvg, FedProx, SCAFFOLD, FedGMA, FedSR, PFL-Sampled and
+PFL-Ensemble (FedPer's personalised models given to new clients) and, in the `tent`
+variant (a BatchNorm MLP, which FedTTA's second-order step does not take), TENT.
 
     python launch/train.py --config=configs/fedtta.py --workdir=/tmp/fedtta
+    python launch/train.py --config=configs/fedtta.py:tent --workdir=/tmp/fedtta_tent
+    python launch/report.py --kind=fedtta --workdirs=/tmp/fedtta,/tmp/fedtta_tent
 
 Protocol (Sec. 4.1): embedded MNIST (5,000 real digits) over 100 clients, pathological
 (at most 2 classes each); 50 % training clients (train / validation 85 : 15), 50 % new
@@ -10,6 +14,9 @@ round; τ = 20 local iterations of batch 64, SGD; MLP with two hidden layers of 
 200 rounds (MNIST); g = MLP C → 32 → 32 → 32 → 1; η_inner 0.5, η_adapt 0.01 (FedTTA),
 0.001 with μ = 0.01 (FedTTA-Prox); FedTTA++ = FedTTA-Prox's model adapted by up to
 E = 50 steps with entropy patience 1 (Table 4, MNIST).
+
+Hyperparameters from the paper's App. table (MNIST column) where the library has the
+field: SCAFFOLD η_g 1.5, FedGMA τ 0.1, FedSR α_L2R 0.01 and α_CMI 0.0005.
 
 Columns: 'global/val' = the training clients' validation data (the paper's validation
 accuracy), 'global/test' = the new clients with the global base model, unadapted;
@@ -23,7 +30,10 @@ FedAvg η = 0.1, which we use; FedTTA η_outer = 0.3, FedProx 0.3); the paper re
 accuracy at the round of best validation accuracy, we report the last round's; 5,000
 digits give each client ~50 examples instead of ~700.
 
-Variants: quick, tiny (shared).
+Variants: tent (FedAvg on bn_mlp, adapted by Tent on the new clients: the TENT row);
+shift<α> (Table 2: training clients Dirichlet 0.1, new clients Dirichlet α from their
+own pool); concept_shift (Sec. 4.5: training clients rotated 0/30/60°, new 15/45°);
+quick, tiny (shared). Combine with commas, e.g. `tent,shift0.01`.
 """
 import ml_collections
 
@@ -32,7 +42,8 @@ from fedjax_shift.config import apply_variant, base_config
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c = base_config()
-  c.algorithms = ('fedavg', 'fedprox', 'fedtta', 'fedtta_prox')
+  c.algorithms = ('fedavg', 'fedprox', 'scaffold', 'gma', 'fedsr', 'fedper', 'fedtta',
+                  'fedtta_prox')
   c.data.benchmark = 'upfl'           # fields: fedjax_shift/benchmarks/upfl.py
   c.data.source = 'mnist_embedded'
   c.data.partition = 'pathological'
@@ -48,6 +59,11 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.client.local_steps = 20           # τ = 20 local iterations
   c.client.local_epochs = 0
   c.fedprox.mu = 0.001                # Table 4: FedProx μ = 0.001 (MNIST)
+  c.scaffold.global_learning_rate = 1.5  # Table 4: SCAFFOLD η_g = 1.5
+  c.gma.threshold = 0.1               # Table 4: FedGMA τ = 0.1
+  c.fedsr.l2r = 0.01                  # App. B: FedSR's defaults α_L2R = 0.01,
+  c.fedsr.cmi = 0.0005                #   α_CMI = 0.0005
+  c.paper_tables = 'fedtta'           # launch/train.py prints the Table 1 layout
   c.eval_adapters = ('fedtta:episodic', 'fedtta_pp:episodic')
   c.eval_adapter_algorithms = ('fedtta', 'fedtta_prox')
   c.eval_adapter_batch_size = 64      # ≥ a new client's ~50 examples: one batch per client
@@ -63,5 +79,29 @@ def _tiny(c: ml_collections.ConfigDict, match) -> None:
   c.adapters.fedtta_pp.max_steps = 3
 
 
-VARIANTS = (('tiny', _tiny),)
-USAGE = '(none of its own)'
+def _tent(c: ml_collections.ConfigDict, match) -> None:
+  # TENT (Table 1): FedAvg on an MLP with BatchNorm, each new client's data adapted by
+  # Tent (entropy of its batch, BN affine parameters, Adam 1e-3) before predicting.
+  c.model = ml_collections.ConfigDict({'name': 'bn_mlp', 'hidden': (200, 200)})
+  c.algorithms = ('fedavg',)
+  c.eval_adapters = ('tent:episodic',)
+  c.eval_adapter_algorithms = ('fedavg',)
+
+
+def _shift(c: ml_collections.ConfigDict, match) -> None:
+  # Table 2 (Sec. 4.3): training clients Dirichlet α = 0.1 over their pool, new clients
+  # Dirichlet α = <value> over theirs (0.01, 0.03, 0.05, 0.1, 0.3, 0.5).
+  c.data.partition = 'dirichlet'
+  c.data.dirichlet_alpha = 0.1
+  c.data.new_client_alpha = float(match.group(1))
+
+
+def _concept_shift(c: ml_collections.ConfigDict, match) -> None:
+  # Sec. 4.5 (after FedSR): training clients' digits rotated 0/30/60°, new clients' 15/45°.
+  c.data.train_rotations = (0.0, 30.0, 60.0)
+  c.data.new_rotations = (15.0, 45.0)
+
+
+VARIANTS = (('tiny', _tiny), ('tent', _tent), (r'shift([0-9.]+)', _shift),
+            ('concept_shift', _concept_shift))
+USAGE = 'tent, shift<new-client α> (Table 2), concept_shift (Sec. 4.5)'

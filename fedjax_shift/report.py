@@ -220,3 +220,50 @@ def fedevolve_tables(config, results: List[Dict]) -> str:
           f'model over all target data\n\n' + evolving_table({label: results}) +
           '\n\nFedEvolve Table 7 layout: parameters uploaded per client per round\n\n' +
           parameters_table(results))
+
+
+# FedTTA Table 1 rows (fedtta_upfl.txt): (label, method, validation model, test model).
+# Validation: the training clients' held-out 15 %; test: the new clients. A personalised
+# method (FedPer) is validated with each training client's own model and tested as
+# PFL-Sampled / PFL-Ensemble; TENT is FedAvg on a BatchNorm model (configs/fedtta.py:tent)
+# adapted by Tent; FedTTA's adapted rows are validated unadapted.
+UPFL_ROWS = (
+    ('FedAvg', 'fedavg', 'global', 'global'),
+    ('FedProx', 'fedprox', 'global', 'global'),
+    ('SCAFFOLD', 'scaffold', 'global', 'global'),
+    ('FedGMA', 'gma', 'global', 'global'),
+    ('FedSR', 'fedsr', 'global', 'global'),
+    ('PFL-Sampled', 'fedper', 'personalized', 'pfl_sampled'),
+    ('PFL-Ensemble', 'fedper', 'personalized', 'pfl_ensemble'),
+    ('TENT', 'fedavg', 'global', 'global+tent'),
+    ('FedTTA', 'fedtta', 'global', 'global+fedtta'),
+    ('FedTTA-Prox', 'fedtta_prox', 'global', 'global+fedtta'),
+    ('FedTTA++', 'fedtta_prox', 'global', 'global+fedtta_pp'))
+
+
+def upfl_table(runs_by_workdir: Dict[str, List[Dict]], column: str = '') -> str:
+  """FedTTA Table 1 layout for one dataset: Validation and Test accuracy (%), mean ± std
+  over seeds. ``runs_by_workdir``: workdir -> per (method, seed) results dicts; a row
+  is read from the first workdir whose runs of its method have its test column (so
+  FedAvg comes from the main run, TENT from the BatchNorm run). Rows no run has are
+  left out."""
+  header = ['Method', f'{column} Validation'.strip(), f'{column} Test'.strip()]
+  rows = []
+  for label, method, val_model, test_model in UPFL_ROWS:
+    for runs in runs_by_workdir.values():
+      mine = [r for r in runs if r['algorithm'] == method and
+              f'{test_model}/test/accuracy' in r['metrics']]
+      if mine:
+        rows.append([label,
+                     mean_std([r['metrics'].get(f'{val_model}/val/accuracy') for r in mine]),
+                     mean_std([r['metrics'][f'{test_model}/test/accuracy'] for r in mine])])
+        break
+  return _markdown(header, rows)
+
+
+def fedtta_tables(config, results: List[Dict]) -> str:
+  """What launch/train.py prints for a configs/fedtta.py run: the rows of FedTTA's
+  Table 1 it has (launch/report.py --kind=fedtta merges the TENT run into it)."""
+  return ('FedTTA Table 1 layout: accuracy (%) mean ± std over seeds; Validation = the '
+          'training clients\' held-out data, Test = the new clients\n\n' +
+          upfl_table({'run': results}, config.data.source))

@@ -21,6 +21,9 @@ B, FedAvg with SGD):
   fedtta      FedTTA's compiled round on the same cohort: one epoch of steps, each an
               inner step on ‖g(f(X; ψ); φ)‖₂ and the CE of the adapted model
               differentiated through it (second order), next to (a) (opt-in)
+  fedtta_e50 / fedtta_pp_scan / fedtta_pp_while  FedTTA's test-time adaptation of C
+              new clients (episodic batches of B): 50 inner steps, vs FedTTA++'s entropy
+              early stop (patience 1) as a masked scan and as a while_loop (opt-in)
   fedavg_1step / alpha_round  the compiled FedAvg round with ONE local step of batch
               B vs ATP's α-training round with one α step of batch B on the same
               cohort (entropy forward/backward for h, then CE forward/backward
@@ -411,6 +414,35 @@ def case_tta(vmapped: bool):
   return {'seconds': median, 'times': times, 'compile_s': compile_s}
 
 
+def case_fedtta_test_time(loop: str, patience: int):
+  """FedTTA++ on C new clients × N examples, episodic batches of B, E = 50 inner steps
+  with entropy patience ``patience`` (0: all 50), as a masked ``lax.scan`` or a
+  ``lax.while_loop``; the jitted vmapped scan of core/test_time.py over clients, on an
+  untrained FedTTA model (the steps each client runs are reported)."""
+  import jax
+  import numpy as np
+  from fedjax_shift.adapters.fedtta import adapt, fedtta_adapter
+  from fedjax_shift.core.test_time import build_test_time
+  config, module, algorithm, data, server = setup_algorithm(FLAGS.clients, 'fedtta')
+  variables = algorithm.global_model(server)
+  adapter = fedtta_adapter(module, 0.5, 50, patience, 0.1, loop)
+  run_all = build_test_time(adapter, FLAGS.batch_size, 'episodic')
+  device_data = jax.device_put(data)
+  key = jax.random.key(0)
+  run = lambda: jax.block_until_ready(run_all(variables, device_data, key))
+  tick = time.perf_counter()
+  run()
+  compile_s = time.perf_counter() - tick
+  median, times = timed(run, FLAGS.repeats)
+  first_batches = device_data.x[:, :FLAGS.batch_size]
+  steps = jax.jit(jax.vmap(lambda x: adapt(module, variables, x, np.ones(FLAGS.batch_size,
+                                                                         np.float32),
+                                           0.5, 50, patience, 0.1, loop)[1]))(first_batches)
+  return {'seconds': median, 'times': times, 'compile_s': compile_s,
+          'mean_steps_first_batch': float(np.mean(steps)), 'max_steps_first_batch':
+          int(np.max(steps))}
+
+
 def case_sweep(population):
   import jax
   import numpy as np
@@ -458,7 +490,10 @@ def run_case(name):
               'fedavg_1step': lambda: case_round(kind='fedavg_1step'),
               'fedevolve': lambda: case_round(kind='fedevolve'),
               'fedtta': lambda: case_round(kind='fedtta'),
-              'alpha_round': lambda: case_round(kind='alpha')}[name]()
+              'alpha_round': lambda: case_round(kind='alpha'),
+              'fedtta_e50': lambda: case_fedtta_test_time('scan', 0),
+              'fedtta_pp_scan': lambda: case_fedtta_test_time('scan', 1),
+              'fedtta_pp_while': lambda: case_fedtta_test_time('while', 1)}[name]()
   result['peak_rss_gb'] = peak_rss_gb()
   return result
 
@@ -510,7 +545,10 @@ def main(argv):
             'fedavg_1step': 'FedAvg round, 1 local step',
             'fedevolve': 'FedEvolve round, 1 local iteration (9 domain pairs)',
             'fedtta': 'FedTTA round, 1 epoch (inner + outer step each)',
-            'alpha_round': 'ATP α round, 1 α step'}
+            'alpha_round': 'ATP α round, 1 α step',
+            'fedtta_e50': 'FedTTA test time, fixed E = 50 steps (scan)',
+            'fedtta_pp_scan': 'FedTTA++ test time, E ≤ 50, patience 1, masked scan',
+            'fedtta_pp_while': 'FedTTA++ test time, E ≤ 50, patience 1, while_loop'}
   base = results.get('fused', {}).get('seconds')
   lines = ['| case | s/round | compile s | peak RSS GB | vs (c) fused |', '|---|---|---|---|---|']
   for name, result in results.items():

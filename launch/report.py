@@ -7,10 +7,14 @@
     python launch/report.py --kind=straggler --workdirs=/tmp/fe_1,/tmp/fe_r01,/tmp/fe_r09 \
         --labels='0,0.1,0.9'
 
+    python launch/report.py --kind=fedtta --workdirs=/tmp/fedtta,/tmp/fedtta_tent
+
 --kind=atp (test-time pipeline runs) merges their Table 1 columns (one shift per run,
 or several) and Table 3 where a run trained α on several shifts. --kind=evolving
 (configs/fedevolve.py runs) lays out FedEvolve's Table 1 / 2 / 3 / 4: one Client/Server
 column pair per workdir; --kind=straggler its Table 6: one Client column per workdir.
+--kind=fedtta (configs/fedtta.py runs) lays out FedTTA's Table 1, each row from the first
+workdir that has it (the main run, then the TENT run of configs/fedtta.py:tent).
 Mean ± std over the seeds each run used; --out writes markdown.
 """
 import os
@@ -24,7 +28,7 @@ from fedjax_shift import metrics, report  # noqa: E402
 
 _WORKDIRS = flags.DEFINE_list('workdirs', None, 'Test-time pipeline workdirs.')
 _OUT = flags.DEFINE_string('out', '', 'Write the markdown here.')
-_KIND = flags.DEFINE_enum('kind', 'atp', ['atp', 'evolving', 'straggler'],
+_KIND = flags.DEFINE_enum('kind', 'atp', ['atp', 'evolving', 'straggler', 'fedtta'],
                           'Which paper layout.')
 _LABELS = flags.DEFINE_list('labels', [], 'Column labels, one per workdir (evolving).')
 flags.mark_flags_as_required(['workdirs'])
@@ -62,7 +66,8 @@ def load(workdirs):
 
 
 def load_evolving(workdirs, labels):
-  """{label: [per (method, seed) results.json dicts]} of configs/fedevolve.py runs."""
+  """{label: [per (method, seed) results.json dicts]} of federated-pipeline runs
+  (configs/fedevolve.py, configs/fedtta.py); labels default to the workdir names."""
   import glob
   labels = labels or [os.path.basename(os.path.normpath(w)) for w in workdirs]
   if len(labels) != len(workdirs):
@@ -96,6 +101,8 @@ def main(argv):
 
 def build(workdirs) -> str:
   """The markdown of ``--kind`` over ``workdirs``."""
+  if _KIND.value == 'fedtta':
+    return report.upfl_table(load_evolving(workdirs, []))
   if _KIND.value in ('evolving', 'straggler'):
     return report.evolving_table(load_evolving(workdirs, _LABELS.value),
                                  server=_KIND.value == 'evolving')

@@ -141,11 +141,25 @@ def test_early_stop_fires_when_the_entropy_stops_decreasing():
       if waited >= patience:
         expected = e
         break
-    adapted, steps = adapt(module, variables, x, weight, lr, 12, patience, 0.1)
-    assert int(steps) == expected, (patience, entropies)
-    assert patience > 1 or expected < 12, entropies   # the case really stops early
-    # (the large steps amplify float32 rounding between the scan and the eager loop)
-    chex.assert_trees_all_close(adapted, history[expected], rtol=1e-4, atol=1e-5)
+    for loop in ('scan', 'while'):
+      adapted, steps = adapt(module, variables, x, weight, lr, 12, patience, 0.1, loop)
+      assert int(steps) == expected, (loop, patience, entropies)
+      assert patience > 1 or expected < 12, entropies   # the case really stops early
+      # (the large steps amplify float32 rounding between the scan and the eager loop)
+      chex.assert_trees_all_close(adapted, history[expected], rtol=1e-4, atol=1e-5)
+
+
+def test_while_loop_equals_the_masked_scan_vmapped_over_clients():
+  """Vmapped over clients that stop at different steps, the while loop (which runs
+  until the last one stops) gives each client the masked scan's ψ and step count."""
+  module, variables, client = _variables()
+  xs = jnp.stack([client.x[:7], client.x[:7] * 0.5, client.x[:7][::-1] * 2.0])
+  weight = jnp.ones(7)
+  run = lambda loop: jax.vmap(lambda x: adapt(module, variables, x, weight, 25.0, 12, 1, 0.1,
+                                              loop))(xs)
+  (scanned, scan_steps), (looped, loop_steps) = run('scan'), run('while')
+  np.testing.assert_array_equal(scan_steps, loop_steps)
+  chex.assert_trees_all_close(scanned, looped, rtol=1e-5, atol=1e-6)
 
 
 def test_adapter_on_a_model_without_g_and_bad_fields_are_errors():
@@ -160,6 +174,10 @@ def test_adapter_on_a_model_without_g_and_bad_fields_are_errors():
     adapter.init({'params': variables['params']}, jax.random.key(0))
   config.adapters.fedtta_pp.max_steps = 0
   with pytest.raises(ValueError, match=r'config.adapters.fedtta_pp.max_steps: E must be >= 1'):
+    ADAPTERS.check('fedtta_pp', config.adapters.fedtta_pp, 'config.adapters.fedtta_pp')
+  config.adapters.fedtta_pp.max_steps = 5
+  config.adapters.fedtta_pp.loop = 'for'
+  with pytest.raises(ValueError, match=r'config.adapters.fedtta_pp.loop'):
     ADAPTERS.check('fedtta_pp', config.adapters.fedtta_pp, 'config.adapters.fedtta_pp')
   config.fedtta.adaptation_size = 'huge'
   with pytest.raises(ValueError, match=r'config.fedtta.adaptation_size'):
@@ -232,21 +250,92 @@ def test_new_clients_labels_are_never_read_by_the_adaptation():
   assert float(clean['correct']) != float(dirty['correct'])   # the labels did change
 
 
-def test_upfl_pipeline_runs_and_refuses_personalised_methods(tmp_path):
+def test_upfl_pipeline_runs_and_scores_personalised_methods_as_pfl_baselines(tmp_path):
   from fedjax_shift import pipelines
-  config = upfl_config()
+  # 30 % new clients: the new-client split is padded with clients holding no data
+  config = upfl_config(new_client_fraction=0.3)
   config.algorithms = ('fedtta_prox',)
   out = pipelines.run(config, str(tmp_path / 'ok'))
   metrics = out.records['results'][0]['metrics']
   for key in ('global/val/accuracy', 'global/test/accuracy', 'global+fedtta/test/accuracy',
-              'global+fedtta_pp/test/accuracy'):
-    assert 0.0 <= metrics[key] <= 1.0
-  config.algorithms = ('fedrep',)
+              'global+fedtta_pp/test/accuracy', 'global+fedtta/test/client_accuracy'):
+    assert 0.0 <= metrics[key] <= 1.0, key
+  # A personalised method has no model for a new client: its own model is scored on the
+  # training clients' validation data only, and new clients get PFL-Sampled / -Ensemble.
+  config.algorithms = ('fedper',)
   config.eval_adapter_algorithms = ()
-  with pytest.raises(ValueError, match=r'fedrep personalises a model per training client'):
-    pipelines.run(config, str(tmp_path / 'fedrep'))
+  metrics = pipelines.run(config, str(tmp_path / 'fedper')).records['results'][0]['metrics']
+  assert 'personalized/test/accuracy' not in metrics
+  for key in ('personalized/val/accuracy', 'pfl_sampled/test/accuracy',
+              'pfl_ensemble/test/accuracy'):
+    assert 0.0 <= metrics[key] <= 1.0, key
   config.algorithms = ('fedavg',)
   config.eval_adapter_algorithms = ('fedavg',)
   with pytest.raises(ValueError, match=r"config.eval_adapter_algorithms: the fedtta adapter "
                                        r"adapts models trained by \['fedtta', 'fedtta_prox'\]"):
     pipelines.run(config, str(tmp_path / 'fedavg'))
+
+
+def test_pfl_sampled_and_ensemble_equal_a_loop_over_training_models():
+  """PFL-Sampled = the donor's personalised model; PFL-Ensemble = argmax of the mean
+  logits of the training clients that have data (client 2 has none and is left out)."""
+  from fedjax_shift.core import evaluation
+  from fedjax_shift.core.round import stack_client_states
+  config = tiny_config(**{'model.hidden': (6,)})
+  module = models.create(config.model, NUM_CLASSES)
+  train, _, _ = toy_clients([5, 4, 0], num_classes=NUM_CLASSES)
+  new, _, _ = toy_clients([6, 3], num_classes=NUM_CLASSES, seed=1)
+  fedper = algorithms.build('fedper', config, module, train.max_examples)
+  server = fedper.init(jax.random.key(0), jnp.asarray(train.x[0, :1]))
+  heads = stack_client_states(fedper, server, train.num_clients)
+  heads = jax.tree.map(lambda h: h + jax.random.normal(jax.random.key(1), h.shape), heads)
+  personalized_models, evaluate_chunk = evaluation.build_new_client_evaluate(fedper, module, 4)
+  stacked = personalized_models(server, heads, train, jax.random.key(2))
+  has_data = jnp.asarray(train.num_examples > 0)
+  donors = jnp.array([1, 0], jnp.int32)
+  sums = evaluate_chunk(stacked, has_data, new, donors, None, None)
+  logits = [[models.apply(module, fedper.personalize(server, jax.tree.map(lambda h: h[j], heads),
+                                                     None, None), new.x[c])[0]
+             for j in range(3)] for c in range(2)]
+  for c in range(2):
+    real = new.mask[c]
+    sampled = np.argmax(logits[c][int(donors[c])], -1)
+    ensemble = np.argmax((logits[c][0] + logits[c][1]) / 2, -1)
+    assert float(sums['pfl_sampled']['correct'][c]) == np.sum((sampled == new.y[c]) & real)
+    assert float(sums['pfl_ensemble']['correct'][c]) == np.sum((ensemble == new.y[c]) & real)
+    assert float(sums['pfl_ensemble']['count'][c]) == real.sum()
+
+
+def test_upfl_degree_of_shift_and_concept_shift_splits():
+  from fedjax_shift.benchmarks import BENCHMARKS
+  from fedjax_shift.data import sources
+  upfl = BENCHMARKS.get('upfl')
+  # Table 2: training clients from one pool (pathological here), new clients from a
+  # disjoint pool with Dirichlet(0.01).
+  bench = upfl(upfl_config(num_clients=20, new_client_alpha=0.01).data, 0)
+  train, val, test = (bench.splits[s] for s in ('train', 'val', 'test'))
+  assert int(test.num_examples.sum()) == 2500    # new_client_fraction of the 5,000
+  assert int(train.num_examples.sum() + val.num_examples.sum()) == 2500
+  train_images = {hash(x.tobytes()) for k in range(10) for x in train.x[k][train.mask[k]]}
+  assert not any(hash(x.tobytes()) in train_images
+                 for k in range(10) for x in test.x[k][test.mask[k]])
+  # Dir(0.01) per class: each class's new examples sit almost all with one new client
+  counts = np.stack([np.bincount(test.y[k][test.mask[k]], minlength=10) for k in range(10)])
+  assert np.mean(counts.max(0) / counts.sum(0)) > 0.9
+  # Concept shift: the same clients as without rotations, new client k's images
+  # rotated by new_rotations[k mod 2]; training clients at 0° are unchanged.
+  plain = upfl(upfl_config(num_clients=20).data, 0)
+  shifted = upfl(upfl_config(num_clients=20, train_rotations=(0,),
+                             new_rotations=(15, 45)).data, 0)
+  np.testing.assert_array_equal(shifted.splits['train'].x, plain.splits['train'].x)
+  for k in range(3):
+    real = plain.splits['test'].mask[k]
+    np.testing.assert_array_equal(shifted.splits['test'].x[k][real],
+                                  sources.rotate(plain.splits['test'].x[k][real],
+                                                 (15, 45)[k % 2]))
+  assert shifted.info['rotations'] == {'train': [0.0], 'test': [15.0, 45.0]}
+  for fields, match in [({'new_client_alpha': -1.0}, 'data.new_client_alpha'),
+                        ({'new_rotations': (15,)}, 'data.train_rotations')]:
+    with pytest.raises(ValueError, match=match):
+      BENCHMARKS.check('upfl', upfl_config(**fields).data, 'config.data',
+                       known_fields_only=False)

@@ -10,7 +10,8 @@ FedTTA: E = 1. FedTTA++: up to E = 50 steps; H_e is the mean prediction entropy 
 f(X; ψ_e) (H_0 before any step). Adaptation stops after step e when H has not gone
 below its lowest value for ``patience`` consecutive steps; the model of that step is
 kept (``patience`` = 0: no early stopping, all E steps). The E steps are a masked
-``lax.scan`` (no data-dependent Python branch; differentiable). Predictions are
+``lax.scan`` (no data-dependent Python branch; differentiable) or, with ``loop='while'``,
+a ``lax.while_loop`` that stops computing at the stop. Predictions are
 f(X; ψ_final) on the same batch, in episodic mode from ψ for each batch.
 """
 from __future__ import annotations
@@ -48,9 +49,17 @@ def model_collections(variables) -> dict:
   return {k: v for k, v in variables.items() if k not in ('params', ADAPTATION)}
 
 
+LOOPS = ('scan', 'while')
+
+
 def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rate: float,
-          max_steps: int, patience: int, norm_epsilon: float):
-  """(ψ_final, steps run [] int32) for one batch x [B, ...], weight [B]."""
+          max_steps: int, patience: int, norm_epsilon: float, loop: str = 'scan'):
+  """(ψ_final, steps run [] int32) for one batch x [B, ...], weight [B].
+
+  ``loop='scan'``: a masked ``lax.scan`` of E steps (steps after the stop compute and
+  are discarded; reverse-differentiable). ``'while'``: a ``lax.while_loop`` that ends
+  at the stop (vmapped over clients it runs until the last client stops; not
+  reverse-differentiable). Both give the same ψ_final."""
   adaptation_params = variables[ADAPTATION]
   adaptation_module = adaptation_module_of(adaptation_params)
   model_state = model_collections(variables)
@@ -59,7 +68,7 @@ def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rat
     logits = models.apply(module, {'params': params, **model_state}, x)[0]
     return common.weighted_entropy(logits, weight)
 
-  def step(carry, _):
+  def step(carry, _=None):
     params, lowest, waited, stopped, steps = carry
     new_params = inner_step(module, adaptation_module, params, adaptation_params, x, weight,
                             inner_learning_rate, norm_epsilon, model_state)
@@ -74,12 +83,16 @@ def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rat
 
   params = variables['params']
   init = (params, entropy(params), jnp.int32(0), jnp.bool_(False), jnp.int32(0))
+  if loop == 'while':
+    params, _, _, _, steps = jax.lax.while_loop(
+        lambda carry: ~carry[3] & (carry[4] < max_steps), lambda carry: step(carry)[0], init)
+    return params, steps
   (params, _, _, _, steps), _ = jax.lax.scan(step, init, None, length=max_steps)
   return params, steps
 
 
 def fedtta_adapter(module, inner_learning_rate: float, max_steps: int, patience: int,
-                   norm_epsilon: float) -> Adapter:
+                   norm_epsilon: float, loop: str = 'scan') -> Adapter:
   def init(variables, rng):
     del rng
     if ADAPTATION not in variables:
@@ -90,7 +103,7 @@ def fedtta_adapter(module, inner_learning_rate: float, max_steps: int, patience:
 
   def step(state, batch):
     params, _ = adapt(module, state.variables, batch.x, batch.weight, inner_learning_rate,
-                      max_steps, patience, norm_epsilon)
+                      max_steps, patience, norm_epsilon, loop)
     logits = models.apply(module, {'params': params, **model_collections(state.variables)},
                           batch.x)[0]
     return state, logits
@@ -108,6 +121,8 @@ def check(name: str):
             f'must be >= 0 (0: no early stopping), got {hparams.patience}')
     require(hparams.norm_epsilon >= 0, f'adapters.{name}.norm_epsilon',
             f'must be >= 0, got {hparams.norm_epsilon}')
+    require(hparams.loop in LOOPS, f'adapters.{name}.loop',
+            f'choose from {list(LOOPS)}, got {hparams.loop!r}')
   return check_fields
 
 
@@ -115,18 +130,20 @@ def build(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder of both adapters, from ``config.adapters.<name>``."""
   del context
   return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience,
-                        hparams.norm_epsilon)
+                        hparams.norm_epsilon, hparams.loop)
 
 
 ADAPTERS.register('fedtta', defaults={
     'inner_learning_rate': 0.5,   # η_inner, as config.fedtta (App. table, MNIST)
     'max_steps': 1,               # FedTTA: one step (Eq. 11)
     'patience': 0,
-    'norm_epsilon': 0.1},         # as config.fedtta.norm_epsilon
+    'norm_epsilon': 0.1,          # as config.fedtta.norm_epsilon
+    'loop': 'scan'},              # 'scan' (masked, differentiable) | 'while' (stops)
     check=check('fedtta'), trained_by=TRAINED_BY)(build)
 ADAPTERS.register('fedtta_pp', defaults={
     'inner_learning_rate': 0.5,   # η_inner (App. table, MNIST)
     'max_steps': 50,              # FedTTA++: E = 50 (Sec. 3.4)
     'patience': 1,                # App. table, MNIST: patience 1
-    'norm_epsilon': 0.1},         # as config.fedtta.norm_epsilon
+    'norm_epsilon': 0.1,          # as config.fedtta.norm_epsilon
+    'loop': 'scan'},              # 'scan' (masked, differentiable) | 'while' (stops)
     check=check('fedtta_pp'), trained_by=TRAINED_BY)(build)

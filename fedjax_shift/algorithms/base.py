@@ -41,6 +41,8 @@ class BuildContext(NamedTuple):
     client_learning_rate: η of ``config.client`` (q-FFL's Lipschitz estimate 1/η).
     info: the ``BUILD_INFO`` fields of the benchmark's ``Benchmark.info`` that it
       has (evolving shifts: 'num_domains', 'domain_size'); {} when it has none.
+    cohort_fraction: |S|/N, the cohort size over the training split's K clients
+      (SCAFFOLD's server control-variate step); 1 when the caller does not say.
   """
   module: Any
   client_optimizer: optax.GradientTransformation
@@ -48,6 +50,7 @@ class BuildContext(NamedTuple):
   schedule: LocalSchedule
   client_learning_rate: float
   info: dict
+  cohort_fraction: float = 1.0
 
 
 # name -> builder(hparams: its config.<name> section, context: BuildContext)
@@ -112,24 +115,27 @@ def build_info(info: Optional[dict]) -> dict:
 
 
 def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
-                  info: Optional[dict] = None) -> BuildContext:
-  """The engine's part of a builder's input, from ``config.client``, ``config.server``
-  and ``config.engine.unroll``."""
+                  info: Optional[dict] = None, num_clients: Optional[int] = None
+                  ) -> BuildContext:
+  """The engine's part of a builder's input, from ``config.client``, ``config.server``,
+  ``config.engine.unroll`` and ``config.cohort_size`` over ``num_clients`` (the
+  training split's K; None: a cohort fraction of 1)."""
   c = config.client
   schedule = LocalSchedule(batch_size=c.batch_size, num_epochs=c.local_epochs,
                            num_steps=c.local_steps, max_examples=max_examples,
                            unroll=config.engine.unroll)
+  fraction = min(1.0, config.cohort_size / num_clients) if num_clients else 1.0
   return BuildContext(module, client_optimizer(c), server_optimizer(config.server), schedule,
-                      float(c.learning_rate), build_info(info))
+                      float(c.learning_rate), build_info(info), fraction)
 
 
 def build(name: str, config: ml_collections.ConfigDict, module, max_examples: int,
-          info: Optional[dict] = None):
+          info: Optional[dict] = None, num_clients: Optional[int] = None):
   """The registered algorithm ``name`` with its section ``config.<name>``, checked
   first (unknown fields, the method's registered ``check``)."""
   builder = ALGORITHMS.get(name, 'config.algorithms')
   ALGORITHMS.check(name, config[name], f'config.{name}')
-  return builder(config[name], build_context(config, module, max_examples, info))
+  return builder(config[name], build_context(config, module, max_examples, info, num_clients))
 
 
 def epochs_schedule(schedule: LocalSchedule, epochs: int) -> LocalSchedule:
@@ -183,16 +189,16 @@ def weighted_sum(stacked, weights):
   return jax.tree.map(lambda leaf: jnp.tensordot(weights, leaf, axes=1), stacked)
 
 
-def average_server_update(server_opt: optax.GradientTransformation):
+def average_server_update(server_opt: optax.GradientTransformation, scale: float = 1.0):
   """ServerState update from client deltas Δ_c = w_c − w: the pseudo-gradient
-  −Σ p_c Δ_c goes through ``server_opt``; non-trainable state (BN running
-  statistics) becomes the weighted mean directly."""
+  −scale·Σ p_c Δ_c goes through ``server_opt`` (``scale``: SCAFFOLD's η_g);
+  non-trainable state (BN running statistics) becomes the weighted mean directly."""
 
   def server_update(state: ServerState, outputs: ClientOutput, weights) -> ServerState:
     mean_delta = weighted_sum(outputs.update, weights)
     params, rest = split_variables(state.variables)
     delta_params, delta_rest = split_variables(mean_delta)
-    pseudo_grad = jax.tree.map(jnp.negative, delta_params)
+    pseudo_grad = jax.tree.map(lambda d: -scale * d, delta_params)
     updates, opt_state = server_opt.update(pseudo_grad, state.opt_state, params)
     params = optax.apply_updates(params, updates)
     rest = jax.tree.map(jnp.add, rest, delta_rest)

@@ -61,3 +61,28 @@ def fedrep(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
       client_update=client_update, server_update=base.partial_server_update(server_opt),
       personalize=lambda server_state, head, data, rng: with_head(server_state.variables, head),
       global_model=None)
+
+
+@base.ALGORITHMS.register('fedper')
+def fedper(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  """FedPer (Arivazhagan et al. 2019): each client trains its whole model (the global
+  encoder with its own head) for ``client.local_epochs``; only the encoder is uploaded
+  and averaged, the head stays on the client. FedTTA's PFL-Sampled / PFL-Ensemble
+  baselines are FedPer's personalised models given to new clients (the federated
+  pipeline's 'pfl_sampled' and 'pfl_ensemble' columns)."""
+  del hparams
+  module, server_opt = context.module, context.server_optimizer
+
+  def client_update(server_state, head, data, rng):
+    start = with_head(server_state.variables, head)
+    variables, metrics = base.train_variables(context, start, data, rng)
+    delta = base.send_only(base.tree_sub(variables, start),
+                           lambda path: path[:2] != ('params', 'head'))
+    return ClientOutput(delta, metrics), variables['params']['head']
+
+  return FederatedAlgorithm(
+      init=base.init_server(module, server_opt),
+      init_client_state=lambda server_state: server_state.variables['params']['head'],
+      client_update=client_update, server_update=base.partial_server_update(server_opt),
+      personalize=lambda server_state, head, data, rng: with_head(server_state.variables, head),
+      global_model=None)

@@ -61,7 +61,8 @@ def inner_step(module, adaptation_module, params, adaptation_params, x: jax.Arra
 def checker(section: str):
   """The registered check of ``config.<section>`` (fedtta, fedtta_prox)."""
   def check(hparams: ml_collections.ConfigDict) -> None:
-    for field in ('inner_learning_rate', 'adapt_learning_rate', 'mu', 'norm_epsilon'):
+    for field in ('inner_learning_rate', 'adapt_learning_rate', 'mu', 'norm_epsilon',
+                  'clip_norm'):
       require(hparams[field] >= 0, f'{section}.{field}', f'must be >= 0, got {hparams[field]}')
     require(hparams.adaptation_size in ADAPTATION_SIZES, f'{section}.adaptation_size',
             f'choose from {list(ADAPTATION_SIZES)}, got {hparams.adaptation_size!r}')
@@ -79,6 +80,8 @@ def build(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fed
   client_opt = optax.multi_transform(
       {'base': context.client_optimizer, 'adaptation': optax.sgd(hparams.adapt_learning_rate)},
       {'base': 'base', 'adaptation': 'adaptation'})
+  if hparams.clip_norm:   # not in the paper: bounds the second-order outer step
+    client_opt = optax.chain(optax.clip_by_global_norm(hparams.clip_norm), client_opt)
 
   def init(rng, example_x):
     base_key, adaptation_key = jax.random.split(rng)
@@ -133,6 +136,9 @@ FEDTTA_DEFAULTS = {
     # 1/‖g‖ near 0 and the outer gradient goes through ∇ψ‖g‖: at ε = 1e-12 the MNIST
     # protocol hit ‖g‖ ≈ 0.07 within 4 steps, a 25× gradient spike, NaN in round 1.
     'norm_epsilon': 0.1,
+    # Global-norm clip of the outer gradient ∇(ψ, φ)L per local step (0: none; not in
+    # the paper).
+    'clip_norm': 0.0,
 }
 
 

@@ -9,7 +9,7 @@ naming ``config.data.<field>``, and ``pipelines``: the run loops it feeds.
 """
 from __future__ import annotations
 
-from typing import Dict, NamedTuple
+from typing import Dict, NamedTuple, Optional
 
 import ml_collections
 import numpy as np
@@ -97,9 +97,11 @@ def load_source(data_config: ml_collections.ConfigDict) -> sources.Source:
 
 
 def partition(labels: np.ndarray, data_config: ml_collections.ConfigDict, num_classes: int,
-              rng: np.random.Generator):
+              rng: np.random.Generator, num_clients: Optional[int] = None):
+  """``labels`` split over ``num_clients`` (default ``data.num_clients``) clients by
+  ``data.partition``: a list of index arrays."""
   kind = data_config.partition
-  num_clients = data_config.num_clients
+  num_clients = num_clients or data_config.num_clients
   if kind == 'dirichlet':
     return partitions.dirichlet(labels, num_clients, data_config.dirichlet_alpha, rng,
                                 min_examples=data_config.min_examples_per_client)

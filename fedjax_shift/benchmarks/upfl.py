@@ -5,15 +5,29 @@ at most 2 classes each); a random ``new_client_fraction`` (50 %) of them are new
 clients that take no part in training and bring only unlabelled data. Each training
 client's examples are split train / validation 85 : 15.
 
+Two shifts of the paper on top (``config.data`` fields):
+  new_client_alpha > 0   Table 2, degrees of distribution shift (Sec. 4.3): the source
+                         is first split into a training pool and a new-client pool
+                         (``new_client_fraction`` of the examples); the training pool
+                         goes to the training clients by ``data.partition`` (the
+                         paper: Dirichlet α = 0.1), the new pool to the new clients by
+                         Dirichlet(``new_client_alpha``) (0.01 … 0.5).
+  train_rotations,       concept shift (Sec. 4.5, after FedSR): training client k's
+  new_rotations          images are rotated by train_rotations[k mod len] degrees
+                         (0, 30, 60), new client k's by new_rotations[k mod len]
+                         (15, 45), counter-clockwise.
+
 Splits (all with max(training, new) clients; the shorter side is padded with clients
 holding no examples, which carry weight 0 in every mean):
   'train'  the training clients' 85 %
   'val'    the training clients' 15 % (the paper's validation accuracy)
   'test'   the new clients, all of their examples (the paper's test accuracy); client k
            of this split is new client k, not training client k — ``info['new_clients']``
-           names the split, and the federated pipeline refuses methods that would pair a
-           training client's personal model with it.
-A new client's labels are only read to score predictions (adapters see x only).
+           names the split. The federated pipeline scores a personalised method there
+           as PFL-Sampled / PFL-Ensemble (core/evaluation.build_new_client_evaluate).
+A new client's labels are only read to score predictions (adapters see x only). A new
+client with no examples (padding, or an empty Dirichlet draw) counts 0 in every sum and
+is left out of the mean over clients.
 """
 from __future__ import annotations
 
@@ -22,7 +36,7 @@ import numpy as np
 
 from fedjax_shift.benchmarks.base import (BENCHMARKS, Benchmark, check_partition, check_source,
                                           load_source, partition)
-from fedjax_shift.data import partitions
+from fedjax_shift.data import partitions, sources
 from fedjax_shift.data.federated import split_clients, stack_clients
 from fedjax_shift.registry import require
 
@@ -38,11 +52,54 @@ def check(data_config: ml_collections.ConfigDict) -> None:
           f'client')
   require(0 <= data_config.validation_fraction < 1, 'data.validation_fraction',
           f'must be in [0, 1), got {data_config.validation_fraction}')
+  require(data_config.new_client_alpha >= 0, 'data.new_client_alpha',
+          f'must be >= 0 (0: new clients partitioned with the training clients), got '
+          f'{data_config.new_client_alpha}')
+  for field in ('train_rotations', 'new_rotations'):
+    require(all(np.isfinite(float(a)) for a in data_config[field]), f'data.{field}',
+            f'must be finite angles in degrees, got {tuple(data_config[field])}')
+  require(bool(data_config.train_rotations) == bool(data_config.new_rotations),
+          'data.train_rotations', 'concept shift needs both train_rotations and '
+          'new_rotations (or neither)')
+
+
+def client_indices(labels: np.ndarray, data_config: ml_collections.ConfigDict, num_classes: int,
+                   rng: np.random.Generator):
+  """(training clients' index arrays, new clients' index arrays) into ``labels``, and
+  their client ids (of the partition of all clients; with ``new_client_alpha`` the
+  training clients are 0 … T−1 and the new clients T … K−1)."""
+  num_clients = data_config.num_clients
+  num_new = int(round(data_config.new_client_fraction * num_clients))
+  if not data_config.new_client_alpha:
+    parts = partition(labels, data_config, num_classes, rng)
+    order = rng.permutation(len(parts))
+    train_ids, new_ids = np.sort(order[num_new:]), np.sort(order[:num_new])
+    return [parts[k] for k in train_ids], [parts[k] for k in new_ids], train_ids, new_ids
+  order = rng.permutation(len(labels))
+  cut = int(round(data_config.new_client_fraction * len(labels)))
+  new_pool, train_pool = np.sort(order[:cut]), np.sort(order[cut:])
+  train_parts = partition(labels[train_pool], data_config, num_classes, rng,
+                          num_clients - num_new)
+  new_parts = partitions.dirichlet(labels[new_pool], num_new, data_config.new_client_alpha,
+                                   rng, min_examples=0)
+  num_train = num_clients - num_new
+  return ([train_pool[p] for p in train_parts], [new_pool[p] for p in new_parts],
+          np.arange(num_train), num_train + np.arange(num_new))
+
+
+def rotated(xs, angles):
+  """Client k's images rotated by angles[k mod len] degrees (none when angles is empty)."""
+  if not len(angles):
+    return list(xs)
+  return [sources.rotate(x, float(angles[k % len(angles)])) for k, x in enumerate(xs)]
 
 
 @BENCHMARKS.register('upfl', defaults={
     'new_client_fraction': 0.5,     # FedTTA Sec. 4.1.1: 50 % training / 50 % new clients
     'validation_fraction': 0.15,    # training clients: train / validation 85 : 15
+    'new_client_alpha': 0.0,        # Table 2: new clients' Dirichlet α (0 = no own split)
+    'train_rotations': (),          # Sec. 4.5 concept shift: (0, 30, 60)
+    'new_rotations': (),            #   and (15, 45) degrees
 }, check=check, pipelines=('federated',))
 def upfl(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   rng = np.random.default_rng([seed, 19])
@@ -51,17 +108,16 @@ def upfl(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
       data_config.classes_per_client > src.num_classes:
     raise ValueError(f'config.data.classes_per_client={data_config.classes_per_client}: '
                      f'the source has only {src.num_classes} classes')
-  parts = partition(src.y, data_config, src.num_classes, rng)
-  partitions.check_disjoint(parts)
-  order = rng.permutation(len(parts))
-  num_new = int(round(data_config.new_client_fraction * len(parts)))
-  train_ids, new_ids = np.sort(order[num_new:]), np.sort(order[:num_new])
+  train_parts, new_parts, train_ids, new_ids = client_indices(src.y, data_config,
+                                                              src.num_classes, rng)
+  partitions.check_disjoint(train_parts + new_parts)
   val = data_config.validation_fraction
   fractions = {'train': 1.0 - val, 'val': val} if val else {'train': 1.0}
-  splits_xy = split_clients([src.x[parts[k]] for k in train_ids],
-                            [src.y[parts[k]] for k in train_ids], fractions, rng)
-  splits_xy['test'] = ([src.x[parts[k]] for k in new_ids], [src.y[parts[k]] for k in new_ids])
-  width = max(len(train_ids), len(new_ids))
+  train_x = rotated([src.x[p] for p in train_parts], data_config.train_rotations)
+  splits_xy = split_clients(train_x, [src.y[p] for p in train_parts], fractions, rng)
+  splits_xy['test'] = (rotated([src.x[p] for p in new_parts], data_config.new_rotations),
+                       [src.y[p] for p in new_parts])
+  width = max(len(train_parts), len(new_parts))
   example_shape = src.x.shape[1:]
   empty_x = np.zeros((0,) + example_shape, src.x.dtype)
   empty_y = np.zeros((0,), src.y.dtype)
@@ -72,4 +128,7 @@ def upfl(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
                                  example_shape=example_shape)
   info = {'source': data_config.source, 'partition': data_config.partition,
           'training_clients': train_ids.tolist(), 'new_clients': {'test': new_ids.tolist()}}
+  if data_config.train_rotations:
+    info['rotations'] = {'train': [float(a) for a in data_config.train_rotations],
+                         'test': [float(a) for a in data_config.new_rotations]}
   return Benchmark(splits, src.num_classes, tuple(example_shape), info)

@@ -6,7 +6,7 @@ so a run compiles it once whatever the population.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,40 +22,44 @@ from fedjax_shift.data.federated import FederatedData
 PyTree = Any
 
 
-def split_metrics(module, variables, x, y, mask, batch_size: int) -> Dict[str, jax.Array]:
-  """Sums over one client's split: {'correct', 'loss', 'count'} (scalars).
+def logits_metrics(logits: jax.Array, y: jax.Array, mask: jax.Array) -> Dict[str, jax.Array]:
+  """Sums {'correct', 'loss', 'count'} (scalars) of logits [N, C] on labels y [N]."""
+  weight = mask.astype(jnp.float32)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+  return {'correct': jnp.sum((jnp.argmax(logits, -1) == y) * weight),
+          'loss': jnp.sum(loss * weight), 'count': jnp.sum(weight)}
 
-  x: [N, ...]; evaluated in eval mode in batches of ``batch_size`` (lax.map).
-  """
+
+def split_logits(module, variables, x: jax.Array, batch_size: int) -> jax.Array:
+  """Eval-mode logits [N, C] of x [N, ...] in batches of ``batch_size`` (lax.map)."""
   num = x.shape[0]
   batch = min(batch_size, num)
   num_batches = -(-num // batch)
   pad = num_batches * batch - num
   if pad:
     x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)])
-    y = jnp.concatenate([y, jnp.zeros((pad,), y.dtype)])
-    mask = jnp.concatenate([mask, jnp.zeros((pad,), bool)])
-
-  def one_batch(args):
-    xb, yb, mb = args
-    logits, _ = models.apply(module, variables, xb, 'eval')
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
-    correct = (jnp.argmax(logits, -1) == yb)
-    weight = mb.astype(jnp.float32)
-    return jnp.sum(correct * weight), jnp.sum(loss * weight)
-
-  reshape = lambda a: a.reshape((num_batches, batch) + a.shape[1:])
-  correct, loss = jax.lax.map(one_batch, (reshape(x), reshape(y), reshape(mask)))
-  return {'correct': correct.sum(), 'loss': loss.sum(),
-          'count': mask.sum().astype(jnp.float32)}
+  logits = jax.lax.map(lambda xb: models.apply(module, variables, xb, 'eval')[0],
+                       x.reshape((num_batches, batch) + x.shape[1:]))
+  return logits.reshape((num_batches * batch,) + logits.shape[2:])[:num]
 
 
-def build_evaluate(algorithm: FederatedAlgorithm, module, batch_size: int = 256):
+def split_metrics(module, variables, x, y, mask, batch_size: int) -> Dict[str, jax.Array]:
+  """Sums over one client's split: {'correct', 'loss', 'count'} (scalars).
+
+  x: [N, ...]; evaluated in eval mode in batches of ``batch_size`` (lax.map).
+  """
+  return logits_metrics(split_logits(module, variables, x, batch_size), y, mask)
+
+
+def build_evaluate(algorithm: FederatedAlgorithm, module, batch_size: int = 256,
+                   global_only: Sequence[str] = ()):
   """Returns jitted ``evaluate_chunk(server_state, client_states_chunk, train_chunk,
   splits_chunk, client_ids, key)`` -> {model: {split: {'correct','loss','count'} [C]}}.
 
   ``model`` is 'global' (when the method has one) and 'personalized' (when the
-  method personalises). ``train_chunk`` is what ``personalize`` may train on.
+  method personalises; not on the ``global_only`` splits, whose client k is not
+  training client k: UPFL's new clients). ``train_chunk`` is what ``personalize``
+  may train on.
   """
 
   def one_client(server_state, client_state, train: FederatedData,
@@ -72,7 +76,7 @@ def build_evaluate(algorithm: FederatedAlgorithm, module, batch_size: int = 256)
                                         jax.random.fold_in(key, client_id))
       results['personalized'] = {name: split_metrics(module, variables, s.x, s.y, s.mask,
                                                      batch_size)
-                                 for name, s in splits.items()}
+                                 for name, s in splits.items() if name not in global_only}
     return results
 
   def evaluate_chunk(server_state, client_states, train, splits, client_ids, key):
@@ -82,13 +86,57 @@ def build_evaluate(algorithm: FederatedAlgorithm, module, batch_size: int = 256)
   return jax.jit(evaluate_chunk)
 
 
-def build_adapted_evaluate(algorithm: FederatedAlgorithm, runners: Dict[str, Any]):
+def build_new_client_evaluate(algorithm: FederatedAlgorithm, module, batch_size: int = 256):
+  """FedTTA's PFL baselines (fedtta_upfl.txt Sec. 4.1.2): a personalised method's models
+  given to new clients, which have none of their own.
+
+  Returns (``personalized_models``, ``evaluate_chunk``), both jitted:
+    personalized_models(server_state, client_states [K], train [K], key) -> every
+      training client's personalised variables, stacked [K, ...] (client k's key is
+      ``fold_in(key, k)``, as in ``build_evaluate``);
+    evaluate_chunk(stacked, has_data [K] bool, split_chunk [C, N, ...], donors [C],
+                   client_ids, key) -> {'pfl_sampled': sums [C], 'pfl_ensemble': sums [C]}: new client c predicts
+      with training client donors[c]'s model (PFL-Sampled), and with the mean logits
+      of every training client that has data (PFL-Ensemble).
+  Both hold all K personalised models at once: the ensemble needs every one of them.
+  """
+
+  def personalized_models(server_state, client_states, train: FederatedData, key):
+    def one(client_state, data: FederatedData, client_id):
+      client = ClientData(data.x, data.y, data.mask, data.num_examples,
+                          jnp.int32(NO_STEP_LIMIT))
+      return algorithm.personalize(server_state, client_state, client,
+                                   jax.random.fold_in(key, client_id))
+    return jax.vmap(one)(client_states, train, jnp.arange(train.num_examples.shape[0]))
+
+  def one_client(stacked, has_data, split: FederatedData, donor):
+    def add_logits(total, member):
+      variables, member_has_data = member
+      logits = split_logits(module, variables, split.x, batch_size)
+      return total + jnp.where(member_has_data, logits, 0.0), None
+
+    donor_variables = jax.tree.map(lambda leaf: leaf[donor], stacked)
+    sampled = split_logits(module, donor_variables, split.x, batch_size)
+    total, _ = jax.lax.scan(add_logits, jnp.zeros_like(sampled), (stacked, has_data))
+    ensemble = total / jnp.maximum(jnp.sum(has_data), 1)
+    return {'pfl_sampled': logits_metrics(sampled, split.y, split.mask),
+            'pfl_ensemble': logits_metrics(ensemble, split.y, split.mask)}
+
+  def evaluate_chunk(stacked, has_data, split: FederatedData, donors, client_ids, key):
+    del client_ids, key   # (``evaluate_population``'s calling convention)
+    return jax.vmap(one_client, (None, None, 0, 0))(stacked, has_data, split, donors)
+
+  return jax.jit(personalized_models), jax.jit(evaluate_chunk)
+
+
+def build_adapted_evaluate(algorithm: FederatedAlgorithm, runners: Dict[str, Any],
+                           global_only: Sequence[str] = ()):
   """Test-time adaptation on top of the trained models (FedEvolve's MEMO(G),
   MEMO(P), T3A on FedAvg-FT): ``runners`` maps a name to a
   ``core.test_time.client_runner``. Returns jitted ``evaluate_chunk`` with the
   signature of ``build_evaluate``'s, giving {'<model>+<name>': {split: sums [C]}} for
-  model 'global' and/or 'personalized'; client k's adapter key is
-  ``fold_in(key, k)``."""
+  model 'global' and/or 'personalized' (not on the ``global_only`` splits); client
+  k's adapter key is ``fold_in(key, k)``."""
 
   def one_client(server_state, client_state, train: FederatedData,
                  splits: Dict[str, FederatedData], client_id, key):
@@ -107,7 +155,7 @@ def build_adapted_evaluate(algorithm: FederatedAlgorithm, runners: Dict[str, Any
         results[f'{model}+{name}'] = {
             split: {k: v for k, v in run_one(variables, s.x, s.y, s.num_examples,
                                              adapt_key).items() if k != 'predictions'}
-            for split, s in splits.items()}
+            for split, s in splits.items() if model == 'global' or split not in global_only}
     return results
 
   def evaluate_chunk(server_state, client_states, train, splits, client_ids, key):

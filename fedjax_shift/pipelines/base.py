@@ -151,6 +151,9 @@ def check_finite(config: ml_collections.ConfigDict, prefix: str = '') -> None:
               f'must be a finite number, got {value}')
 
 
+PAPER_TABLES = ('', 'fedevolve', 'fedtta')   # config.paper_tables (federated pipeline)
+
+
 def check_run(config: ml_collections.ConfigDict) -> None:
   """The fields every federated run reads: methods and their sections, model,
   benchmark (its own ``config.data`` check), rounds, cohort, engine, evaluation,
@@ -190,6 +193,8 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   require(config.data.store in ('device', 'host'), 'data.store',
           f"unknown {config.data.store!r}; choose from ['device', 'host']")
   require(config.rounds >= 1, 'rounds', f'must be >= 1, got {config.rounds}')
+  require(config.paper_tables in PAPER_TABLES, 'paper_tables',
+          f'unknown {config.paper_tables!r}; choose from {list(PAPER_TABLES)}')
   base.check_training(config)
   require(0.0 <= config.straggler_prob <= 1.0, 'straggler_prob',
           f'must be in [0, 1], got {config.straggler_prob}')

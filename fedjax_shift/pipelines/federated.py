@@ -86,7 +86,7 @@ def uploaded_parameters(algorithm: FederatedAlgorithm, server_state, client_stat
 
 
 def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: int,
-                        algorithm: FederatedAlgorithm):
+                        algorithm: FederatedAlgorithm, global_only=()):
   """The jitted adapted evaluation of ``config.eval_adapters`` ('<adapter>:<mode>'
   strings, e.g. 'memo:episodic', 't3a:online'; hyperparameters from
   ``config.adapters.<adapter>``), run on the test splits; None when there are none."""
@@ -98,7 +98,7 @@ def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: 
   for name, mode in specs:
     adapter = ADAPTERS.get(name, 'config.eval_adapters')(module, config.adapters[name], context)
     runners[name] = client_runner(adapter, config.eval_adapter_batch_size, mode)
-  return evaluation.build_adapted_evaluate(algorithm, runners)
+  return evaluation.build_adapted_evaluate(algorithm, runners, global_only)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
@@ -161,35 +161,40 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
            s['examples_per_client_max'], s['classes_per_client_mean'])
 
   module = models.create(config.model, bench.num_classes)
+  # Splits whose client k is a new client, not training client k (UPFL): no personalised
+  # model of their own; personalised methods are scored there as PFL-Sampled/-Ensemble.
+  new_client_splits = sorted(bench.info.get('new_clients', {}))
   program_key = None
   if algorithm is None and programs is not None:
-    program_key = (algorithm_name, train.x.shape[1:], train.x.dtype.str, bench.num_classes,
-                   json.dumps(algorithms.base.build_info(bench.info), sort_keys=True))
+    program_key = (algorithm_name, train.x.shape, train.x.dtype.str, bench.num_classes,
+                   json.dumps(algorithms.base.build_info(bench.info), sort_keys=True),
+                   tuple(new_client_splits))
   if program_key in (programs or {}):
-    module, algorithm, round_device, round_host, evaluate_chunk, adapted_chunk = \
-        programs[program_key]
+    (module, algorithm, round_device, round_host, evaluate_chunk, adapted_chunk,
+     new_client_chunk) = programs[program_key]
   else:
     if algorithm is None:
       algorithm = algorithms.build(algorithm_name, config, module, train.max_examples,
-                                   bench.info)
+                                   bench.info, train.num_clients)
     round_device, round_host = build_round(algorithm, _round_config(config),
                                            client_mesh(config.engine.num_devices)
                                            if config.engine.num_devices else None,
                                            donate=config.engine.donate,
                                            backend=round_backend(config),
                                            rounds_per_call=config.engine.rounds_per_call)
-    evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size)
+    evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size,
+                                               new_client_splits)
     adapted_chunk = None
     if algorithm_name in tuple(config.eval_adapter_algorithms):
-      adapted_chunk = build_eval_adapters(config, module, bench.num_classes, algorithm)
+      adapted_chunk = build_eval_adapters(config, module, bench.num_classes, algorithm,
+                                          new_client_splits)
+    new_client_chunk = None
+    if new_client_splits and algorithm.personalize is not None:
+      new_client_chunk = evaluation.build_new_client_evaluate(algorithm, module,
+                                                              config.engine.eval_batch_size)
     if program_key is not None:
       programs[program_key] = (module, algorithm, round_device, round_host, evaluate_chunk,
-                               adapted_chunk)
-  new_client_splits = sorted(bench.info.get('new_clients', {}))
-  if new_client_splits and algorithm.personalize is not None:
-    raise ValueError(f'config.algorithms: {algorithm_name} personalises a model per training '
-                     f'client, but split(s) {new_client_splits} of benchmark '
-                     f'{config.data.benchmark!r} hold new clients, not training clients')
+                               adapted_chunk, new_client_chunk)
   seed_key = jax.random.key(seed)
   init_key, train_key, eval_key = (jax.random.fold_in(seed_key, i) for i in range(3))
   server_state = algorithm.init(init_key, jnp.asarray(train.x[0, :1]))
@@ -225,6 +230,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
       per_client.update(evaluation.evaluate_models(
           adapted_chunk, server_state, client_states, train, test_splits, eval_key,
           config.engine.eval_chunk_size))
+    if new_client_chunk is not None:
+      per_client.update(evaluate_new_clients(new_client_chunk, server_state, client_states,
+                                             train, {n: eval_splits[n] for n in new_client_splits},
+                                             eval_key, seed, config.engine.eval_chunk_size))
     return evaluation.summarize(per_client)
 
   progress = None
@@ -323,6 +332,27 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
   return {**result, 'server_state': server_state}
 
 
+def evaluate_new_clients(new_client_chunk, server_state, client_states,
+                         train: federated.FederatedData, splits: Dict[str, federated.FederatedData],
+                         key, seed: int, chunk_size: int) -> Dict[str, Dict[str, Dict]]:
+  """PFL-Sampled and PFL-Ensemble sums on the new-client ``splits``: {model: {split:
+  sums [K]}}. New client k's donor is a training client with data drawn uniformly
+  (``numpy`` generator of [seed, 29], one draw per run, the same for every split)."""
+  personalized_models, evaluate_chunk = new_client_chunk
+  stacked = personalized_models(server_state, client_states, train, key)
+  has_data = np.asarray(train.num_examples) > 0
+  results: Dict[str, Dict[str, Dict]] = {}
+  for name, split in splits.items():
+    donors = np.random.default_rng([seed, 29]).choice(np.flatnonzero(has_data),
+                                                      split.num_clients)
+    sums = evaluation.evaluate_population(
+        evaluate_chunk, (stacked, jnp.asarray(has_data)), (split, donors.astype(np.int32)),
+        split.num_clients, key, chunk_size)
+    for model, model_sums in sums.items():
+      results.setdefault(model, {})[name] = model_sums
+  return results
+
+
 def run_dirs(config: ml_collections.ConfigDict, workdir: str):
   """[(run_dir, run config, own section)]: one run per method × seed."""
   return [(os.path.join(workdir, name, f'seed_{seed}'), config, name)
@@ -353,6 +383,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   paper_tables = ''
   if config.paper_tables == 'fedevolve':
     paper_tables = report.fedevolve_tables(config, results)
+  elif config.paper_tables == 'fedtta':
+    paper_tables = report.fedtta_tables(config, results)
   files = (report.write_csv(table, os.path.join(workdir, 'results.csv')),
            report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png')))
   tables = (table['markdown'],) + ((paper_tables,) if paper_tables else ())
