@@ -67,6 +67,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.eval_adapters = ('fedtta:episodic', 'fedtta_pp:episodic')
   c.eval_adapter_algorithms = ('fedtta', 'fedtta_prox')
   c.eval_adapter_batch_size = 64      # ≥ a new client's ~50 examples: one batch per client
+  c.eval_adapter_splits = ('test', 'val')  # adapted validation accuracy too (Table 1)
   c.eval_every = 20
   c = apply_variant(c, arg, VARIANTS, USAGE)
   return c

@@ -226,7 +226,8 @@ def fedevolve_tables(config, results: List[Dict]) -> str:
 # Validation: the training clients' held-out 15 %; test: the new clients. A personalised
 # method (FedPer) is validated with each training client's own model and tested as
 # PFL-Sampled / PFL-Ensemble; TENT is FedAvg on a BatchNorm model (configs/fedtta.py:tent)
-# adapted by Tent; FedTTA's adapted rows are validated unadapted.
+# adapted by Tent; the adapted rows adapt on the validation data too
+# (config.eval_adapter_splits).
 UPFL_ROWS = (
     ('FedAvg', 'fedavg', 'global', 'global'),
     ('FedProx', 'fedprox', 'global', 'global'),
@@ -235,10 +236,10 @@ UPFL_ROWS = (
     ('FedSR', 'fedsr', 'global', 'global'),
     ('PFL-Sampled', 'fedper', 'personalized', 'pfl_sampled'),
     ('PFL-Ensemble', 'fedper', 'personalized', 'pfl_ensemble'),
-    ('TENT', 'fedavg', 'global', 'global+tent'),
-    ('FedTTA', 'fedtta', 'global', 'global+fedtta'),
-    ('FedTTA-Prox', 'fedtta_prox', 'global', 'global+fedtta'),
-    ('FedTTA++', 'fedtta_prox', 'global', 'global+fedtta_pp'))
+    ('TENT', 'fedavg', 'global+tent', 'global+tent'),
+    ('FedTTA', 'fedtta', 'global+fedtta', 'global+fedtta'),
+    ('FedTTA-Prox', 'fedtta_prox', 'global+fedtta', 'global+fedtta'),
+    ('FedTTA++', 'fedtta_prox', 'global+fedtta_pp', 'global+fedtta_pp'))
 
 
 def upfl_table(runs_by_workdir: Dict[str, List[Dict]], column: str = '') -> str:

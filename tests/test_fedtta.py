@@ -134,19 +134,25 @@ def test_early_stop_fires_when_the_entropy_stops_decreasing():
     history.append(params)
     entropies.append(entropy(params))
   for patience in (1, 2):
-    lowest, waited, expected = entropies[0], 0, 12
+    lowest, waited, expected, best = entropies[0], 0, 12, 0
     for e in range(1, 13):
-      waited = 0 if entropies[e] < lowest else waited + 1
+      if entropies[e] < lowest:
+        waited, best = 0, e
+      else:
+        waited += 1
       lowest = min(lowest, entropies[e])
       if waited >= patience:
         expected = e
         break
     for loop in ('scan', 'while'):
-      adapted, steps = adapt(module, variables, x, weight, lr, 12, patience, 0.1, loop)
-      assert int(steps) == expected, (loop, patience, entropies)
-      assert patience > 1 or expected < 12, entropies   # the case really stops early
-      # (the large steps amplify float32 rounding between the scan and the eager loop)
-      chex.assert_trees_all_close(adapted, history[expected], rtol=1e-4, atol=1e-5)
+      for restore_best, kept in ((False, expected), (True, best)):
+        adapted, steps = adapt(module, variables, x, weight, lr, 12, patience, 0.1, loop,
+                               restore_best)
+        assert int(steps) == expected, (loop, patience, entropies)
+        assert patience > 1 or expected < 12, entropies   # the case really stops early
+        # (the large steps amplify float32 rounding between the scan and the eager loop)
+        chex.assert_trees_all_close(adapted, history[kept], rtol=1e-4, atol=1e-5)
+    assert best != expected   # the stop's model and the lowest-entropy one differ here
 
 
 def test_while_loop_equals_the_masked_scan_vmapped_over_clients():
@@ -159,6 +165,7 @@ def test_while_loop_equals_the_masked_scan_vmapped_over_clients():
                                               loop))(xs)
   (scanned, scan_steps), (looped, loop_steps) = run('scan'), run('while')
   np.testing.assert_array_equal(scan_steps, loop_steps)
+  assert len(set(np.asarray(scan_steps).tolist())) > 1, scan_steps   # they stop apart
   chex.assert_trees_all_close(scanned, looped, rtol=1e-5, atol=1e-6)
 
 
@@ -258,7 +265,8 @@ def test_upfl_pipeline_runs_and_scores_personalised_methods_as_pfl_baselines(tmp
   out = pipelines.run(config, str(tmp_path / 'ok'))
   metrics = out.records['results'][0]['metrics']
   for key in ('global/val/accuracy', 'global/test/accuracy', 'global+fedtta/test/accuracy',
-              'global+fedtta_pp/test/accuracy', 'global+fedtta/test/client_accuracy'):
+              'global+fedtta_pp/test/accuracy', 'global+fedtta/test/client_accuracy',
+              'global+fedtta/val/accuracy'):   # config.eval_adapter_splits ('test', 'val')
     assert 0.0 <= metrics[key] <= 1.0, key
   # A personalised method has no model for a new client: its own model is scored on the
   # training clients' validation data only, and new clients get PFL-Sampled / -Ensemble.

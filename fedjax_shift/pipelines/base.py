@@ -235,6 +235,9 @@ def check_run(config: ml_collections.ConfigDict) -> None:
       require(not others, 'eval_adapter_algorithms',
               f'the {name} adapter adapts models trained by {list(trained_by)}; '
               f'{others} have none of their parts')
+  require(all(isinstance(p, str) and p for p in config.eval_adapter_splits),
+          'eval_adapter_splits', f'name split prefixes, e.g. (\'test\', \'val\'), got '
+          f'{tuple(config.eval_adapter_splits)}')
   require(config.eval_adapter_batch_size >= 1, 'eval_adapter_batch_size',
           f'must be >= 1, got {config.eval_adapter_batch_size}')
   require(len(config.seeds) >= 1, 'seeds', 'name at least one seed')

@@ -226,7 +226,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
         evaluate_chunk, server_state, client_states, train, eval_splits, eval_key,
         config.engine.eval_chunk_size)
     if adapted_chunk is not None:
-      test_splits = {n: s for n, s in eval_splits.items() if n.startswith('test')}
+      test_splits = {n: s for n, s in eval_splits.items()
+                     if n.startswith(tuple(config.eval_adapter_splits))}
       per_client.update(evaluation.evaluate_models(
           adapted_chunk, server_state, client_states, train, test_splits, eval_key,
           config.engine.eval_chunk_size))
