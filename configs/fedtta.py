@@ -1,5 +1,5 @@
 """FedTTA, FedTTA-Prox and FedTTA++ (fedtta_upfl.txt) against its Table 1 baselines on
-new, unlabelled clients (UPFL): FedAvg, FedProx, SCAFFOLD, FedGMA, FedSR, PFL-Sampled and
+new, unlabelled clients (UPFL): FedAvg, FedProx, SCAFFOLD, AFL, FedGMA, FedSR, PFL-Sampled and
 PFL-Ensemble (FedPer's personalised models given to new clients) and, in the `tent`
 variant (a BatchNorm MLP, which FedTTA's second-order step does not take), TENT.
 
@@ -16,7 +16,7 @@ round; τ = 20 local iterations of batch 64, SGD; MLP with two hidden layers of 
 E = 50 steps with entropy patience 1 (Table 4, MNIST).
 
 Hyperparameters from the paper's App. table (MNIST column) where the library has the
-field: SCAFFOLD η_g 1.5, FedGMA τ 0.1, FedSR α_L2R 0.01 and α_CMI 0.0005.
+field: SCAFFOLD η_g 1.5, AFL γ_λ 0.001, FedGMA τ 0.1, FedSR α_L2R 0.01 and α_CMI 0.0005.
 
 Columns: 'global/val' = the training clients' validation data (the paper's validation
 accuracy), 'global/test' = the new clients with the global base model, unadapted;
@@ -42,7 +42,7 @@ from fedjax_shift.config import apply_variant, base_config
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c = base_config()
-  c.algorithms = ('fedavg', 'fedprox', 'scaffold', 'gma', 'fedsr', 'fedper', 'fedtta',
+  c.algorithms = ('fedavg', 'fedprox', 'scaffold', 'afl', 'gma', 'fedsr', 'fedper', 'fedtta',
                   'fedtta_prox')
   c.data.benchmark = 'upfl'           # fields: fedjax_shift/benchmarks/upfl.py
   c.data.source = 'mnist_embedded'
@@ -60,6 +60,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.client.local_epochs = 0
   c.fedprox.mu = 0.001                # Table 4: FedProx μ = 0.001 (MNIST)
   c.scaffold.global_learning_rate = 1.5  # Table 4: SCAFFOLD η_g = 1.5
+  c.afl.lambda_learning_rate = 0.001  # Table 4: AFL γ_λ = 0.001 (MNIST)
   c.gma.threshold = 0.1               # Table 4: FedGMA τ = 0.1
   c.fedsr.l2r = 0.01                  # App. B: FedSR's defaults α_L2R = 0.01,
   c.fedsr.cmi = 0.0005                #   α_CMI = 0.0005

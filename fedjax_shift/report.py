@@ -232,6 +232,7 @@ UPFL_ROWS = (
     ('FedAvg', 'fedavg', 'global', 'global'),
     ('FedProx', 'fedprox', 'global', 'global'),
     ('SCAFFOLD', 'scaffold', 'global', 'global'),
+    ('AFL', 'afl', 'global', 'global'),
     ('FedGMA', 'gma', 'global', 'global'),
     ('FedSR', 'fedsr', 'global', 'global'),
     ('PFL-Sampled', 'fedper', 'personalized', 'pfl_sampled'),

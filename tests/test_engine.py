@@ -22,7 +22,8 @@ NUM_CLASSES = 3
 
 def make(name, config, data):
   module = models.create(config.model, NUM_CLASSES)
-  algorithm = algorithms.build(name, config, module, data.max_examples)
+  algorithm = algorithms.build(name, config, module, data.max_examples,
+                               num_clients=data.num_clients)
   server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   clients = stack_client_states(algorithm, server, data.num_clients)
   return module, algorithm, server, clients

@@ -347,3 +347,26 @@ def test_upfl_degree_of_shift_and_concept_shift_splits():
     with pytest.raises(ValueError, match=match):
       BENCHMARKS.check('upfl', upfl_config(**fields).data, 'config.data',
                        known_fields_only=False)
+
+
+def test_fedtta_probe_reproduces_the_engines_adapted_columns(tmp_path):
+  """launch/fedtta_probe.py recomputes one step (FedTTA) and patience-1 early stopping
+  with the lowest-entropy model (FedTTA++, restore_best) from plain inner steps: both
+  must equal the engine's adapter columns of the same run (one batch per client)."""
+  import importlib.util
+  import os
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location(
+      'fedtta_probe', os.path.join(root, 'launch', 'fedtta_probe.py'))
+  probe = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(probe)
+  config = upfl_config()
+  config.progress = False
+  config.rounds = 2
+  config.eval_adapter_batch_size = 512    # ≥ a tiny client's examples: one batch each
+  row = probe.probe_seed(config, str(tmp_path), 'fedtta_prox', 0)
+  np.testing.assert_allclose(row['step_1'], row['engine_global+fedtta'], atol=2e-3)
+  np.testing.assert_allclose(row['patience_1_best'], row['engine_global+fedtta_pp'], atol=2e-3)
+  assert 0 < row['patience_1_mean_stop'] <= config.adapters.fedtta_pp.max_steps
+  assert probe.stop_and_best(np.array([3.0, 2.0, 2.5, 1.0]), 1) == (2, 1)
+  assert probe.stop_and_best(np.array([3.0, 2.0, 2.5, 1.0]), 2) == (3, 3)

@@ -43,6 +43,8 @@ class BuildContext(NamedTuple):
       has (evolving shifts: 'num_domains', 'domain_size'); {} when it has none.
     cohort_fraction: |S|/N, the cohort size over the training split's K clients
       (SCAFFOLD's server control-variate step); 1 when the caller does not say.
+    num_clients: N, the training split's K clients (AFL's λ over them); 0 when the
+      caller does not say.
   """
   module: Any
   client_optimizer: optax.GradientTransformation
@@ -51,6 +53,7 @@ class BuildContext(NamedTuple):
   client_learning_rate: float
   info: dict
   cohort_fraction: float = 1.0
+  num_clients: int = 0
 
 
 # name -> builder(hparams: its config.<name> section, context: BuildContext)
@@ -126,7 +129,7 @@ def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
                            unroll=config.engine.unroll)
   fraction = min(1.0, config.cohort_size / num_clients) if num_clients else 1.0
   return BuildContext(module, client_optimizer(c), server_optimizer(config.server), schedule,
-                      float(c.learning_rate), build_info(info), fraction)
+                      float(c.learning_rate), build_info(info), fraction, num_clients or 0)
 
 
 def build(name: str, config: ml_collections.ConfigDict, module, max_examples: int,

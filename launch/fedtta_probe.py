@@ -1,0 +1,117 @@
+"""FedTTA / FedTTA++ test-time steps on a trained run's new clients (issue 15).
+
+    python launch/train.py --config=configs/fedtta.py --workdir=/tmp/fedtta
+    python launch/fedtta_probe.py --config=configs/fedtta.py --workdir=/tmp/fedtta \
+        --algorithm=fedtta
+
+Restores (or, if absent, trains) ``<workdir>/<algorithm>/seed_<s>`` for each seed of the
+config, runs up to E = ``adapters.fedtta_pp.max_steps`` inner steps (η_inner of
+``adapters.fedtta_pp``) on each new client's whole data, and prints per seed the
+new-client accuracy (%) after 0, 1, 2, 3, 5, 10, 20 and E steps, and FedTTA++'s entropy
+early stopping at patience 1, 3 and 5 — predicting with the model at the stop
+('last') or with the lowest-entropy model seen ('best', ``restore_best``) — with the
+mean step at which it stopped. Every number comes from one trace of E steps per client,
+recomputed here with plain inner steps.
+"""
+import json
+import os
+import sys
+from typing import Dict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from fedjax_shift import models  # noqa: E402
+from fedjax_shift.adapters.common import weighted_entropy  # noqa: E402
+from fedjax_shift.adapters.fedtta import adaptation_module_of  # noqa: E402
+from fedjax_shift.algorithms.fedtta import ADAPTATION, inner_step  # noqa: E402
+from fedjax_shift.pipelines import federated  # noqa: E402
+
+REPORTED_STEPS = (0, 1, 2, 3, 5, 10, 20)
+PATIENCES = (1, 3, 5)
+
+
+def stop_and_best(entropies: np.ndarray, patience: int):
+  """(step of the stop, step of the lowest entropy up to it) of one trace H_0 … H_E."""
+  lowest, waited, best = entropies[0], 0, 0
+  for step in range(1, len(entropies)):
+    if entropies[step] < lowest:
+      lowest, waited, best = entropies[step], 0, step
+    else:
+      waited += 1
+    if waited >= patience:
+      return step, best
+  return len(entropies) - 1, best
+
+
+def probe_seed(config: ml_collections.ConfigDict, workdir: str, algorithm: str,
+               seed: int) -> Dict[str, float]:
+  bench = federated.build_data(config, seed)
+  result = federated.train_and_evaluate(
+      config, os.path.join(workdir, algorithm, f'seed_{seed}'), algorithm, seed, bench)
+  module = models.create(config.model, bench.num_classes)
+  # the trained algorithm's global model {'params': ψ, 'fedtta_adaptation': φ}
+  state = result['server_state']
+  variables = {'params': state.variables['params']['base'],
+               ADAPTATION: state.variables['params']['adaptation']}
+  hparams = config.adapters.fedtta_pp
+  num_steps = hparams.max_steps
+  g = adaptation_module_of(variables[ADAPTATION])
+  test = bench.splits['test']
+
+  def trace(x, weight):
+    def step(params, _):
+      params = inner_step(module, g, params, variables[ADAPTATION], x, weight,
+                          hparams.inner_learning_rate, hparams.norm_epsilon)
+      logits = models.apply(module, {'params': params}, x)[0]
+      return params, (weighted_entropy(logits, weight), jnp.argmax(logits, -1))
+    logits = models.apply(module, {'params': variables['params']}, x)[0]
+    _, (entropies, predictions) = jax.lax.scan(step, variables['params'], None,
+                                               length=num_steps)
+    return (jnp.concatenate([weighted_entropy(logits, weight)[None], entropies]),
+            jnp.concatenate([jnp.argmax(logits, -1)[None], predictions]))
+
+  entropies, predictions = jax.jit(jax.vmap(trace))(jnp.asarray(test.x),
+                                                    jnp.asarray(test.mask, jnp.float32))
+  entropies, predictions = np.asarray(entropies), np.asarray(predictions)  # [K, E+1, N]
+  correct = (predictions == test.y[:, None]) & test.mask[:, None]
+  total = test.mask.sum()
+  out = {f'step_{s}': float(correct[:, s].sum() / total)
+         for s in REPORTED_STEPS + (num_steps,) if s <= num_steps}
+  clients = [k for k in range(test.num_clients) if test.mask[k].any()]
+  for patience in PATIENCES:
+    stops = [stop_and_best(entropies[k], patience) for k in clients]
+    out[f'patience_{patience}_last'] = float(
+        sum(correct[k, stop].sum() for k, (stop, _) in zip(clients, stops)) / total)
+    out[f'patience_{patience}_best'] = float(
+        sum(correct[k, best].sum() for k, (_, best) in zip(clients, stops)) / total)
+    out[f'patience_{patience}_mean_stop'] = float(np.mean([stop for stop, _ in stops]))
+  for name in ('global+fedtta', 'global+fedtta_pp'):
+    key = f'{name}/test/accuracy'
+    if key in result['metrics']:
+      out[f'engine_{name}'] = result['metrics'][key]
+  return out
+
+
+def main(argv):
+  del argv
+  config = flags.FLAGS.config
+  for seed in config.seeds:
+    row = probe_seed(config, flags.FLAGS.workdir, flags.FLAGS.algorithm, seed)
+    print(json.dumps({'seed': seed, **{k: round(v if 'mean_stop' in k else 100 * v, 2)
+                                       for k, v in row.items()}}))
+
+
+if __name__ == '__main__':   # flags defined here only: tests import probe_seed
+  config_flags.DEFINE_config_file('config', None, 'FedTTA config file[:variant].')
+  flags.DEFINE_string('workdir', None, 'Workdir of the FedTTA run.')
+  flags.DEFINE_enum('algorithm', 'fedtta_prox', ['fedtta', 'fedtta_prox'],
+                    'Which trained method to probe.')
+  flags.mark_flags_as_required(['config', 'workdir'])
+  app.run(main)
