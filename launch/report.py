@@ -102,7 +102,9 @@ def main(argv):
 def build(workdirs) -> str:
   """The markdown of ``--kind`` over ``workdirs``."""
   if _KIND.value == 'fedtta':
-    return report.upfl_table(load_evolving(workdirs, []))
+    runs = load_evolving(workdirs, [])
+    return ('Last round\n\n' + report.upfl_table(runs) + '\n\nAt the round of best '
+            'validation accuracy\n\n' + report.upfl_table(runs, best_validation=True))
   if _KIND.value in ('evolving', 'straggler'):
     return report.evolving_table(load_evolving(workdirs, _LABELS.value),
                                  server=_KIND.value == 'evolving')

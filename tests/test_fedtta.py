@@ -370,3 +370,21 @@ def test_fedtta_probe_reproduces_the_engines_adapted_columns(tmp_path):
   assert 0 < row['patience_1_mean_stop'] <= config.adapters.fedtta_pp.max_steps
   assert probe.stop_and_best(np.array([3.0, 2.0, 2.5, 1.0]), 1) == (2, 1)
   assert probe.stop_and_best(np.array([3.0, 2.0, 2.5, 1.0]), 2) == (3, 3)
+
+
+def test_upfl_table_rows_workdirs_and_best_validation_round():
+  from fedjax_shift import report
+  evaluations = [{'round': 10, 'global/val/accuracy': 0.8, 'global/test/accuracy': 0.7},
+                 {'round': 20, 'global/val/accuracy': 0.9, 'global/test/accuracy': 0.6},
+                 {'round': 30, 'global/val/accuracy': 0.85, 'global/test/accuracy': 0.9}]
+  main = [{'algorithm': 'fedavg', 'metrics': evaluations[-1], 'evaluations': evaluations}]
+  tent_metrics = {'global/val/accuracy': 0.5, 'global/test/accuracy': 0.5,
+                  'global+tent/val/accuracy': 0.4, 'global+tent/test/accuracy': 0.3}
+  tent = [{'algorithm': 'fedavg', 'metrics': tent_metrics}]
+  last = report.upfl_table({'main': main, 'tent': tent})
+  assert '| FedAvg | 85.00 | 90.00 |' in last          # the main run's last round
+  assert '| TENT | 40.00 | 30.00 |' in last            # from the BatchNorm workdir
+  assert 'FedTTA' not in last                          # rows no run has are left out
+  best = report.upfl_table({'main': main, 'tent': tent}, best_validation=True)
+  assert '| FedAvg | 90.00 | 60.00 |' in best          # round 20: best validation
+  assert '| TENT | 40.00 | 30.00 |' in best            # no evaluations: the last round

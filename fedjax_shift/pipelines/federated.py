@@ -32,7 +32,7 @@ from fedjax_shift.core.round import (NO_STEP_LIMIT, HostStore, RoundConfig, buil
                                      client_mesh, round_key, stack_client_states)
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
-from fedjax_shift.metrics import MetricsWriter
+from fedjax_shift.metrics import MetricsWriter, read_metrics
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
                                          check_run, check_run_dir, eval_adapter_specs,
@@ -324,7 +324,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
     checkpointer.close()
   if not summary:  # resumed after the final round: evaluate the restored state
     summary = evaluate(server_state, client_states)
+  # Every evaluated round's accuracies, for tables that report the test accuracy at the
+  # round of best validation accuracy (FedTTA Sec. 4.1.3).
+  evaluations = [{k: v for k, v in record.items() if k == 'round' or k.endswith('accuracy')}
+                 for record in read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+                 if any(k.endswith('/accuracy') for k in record)
+                 and record['round'] <= config.rounds]
   result = {'algorithm': algorithm_name, 'seed': seed, 'metrics': summary,
+            'evaluations': evaluations,
             'rounds': config.rounds, 'train_seconds': elapsed, 'hardware': hardware(),
             'uploaded_parameters': upload, 'compile_seconds': round(clock.seconds, 3),
             'compilations': clock.compilations}
