@@ -1,6 +1,7 @@
 """FedTTA, FedTTA-Prox and FedTTA++ (fedtta_upfl.txt) against its Table 1 baselines on
 new, unlabelled clients (UPFL): FedAvg, FedProx, SCAFFOLD, AFL, FedGMA, FedSR, PFL-Sampled and
-PFL-Ensemble (FedPer's personalised models given to new clients) and, in the `tent`
+PFL-Ensemble (FedPer's personalised models given to new clients), ODPFL-HN (a classifier
+generated from each new client's unlabelled data by a hypernetwork) and, in the `tent`
 variant (a BatchNorm MLP, which FedTTA's second-order step does not take), TENT.
 
     python launch/train.py --config=configs/fedtta.py --workdir=/tmp/fedtta
@@ -16,7 +17,8 @@ round; τ = 20 local iterations of batch 64, SGD; MLP with two hidden layers of 
 E = 50 steps with entropy patience 1 (Table 4, MNIST).
 
 Hyperparameters from the paper's App. table (MNIST column) where the library has the
-field: SCAFFOLD η_g 1.5, AFL γ_λ 0.001, FedGMA τ 0.1, FedSR α_L2R 0.01 and α_CMI 0.0005.
+field: SCAFFOLD η_g 1.5, AFL γ_λ 0.001, FedGMA τ 0.1, FedSR α_L2R 0.01 and α_CMI 0.0005,
+ODPFL-HN η_encoder = η_hn = 0.5 and embedding 32.
 
 Columns: 'global/val' = the training clients' validation data (the paper's validation
 accuracy), 'global/test' = the new clients with the global base model, unadapted;
@@ -42,8 +44,8 @@ from fedjax_shift.config import apply_variant, base_config
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c = base_config()
-  c.algorithms = ('fedavg', 'fedprox', 'scaffold', 'afl', 'gma', 'fedsr', 'fedper', 'fedtta',
-                  'fedtta_prox')
+  c.algorithms = ('fedavg', 'fedprox', 'scaffold', 'afl', 'gma', 'fedsr', 'fedper',
+                  'odpfl_hn', 'fedtta', 'fedtta_prox')
   c.data.benchmark = 'upfl'           # fields: fedjax_shift/benchmarks/upfl.py
   c.data.source = 'mnist_embedded'
   c.data.partition = 'pathological'
@@ -65,8 +67,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.fedsr.l2r = 0.01                  # App. B: FedSR's defaults α_L2R = 0.01,
   c.fedsr.cmi = 0.0005                #   α_CMI = 0.0005
   c.paper_tables = 'fedtta'           # launch/train.py prints the Table 1 layout
-  c.eval_adapters = ('fedtta:episodic', 'fedtta_pp:episodic')
-  c.eval_adapter_algorithms = ('fedtta', 'fedtta_prox')
+  c.eval_adapters = ('fedtta:episodic', 'fedtta_pp:episodic', 'odpfl_hn:episodic')
+  c.eval_adapter_algorithms = ('fedtta', 'fedtta_prox', 'odpfl_hn')  # each with its own
   c.eval_adapter_batch_size = 64      # ≥ a new client's ~50 examples: one batch per client
   c.eval_adapter_splits = ('test', 'val')  # adapted validation accuracy too (Table 1)
   c.eval_every = 20

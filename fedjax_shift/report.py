@@ -237,6 +237,7 @@ UPFL_ROWS = (
     ('FedSR', 'fedsr', 'global', 'global'),
     ('PFL-Sampled', 'fedper', 'personalized', 'pfl_sampled'),
     ('PFL-Ensemble', 'fedper', 'personalized', 'pfl_ensemble'),
+    ('ODPFL-HN', 'odpfl_hn', 'global+odpfl_hn', 'global+odpfl_hn'),
     ('TENT', 'fedavg', 'global+tent', 'global+tent'),
     ('FedTTA', 'fedtta', 'global+fedtta', 'global+fedtta'),
     ('FedTTA-Prox', 'fedtta_prox', 'global+fedtta', 'global+fedtta'),

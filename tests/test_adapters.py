@@ -62,7 +62,13 @@ def build(name, module, context):
 
 
 def variables_for(name, variables):
-  """Adapters of models trained by particular methods (FedTTA's g) get those parts."""
+  """Adapters of models trained by particular methods (FedTTA's g, ODPFL-HN's
+  hypernetwork) get those parts."""
+  if 'odpfl_hn' in ADAPTERS.meta(name).get('trained_by', ()):
+    from fedjax_shift.algorithms import odpfl_hn
+    template = odpfl_hn.target_template(setup('mlp')[0], jnp.zeros((1, 4, 4, 1)))
+    omega = odpfl_hn.init_parameters(jax.random.key(7), template, (4, 4, 1), 5, 6, 2)
+    return {**variables, odpfl_hn.HYPERNETWORK: omega}
   if 'fedtta' in ADAPTERS.meta(name).get('trained_by', ()):
     from fedjax_shift.algorithms.fedtta import ADAPTATION
     g = models.AdaptationMLP((4,))
@@ -82,7 +88,8 @@ def test_vmapped_clients_equal_python_loop_and_no_nan(name, mode):
   """The vmapped scan over clients gives each client exactly what running it alone
   gives (no state leaks between clients), an empty client scores nothing, and
   partial / wrapped batches produce no NaN."""
-  module, variables, context = setup()
+  # (ODPFL-HN generates a classifier without BatchNorm statistics)
+  module, variables, context = setup('mlp' if name == 'odpfl_hn' else 'bn_mlp')
   adapter = build(name, module, context)
   variables = variables_for(name, variables)
   data, _, _ = toy_clients([8, 0, 6, 3], num_classes=NUM_CLASSES, pad_to=10)

@@ -23,7 +23,7 @@ NUM_CLASSES = 3
 def make(name, config, data):
   module = models.create(config.model, NUM_CLASSES)
   algorithm = algorithms.build(name, config, module, data.max_examples,
-                               num_clients=data.num_clients)
+                               num_clients=data.num_clients, example_shape=data.x.shape[2:])
   server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   clients = stack_client_states(algorithm, server, data.num_clients)
   return module, algorithm, server, clients
@@ -151,9 +151,9 @@ def test_qffl_q_zero_equals_uniform_fedavg_and_q_one_matches_formula():
 @pytest.mark.parametrize('name', [n for n in ALGORITHMS.names()
                                   if ALGORITHMS.meta(n).get('layout') != 'domains'])
 def test_padding_does_not_change_update(name):
-  # BatchNorm where the method supports it (FedSR's probabilistic head and FedTTA's
-  # step through the model on unlabelled data do not).
-  model = 'mlp' if name in ('fedsr', 'fedtta', 'fedtta_prox') else 'bn_mlp'
+  # BatchNorm where the method supports it (FedSR's probabilistic head, FedTTA's step
+  # through the model on unlabelled data and ODPFL-HN's generated weights do not).
+  model = 'mlp' if name in ('fedsr', 'fedtta', 'fedtta_prox', 'odpfl_hn') else 'bn_mlp'
   config = tiny_config(**{'model.name': model, 'client.batch_size': 3})
   tight, _, _ = toy_clients([5, 8], num_classes=NUM_CLASSES)
   padded, _, _ = toy_clients([5, 8], num_classes=NUM_CLASSES, pad_to=20)

@@ -277,6 +277,12 @@ def test_upfl_pipeline_runs_and_scores_personalised_methods_as_pfl_baselines(tmp
   for key in ('personalized/val/accuracy', 'pfl_sampled/test/accuracy',
               'pfl_ensemble/test/accuracy'):
     assert 0.0 <= metrics[key] <= 1.0, key
+  # Each method gets only the adapters trained for it: ODPFL-HN's generator, not FedTTA's.
+  config.algorithms = ('odpfl_hn',)
+  config.eval_adapter_algorithms = ('fedtta', 'odpfl_hn')
+  metrics = pipelines.run(config, str(tmp_path / 'odpfl')).records['results'][0]['metrics']
+  assert 0.0 <= metrics['global+odpfl_hn/test/accuracy'] <= 1.0
+  assert not any(key.startswith('global+fedtta') for key in metrics)
   config.algorithms = ('fedavg',)
   config.eval_adapter_algorithms = ('fedavg',)
   with pytest.raises(ValueError, match=r"config.eval_adapter_algorithms: the fedtta adapter "

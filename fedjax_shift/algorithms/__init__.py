@@ -9,5 +9,5 @@ Adding a method: one file plus one import line here.
 """
 from fedjax_shift.algorithms import (afl, apfl, ditto, fedavg, fedavg_ft, fedbn,  # noqa: F401
                                      fedevolve, fedevp, fedprox, fedrep, fedrod, fedsr, fedtta,
-                                     gma, local, qffl, scaffold)
+                                     gma, local, odpfl_hn, qffl, scaffold)
 from fedjax_shift.algorithms.base import ALGORITHMS, BuildContext, build  # noqa: F401

@@ -45,6 +45,8 @@ class BuildContext(NamedTuple):
       (SCAFFOLD's server control-variate step); 1 when the caller does not say.
     num_clients: N, the training split's K clients (AFL's λ over them); 0 when the
       caller does not say.
+    example_shape: one input's shape (ODPFL-HN's generated classifier); () when the
+      caller does not say.
   """
   module: Any
   client_optimizer: optax.GradientTransformation
@@ -54,6 +56,7 @@ class BuildContext(NamedTuple):
   info: dict
   cohort_fraction: float = 1.0
   num_clients: int = 0
+  example_shape: tuple = ()
 
 
 # name -> builder(hparams: its config.<name> section, context: BuildContext)
@@ -118,8 +121,8 @@ def build_info(info: Optional[dict]) -> dict:
 
 
 def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
-                  info: Optional[dict] = None, num_clients: Optional[int] = None
-                  ) -> BuildContext:
+                  info: Optional[dict] = None, num_clients: Optional[int] = None,
+                  example_shape: tuple = ()) -> BuildContext:
   """The engine's part of a builder's input, from ``config.client``, ``config.server``,
   ``config.engine.unroll`` and ``config.cohort_size`` over ``num_clients`` (the
   training split's K; None: a cohort fraction of 1)."""
@@ -129,16 +132,19 @@ def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
                            unroll=config.engine.unroll)
   fraction = min(1.0, config.cohort_size / num_clients) if num_clients else 1.0
   return BuildContext(module, client_optimizer(c), server_optimizer(config.server), schedule,
-                      float(c.learning_rate), build_info(info), fraction, num_clients or 0)
+                      float(c.learning_rate), build_info(info), fraction, num_clients or 0,
+                      tuple(example_shape))
 
 
 def build(name: str, config: ml_collections.ConfigDict, module, max_examples: int,
-          info: Optional[dict] = None, num_clients: Optional[int] = None):
+          info: Optional[dict] = None, num_clients: Optional[int] = None,
+          example_shape: tuple = ()):
   """The registered algorithm ``name`` with its section ``config.<name>``, checked
   first (unknown fields, the method's registered ``check``)."""
   builder = ALGORITHMS.get(name, 'config.algorithms')
   ALGORITHMS.check(name, config[name], f'config.{name}')
-  return builder(config[name], build_context(config, module, max_examples, info, num_clients))
+  return builder(config[name], build_context(config, module, max_examples, info, num_clients,
+                                             example_shape))
 
 
 def epochs_schedule(schedule: LocalSchedule, epochs: int) -> LocalSchedule:

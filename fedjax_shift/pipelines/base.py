@@ -225,16 +225,24 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   chunk = engine.client_chunk
   require(chunk >= 0 and (chunk == 0 or config.cohort_size % chunk == 0), 'engine.client_chunk',
           f'must be 0 or divide cohort_size={config.cohort_size}, got {chunk}')
-  for name, mode in eval_adapter_specs(config):
+  specs = eval_adapter_specs(config)
+  for name, mode in specs:
     ADAPTERS.get(name, 'config.eval_adapters')
     require(mode in MODES, 'eval_adapters', f'unknown mode {mode!r} in {name}:{mode}; '
             f'choose from {list(MODES)}')
     trained_by = ADAPTERS.meta(name).get('trained_by')
     if trained_by:   # adapters that need parts only some methods train (FedTTA's g)
-      others = [a for a in config.eval_adapter_algorithms if a not in trained_by]
-      require(not others, 'eval_adapter_algorithms',
-              f'the {name} adapter adapts models trained by {list(trained_by)}; '
-              f'{others} have none of their parts')
+      require(not config.eval_adapter_algorithms or
+              any(a in trained_by for a in config.eval_adapter_algorithms),
+              'eval_adapter_algorithms',
+              f'the {name} adapter adapts models trained by {list(trained_by)}; none of '
+              f'{list(config.eval_adapter_algorithms)} is')
+  for algorithm in config.eval_adapter_algorithms:   # each gets at least one adapter
+    usable = [n for n, _ in specs if algorithm in ADAPTERS.meta(n).get('trained_by', (algorithm,))]
+    require(usable or not specs, 'eval_adapter_algorithms',
+            f'no adapter of config.eval_adapters adapts {algorithm}: '
+            + '; '.join(f'the {n} adapter adapts models trained by '
+                        f'{list(ADAPTERS.meta(n)["trained_by"])}' for n, _ in specs))
   require(all(isinstance(p, str) and p for p in config.eval_adapter_splits),
           'eval_adapter_splits', f'name split prefixes, e.g. (\'test\', \'val\'), got '
           f'{tuple(config.eval_adapter_splits)}')

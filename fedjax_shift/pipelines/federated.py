@@ -86,11 +86,15 @@ def uploaded_parameters(algorithm: FederatedAlgorithm, server_state, client_stat
 
 
 def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: int,
-                        algorithm: FederatedAlgorithm, global_only=()):
+                        algorithm: FederatedAlgorithm, global_only=(),
+                        algorithm_name: str = ''):
   """The jitted adapted evaluation of ``config.eval_adapters`` ('<adapter>:<mode>'
   strings, e.g. 'memo:episodic', 't3a:online'; hyperparameters from
-  ``config.adapters.<adapter>``), run on the test splits; None when there are none."""
-  specs = eval_adapter_specs(config)
+  ``config.adapters.<adapter>``), run on the splits of ``config.eval_adapter_splits``;
+  an adapter registered with ``trained_by`` only on those methods' models. None when
+  there are none."""
+  specs = [(name, mode) for name, mode in eval_adapter_specs(config)
+           if algorithm_name in ADAPTERS.meta(name).get('trained_by', (algorithm_name,))]
   if not specs:
     return None
   context = SourceContext(None, num_classes, config.eval_adapter_batch_size)
@@ -175,7 +179,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
   else:
     if algorithm is None:
       algorithm = algorithms.build(algorithm_name, config, module, train.max_examples,
-                                   bench.info, train.num_clients)
+                                   bench.info, train.num_clients, train.x.shape[2:])
     round_device, round_host = build_round(algorithm, _round_config(config),
                                            client_mesh(config.engine.num_devices)
                                            if config.engine.num_devices else None,
@@ -187,7 +191,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
     adapted_chunk = None
     if algorithm_name in tuple(config.eval_adapter_algorithms):
       adapted_chunk = build_eval_adapters(config, module, bench.num_classes, algorithm,
-                                          new_client_splits)
+                                          new_client_splits, algorithm_name)
     new_client_chunk = None
     if new_client_splits and algorithm.personalize is not None:
       new_client_chunk = evaluation.build_new_client_evaluate(algorithm, module,
