@@ -40,7 +40,6 @@ def train_part(context: base.BuildContext, variables, part: str, epochs: int, da
 @base.ALGORITHMS.register('fedrep', defaults={'head_epochs': 10})  # head epochs (our default)
 def fedrep(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   head_epochs, body_epochs = hparams.head_epochs, context.schedule.num_epochs
-  module, server_opt = context.module, context.server_optimizer
 
   def client_update(server_state, head, data, rng):
     variables = with_head(server_state.variables, head)
@@ -50,15 +49,26 @@ def fedrep(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
     if body_epochs:
       variables, metrics = train_part(context, variables, 'encoder',
                                       body_epochs, data, jax.random.fold_in(rng, 1))
-    # Only the representation (and BN statistics) is uploaded; heads stay on the client.
-    delta = base.send_only(base.tree_sub(variables, with_head(server_state.variables, head)),
-                           lambda path: path[:2] != ('params', 'head'))
-    return ClientOutput(delta, metrics), head
+    delta = base.tree_sub(variables, with_head(server_state.variables, head))
+    return ClientOutput(body_only(delta), metrics), head
 
+  return personal_head_algorithm(context, client_update)
+
+
+def body_only(delta):
+  """The upload of a personal-head method: the representation (and BN statistics);
+  the head stays on the client."""
+  return base.send_only(delta, lambda path: path[:2] != ('params', 'head'))
+
+
+def personal_head_algorithm(context: base.BuildContext, client_update) -> FederatedAlgorithm:
+  """A method whose client state is its head and whose personalised model is the
+  global body with that head (FedRep, FedPer); no global model."""
   return FederatedAlgorithm(
-      init=base.init_server(module, server_opt),
+      init=base.init_server(context.module, context.server_optimizer),
       init_client_state=lambda server_state: server_state.variables['params']['head'],
-      client_update=client_update, server_update=base.partial_server_update(server_opt),
+      client_update=client_update,
+      server_update=base.partial_server_update(context.server_optimizer),
       personalize=lambda server_state, head, data, rng: with_head(server_state.variables, head),
       global_model=None)
 
@@ -71,18 +81,11 @@ def fedper(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
   baselines are FedPer's personalised models given to new clients (the federated
   pipeline's 'pfl_sampled' and 'pfl_ensemble' columns)."""
   del hparams
-  module, server_opt = context.module, context.server_optimizer
 
   def client_update(server_state, head, data, rng):
     start = with_head(server_state.variables, head)
     variables, metrics = base.train_variables(context, start, data, rng)
-    delta = base.send_only(base.tree_sub(variables, start),
-                           lambda path: path[:2] != ('params', 'head'))
-    return ClientOutput(delta, metrics), variables['params']['head']
+    return (ClientOutput(body_only(base.tree_sub(variables, start)), metrics),
+            variables['params']['head'])
 
-  return FederatedAlgorithm(
-      init=base.init_server(module, server_opt),
-      init_client_state=lambda server_state: server_state.variables['params']['head'],
-      client_update=client_update, server_update=base.partial_server_update(server_opt),
-      personalize=lambda server_state, head, data, rng: with_head(server_state.variables, head),
-      global_model=None)
+  return personal_head_algorithm(context, client_update)

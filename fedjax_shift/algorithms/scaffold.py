@@ -69,7 +69,6 @@ def scaffold(hparams: ml_collections.ConfigDict, context: base.BuildContext
     return ScaffoldState(state.variables, state.opt_state, state.round, control)
 
   def client_update(server_state, client_control, data, rng):
-    params = server_state.variables['params']
     correction = jax.tree.map(jnp.subtract, server_state.control, client_control)  # c − c_i
     new_variables, metrics = base.train_variables(
         context, server_state.variables, data, rng,
