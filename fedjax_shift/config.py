@@ -103,6 +103,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 5
   c.keep_checkpoints = 2            # >= 1: the final checkpoint is what a re-run resumes from
   c.resume = ''                     # '' | 'extend': continue finished runs to a larger rounds
+  c.on_divergence = 'stop'          # 'stop' | 'continue': a NaN run stops the pipeline, or is
+                                    # recorded as diverged and the other runs go on
   c.progress = True
   return c
 

@@ -19,6 +19,12 @@ def mean_std(values: Sequence[float]) -> str:
   return f'{100 * np.mean(values):.2f} ± {100 * np.std(values):.2f}'
 
 
+def seeds_cell(runs: List[Dict]) -> str:
+  """'3', or '3 (1 diverged)': accuracies are means over the runs that did not."""
+  diverged = sum('diverged' in r for r in runs)
+  return f'{len(runs)} ({diverged} diverged)' if diverged else str(len(runs))
+
+
 def results_table(results: List[Dict]) -> Dict[str, object]:
   """Rows: method; columns: '<model>/<split>' accuracy (%) mean ± std over seeds.
 
@@ -40,10 +46,11 @@ def results_table(results: List[Dict]) -> Dict[str, object]:
     row = [method]
     for column in columns:
       row.append(mean_std([r['metrics'].get(column + '/accuracy') for r in runs]))
-    row.append(str(len(runs)))
+    row.append(seeds_cell(runs))
     row.append(str(runs[0]['rounds']))
-    row.append(f"{np.mean([r['train_seconds'] for r in runs]):.1f}")
-    row.append(f"{runs[0].get('uploaded_parameters', 0):,}")
+    seconds = [r['train_seconds'] for r in runs if 'diverged' not in r]
+    row.append(f"{np.mean(seconds):.1f}" if seconds else 'n/a')
+    row.append(f"{max(r.get('uploaded_parameters', 0) for r in runs):,}")
     rows.append(row)
   lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
   lines += ['| ' + ' | '.join(row) + ' |' for row in rows]
@@ -269,10 +276,13 @@ def upfl_table(runs_by_workdir: Dict[str, List[Dict]], column: str = '',
     val_key, test_key = f'{val_model}/val/accuracy', f'{test_model}/test/accuracy'
     for runs in runs_by_workdir.values():
       mine = [r for r in runs if r['algorithm'] == method and test_key in r['metrics']]
-      if mine:
+      diverged = [r for r in runs if r['algorithm'] == method and 'diverged' in r]
+      if mine or diverged:
         pairs = [at_best_validation(r, val_key, test_key) if best_validation else
                  (r['metrics'].get(val_key), r['metrics'][test_key]) for r in mine]
-        rows.append([label, mean_std([v for v, _ in pairs]), mean_std([t for _, t in pairs])])
+        note = f' ({len(diverged)} of {len(mine) + len(diverged)} diverged)' if diverged else ''
+        rows.append([label, mean_std([v for v, _ in pairs]),
+                     mean_std([t for _, t in pairs]) + note])
         break
   return _markdown(header, rows)
 

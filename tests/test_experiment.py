@@ -178,6 +178,36 @@ def test_divergence_inside_a_call_names_its_round_and_keeps_the_checkpoint(tmp_p
   assert [r['round'] for r in read_metrics(str(run_dir / 'metrics.jsonl'))] == [1, 2, 3, 4, 5, 6]
 
 
+def test_on_divergence_continue_records_the_run_and_goes_on(tmp_path):
+  import jax.numpy as jnp
+  from fedjax_shift.algorithms import ALGORITHMS
+  from fedjax_shift.algorithms.fedavg import fedavg
+
+  def nan_from_round_two(hparams, context):
+    base = fedavg(hparams, context)
+
+    def client_update(server_state, client_state, data, rng):
+      out, state = base.client_update(server_state, client_state, data, rng)
+      loss = jnp.where(server_state.round >= 1, jnp.nan, out.metrics['loss'])
+      return out._replace(metrics={**out.metrics, 'loss': loss}), state
+    return base._replace(client_update=client_update)
+
+  ALGORITHMS.register('toy_nan_round2')(nan_from_round_two)
+  try:
+    config = tiny_config(rounds=3, algorithms=('toy_nan_round2', 'fedavg'),
+                         on_divergence='continue')
+    out = pipelines.run(config, str(tmp_path))
+  finally:
+    ALGORITHMS.unregister('toy_nan_round2')
+  diverged, fedavg_run = out.records['results']
+  assert 'in round 2' in diverged['diverged'] and diverged['metrics'] == {}
+  assert 0.0 <= fedavg_run['metrics']['global/test/accuracy'] <= 1.0   # it still ran
+  assert '| toy_nan_round2 | n/a' in out.records['table']['markdown']
+  assert '1 (1 diverged)' in out.records['table']['markdown']
+  with pytest.raises(ValueError, match='config.on_divergence'):
+    pipelines.run(tiny_config(on_divergence='retry'), str(tmp_path / 'bad'))
+
+
 @pytest.mark.parametrize('field, value, pattern', [
     ('engine.rounds_per_call', 0, r'config.engine.rounds_per_call: must be >= 1'),
     ('data.store', 'host', r"config.engine.rounds_per_call: > 1 scans rounds over the device"),

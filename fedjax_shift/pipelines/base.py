@@ -193,6 +193,8 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   require(config.data.store in ('device', 'host'), 'data.store',
           f"unknown {config.data.store!r}; choose from ['device', 'host']")
   require(config.rounds >= 1, 'rounds', f'must be >= 1, got {config.rounds}')
+  require(config.on_divergence in ('stop', 'continue'), 'on_divergence',
+          f"unknown {config.on_divergence!r}; choose from ['stop', 'continue']")
   require(config.paper_tables in PAPER_TABLES, 'paper_tables',
           f'unknown {config.paper_tables!r}; choose from {list(PAPER_TABLES)}')
   base.check_training(config)

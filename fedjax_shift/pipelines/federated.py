@@ -383,7 +383,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   for name in algorithm_names(config):
     for seed in config.seeds:
       run_dir = os.path.join(workdir, name, f'seed_{seed}')
-      results.append(train_and_evaluate(config, run_dir, name, seed, programs=programs))
+      try:
+        results.append(train_and_evaluate(config, run_dir, name, seed, programs=programs))
+      except DivergenceError as err:
+        if config.on_divergence != 'continue':
+          raise
+        log.warning('%s; config.on_divergence=continue: going on with the other runs', err)
+        results.append({'algorithm': name, 'seed': seed, 'metrics': {}, 'diverged': str(err),
+                        'rounds': config.rounds, 'train_seconds': float('nan')})
       run_dirs.setdefault(name, []).append(run_dir)
   table = report.results_table(results)
   preamble = (f"Benchmark {config.data.benchmark}: {config.data.source}, "
