@@ -394,3 +394,7 @@ def test_upfl_table_rows_workdirs_and_best_validation_round():
   best = report.upfl_table({'main': main, 'tent': tent}, best_validation=True)
   assert '| FedAvg | 90.00 | 60.00 |' in best          # round 20: best validation
   assert '| TENT | 40.00 | 30.00 |' in best            # no evaluations: the last round
+  fedtta = [{'algorithm': 'fedtta', 'metrics': {'global+fedtta/val/accuracy': 0.9,
+                                                'global+fedtta/test/accuracy': 0.8}},
+            {'algorithm': 'fedtta', 'metrics': {}, 'diverged': 'NaN in round 3'}]
+  assert '| FedTTA | 90.00 | 80.00 (1 of 2 diverged) |' in report.upfl_table({'m': fedtta})
