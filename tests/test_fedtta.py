@@ -288,6 +288,10 @@ def test_upfl_pipeline_runs_and_scores_personalised_methods_as_pfl_baselines(tmp
   with pytest.raises(ValueError, match=r"config.eval_adapter_algorithms: the fedtta adapter "
                                        r"adapts models trained by \['fedtta', 'fedtta_prox'\]"):
     pipelines.run(config, str(tmp_path / 'fedavg'))
+  config.eval_adapter_algorithms = ('fedtta', 'fedavg')
+  with pytest.raises(ValueError, match=r'config.eval_adapter_algorithms: no adapter of '
+                                       r'config.eval_adapters adapts fedavg'):
+    pipelines.run(config, str(tmp_path / 'fedavg'))
 
 
 def test_pfl_sampled_and_ensemble_equal_a_loop_over_training_models():

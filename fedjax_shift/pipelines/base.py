@@ -241,10 +241,11 @@ def check_run(config: ml_collections.ConfigDict) -> None:
               f'{list(config.eval_adapter_algorithms)} is')
   for algorithm in config.eval_adapter_algorithms:   # each gets at least one adapter
     usable = [n for n, _ in specs if algorithm in ADAPTERS.meta(n).get('trained_by', (algorithm,))]
-    require(usable or not specs, 'eval_adapter_algorithms',
-            f'no adapter of config.eval_adapters adapts {algorithm}: '
-            + '; '.join(f'the {n} adapter adapts models trained by '
-                        f'{list(ADAPTERS.meta(n)["trained_by"])}' for n, _ in specs))
+    if specs and not usable:   # every listed adapter has a trained_by without it
+      require(False, 'eval_adapter_algorithms',
+              f'no adapter of config.eval_adapters adapts {algorithm}: ' + '; '.join(
+                  f'the {n} adapter adapts models trained by '
+                  f'{list(ADAPTERS.meta(n)["trained_by"])}' for n, _ in specs))
   require(all(isinstance(p, str) and p for p in config.eval_adapter_splits),
           'eval_adapter_splits', f'name split prefixes, e.g. (\'test\', \'val\'), got '
           f'{tuple(config.eval_adapter_splits)}')
