@@ -288,7 +288,7 @@ def test_upfl_pipeline_runs_and_scores_personalised_methods_as_pfl_baselines(tmp
   with pytest.raises(ValueError, match=r"config.eval_adapter_algorithms: the fedtta adapter "
                                        r"adapts models trained by \['fedtta', 'fedtta_prox'\]"):
     pipelines.run(config, str(tmp_path / 'fedavg'))
-  config.eval_adapter_algorithms = ('fedtta', 'fedavg')
+  config.eval_adapter_algorithms = ('fedtta', 'odpfl_hn', 'fedavg')
   with pytest.raises(ValueError, match=r'config.eval_adapter_algorithms: no adapter of '
                                        r'config.eval_adapters adapts fedavg'):
     pipelines.run(config, str(tmp_path / 'fedavg'))
