@@ -13,8 +13,8 @@ and sends (Δy, Δc) = (y − x, c_i⁺ − c_i). The server applies
 
 with the round's weights w (config.weighting; uniform weights give the paper's
 (1/|S|)Σ), |S| the cohort and N the training split's clients. The correction
-(c − c_i) enters the local loss as the linear term ⟨y, c − c_i⟩, whose gradient it is,
-so the client optimizer (SGD in the paper) sees g − c_i + c. K is the number of steps
+(c − c_i) is added to each minibatch gradient before the client optimizer (SGD in the
+paper), which so steps along g − c_i + c; the logged loss is the plain CE. K is the number of steps
 the client ran (its epochs, straggler budget); η_l is ``config.client.learning_rate``;
 η_g (``scaffold.global_learning_rate``) scales the mean Δy before ``config.server``'s
 optimizer (SGD lr 1 by default). A client uploads Δy and Δc: twice FedAvg's numbers.
@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
+import optax
 
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
@@ -46,8 +47,11 @@ class ScaffoldUpdate(NamedTuple):
   control: PyTree     # Δc = c_i⁺ − c_i
 
 
-def tree_dot(a: PyTree, b: PyTree) -> jax.Array:
-  return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+def add_to_gradient(correction: PyTree) -> optax.GradientTransformation:
+  """g ↦ g + correction (SCAFFOLD's c − c_i, fixed for the client's round)."""
+  return optax.GradientTransformation(
+      init=lambda params: optax.EmptyState(),
+      update=lambda grads, state, params=None: (jax.tree.map(jnp.add, grads, correction), state))
 
 
 def check(hparams: ml_collections.ConfigDict) -> None:
@@ -70,9 +74,9 @@ def scaffold(hparams: ml_collections.ConfigDict, context: base.BuildContext
 
   def client_update(server_state, client_control, data, rng):
     correction = jax.tree.map(jnp.subtract, server_state.control, client_control)  # c − c_i
-    new_variables, metrics = base.train_variables(
-        context, server_state.variables, data, rng,
-        extra_loss=lambda p: tree_dot(p, jax.lax.stop_gradient(correction)))
+    corrected = optax.chain(add_to_gradient(correction), context.client_optimizer)
+    new_variables, metrics = base.train_variables(context._replace(client_optimizer=corrected),
+                                                  server_state.variables, data, rng)
     delta = base.tree_sub(new_variables, server_state.variables)
     steps = jnp.maximum(metrics['num_steps'], 1.0)
     # Option II; a client that ran no step keeps its c_i (Δc = 0).
