@@ -44,8 +44,9 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float,
     parts = [np.sort(np.concatenate(p)) for p in parts]
     if min(len(p) for p in parts) >= min_examples:
       return parts
-  raise ValueError(f'dirichlet alpha={alpha}: no partition with >= {min_examples} '
-                   f'examples per client in {max_tries} draws; lower min_examples')
+  raise ValueError(f'dirichlet alpha={alpha}: no partition of {len(labels)} examples over '
+                   f'{num_clients} clients with >= {min_examples} examples per client in '
+                   f'{max_tries} draws; lower config.data.min_examples_per_client')
 
 
 def pathological(labels: np.ndarray, num_clients: int, classes_per_client: int,
