@@ -204,6 +204,8 @@ def test_on_divergence_continue_records_the_run_and_goes_on(tmp_path):
   assert 0.0 <= fedavg_run['metrics']['global/test/accuracy'] <= 1.0   # it still ran
   assert '| toy_nan_round2 | n/a' in out.records['table']['markdown']
   assert '1 (1 diverged)' in out.records['table']['markdown']
+  with open(tmp_path / 'toy_nan_round2' / 'seed_0' / 'results.json') as f:   # for report.py
+    assert 'in round 2' in json.load(f)['diverged']
   with pytest.raises(ValueError, match='config.on_divergence'):
     pipelines.run(tiny_config(on_divergence='retry'), str(tmp_path / 'bad'))
 

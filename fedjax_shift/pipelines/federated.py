@@ -389,8 +389,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
         if config.on_divergence != 'continue':
           raise
         log.warning('%s; config.on_divergence=continue: going on with the other runs', err)
-        results.append({'algorithm': name, 'seed': seed, 'metrics': {}, 'diverged': str(err),
-                        'rounds': config.rounds, 'train_seconds': float('nan')})
+        record = {'algorithm': name, 'seed': seed, 'metrics': {}, 'diverged': str(err),
+                  'rounds': config.rounds, 'train_seconds': float('nan')}
+        with open(os.path.join(run_dir, 'results.json'), 'w') as f:   # for launch/report.py
+          json.dump(record, f, indent=1)
+        results.append(record)
       run_dirs.setdefault(name, []).append(run_dir)
   table = report.results_table(results)
   preamble = (f"Benchmark {config.data.benchmark}: {config.data.source}, "
