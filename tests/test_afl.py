@@ -82,3 +82,28 @@ def test_afl_needs_every_client_in_every_round():
   data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
   with pytest.raises(ValueError, match='config.cohort_size: AFL'):
     make('afl', config, data, 3)
+
+
+def test_a_client_without_data_gets_no_weight():
+  # Clients {6, 9, 4} plus an empty one: after a round the empty client's λ is 0 and the
+  # others' λ is the projection over them alone; the model equals the run without it.
+  config = tiny_config(**{'client.batch_size': 4, 'afl.lambda_learning_rate': 0.5,
+                          'cohort_size': 4})
+  data, _, _ = toy_clients([6, 9, 4, 0], num_classes=NUM_CLASSES)
+  _, afl, server, lambdas = make('afl', config, data, 4)
+  out = build_round(afl, RoundConfig(cohort_size=4))[0](server, lambdas, data,
+                                                        jax.random.key(1))
+  got = np.maximum(np.asarray(out.client_states) - float(out.server_state.threshold), 0)
+  assert got[3] == 0.0 and abs(got.sum() - 1) < 1e-5
+  # round 1 used λ = 1/4 for the three with data: the same mixture as 1/3 each
+  config3 = tiny_config(**{'client.batch_size': 4, 'afl.lambda_learning_rate': 0.5,
+                           'cohort_size': 3})
+  data3, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
+  _, afl3, server3, lambdas3 = make('afl', config3, data3, 3)
+  out3 = build_round(afl3, RoundConfig(cohort_size=3))[0](server3, lambdas3, data3,
+                                                          jax.random.key(1))
+  np.testing.assert_allclose(project(np.array([1.0, 2.0, -np.inf])), [0.0, 1.0, 0.0],
+                             atol=1e-6)
+  assert np.isfinite(np.asarray(out.server_state.threshold))
+  chex.assert_trees_all_close(out.server_state.variables, out3.server_state.variables,
+                              atol=1e-6)

@@ -50,11 +50,13 @@ class AFLUpdate(NamedTuple):
 
 def simplex_threshold(values: jax.Array) -> jax.Array:
   """τ with Σ_k max(values_k − τ, 0) = 1: the Euclidean projection of values [K] on the
-  probability simplex is max(values − τ, 0) (Duchi et al. 2008, Fig. 1)."""
+  probability simplex is max(values − τ, 0) (Duchi et al. 2008, Fig. 1). Entries of
+  −∞ are left out (they project to 0)."""
   ordered = jnp.sort(values)[::-1]
-  cumulative = jnp.cumsum(ordered)
+  finite = jnp.isfinite(ordered)   # −∞ entries (clients without data) stay off the support
+  cumulative = jnp.cumsum(jnp.where(finite, ordered, 0.0))
   ranks = jnp.arange(1, values.shape[0] + 1)
-  support = jnp.sum(ordered - (cumulative - 1.0) / ranks > 0)
+  support = jnp.sum(finite & (ordered - (cumulative - 1.0) / ranks > 0))
   return (cumulative[support - 1] - 1.0) / support
 
 
@@ -88,14 +90,17 @@ def afl(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Feder
     loss = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, data.y),
                        data.mask.astype(jnp.float32))
     new_variables, metrics = base.train_variables(context, server_state.variables, data, rng)
-    new_proposal = weight + hparams.lambda_learning_rate * loss
+    # A client without examples (padding) leaves the simplex: μ = −∞ gives it λ = 0.
+    new_proposal = jnp.where(data.num_examples > 0,
+                             weight + hparams.lambda_learning_rate * loss, -jnp.inf)
     update = AFLUpdate(base.tree_sub(new_variables, server_state.variables), weight,
                        new_proposal)
     return ClientOutput(update, {**metrics, 'start_loss': loss}), new_proposal
 
   def server_update(state: AFLState, outputs: ClientOutput, weights) -> AFLState:
-    del weights   # λ weighs the clients instead of config.weighting
-    lam = outputs.update.weight
+    # λ weighs the clients instead of config.weighting; clients without data (weight
+    # 0) send no update and take no part.
+    lam = jnp.where(weights > 0, outputs.update.weight, 0.0)
     mixture = lam / jnp.maximum(jnp.sum(lam), 1e-12)
     model = average(base.ServerState(state.variables, state.opt_state, state.round),
                     ClientOutput(outputs.update.model, outputs.metrics), mixture)
