@@ -236,3 +236,30 @@ def test_later_seeds_with_the_same_shapes_reuse_the_compiled_programs(tmp_path):
   alone = pipelines.run(config, str(tmp_path / 'one')).records['results'][0]
   assert alone['compilations'] > 0
   assert alone['metrics'] == results[1]['metrics']
+
+
+def test_pad_to_gives_dirichlet_seeds_one_compilation_and_the_same_metrics(tmp_path):
+  """Dirichlet seeds pad to different client sizes N (each recompiles); with
+  data.pad_to, a bound for all of them, seed 1 reuses seed 0's programs — and its
+  metrics equal the unpadded run's (padding is masked everywhere)."""
+  from fedjax_shift.pipelines.federated import build_data
+  config = tiny_config(progress=False)
+  sizes = [build_data(config, seed).splits['train'].max_examples for seed in (0, 1)]
+  assert sizes[0] != sizes[1], sizes            # the case really differs by seed
+  bound = max(build_data(config, s).splits[n].max_examples
+              for s in (0, 1) for n in ('train', 'val', 'test', 'test_corrupted'))
+  config.seeds = (0, 1)
+  plain = pipelines.run(config, str(tmp_path / 'plain')).records['results']
+  assert plain[1]['compilations'] > 0
+  config.data.pad_to = bound
+  padded = pipelines.run(config, str(tmp_path / 'padded')).records['results']
+  assert padded[1]['compilations'] == 0, padded
+  for a, b in zip(plain, padded):
+    for key, value in a['metrics'].items():
+      np.testing.assert_allclose(b['metrics'][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+  config.data.pad_to = min(sizes) - 1
+  with pytest.raises(ValueError, match=r'config.data.pad_to=.*raise pad_to'):
+    pipelines.run(config, str(tmp_path / 'small'))
+  config.data.pad_to = -1
+  with pytest.raises(ValueError, match=r'config.data.pad_to: must be >= 0'):
+    pipelines.run(config, str(tmp_path / 'negative'))

@@ -41,6 +41,10 @@ DATA_DEFAULTS = {
     'image_size': 0,                  # resize (0 = keep)
     'channels': 0,                    # repeat grey to 3 channels (0 = keep)
     'store': 'device',                # 'device' | 'host' (population larger than device memory)
+    # Pad every client of every split to this many examples (0: each split's largest
+    # client). A bound that holds for every seed gives every seed the same shapes, so a
+    # multi-seed run compiles once (issue 12).
+    'pad_to': 0,
 }
 
 

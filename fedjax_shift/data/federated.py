@@ -41,6 +41,21 @@ class FederatedData(NamedTuple):
     return FederatedData(*(np.asarray(a)[client_ids] for a in self))
 
 
+def pad_examples(data: FederatedData, num_examples: int) -> FederatedData:
+  """``data`` with every client padded (or its padding cut) to N = ``num_examples``
+  rows; a ValueError when a client's real examples reach past row N."""
+  if np.asarray(data.mask)[:, num_examples:].any():
+    raise ValueError(f'a client holds {int(np.max(data.num_examples))} examples, more than '
+                     f'{num_examples}')
+  extra = num_examples - data.max_examples
+  if extra <= 0:
+    return FederatedData(*(np.asarray(a)[:, :num_examples] for a in data[:3]),
+                         np.asarray(data.num_examples))
+  pad = lambda a: np.concatenate([a, np.zeros((a.shape[0], extra) + a.shape[2:], a.dtype)], 1)
+  return FederatedData(pad(np.asarray(data.x)), pad(np.asarray(data.y)),
+                       pad(np.asarray(data.mask)), np.asarray(data.num_examples))
+
+
 # A federated dataset: split name ('train', 'val', 'test', 'test_corrupted', ...)
 # -> FederatedData over the same K clients.
 FederatedDataset = Dict[str, FederatedData]

@@ -190,6 +190,8 @@ def check_run(config: ml_collections.ConfigDict) -> None:
           f'unknown {config.sampling!r}; choose from {list(SAMPLING)}')
   require(config.weighting in WEIGHTING, 'weighting',
           f'unknown {config.weighting!r}; choose from {list(WEIGHTING)}')
+  require(config.data.pad_to >= 0, 'data.pad_to',
+          f'must be >= 0 (0: each split\'s largest client), got {config.data.pad_to}')
   require(config.data.store in ('device', 'host'), 'data.store',
           f"unknown {config.data.store!r}; choose from ['device', 'host']")
   require(config.rounds >= 1, 'rounds', f'must be >= 1, got {config.rounds}')

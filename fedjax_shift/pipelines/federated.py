@@ -48,6 +48,20 @@ class DivergenceError(FloatingPointError):
 def build_data(config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   bench = BENCHMARKS.get(config.data.benchmark, 'config.data.benchmark')(config.data, seed)
   validate_benchmark(bench)
+  pad_to = config.data.pad_to
+  if pad_to:
+    if 'domain_size' in bench.info:
+      raise ValueError(f'config.data.pad_to: benchmark {config.data.benchmark!r} lays each '
+                       f'client out in domain blocks of {bench.info["domain_size"]}; leave '
+                       f'pad_to at 0')
+    splits = {}
+    for name, split in bench.splits.items():
+      try:
+        splits[name] = federated.pad_examples(split, pad_to)
+      except ValueError as err:
+        raise ValueError(f'config.data.pad_to={pad_to}: in split {name!r} of seed {seed}, '
+                         f'{err}; raise pad_to') from None
+    bench = bench._replace(splits=splits)
   return bench
 
 

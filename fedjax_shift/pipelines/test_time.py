@@ -89,6 +89,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   require(len(names) == 1 and names[0] in PRETRAIN_ALGORITHMS, 'algorithms',
           f'the test-time pipeline pretrains with one of {list(PRETRAIN_ALGORITHMS)}, '
           f'got {names}')
+  require(not config.data.pad_to, 'data.pad_to',
+          'the test-time pipeline builds its own client splits; leave pad_to at 0')
   tta = config.tta
   require(len(tta.shifts) >= 1 and all(s in SHIFTS for s in tta.shifts), 'tta.shifts',
           f'name shifts from {list(SHIFTS)}, got {tuple(tta.shifts)}')
