@@ -262,6 +262,21 @@ def at_best_validation(run: Dict, val_key: str, test_key: str):
   return best[val_key], best[test_key]
 
 
+def upfl_cells(runs_by_workdir: Dict[str, List[Dict]], method: str, val_key: str,
+               test_key: str, best_validation: bool = False):
+  """(Validation, Test) cells of one FedTTA table row from the first workdir whose runs
+  of ``method`` have ``test_key`` (or diverged), or None when none does."""
+  for runs in runs_by_workdir.values():
+    mine = [r for r in runs if r['algorithm'] == method and test_key in r['metrics']]
+    diverged = [r for r in runs if r['algorithm'] == method and 'diverged' in r]
+    if mine or diverged:
+      pairs = [at_best_validation(r, val_key, test_key) if best_validation else
+               (r['metrics'].get(val_key), r['metrics'][test_key]) for r in mine]
+      note = f' ({len(diverged)} of {len(mine) + len(diverged)} diverged)' if diverged else ''
+      return mean_std([v for v, _ in pairs]), mean_std([t for _, t in pairs]) + note
+  return None
+
+
 def upfl_table(runs_by_workdir: Dict[str, List[Dict]], column: str = '',
                best_validation: bool = False) -> str:
   """FedTTA Table 1 layout for one dataset: Validation and Test accuracy (%), mean ± std
@@ -273,17 +288,28 @@ def upfl_table(runs_by_workdir: Dict[str, List[Dict]], column: str = '',
   header = ['Method', f'{column} Validation'.strip(), f'{column} Test'.strip()]
   rows = []
   for label, method, val_model, test_model in UPFL_ROWS:
-    val_key, test_key = f'{val_model}/val/accuracy', f'{test_model}/test/accuracy'
-    for runs in runs_by_workdir.values():
-      mine = [r for r in runs if r['algorithm'] == method and test_key in r['metrics']]
-      diverged = [r for r in runs if r['algorithm'] == method and 'diverged' in r]
-      if mine or diverged:
-        pairs = [at_best_validation(r, val_key, test_key) if best_validation else
-                 (r['metrics'].get(val_key), r['metrics'][test_key]) for r in mine]
-        note = f' ({len(diverged)} of {len(mine) + len(diverged)} diverged)' if diverged else ''
-        rows.append([label, mean_std([v for v, _ in pairs]),
-                     mean_std([t for _, t in pairs]) + note])
-        break
+    cells = upfl_cells(runs_by_workdir, method, f'{val_model}/val/accuracy',
+                       f'{test_model}/test/accuracy', best_validation)
+    if cells:
+      rows.append([label, *cells])
+  return _markdown(header, rows)
+
+
+def upfl_shift_table(groups: Dict[str, Dict[str, List[Dict]]],
+                     best_validation: bool = False) -> str:
+  """FedTTA Table 2 layout (degrees of shift): per row the Validation accuracy (of the
+  first group that has the row) and one Test column per group — e.g. the new clients'
+  Dirichlet α of configs/fedtta.py:shift<α> runs. ``groups``: column label -> the
+  {workdir: runs} merged for it (as ``upfl_table``'s argument)."""
+  header = ['Method', 'Validation'] + [f'Test ({label})' for label in groups]
+  rows = []
+  for label, method, val_model, test_model in UPFL_ROWS:
+    cells = [upfl_cells(runs, method, f'{val_model}/val/accuracy',
+                        f'{test_model}/test/accuracy', best_validation)
+             for runs in groups.values()]
+    if any(cells):
+      validation = next(c[0] for c in cells if c)
+      rows.append([label, validation] + [c[1] if c else 'n/a' for c in cells])
   return _markdown(header, rows)
 
 

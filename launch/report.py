@@ -8,13 +8,17 @@
         --labels='0,0.1,0.9'
 
     python launch/report.py --kind=fedtta --workdirs=/tmp/fedtta,/tmp/fedtta_tent
+    python launch/report.py --kind=fedtta_shift --workdirs=/tmp/s001,/tmp/s001_tent,/tmp/s05 \
+        --labels='α=0.01,α=0.01,α=0.5'
 
 --kind=atp (test-time pipeline runs) merges their Table 1 columns (one shift per run,
 or several) and Table 3 where a run trained α on several shifts. --kind=evolving
 (configs/fedevolve.py runs) lays out FedEvolve's Table 1 / 2 / 3 / 4: one Client/Server
 column pair per workdir; --kind=straggler its Table 6: one Client column per workdir.
 --kind=fedtta (configs/fedtta.py runs) lays out FedTTA's Table 1, each row from the first
-workdir that has it (the main run, then the TENT run of configs/fedtta.py:tent).
+workdir that has it (the main run, then the TENT run of configs/fedtta.py:tent);
+--kind=fedtta_shift its Table 2: one Test column per label (workdirs sharing a label
+are merged: a shift<α> run and its tent,shift<α> run).
 Mean ± std over the seeds each run used; --out writes markdown.
 """
 import os
@@ -28,7 +32,8 @@ from fedjax_shift import metrics, report  # noqa: E402
 
 _WORKDIRS = flags.DEFINE_list('workdirs', None, 'Test-time pipeline workdirs.')
 _OUT = flags.DEFINE_string('out', '', 'Write the markdown here.')
-_KIND = flags.DEFINE_enum('kind', 'atp', ['atp', 'evolving', 'straggler', 'fedtta'],
+_KIND = flags.DEFINE_enum('kind', 'atp', ['atp', 'evolving', 'straggler', 'fedtta',
+                                                   'fedtta_shift'],
                           'Which paper layout.')
 _LABELS = flags.DEFINE_list('labels', [], 'Column labels, one per workdir (evolving).')
 flags.mark_flags_as_required(['workdirs'])
@@ -84,6 +89,18 @@ def load_evolving(workdirs, labels):
   return out
 
 
+def load_groups(workdirs, labels):
+  """{label: {workdir: runs}}: workdirs sharing a label are merged into one column
+  (a shift<α> run and its tent,shift<α> run)."""
+  labels = labels or [os.path.basename(os.path.normpath(w)) for w in workdirs]
+  if len(labels) != len(workdirs):
+    raise ValueError(f'--labels names {len(labels)} columns for {len(workdirs)} workdirs')
+  groups = {}
+  for label, workdir in zip(labels, workdirs):
+    groups.setdefault(label, {})[workdir] = load_evolving([workdir], [workdir])[workdir]
+  return groups
+
+
 def main(argv):
   del argv
   workdirs = [w for w in _WORKDIRS.value if w.strip()]
@@ -101,6 +118,8 @@ def main(argv):
 
 def build(workdirs) -> str:
   """The markdown of ``--kind`` over ``workdirs``."""
+  if _KIND.value == 'fedtta_shift':
+    return report.upfl_shift_table(load_groups(workdirs, _LABELS.value))
   if _KIND.value == 'fedtta':
     runs = load_evolving(workdirs, [])
     return ('Last round\n\n' + report.upfl_table(runs) + '\n\nAt the round of best '

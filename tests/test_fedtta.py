@@ -402,3 +402,13 @@ def test_upfl_table_rows_workdirs_and_best_validation_round():
                                                 'global+fedtta/test/accuracy': 0.8}},
             {'algorithm': 'fedtta', 'metrics': {}, 'diverged': 'NaN in round 3'}]
   assert '| FedTTA | 90.00 | 80.00 (1 of 2 diverged) |' in report.upfl_table({'m': fedtta})
+  # Table 2 layout: one Test column per group; a group merges its workdirs; Validation
+  # from the first group that has the row; a row one group lacks reads n/a there.
+  shifted = [{'algorithm': 'fedtta', 'metrics': {'global+fedtta/val/accuracy': 0.7,
+                                                 'global+fedtta/test/accuracy': 0.6}}]
+  table2 = report.upfl_shift_table({'a=0.01': {'main': main, 'tent': tent},
+                                    'a=0.5': {'shift': shifted}})
+  assert '| Method | Validation | Test (a=0.01) | Test (a=0.5) |' in table2
+  assert '| FedAvg | 85.00 | 90.00 | n/a |' in table2
+  assert '| TENT | 40.00 | 30.00 | n/a |' in table2
+  assert '| FedTTA | 70.00 | n/a | 60.00 |' in table2
