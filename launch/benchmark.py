@@ -21,6 +21,9 @@ B, FedAvg with SGD):
   fedtta      FedTTA's compiled round on the same cohort: one epoch of steps, each an
               inner step on ‖g(f(X; ψ); φ)‖₂ and the CE of the adapted model
               differentiated through it (second order), next to (a) (opt-in)
+  algorithm:<name>  the compiled round of any registered method (its registered
+              defaults, one epoch) on the same cohort, next to (a) (opt-in; e.g.
+              --cases=round,algorithm:scaffold,algorithm:afl)
   fedtta_e50 / fedtta_pp_scan / fedtta_pp_while  FedTTA's test-time adaptation of C
               new clients (episodic batches of B): 50 inner steps, vs FedTTA++'s entropy
               early stop (patience 1) as a masked scan and as a while_loop (opt-in)
@@ -119,8 +122,9 @@ def timed(fn, repeats):
 
 def setup_algorithm(num_clients_data, kind='fedavg'):
   """kind: 'fedavg' (one epoch), 'fedavg_1step' (one local step), 'fedevolve',
-  'fedtta' (one epoch) or 'alpha' (ATP's α training around the initial model, one α
-  step)."""
+  'fedtta' (one epoch), 'alpha' (ATP's α training around the initial model, one α
+  step) or 'algorithm:<name>' (any registered method with its defaults, one epoch,
+  every client of the cohort in the population)."""
   import jax
   import jax.numpy as jnp
   from fedjax_shift import models
@@ -133,7 +137,11 @@ def setup_algorithm(num_clients_data, kind='fedavg'):
     config.client.local_steps = 1
   info = {'num_domains': 10} if kind == 'fedevolve' else {}  # 10 source domains of N/10
   name = kind if kind in ('fedevolve', 'fedtta') else 'fedavg'
-  algorithm = algorithms.build(name, config, module, FLAGS.examples, info)
+  if kind.startswith('algorithm:'):
+    name = kind.split(':', 1)[1]
+    config.cohort_size = num_clients_data   # the round below takes every client
+  algorithm = algorithms.build(name, config, module, FLAGS.examples, info,
+                               num_clients=num_clients_data, example_shape=data.x.shape[2:])
   server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   if kind == 'alpha':
     config.atp.local_steps = 1
@@ -480,6 +488,8 @@ def case_sweep(population):
 def run_case(name):
   if name.startswith('sweep:'):
     result = case_sweep(int(name.split(':')[1]))
+  elif name.startswith('algorithm:'):
+    result = case_round(kind=name)
   else:
     result = {'round': case_round, 'loop': case_loop, 'fused': case_fused,
               'torch': case_torch, 'torch_vmap': case_torch_vmap,
@@ -549,14 +559,16 @@ def main(argv):
             'fedtta_e50': 'FedTTA test time, fixed E = 50 steps (scan)',
             'fedtta_pp_scan': 'FedTTA++ test time, E ≤ 50, patience 1, masked scan',
             'fedtta_pp_while': 'FedTTA++ test time, E ≤ 50, patience 1, while_loop'}
+  label = lambda name: (labels[name] if name in labels else
+                        f"{name.split(':', 1)[1]} round, 1 epoch (registered defaults)")
   base = results.get('fused', {}).get('seconds')
   lines = ['| case | s/round | compile s | peak RSS GB | vs (c) fused |', '|---|---|---|---|---|']
   for name, result in results.items():
     if 'seconds' not in result:
-      lines.append(f"| {labels[name]} | {result.get('skipped') or result.get('error')} | | | |")
+      lines.append(f"| {label(name)} | {result.get('skipped') or result.get('error')} | | | |")
       continue
     ratio = f"{result['seconds'] / base:.2f}×" if base else ''
-    lines.append(f"| {labels[name]} | {result['seconds']:.3f} | {result['compile_s']:.1f} | "
+    lines.append(f"| {label(name)} | {result['seconds']:.3f} | {result['compile_s']:.1f} | "
                  f"{result['peak_rss_gb']:.2f} | {ratio} |")
   if 'round' in results and 'seconds' in results['round']:
     a = results['round']['seconds']
