@@ -22,6 +22,22 @@ def make(name, config, data, num_clients):
   return module, algorithm, server, stack_client_states(algorithm, server, data.num_clients)
 
 
+def afl_round(sizes, lambda_learning_rate):
+  """One AFL round over every client of ``sizes`` (a client per size, cohort = all)."""
+  config = tiny_config(**{'client.batch_size': 4, 'afl.lambda_learning_rate':
+                          lambda_learning_rate, 'cohort_size': len(sizes)})
+  data, _, _ = toy_clients(sizes, num_classes=NUM_CLASSES)
+  module, afl, server, lambdas = make('afl', config, data, len(sizes))
+  out = build_round(afl, RoundConfig(cohort_size=len(sizes)))[0](server, lambdas, data,
+                                                                 jax.random.key(1))
+  return module, server, data, out
+
+
+def weights_after(out):
+  """λ_k = max(μ_k − τ, 0) as the clients will apply them next round."""
+  return np.maximum(np.asarray(out.client_states) - float(out.server_state.threshold), 0)
+
+
 def project(values):
   return np.maximum(values - float(simplex_threshold(jnp.asarray(values))), 0.0)
 
@@ -53,18 +69,12 @@ def test_zero_lambda_rate_is_uniformly_weighted_fedavg():
   a = build_round(fedavg, uniform)[0](server, clients, data, key)
   b = build_round(afl, RoundConfig(cohort_size=3))[0](afl_server, lambdas, data, key)
   chex.assert_trees_all_close(a.server_state.variables, b.server_state.variables, atol=1e-6)
-  np.testing.assert_allclose(np.maximum(b.client_states - b.server_state.threshold, 0),
-                             [1 / 3] * 3, atol=1e-6)
+  np.testing.assert_allclose(weights_after(b), [1 / 3] * 3, atol=1e-6)
 
 
 def test_lambda_ascends_on_the_client_losses():
   # After round 1: λ = Π_Δ(1/N + γ_λ L) with L the clients' losses under the initial w.
-  config = tiny_config(**{'client.batch_size': 4, 'afl.lambda_learning_rate': 0.5,
-                          'cohort_size': 3})
-  data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
-  module, afl, server, lambdas = make('afl', config, data, 3)
-  out = build_round(afl, RoundConfig(cohort_size=3))[0](server, lambdas, data,
-                                                        jax.random.key(1))
+  module, server, data, out = afl_round([6, 9, 4], 0.5)
   losses = []
   for k in range(3):
     n = int(data.num_examples[k])
@@ -72,7 +82,7 @@ def test_lambda_ascends_on_the_client_losses():
     losses.append(float(jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
         logits, data.y[k, :n]))))
   expected = project(1 / 3 + 0.5 * np.array(losses))
-  got = np.maximum(np.asarray(out.client_states) - float(out.server_state.threshold), 0)
+  got = weights_after(out)
   np.testing.assert_allclose(got, expected, atol=1e-5)
   assert got.argmax() == int(np.argmax(losses))
 
@@ -87,21 +97,11 @@ def test_afl_needs_every_client_in_every_round():
 def test_a_client_without_data_gets_no_weight():
   # Clients {6, 9, 4} plus an empty one: after a round the empty client's λ is 0 and the
   # others' λ is the projection over them alone; the model equals the run without it.
-  config = tiny_config(**{'client.batch_size': 4, 'afl.lambda_learning_rate': 0.5,
-                          'cohort_size': 4})
-  data, _, _ = toy_clients([6, 9, 4, 0], num_classes=NUM_CLASSES)
-  _, afl, server, lambdas = make('afl', config, data, 4)
-  out = build_round(afl, RoundConfig(cohort_size=4))[0](server, lambdas, data,
-                                                        jax.random.key(1))
-  got = np.maximum(np.asarray(out.client_states) - float(out.server_state.threshold), 0)
+  _, _, _, out = afl_round([6, 9, 4, 0], 0.5)
+  got = weights_after(out)
   assert got[3] == 0.0 and abs(got.sum() - 1) < 1e-5
   # round 1 used λ = 1/4 for the three with data: the same mixture as 1/3 each
-  config3 = tiny_config(**{'client.batch_size': 4, 'afl.lambda_learning_rate': 0.5,
-                           'cohort_size': 3})
-  data3, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
-  _, afl3, server3, lambdas3 = make('afl', config3, data3, 3)
-  out3 = build_round(afl3, RoundConfig(cohort_size=3))[0](server3, lambdas3, data3,
-                                                          jax.random.key(1))
+  _, _, _, out3 = afl_round([6, 9, 4], 0.5)
   np.testing.assert_allclose(project(np.array([1.0, 2.0, -np.inf])), [0.0, 1.0, 0.0],
                              atol=1e-6)
   assert np.isfinite(np.asarray(out.server_state.threshold))
