@@ -68,6 +68,8 @@ def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rat
   model_state = model_collections(variables)
 
   def entropy(params):
+    if patience == 0:   # no early stopping: the entropy is never read (FedTTA's one step)
+      return jnp.float32(0.0)
     logits = models.apply(module, {'params': params, **model_state}, x)[0]
     return common.weighted_entropy(logits, weight)
 
