@@ -154,6 +154,13 @@ def check_finite(config: ml_collections.ConfigDict, prefix: str = '') -> None:
 PAPER_TABLES = ('', 'fedevolve', 'fedtta')   # config.paper_tables (federated pipeline)
 
 
+def adapts(adapter: str, algorithm: str) -> bool:
+  """Whether test-time adapter ``adapter`` runs on ``algorithm``'s models: every
+  algorithm, unless the adapter was registered with ``trained_by`` (FedTTA's g,
+  ODPFL-HN's hypernetwork) and the algorithm is not one of those."""
+  return algorithm in ADAPTERS.meta(adapter).get('trained_by', (algorithm,))
+
+
 def check_run(config: ml_collections.ConfigDict) -> None:
   """The fields every federated run reads: methods and their sections, model,
   benchmark (its own ``config.data`` check), rounds, cohort, engine, evaluation,
@@ -237,13 +244,12 @@ def check_run(config: ml_collections.ConfigDict) -> None:
     trained_by = ADAPTERS.meta(name).get('trained_by')
     if trained_by:   # adapters that need parts only some methods train (FedTTA's g)
       require(not config.eval_adapter_algorithms or
-              any(a in trained_by for a in config.eval_adapter_algorithms),
+              any(adapts(name, a) for a in config.eval_adapter_algorithms),
               'eval_adapter_algorithms',
               f'the {name} adapter adapts models trained by {list(trained_by)}; none of '
               f'{list(config.eval_adapter_algorithms)} is')
   for algorithm in config.eval_adapter_algorithms:   # each gets at least one adapter
-    usable = [n for n, _ in specs if algorithm in ADAPTERS.meta(n).get('trained_by', (algorithm,))]
-    if specs and not usable:   # every listed adapter has a trained_by without it
+    if specs and not any(adapts(n, algorithm) for n, _ in specs):
       require(False, 'eval_adapter_algorithms',
               f'no adapter of config.eval_adapters adapts {algorithm}: ' + '; '.join(
                   f'the {n} adapter adapts models trained by '

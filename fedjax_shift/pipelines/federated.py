@@ -34,9 +34,9 @@ from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
 from fedjax_shift.metrics import MetricsWriter, read_metrics
 from fedjax_shift.pipelines import workdir as workdir_lib
-from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
-                                         check_run, check_run_dir, eval_adapter_specs,
-                                         hardware, round_backend)
+from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, adapts,
+                                         algorithm_names, check_run, check_run_dir,
+                                         eval_adapter_specs, hardware, round_backend)
 
 log = logging.getLogger('fedjax_shift')
 
@@ -108,7 +108,7 @@ def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: 
   an adapter registered with ``trained_by`` only on those methods' models. None when
   there are none."""
   specs = [(name, mode) for name, mode in eval_adapter_specs(config)
-           if algorithm_name in ADAPTERS.meta(name).get('trained_by', (algorithm_name,))]
+           if adapts(name, algorithm_name)]
   if not specs:
     return None
   context = SourceContext(None, num_classes, config.eval_adapter_batch_size)
