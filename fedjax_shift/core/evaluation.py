@@ -51,6 +51,15 @@ def split_metrics(module, variables, x, y, mask, batch_size: int) -> Dict[str, j
   return logits_metrics(split_logits(module, variables, x, batch_size), y, mask)
 
 
+def personalized_variables(algorithm: FederatedAlgorithm, server_state, client_state,
+                           train: FederatedData, client_id, key):
+  """Client ``client_id``'s personalised model: ``algorithm.personalize`` on its train
+  data [N, ...] (no step limit) with key ``fold_in(key, client_id)``."""
+  data = ClientData(train.x, train.y, train.mask, train.num_examples, jnp.int32(NO_STEP_LIMIT))
+  return algorithm.personalize(server_state, client_state, data,
+                               jax.random.fold_in(key, client_id))
+
+
 def build_evaluate(algorithm: FederatedAlgorithm, module, batch_size: int = 256,
                    global_only: Sequence[str] = ()):
   """Returns jitted ``evaluate_chunk(server_state, client_states_chunk, train_chunk,
@@ -70,10 +79,8 @@ def build_evaluate(algorithm: FederatedAlgorithm, module, batch_size: int = 256,
       results['global'] = {name: split_metrics(module, variables, s.x, s.y, s.mask, batch_size)
                            for name, s in splits.items()}
     if algorithm.personalize is not None:
-      data = ClientData(train.x, train.y, train.mask, train.num_examples,
-                        jnp.int32(NO_STEP_LIMIT))
-      variables = algorithm.personalize(server_state, client_state, data,
-                                        jax.random.fold_in(key, client_id))
+      variables = personalized_variables(algorithm, server_state, client_state, train,
+                                         client_id, key)
       results['personalized'] = {name: split_metrics(module, variables, s.x, s.y, s.mask,
                                                      batch_size)
                                  for name, s in splits.items() if name not in global_only}
@@ -102,11 +109,8 @@ def build_new_client_evaluate(algorithm: FederatedAlgorithm, module, batch_size:
   """
 
   def personalized_models(server_state, client_states, train: FederatedData, key):
-    def one(client_state, data: FederatedData, client_id):
-      client = ClientData(data.x, data.y, data.mask, data.num_examples,
-                          jnp.int32(NO_STEP_LIMIT))
-      return algorithm.personalize(server_state, client_state, client,
-                                   jax.random.fold_in(key, client_id))
+    one = lambda client_state, data, client_id: personalized_variables(
+        algorithm, server_state, client_state, data, client_id, key)
     return jax.vmap(one)(client_states, train, jnp.arange(train.num_examples.shape[0]))
 
   def one_client(stacked, has_data, split: FederatedData, donor):
@@ -144,10 +148,8 @@ def build_adapted_evaluate(algorithm: FederatedAlgorithm, runners: Dict[str, Any
     if algorithm.global_model is not None:
       models_to_adapt['global'] = algorithm.global_model(server_state)
     if algorithm.personalize is not None:
-      data = ClientData(train.x, train.y, train.mask, train.num_examples,
-                        jnp.int32(NO_STEP_LIMIT))
-      models_to_adapt['personalized'] = algorithm.personalize(
-          server_state, client_state, data, jax.random.fold_in(key, client_id))
+      models_to_adapt['personalized'] = personalized_variables(
+          algorithm, server_state, client_state, train, client_id, key)
     results = {}
     adapt_key = jax.random.fold_in(jax.random.fold_in(key, 1), client_id)
     for model, variables in models_to_adapt.items():
