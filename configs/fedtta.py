@@ -1,6 +1,7 @@
 """FedTTA, FedTTA-Prox and FedTTA++ (fedtta_upfl.txt) against its Table 1 baselines on
 new, unlabelled clients (UPFL): FedAvg, FedProx, SCAFFOLD, AFL, FedGMA, FedSR, PFL-Sampled and
-PFL-Ensemble (FedPer's personalised models given to new clients), ODPFL-HN (a classifier
+PFL-Ensemble (FedPer's personalised models given to new clients), FedADG (features aligned
+adversarially to a generated reference distribution), ODPFL-HN (a classifier
 generated from each new client's unlabelled data by a hypernetwork) and, in the `tent`
 variant (a BatchNorm MLP, which FedTTA's second-order step does not take), TENT.
 
@@ -18,7 +19,8 @@ E = 50 steps with entropy patience 1 (Table 4, MNIST).
 
 Hyperparameters from the paper's App. table (MNIST column) where the library has the
 field: SCAFFOLD η_g 1.5, AFL γ_λ 0.001, FedGMA τ 0.1, FedSR α_L2R 0.01 and α_CMI 0.0005,
-ODPFL-HN η_encoder = η_hn = 0.5 and embedding 32.
+ODPFL-HN η_encoder = η_hn = 0.5 and embedding 32, FedADG noise dimension 10 (its features
+are the MLP's 200, not the paper's 128).
 
 Columns: 'global/val' = the training clients' validation data (the paper's validation
 accuracy), 'global/test' = the new clients with the global base model, unadapted;
@@ -47,7 +49,7 @@ from fedjax_shift.config import apply_variant, base_config
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c = base_config()
-  c.algorithms = ('fedavg', 'fedprox', 'scaffold', 'afl', 'gma', 'fedsr', 'fedper',
+  c.algorithms = ('fedavg', 'fedprox', 'scaffold', 'afl', 'gma', 'fedadg', 'fedsr', 'fedper',
                   'odpfl_hn', 'fedtta', 'fedtta_prox')
   c.data.benchmark = 'upfl'           # fields: fedjax_shift/benchmarks/upfl.py
   c.data.source = 'mnist_embedded'

@@ -241,6 +241,7 @@ UPFL_ROWS = (
     ('SCAFFOLD', 'scaffold', 'global', 'global'),
     ('AFL', 'afl', 'global', 'global'),
     ('FedGMA', 'gma', 'global', 'global'),
+    ('FedADG', 'fedadg', 'global', 'global'),
     ('FedSR', 'fedsr', 'global', 'global'),
     ('PFL-Sampled', 'fedper', 'personalized', 'pfl_sampled'),
     ('PFL-Ensemble', 'fedper', 'personalized', 'pfl_ensemble'),

@@ -7,7 +7,7 @@ where ``hparams`` is the method's section ``config.<name>`` and ``context`` a
 ``base.build(name, config, module, max_examples, info)`` builds one from a config.
 Adding a method: one file plus one import line here.
 """
-from fedjax_shift.algorithms import (afl, apfl, ditto, fedavg, fedavg_ft, fedbn,  # noqa: F401
-                                     fedevolve, fedevp, fedprox, fedrep, fedrod, fedsr, fedtta,
-                                     gma, local, odpfl_hn, qffl, scaffold)
+from fedjax_shift.algorithms import (afl, apfl, ditto, fedadg, fedavg, fedavg_ft,  # noqa: F401
+                                     fedbn, fedevolve, fedevp, fedprox, fedrep, fedrod, fedsr,
+                                     fedtta, gma, hetero_fedtta, local, odpfl_hn, qffl, scaffold)
 from fedjax_shift.algorithms.base import ALGORITHMS, BuildContext, build  # noqa: F401

@@ -58,6 +58,28 @@ def inner_step(module, adaptation_module, params, adaptation_params, x: jax.Arra
   return jax.tree.map(lambda p, g: p - inner_learning_rate * g, params, grads)
 
 
+def meta_loss(module, adaptation_module, params, x: jax.Array, y: jax.Array,
+              weight: jax.Array, hparams: ml_collections.ConfigDict) -> jax.Array:
+  """CE(f(X; ψ̃), Y) with ψ̃ the inner step of ψ = params['base'] under
+  φ = params['adaptation'] (Eqs. 5–7); x [B, ...], y [B], weight [B]."""
+  adapted = inner_step(module, adaptation_module, params['base'], params['adaptation'], x,
+                       weight, hparams.inner_learning_rate, hparams.norm_epsilon)
+  logits = models.apply(module, {'params': adapted}, x)[0]
+  return masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), weight)
+
+
+def meta_optimizer(base_optimizer: optax.GradientTransformation,
+                   hparams: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """ψ ('base') with ``base_optimizer`` (η_outer), φ ('adaptation') with SGD η_adapt
+  (Eqs. 8, 9), after a global-norm clip at ``hparams.clip_norm`` (0: none)."""
+  opt = optax.multi_transform(
+      {'base': base_optimizer, 'adaptation': optax.sgd(hparams.adapt_learning_rate)},
+      {'base': 'base', 'adaptation': 'adaptation'})
+  if hparams.clip_norm:   # not in the paper: bounds the second-order outer step
+    opt = optax.chain(optax.clip_by_global_norm(hparams.clip_norm), opt)
+  return opt
+
+
 def checker(section: str):
   """The registered check of ``config.<section>`` (fedtta, fedtta_prox)."""
   def check(hparams: ml_collections.ConfigDict) -> None:
@@ -76,12 +98,7 @@ def adaptation_model(size: str) -> models.AdaptationMLP:
 def build(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module, server_opt = context.module, context.server_optimizer
   adaptation_module = adaptation_model(hparams.adaptation_size)
-  # ψ with the client optimizer (η_outer), φ with SGD η_adapt (Eqs. 8, 9).
-  client_opt = optax.multi_transform(
-      {'base': context.client_optimizer, 'adaptation': optax.sgd(hparams.adapt_learning_rate)},
-      {'base': 'base', 'adaptation': 'adaptation'})
-  if hparams.clip_norm:   # not in the paper: bounds the second-order outer step
-    client_opt = optax.chain(optax.clip_by_global_norm(hparams.clip_norm), client_opt)
+  client_opt = meta_optimizer(context.client_optimizer, hparams)
 
   def init(rng, example_x):
     base_key, adaptation_key = jax.random.split(rng)
@@ -100,10 +117,7 @@ def build(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fed
 
     def loss_fn(params, model_state, x, y, weight, step_rng):
       del step_rng
-      adapted = inner_step(module, adaptation_module, params['base'], params['adaptation'], x,
-                           weight, hparams.inner_learning_rate, hparams.norm_epsilon)
-      logits = models.apply(module, {'params': adapted}, x)[0]
-      loss = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), weight)
+      loss = meta_loss(module, adaptation_module, params, x, y, weight, hparams)
       if hparams.mu:   # FedTTA-Prox: the base model's outputs stay near the server's
         base_logits = models.apply(module, {'params': params['base']}, x)[0]
         server_probs = jax.nn.softmax(models.apply(module, {'params': server_base}, x)[0])

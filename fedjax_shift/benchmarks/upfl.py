@@ -100,7 +100,7 @@ def rotated(xs, angles):
     'new_client_alpha': 0.0,        # Table 2: new clients' Dirichlet α (0 = no own split)
     'train_rotations': (),          # Sec. 4.5 concept shift: (0, 30, 60)
     'new_rotations': (),            #   and (15, 45) degrees
-}, check=check, pipelines=('federated',))
+}, check=check, pipelines=('federated', 'hetero'))
 def upfl(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   rng = np.random.default_rng([seed, 19])
   src = load_source(data_config)

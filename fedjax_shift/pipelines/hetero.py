@@ -1,0 +1,390 @@
+"""The heterogeneous-model pipeline (``config.pipeline = 'hetero'``): HeteroFedTTA
+(fedtta_upfl.txt Sec. 3.4, Algorithm 2) on the UPFL benchmark, one run per
+λ of ``config.hetero.kd_lambdas`` (Sec. 4.6 / Fig. 5; empty: ``hetero_fedtta.kd_lambda``)
+and seed, with the grouped compiled round of ``core/groups.py``.
+
+Training clients and new clients are each given an architecture
+(``algorithms.hetero_fedtta.assign_sizes``, numpy generator [seed, 31]). The public set
+D_p is ``hetero_fedtta.public_examples`` images of ``hetero_fedtta.public_source``
+(generator [seed, 37]); its labels are never read.
+
+Evaluation (every ``eval_every`` rounds and the last), accuracy over examples:
+  'base/val'                   each training client's own ψ_i on its validation data
+  'personalized/val'           ψ_i adapted by its own φ_i (one inner step, Eq. 11)
+  'digested/test'              each new client's digested ψ, unadapted
+  'personalized/test'          ... adapted by its digested φ (HeteroFedTTA's prediction)
+  'personalized/test_<size>'   the same, new clients of one architecture only
+New clients' whole data is adapted in batches of ``eval_adapter_batch_size``; their
+labels are only read to score predictions.
+
+Workdir: <workdir>/hetero_fedtta_lambda<λ>/seed_<s>/ with checkpoints/, metrics.jsonl,
+partition.json, results.json (as the federated pipeline).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Dict, List, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from fedjax_shift import checkpoint, report
+from fedjax_shift.adapters.fedtta import fedtta_adapter
+from fedjax_shift.adapters.no_adapt import no_adapt
+from fedjax_shift.algorithms import base, hetero_fedtta
+from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.benchmarks.base import load_source
+from fedjax_shift.checkpoint import Checkpointer
+from fedjax_shift.core import evaluation
+from fedjax_shift.core.groups import (build_grouped_round, cohort_sizes, init_group_states,
+                                      split_groups)
+from fedjax_shift.core.local import LocalSchedule
+from fedjax_shift.core.round import WEIGHTING, round_key
+from fedjax_shift.core.test_time import client_runner
+from fedjax_shift.data import federated, sources
+from fedjax_shift.metrics import MetricsWriter, read_metrics
+from fedjax_shift.pipelines import workdir as workdir_lib
+from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
+                                         check_finite, check_run_dir, hardware)
+from fedjax_shift.pipelines.federated import DivergenceError, build_data
+from fedjax_shift.registry import require
+
+log = logging.getLogger('fedjax_shift')
+
+SECTIONS = {
+    'hetero_fedtta': hetero_fedtta.DEFAULTS,
+    'hetero': {'kd_lambdas': ()},   # λ sweep (Sec. 4.6: 0, 0.2, …, 1); () = hetero_fedtta.kd_lambda
+}
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """The fields this pipeline reads, before any data is built."""
+  require(tuple(algorithm_names(config)) == ('hetero_fedtta',), 'algorithms',
+          f"the hetero pipeline trains ('hetero_fedtta',), got {tuple(config.algorithms)}")
+  check_finite(config)
+  seeds = tuple(config.seeds)
+  require(len(seeds) >= 1 and len(set(seeds)) == len(seeds), 'seeds',
+          f'name each seed once, at least one, got {seeds}')
+  checkpoint.check_keep(config.keep_checkpoints)
+  require(config.resume in workdir_lib.RESUME_CHOICES, 'resume',
+          f'unknown {config.resume!r}; choose from {list(workdir_lib.RESUME_CHOICES)}')
+  require(config.data.benchmark == 'upfl', 'data.benchmark',
+          f"HeteroFedTTA personalises new clients: use 'upfl', got {config.data.benchmark!r}")
+  BENCHMARKS.check('upfl', config.data, 'config.data', known_fields_only=False)
+  require(config.model.name == 'mlp', 'model.name',
+          f"the hetero pipeline builds MLPs of the sizes in hetero_fedtta.sizes (App. G); "
+          f"set model.name='mlp', got {config.model.name!r}")
+  require(config.rounds >= 1, 'rounds', f'must be >= 1, got {config.rounds}')
+  require(1 <= config.cohort_size <= config.data.num_clients, 'cohort_size',
+          f'must be in [1, data.num_clients={config.data.num_clients}], got {config.cohort_size}')
+  require(config.weighting in WEIGHTING, 'weighting',
+          f'unknown {config.weighting!r}; choose from {list(WEIGHTING)}')
+  require(config.eval_every >= 1, 'eval_every', f'must be >= 1, got {config.eval_every}')
+  require(config.checkpoint_every >= 1, 'checkpoint_every',
+          f'must be >= 1, got {config.checkpoint_every}')
+  require(config.eval_adapter_batch_size >= 1, 'eval_adapter_batch_size',
+          f'must be >= 1, got {config.eval_adapter_batch_size}')
+  require(config.on_divergence in ('stop', 'continue'), 'on_divergence',
+          f"unknown {config.on_divergence!r}; choose from ['stop', 'continue']")
+  base.check_training(config)
+  hetero_fedtta.check(config.hetero_fedtta)
+  for value in config.hetero.kd_lambdas:
+    require(value >= 0, 'hetero.kd_lambdas', f'each λ must be >= 0, got {value}')
+
+
+def lambdas(config: ml_collections.ConfigDict) -> tuple:
+  return tuple(config.hetero.kd_lambdas) or (config.hetero_fedtta.kd_lambda,)
+
+
+def run_name(kd_lambda: float) -> str:
+  return f'hetero_fedtta_lambda{kd_lambda:g}'
+
+
+def run_config(config: ml_collections.ConfigDict, kd_lambda: float) -> ml_collections.ConfigDict:
+  """``config`` with ``hetero_fedtta.kd_lambda`` = λ (the run's own section)."""
+  out = ml_collections.ConfigDict(config.to_dict())
+  out.hetero_fedtta.kd_lambda = float(kd_lambda)
+  return out
+
+
+def run_dirs(config: ml_collections.ConfigDict, workdir: str):
+  return [(os.path.join(workdir, run_name(value), f'seed_{seed}'), run_config(config, value),
+           'hetero_fedtta') for value in lambdas(config) for seed in config.seeds]
+
+
+def public_set(config: ml_collections.ConfigDict, seed: int) -> np.ndarray:
+  """D_p [P, ...]: ``public_examples`` images of ``public_source`` (coloured as
+  ``config.data``), labels dropped. UCI digits fill their 8 × 8 frame; they are framed
+  as MNIST's are (the digit in the central 20/28 of the image, a zero margin), since
+  a digit filling the frame is another input distribution than the clients' digits."""
+  hp = config.hetero_fedtta
+  size = config.data.image_size or 28
+  if hp.public_source == 'uci_digits':
+    inner = int(round(size * 20 / 28))
+    margin = (size - inner) // 2
+    src = sources.uci_digits(size=inner)
+    x = np.pad(src.x, ((0, 0), (margin, size - inner - margin),
+                       (margin, size - inner - margin), (0, 0)))
+    if config.data.channels:
+      x = sources.to_channels(x, config.data.channels)
+  else:
+    data_config = ml_collections.ConfigDict(config.data.to_dict())
+    data_config.source = hp.public_source
+    data_config.image_size = size
+    x = load_source(data_config).x
+  count = hp.public_examples
+  require(count <= len(x), 'hetero_fedtta.public_examples',
+          f'{count} > the {len(x)} examples of {hp.public_source}')
+  order = np.sort(np.random.default_rng([seed, 37]).permutation(len(x))[:count])
+  return x[order].astype(np.float32)
+
+
+def _sums_concat(parts: List[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
+  return {key: np.concatenate([np.asarray(p[key]) for p in parts])
+          for key in ('correct', 'loss', 'count')}
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, run_dir: str, seed: int
+                       ) -> Dict[str, object]:
+  """One λ (``config.hetero_fedtta.kd_lambda``) and seed; resumes from ``run_dir``."""
+  with CompileClock() as clock:
+    result = _train_and_evaluate(config, run_dir, seed)
+  result['compile_seconds'] = round(clock.seconds, 3)
+  result['compilations'] = clock.compilations
+  with open(os.path.join(run_dir, 'results.json'), 'w') as f:
+    json.dump(result, f, indent=1)
+  return result
+
+
+class Setup(NamedTuple):
+  """What one seed's run is built from."""
+  train_sizes: list            # architecture of each training client
+  new_sizes: list              # ... of each new client
+  group_ids: List[np.ndarray]  # per architecture, its training clients' rows
+  new_ids: List[np.ndarray]    # per architecture, its new clients' rows of 'test'
+  public_x: np.ndarray         # D_p [P, ...]
+  base_optimizer: object       # η_outer's optimizer (config.client)
+  example_x: jax.Array         # [1, ...]
+  algorithm: object            # the GroupedAlgorithm
+
+
+def setup(config: ml_collections.ConfigDict, bench, seed: int) -> Setup:
+  hp = config.hetero_fedtta
+  train = bench.splits['train']
+  rng = np.random.default_rng([seed, 31])
+  train_sizes = hetero_fedtta.assign_sizes(len(bench.info['training_clients']),
+                                           tuple(hp.sizes), rng)
+  new_sizes = hetero_fedtta.assign_sizes(len(bench.info['new_clients']['test']),
+                                         tuple(hp.sizes), rng)
+  rows = lambda assigned, size: np.array([k for k, s in enumerate(assigned) if s == size],
+                                         np.int32)
+  public_x = public_set(config, seed)
+  c = config.client
+  schedule = LocalSchedule(c.batch_size, c.local_epochs, c.local_steps, train.max_examples,
+                           config.engine.unroll)
+  base_optimizer = base.client_optimizer(c)
+  example_x = jnp.asarray(train.x[0, :1])
+  algorithm = hetero_fedtta.build(hp, bench.num_classes, public_x, base_optimizer, schedule,
+                                  example_x)
+  return Setup(train_sizes, new_sizes, [rows(train_sizes, s) for s in hp.sizes],
+               [rows(new_sizes, s) for s in hp.sizes], public_x, base_optimizer, example_x,
+               algorithm)
+
+
+def new_client_predictions(bench, config: ml_collections.ConfigDict, seed: int) -> np.ndarray:
+  """[M, N] predictions (−1 where padded) of the new clients of ``bench``'s 'test'
+  split after digesting the initial (untrained) knowledge: the evaluation path of a
+  run, without training (tests check it never reads the labels)."""
+  parts = setup(config, bench, seed)
+  evaluate = build_evaluate(config, bench.num_classes, parts, bench.splits['val'],
+                            bench.splits['test'], jax.random.key(seed))
+  server = parts.algorithm.init(jax.random.key(0))
+  states = init_group_states(parts.algorithm, jax.random.key(1), parts.group_ids)
+  return evaluate(server, states, with_predictions=True)[1]
+
+
+def _train_and_evaluate(config, run_dir: str, seed: int) -> Dict[str, object]:
+  fields = check_run_dir(run_dir, config, 'hetero_fedtta', config.resume)
+  os.makedirs(run_dir, exist_ok=True)
+  hp = config.hetero_fedtta
+  bench = build_data(config, seed)
+  train, val, test = (bench.splits[name] for name in ('train', 'val', 'test'))
+  parts = setup(config, bench, seed)
+  algorithm, group_ids, public_x = parts.algorithm, parts.group_ids, parts.public_x
+  with open(os.path.join(run_dir, 'partition.json'), 'w') as f:
+    json.dump({'statistics': {name: federated.partition_statistics(s, bench.num_classes)
+                              for name, s in bench.splits.items()},
+               'info': bench.info, 'training_client_sizes': parts.train_sizes,
+               'new_client_sizes': parts.new_sizes}, f, indent=1)
+  sizes = cohort_sizes([len(ids) for ids in group_ids], config.cohort_size)
+  round_fn = build_grouped_round(algorithm, sizes, config.weighting)
+  seed_key = jax.random.key(seed)
+  init_key, train_key, eval_key = (jax.random.fold_in(seed_key, i) for i in range(3))
+  server_state = algorithm.init(init_key)
+  group_states = init_group_states(algorithm, init_key, group_ids)
+  group_data = jax.device_put(split_groups(train, group_ids))
+  group_ids_device = tuple(jnp.asarray(ids) for ids in group_ids)
+  evaluate = build_evaluate(config, bench.num_classes, parts, val, test, eval_key)
+
+  checkpointer = Checkpointer(os.path.join(run_dir, 'checkpoints'), config.checkpoint_every,
+                              config.keep_checkpoints)
+  start, (server_state, group_states, elapsed) = checkpointer.restore(
+      (server_state, group_states, jnp.float32(0.0)), max_round=config.rounds)
+  start = start or 0
+  elapsed = float(elapsed)
+  workdir_lib.record_run(run_dir, fields, config.rounds)
+  writer = MetricsWriter(run_dir, start) if start < config.rounds else None
+  progress = None
+  if config.progress:
+    from tqdm import tqdm
+    progress = tqdm(total=config.rounds, initial=start, unit='round', leave=False,
+                    desc=f'hetero_fedtta λ={hp.kd_lambda:g} seed {seed}')
+  summary: Dict[str, float] = {}
+  completed = start
+  try:
+    while completed < config.rounds:
+      tick = time.perf_counter()
+      out = round_fn(server_state, group_states, group_data, group_ids_device,
+                     round_key(train_key, completed))
+      loss = float(out.metrics['loss'])
+      seconds = time.perf_counter() - tick
+      if not np.isfinite(loss):
+        raise DivergenceError(f'hetero_fedtta λ={hp.kd_lambda:g} seed {seed}: non-finite '
+                              f'training loss ({loss}) in round {completed + 1}')
+      server_state, group_states = out.server_state, out.group_states
+      elapsed += seconds
+      completed += 1
+      record = {'round': completed, 'loss': loss, 'kd_loss': float(out.metrics['kd_loss']),
+                'round_seconds': seconds}
+      if completed % config.eval_every == 0 or completed == config.rounds:
+        summary = evaluate(server_state, group_states)[0]
+        record.update(summary)
+      writer.write(record)
+      checkpointer.save(completed, (server_state, group_states, jnp.float32(elapsed)),
+                        force=completed == config.rounds)
+      if progress is not None:
+        progress.update(1)
+        progress.set_postfix(loss=f'{loss:.3f}')
+  except KeyboardInterrupt:
+    if completed > start:
+      checkpointer.save(completed, (server_state, group_states, jnp.float32(elapsed)),
+                        force=True)
+    raise
+  finally:
+    if progress is not None:
+      progress.close()
+    checkpointer.close()
+  if not summary:
+    summary = evaluate(server_state, group_states)[0]
+  evaluations = [{k: v for k, v in r.items() if k == 'round' or k.endswith('accuracy')}
+                 for r in read_metrics(os.path.join(run_dir, 'metrics.jsonl'))
+                 if any(k.endswith('/accuracy') for k in r) and r['round'] <= config.rounds]
+  num_public = public_x.shape[0]
+  return {'algorithm': run_name(hp.kd_lambda), 'kd_lambda': float(hp.kd_lambda), 'seed': seed,
+          'metrics': summary, 'evaluations': evaluations, 'rounds': config.rounds,
+          'train_seconds': elapsed, 'hardware': hardware(),
+          # a client sends f(D_p; ψ) and f(D_p; ψ̃): 2 · P · C numbers
+          'uploaded_parameters': 2 * num_public * bench.num_classes,
+          'group_sizes': {size: len(ids) for size, ids in zip(hp.sizes, group_ids)},
+          'cohort_sizes': dict(zip(hp.sizes, sizes))}
+
+
+def build_evaluate(config, num_classes: int, parts: Setup, val: federated.FederatedData,
+                   test: federated.FederatedData, eval_key):
+  """``evaluate(knowledge, group_states, with_predictions=False)`` -> (flat metrics (module
+  docstring), new clients' predictions [M, N] or None); one jitted program per
+  architecture for the training clients and one for the new clients."""
+  hp = config.hetero_fedtta
+  batch_size = config.eval_adapter_batch_size
+  group_ids, new_ids = parts.group_ids, parts.new_ids
+  val_parts = split_groups(val, group_ids)
+  test_parts = split_groups(test, new_ids)
+  programs = []
+  for size in hp.sizes:
+    arch = hetero_fedtta.architecture(size, num_classes)
+    adapted = client_runner(fedtta_adapter(arch.module, hp.inner_learning_rate, 1, 0,
+                                           hp.norm_epsilon), batch_size)
+    plain = client_runner(no_adapt(arch.module), batch_size)
+
+    def both(params, x, y, num_examples, key, adapted=adapted, plain=plain):
+      variables = hetero_fedtta.variables_of(params)
+      return (plain({'params': params['base']}, x, y, num_examples, key),
+              adapted(variables, x, y, num_examples, key))
+
+    def new_client(knowledge, key, x, y, num_examples, size=size, both=both):
+      params = hetero_fedtta.new_client_params(size, num_classes, hp, knowledge,
+                                               parts.public_x, parts.base_optimizer,
+                                               parts.example_x, key)
+      return both(params, x, y, num_examples, key)
+
+    programs.append((jax.jit(jax.vmap(both)),
+                     jax.jit(jax.vmap(new_client, (None, 0, 0, 0, 0)))))
+
+  def keys(ids, stream: int):
+    """Client ``ids``' keys: stream 0 for training clients, 1 for new clients."""
+    return jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(eval_key, stream),
+                                                   jnp.asarray(ids, jnp.int32))
+
+  def evaluate(knowledge, group_states, with_predictions: bool = False):
+    val_base, val_personal, test_digested, test_personal = [], [], [], []
+    per_size = {}
+    predictions = np.full(test.y.shape, -1, np.int32)
+    for (own, new), size, states, part, test_part, ids, ids_new in zip(
+        programs, hp.sizes, group_states, val_parts, test_parts, group_ids, new_ids):
+      if len(ids):
+        plain_sums, adapted_sums = own(states, part.x, part.y, part.num_examples, keys(ids, 0))
+        val_base.append(plain_sums)
+        val_personal.append(adapted_sums)
+      if len(ids_new):
+        plain_sums, adapted_sums = new(knowledge, keys(ids_new, 1), test_part.x, test_part.y,
+                                       test_part.num_examples)
+        test_digested.append(plain_sums)
+        test_personal.append(adapted_sums)
+        per_size[f'test_{size}'] = _sums_concat([adapted_sums])
+        predictions[ids_new] = np.asarray(adapted_sums['predictions'])
+    per_client = {'base': {'val': _sums_concat(val_base)},
+                  'personalized': {'val': _sums_concat(val_personal),
+                                   'test': _sums_concat(test_personal), **per_size},
+                  'digested': {'test': _sums_concat(test_digested)}}
+    return evaluation.summarize(per_client), (predictions if with_predictions else None)
+
+  return evaluate
+
+
+@PIPELINES.register('hetero', defaults=SECTIONS, check=validate, run_dirs=run_dirs)
+def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
+  """Every λ × seed; ``records``: 'results' (one dict per run), 'table'."""
+  info = hardware()
+  results: List[Dict] = []
+  curves: Dict[str, List[str]] = {}
+  for run_dir, one_config, _ in run_dirs(config, workdir):
+    seed = int(os.path.basename(run_dir).split('_')[-1])
+    try:
+      results.append(train_and_evaluate(one_config, run_dir, seed))
+    except DivergenceError as err:
+      if config.on_divergence != 'continue':
+        raise
+      log.warning('%s; config.on_divergence=continue: going on with the other runs', err)
+      record = {'algorithm': run_name(one_config.hetero_fedtta.kd_lambda), 'seed': seed,
+                'metrics': {}, 'diverged': str(err), 'rounds': config.rounds,
+                'train_seconds': float('nan')}
+      with open(os.path.join(run_dir, 'results.json'), 'w') as f:
+        json.dump(record, f, indent=1)
+      results.append(record)
+    curves.setdefault(results[-1]['algorithm'], []).append(run_dir)
+  table = report.results_table(results)
+  hp = config.hetero_fedtta
+  preamble = (f"HeteroFedTTA (fedtta_upfl.txt Sec. 3.4) on {config.data.benchmark}: "
+              f"{config.data.source}, {config.data.num_clients} clients, architectures "
+              f"{tuple(hp.sizes)}, public set {hp.public_examples} × {hp.public_source}, "
+              f"{config.rounds} rounds; accuracy (%) mean ± std over seeds "
+              f"{tuple(config.seeds)}; hardware: {info['device_kind']} ({info['backend']}).")
+  files = (report.write_csv(table, os.path.join(workdir, 'results.csv')),
+           report.plot_curves(curves, os.path.join(workdir, 'curves.png')))
+  return Results(preamble, (table['markdown'],), files, {'results': results, 'table': table})
+

@@ -1,0 +1,263 @@
+"""HeteroFedTTA (fedtta_upfl.txt Sec. 3.4, Eq. 14, Algorithm 2) and the grouped round."""
+import json
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedjax_shift import pipelines
+from fedjax_shift.algorithms import fedtta, hetero_fedtta
+from fedjax_shift.config import base_config
+from fedjax_shift.core.algorithm import ClientData
+from fedjax_shift.core.groups import (build_grouped_round, cohort_sizes, init_group_states,
+                                      split_groups)
+from fedjax_shift.core.local import LocalSchedule
+from fedjax_shift.core.round import NO_STEP_LIMIT
+from tests.helpers import backend_tolerance, toy_clients
+
+SHAPE = (4, 4, 1)
+NUM_CLASSES = 3
+
+
+def hparams(**fields):
+  hp = base_config().hetero_fedtta
+  hp.sizes = ('small', 'big')
+  hp.public_examples = 8
+  hp.public_batch_size = 4
+  hp.digest_steps = 2
+  hp.new_client_digest_steps = 2
+  for key, value in fields.items():
+    hp[key] = value
+  return hp
+
+
+def setup(hp, sizes=(3, 2, 4, 3, 5)):
+  """A 2-architecture algorithm over 5 toy clients: small = 0, 2, 4; big = 1, 3."""
+  data, _, _ = toy_clients(sizes, SHAPE, NUM_CLASSES)
+  public_x = np.random.default_rng(1).random((hp.public_examples,) + SHAPE).astype(np.float32)
+  schedule = LocalSchedule(batch_size=2, num_epochs=0, num_steps=2,
+                           max_examples=data.max_examples)
+  algorithm = hetero_fedtta.build(hp, NUM_CLASSES, public_x, optax.sgd(0.1), schedule,
+                                  jnp.asarray(data.x[0, :1]))
+  group_ids = [np.array([0, 2, 4], np.int32), np.array([1, 3], np.int32)]
+  return algorithm, data, public_x, group_ids
+
+
+def run_round(algorithm, data, group_ids, server, states, key, cohort=(3, 2)):
+  round_fn = build_grouped_round(algorithm, cohort, 'uniform')
+  return round_fn(server, states, split_groups(data, group_ids),
+                  tuple(jnp.asarray(i) for i in group_ids), key)
+
+
+def loop_round(algorithm, data, group_ids, server, states, key, cohort=(3, 2)):
+  """The round as a Python loop over clients: the same cohort draw, one client_update
+  call per client, the knowledge as the plain mean of the clients' public logits."""
+  outputs, new_states = [], []
+  for g, (group, ids, stack) in enumerate(zip(algorithm.groups, group_ids, states)):
+    slots = jax.random.choice(jax.random.fold_in(jax.random.fold_in(key, 0), g), len(ids),
+                              (cohort[g],), replace=False)
+    stack = jax.tree.map(lambda a: a, stack)
+    update = jax.jit(group.client_update)
+    for slot in np.asarray(slots):
+      client = int(ids[slot])
+      one = ClientData(jnp.asarray(data.x[client]), jnp.asarray(data.y[client]),
+                       jnp.asarray(data.mask[client]), jnp.asarray(data.num_examples[client]),
+                       jnp.int32(NO_STEP_LIMIT))
+      state = jax.tree.map(lambda a: a[slot], stack)
+      output, state = update(server, state, one,
+                             jax.random.fold_in(jax.random.fold_in(key, 1), client))
+      outputs.append(output.update)
+      stack = jax.tree.map(lambda a, b: a.at[slot].set(b), stack, state)
+    new_states.append(stack)
+  mean = lambda name: sum(o[name] for o in outputs) / len(outputs)
+  return hetero_fedtta.Knowledge(mean('base'), mean('personalized'), server.round + 1), new_states
+
+
+@pytest.mark.parametrize('cohort', [(3, 2), (2, 1)])
+def test_grouped_round_equals_a_loop_over_clients(cohort):
+  hp = hparams()
+  algorithm, data, _, group_ids = setup(hp)
+  server = algorithm.init(jax.random.key(0))
+  states = init_group_states(algorithm, jax.random.key(1), group_ids)
+  for r in range(2):   # round 0 (no digest) and round 1 (digest of round 0's knowledge)
+    key = jax.random.key(10 + r)
+    out = run_round(algorithm, data, group_ids, server, states, key, cohort)
+    want_server, want_states = loop_round(algorithm, data, group_ids, server, states, key,
+                                          cohort)
+    chex.assert_trees_all_close(out.server_state, want_server, **backend_tolerance(2e-5, 1e-6))
+    chex.assert_trees_all_close(out.group_states, tuple(want_states),
+                                **backend_tolerance(2e-5, 1e-6))
+    server, states = out.server_state, out.group_states
+  assert int(server.round) == 2
+
+
+def test_knowledge_is_the_mean_of_the_clients_public_logits():
+  """Alg. 2, Aggregate: F_base = 1/N Σ f(D_p; ψ_i) and F_per = 1/N Σ f(D_p; ψ̃_i), with
+  ψ̃_i the inner step of ψ_i on each public batch, recomputed from the returned states."""
+  hp = hparams()
+  algorithm, data, public_x, group_ids = setup(hp)
+  out = run_round(algorithm, data, group_ids, algorithm.init(jax.random.key(0)),
+                  init_group_states(algorithm, jax.random.key(1), group_ids), jax.random.key(2))
+  base, personal = [], []
+  for size, stack, ids in zip(hp.sizes, out.group_states, group_ids):
+    arch = hetero_fedtta.architecture(size, NUM_CLASSES)
+    for i in range(len(ids)):
+      params = jax.tree.map(lambda a: a[i], stack)
+      base.append(arch.module.apply({'params': params['base']}, public_x))
+      blocks = []
+      for x in public_x.reshape((2, 4) + SHAPE):
+        adapted = fedtta.inner_step(arch.module, arch.adaptation_module, params['base'],
+                                    params['adaptation'], x, jnp.ones(4),
+                                    hp.inner_learning_rate, hp.norm_epsilon)
+        blocks.append(arch.module.apply({'params': adapted}, x))
+      personal.append(jnp.concatenate(blocks))
+  chex.assert_trees_all_close(out.server_state.base, sum(base) / 5,
+                              **backend_tolerance(1e-5, 1e-6))
+  chex.assert_trees_all_close(out.server_state.personalized, sum(personal) / 5,
+                              **backend_tolerance(1e-5, 1e-6))
+
+
+@pytest.mark.parametrize('kd_lambda', [0.0, 0.5])
+def test_kd_loss_is_eq14_computed_by_hand(kd_lambda):
+  """Eq. 14 = mean KL(σ(F_per) ‖ σ(f(x; ψ̃))) + λ mean KL(σ(F_base) ‖ σ(f(x; ψ))),
+  the KLs written out with numpy."""
+  hp = hparams(kd_lambda=kd_lambda)
+  arch = hetero_fedtta.architecture('small', NUM_CLASSES)
+  x = jnp.asarray(np.random.default_rng(3).random((4,) + SHAPE), jnp.float32)
+  params = hetero_fedtta.init_params(arch, jax.random.key(4), x)
+  teacher_base = np.random.default_rng(5).normal(size=(4, NUM_CLASSES))
+  teacher_per = np.random.default_rng(6).normal(size=(4, NUM_CLASSES))
+  adapted = fedtta.inner_step(arch.module, arch.adaptation_module, params['base'],
+                              params['adaptation'], x, jnp.ones(4), hp.inner_learning_rate,
+                              hp.norm_epsilon)
+  student_per = np.asarray(arch.module.apply({'params': adapted}, x), np.float64)
+  student_base = np.asarray(arch.module.apply({'params': params['base']}, x), np.float64)
+
+  def kl(teacher, student):
+    p = np.exp(teacher) / np.exp(teacher).sum(-1, keepdims=True)
+    q = np.exp(student) / np.exp(student).sum(-1, keepdims=True)
+    return np.mean(np.sum(p * np.log(p / q), -1))
+
+  want = kl(teacher_per, student_per) + kd_lambda * kl(teacher_base, student_base)
+  got = hetero_fedtta.kd_loss(arch, params, x, jnp.asarray(teacher_base, jnp.float32),
+                              jnp.asarray(teacher_per, jnp.float32), hp)
+  np.testing.assert_allclose(float(got), want, rtol=1e-5)
+
+
+def test_round_zero_has_no_knowledge_to_digest_and_later_rounds_do():
+  algorithm, data, _, group_ids = setup(hparams(digest_steps=3))
+  no_digest, *_ = setup(hparams(digest_steps=0))
+  server = algorithm.init(jax.random.key(0))
+  states = init_group_states(algorithm, jax.random.key(1), group_ids)
+  first = run_round(algorithm, data, group_ids, server, states, jax.random.key(2))
+  plain = run_round(no_digest, data, group_ids, server, states, jax.random.key(2))
+  chex.assert_trees_all_close(first.group_states, plain.group_states)
+  second = run_round(algorithm, data, group_ids, first.server_state, first.group_states,
+                     jax.random.key(3))
+  plain = run_round(no_digest, data, group_ids, first.server_state, first.group_states,
+                    jax.random.key(3))
+  gap = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), second.group_states,
+                     plain.group_states)
+  assert max(jax.tree.leaves(gap)) > 1e-4
+  assert float(second.metrics['kd_loss']) > 0 and float(first.metrics['kd_loss']) == 0
+
+
+def test_the_grouped_round_compiles_once_and_groups_keep_their_shapes():
+  hp = hparams()
+  algorithm, data, _, group_ids = setup(hp)
+  round_fn = build_grouped_round(algorithm, (3, 2), 'uniform')
+  server = algorithm.init(jax.random.key(0))
+  states = init_group_states(algorithm, jax.random.key(1), group_ids)
+  group_data = split_groups(data, group_ids)
+  ids = tuple(jnp.asarray(i) for i in group_ids)
+  for r in range(3):
+    out = round_fn(server, states, group_data, ids, jax.random.key(r))
+    server, states = out.server_state, out.group_states
+  assert round_fn._cache_size() == 1
+  # Each group its own architecture: small's first layer 100 wide, big's 400.
+  widths = [jax.tree.leaves(s['base'])[1].shape for s in states]
+  assert widths[0][-1] != widths[1][-1] and widths[0][0] == 3 and widths[1][0] == 2
+
+
+def test_sizes_assignment_and_stratified_cohorts():
+  sizes = hetero_fedtta.assign_sizes(10, ('small', 'medium', 'big'), np.random.default_rng(0))
+  counts = [sizes.count(s) for s in ('small', 'medium', 'big')]
+  assert sorted(counts) == [3, 3, 4]
+  assert sizes == hetero_fedtta.assign_sizes(10, ('small', 'medium', 'big'),
+                                             np.random.default_rng(0))
+  assert cohort_sizes((17, 17, 16), 50) == (17, 17, 16)     # every client
+  assert cohort_sizes((17, 17, 16), 10) == (3, 3, 3)        # round(10 · K_g / 50)
+  assert cohort_sizes((1, 9), 2) == (1, 2)                  # at least one per group
+
+
+def hetero_config(**fields):
+  from configs import hetero_fedtta as config_file
+  config = config_file.get_config('tiny')
+  for key, value in fields.items():
+    target = config
+    *path, leaf = key.split('.')
+    for part in path:
+      target = target[part]
+    target[leaf] = value
+  return config
+
+
+def test_hetero_pipeline_runs_resumes_and_sweeps_lambda(tmp_path):
+  config = hetero_config(**{'hetero.kd_lambdas': (0.0, 1.0), 'rounds': 2, 'eval_every': 1})
+  results = pipelines.run(config, str(tmp_path))
+  names = [r['algorithm'] for r in results.records['results']]
+  assert names == ['hetero_fedtta_lambda0', 'hetero_fedtta_lambda1']
+  first = results.records['results'][0]
+  for key in ('personalized/val/accuracy', 'base/val/accuracy', 'digested/test/accuracy',
+              'personalized/test/accuracy', 'personalized/test_small/accuracy'):
+    assert 0.0 <= first['metrics'][key] <= 1.0, key
+  assert first['uploaded_parameters'] == 2 * 40 * 10   # f(D_p; ψ) and f(D_p; ψ̃)
+  assert first['group_sizes'] == {'small': 2, 'medium': 2, 'big': 2}
+  assert len(first['evaluations']) == 2
+  run_dir = os.path.join(tmp_path, 'hetero_fedtta_lambda0', 'seed_0')
+  with open(os.path.join(run_dir, 'partition.json')) as f:
+    assert len(json.load(f)['new_client_sizes']) == 6
+  again = pipelines.run(config, str(tmp_path))   # finished: restored, not retrained
+  assert again.records['results'][0]['metrics'] == first['metrics']
+  assert 'hetero_fedtta_lambda1' in results.tables[0]
+
+
+def test_new_clients_labels_are_never_read(tmp_path):
+  """Poisoned new-client labels leave every new client's predictions unchanged."""
+  from fedjax_shift.pipelines import hetero
+  config = hetero_config()
+  bench = hetero.build_data(config, 0)
+  evaluate_args = dict(config=config, seed=0)
+  clean = hetero.new_client_predictions(bench, **evaluate_args)
+  test = bench.splits['test']
+  poisoned = test._replace(y=(test.y + 1) % 10)
+  bench = bench._replace(splits={**bench.splits, 'test': poisoned})
+  np.testing.assert_array_equal(hetero.new_client_predictions(bench, **evaluate_args), clean)
+  assert (clean[np.asarray(test.mask)] >= 0).all()
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('hetero_fedtta.sizes', ('small', 'huge'), 'hetero_fedtta.sizes'),
+    ('hetero_fedtta.public_examples', 30, 'hetero_fedtta.public_examples'),
+    ('hetero_fedtta.kd_lambda', -1.0, 'hetero_fedtta.kd_lambda'),
+    ('hetero.kd_lambdas', (0.5, -0.1), 'hetero.kd_lambdas'),
+    ('model.name', 'bn_mlp', 'model.name'),
+    ('data.benchmark', 'label_skew_corrupted', 'data.benchmark'),
+    ('algorithms', ('fedtta',), 'algorithms'),
+])
+def test_bad_input_names_the_field(tmp_path, field, value, message):
+  config = hetero_config(**{field: value})
+  with pytest.raises(ValueError, match=message.replace('.', r'\.')):
+    pipelines.run(config, str(tmp_path))
+
+
+def test_a_public_set_larger_than_its_source_is_an_error(tmp_path):
+  config = hetero_config(**{'hetero_fedtta.public_examples': 2000,
+                            'hetero_fedtta.public_batch_size': 20})
+  with pytest.raises(ValueError, match=r'hetero_fedtta\.public_examples.*1797'):
+    pipelines.run(config, str(tmp_path))
+
