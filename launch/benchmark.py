@@ -24,6 +24,10 @@ B, FedAvg with SGD):
   algorithm:<name>  the compiled round of any registered method (its registered
               defaults, one epoch) on the same cohort, next to (a) (opt-in; e.g.
               --cases=round,algorithm:scaffold,algorithm:afl)
+  hetero_fedtta / hetero_fedtta_medium  HeteroFedTTA's grouped round (core/groups.py):
+              the C clients dealt to small / medium / big MLPs (or all medium, one
+              group), 10 Eq. 14 digest steps on a 500-image public set, one epoch of
+              FedTTA steps, logits on the public set; MLP models only (opt-in)
   fedtta_e50 / fedtta_pp_scan / fedtta_pp_while  FedTTA's test-time adaptation of C
               new clients (episodic batches of B): 50 inner steps, vs FedTTA++'s entropy
               early stop (patience 1) as a masked scan and as a while_loop (opt-in)
@@ -172,6 +176,44 @@ def case_round(backend='vmap', kind='fedavg'):
     jax.block_until_ready(compiled(server, clients, device_data, ids, key))
   compile_s = time.perf_counter() - tick
   run = lambda: jax.block_until_ready(compiled(server, clients, device_data, ids, key))
+  median, times = timed(run, FLAGS.repeats)
+  return {'seconds': median, 'times': times, 'compile_s': compile_s}
+
+
+def case_hetero(sizes):
+  """HeteroFedTTA's grouped round (core/groups.py): the C clients dealt in turn to the
+  architectures ``sizes``, every client in the round, a public set of 500 random
+  images in batches of 50; the algorithm's defaults (10 digest steps) and one epoch of
+  FedTTA meta-training steps."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from fedjax_shift.algorithms import hetero_fedtta
+  from fedjax_shift.core.groups import build_grouped_round, init_group_states, split_groups
+  from fedjax_shift.core.local import LocalSchedule
+  import optax
+  config = make_config()
+  hparams = config.hetero_fedtta
+  hparams.sizes = sizes
+  data = cohort_data(FLAGS.clients)
+  public_x = np.random.default_rng(1).random((hparams.public_examples,) + SHAPES[FLAGS.model],
+                                             dtype=np.float32)
+  schedule = LocalSchedule(FLAGS.batch_size, 1, 0, FLAGS.examples, config.engine.unroll)
+  algorithm = hetero_fedtta.build(hparams, 10, public_x, optax.sgd(0.01), schedule,
+                                  jnp.asarray(data.x[0, :1]))
+  group_ids = [np.arange(g, FLAGS.clients, len(sizes), dtype=np.int32)
+               for g in range(len(sizes))]
+  round_fn = build_grouped_round(algorithm, [len(ids) for ids in group_ids], 'uniform')
+  server = algorithm.init(jax.random.key(0))
+  states = init_group_states(algorithm, jax.random.key(1), group_ids)
+  server = server._replace(round=jnp.int32(1))   # past round 0: the digest runs
+  group_data = jax.device_put(split_groups(data, group_ids))
+  ids = tuple(jnp.asarray(i) for i in group_ids)
+  key = jax.random.key(0)
+  tick = time.perf_counter()
+  compiled = round_fn.lower(server, states, group_data, ids, key).compile()
+  compile_s = time.perf_counter() - tick
+  run = lambda: jax.block_until_ready(compiled(server, states, group_data, ids, key))
   median, times = timed(run, FLAGS.repeats)
   return {'seconds': median, 'times': times, 'compile_s': compile_s}
 
@@ -500,6 +542,8 @@ def run_case(name):
               'fedavg_1step': lambda: case_round(kind='fedavg_1step'),
               'fedevolve': lambda: case_round(kind='fedevolve'),
               'fedtta': lambda: case_round(kind='fedtta'),
+              'hetero_fedtta': lambda: case_hetero(('small', 'medium', 'big')),
+              'hetero_fedtta_medium': lambda: case_hetero(('medium',)),
               'alpha_round': lambda: case_round(kind='alpha'),
               'fedtta_e50': lambda: case_fedtta_test_time('scan', 0),
               'fedtta_pp_scan': lambda: case_fedtta_test_time('scan', 1),
@@ -555,6 +599,9 @@ def main(argv):
             'fedavg_1step': 'FedAvg round, 1 local step',
             'fedevolve': 'FedEvolve round, 1 local iteration (9 domain pairs)',
             'fedtta': 'FedTTA round, 1 epoch (inner + outer step each)',
+            'hetero_fedtta': 'HeteroFedTTA grouped round, 3 architectures (digest + 1 epoch '
+                             '+ public logits)',
+            'hetero_fedtta_medium': 'HeteroFedTTA round, all clients medium (one group)',
             'alpha_round': 'ATP α round, 1 α step',
             'fedtta_e50': 'FedTTA test time, fixed E = 50 steps (scan)',
             'fedtta_pp_scan': 'FedTTA++ test time, E ≤ 50, patience 1, masked scan',

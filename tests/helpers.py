@@ -20,15 +20,19 @@ def backend_tolerance(rtol: float, atol: float = 0.0) -> dict:
   return dict(rtol=max(rtol, 2e-3), atol=max(atol, 1e-4))
 
 
-def tiny_config(**overrides) -> ml_collections.ConfigDict:
-  config = apply_variant(base_config(), 'tiny')
-  for key, value in overrides.items():
+def override(config: ml_collections.ConfigDict, **fields) -> ml_collections.ConfigDict:
+  """``config`` with dotted ``fields`` set ('client.batch_size'=4); returns it."""
+  for key, value in fields.items():
     target = config
     *path, leaf = key.split('.')
     for part in path:
       target = target[part]
     target[leaf] = value
   return config
+
+
+def tiny_config(**overrides) -> ml_collections.ConfigDict:
+  return override(apply_variant(base_config(), 'tiny'), **overrides)
 
 
 def data_config(**fields) -> ml_collections.ConfigDict:

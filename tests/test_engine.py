@@ -153,7 +153,7 @@ def test_qffl_q_zero_equals_uniform_fedavg_and_q_one_matches_formula():
 def test_padding_does_not_change_update(name):
   # BatchNorm where the method supports it (FedSR's probabilistic head, FedTTA's step
   # through the model on unlabelled data and ODPFL-HN's generated weights do not).
-  model = 'mlp' if name in ('fedsr', 'fedtta', 'fedtta_prox', 'odpfl_hn') else 'bn_mlp'
+  model = 'mlp' if name in ('fedadg', 'fedsr', 'fedtta', 'fedtta_prox', 'odpfl_hn') else 'bn_mlp'
   config = tiny_config(**{'model.name': model, 'client.batch_size': 3})
   tight, _, _ = toy_clients([5, 8], num_classes=NUM_CLASSES)
   padded, _, _ = toy_clients([5, 8], num_classes=NUM_CLASSES, pad_to=20)

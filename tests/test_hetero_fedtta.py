@@ -12,12 +12,12 @@ import pytest
 from fedjax_shift import pipelines
 from fedjax_shift.algorithms import fedtta, hetero_fedtta
 from fedjax_shift.config import base_config
-from fedjax_shift.core.algorithm import ClientData
+from fedjax_shift.core.algorithm import ClientData, ClientOutput
 from fedjax_shift.core.groups import (build_grouped_round, cohort_sizes, init_group_states,
                                       split_groups)
 from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.core.round import NO_STEP_LIMIT
-from tests.helpers import backend_tolerance, toy_clients
+from helpers import backend_tolerance, override, toy_clients
 
 SHAPE = (4, 4, 1)
 NUM_CLASSES = 3
@@ -47,10 +47,16 @@ def setup(hp, sizes=(3, 2, 4, 3, 5)):
   return algorithm, data, public_x, group_ids
 
 
+ROUNDS = {}
+
+
 def run_round(algorithm, data, group_ids, server, states, key, cohort=(3, 2)):
-  round_fn = build_grouped_round(algorithm, cohort, 'uniform')
-  return round_fn(server, states, split_groups(data, group_ids),
-                  tuple(jnp.asarray(i) for i in group_ids), key)
+  """One grouped round; the compiled round is kept per (algorithm, cohort)."""
+  cache_key = (id(algorithm), tuple(cohort))
+  if cache_key not in ROUNDS:
+    ROUNDS[cache_key] = (algorithm, build_grouped_round(algorithm, cohort, 'uniform'))
+  return ROUNDS[cache_key][1](server, states, split_groups(data, group_ids),
+                              tuple(jnp.asarray(i) for i in group_ids), key)
 
 
 def loop_round(algorithm, data, group_ids, server, states, key, cohort=(3, 2)):
@@ -60,7 +66,6 @@ def loop_round(algorithm, data, group_ids, server, states, key, cohort=(3, 2)):
   for g, (group, ids, stack) in enumerate(zip(algorithm.groups, group_ids, states)):
     slots = jax.random.choice(jax.random.fold_in(jax.random.fold_in(key, 0), g), len(ids),
                               (cohort[g],), replace=False)
-    stack = jax.tree.map(lambda a: a, stack)
     update = jax.jit(group.client_update)
     for slot in np.asarray(slots):
       client = int(ids[slot])
@@ -77,31 +82,36 @@ def loop_round(algorithm, data, group_ids, server, states, key, cohort=(3, 2)):
   return hetero_fedtta.Knowledge(mean('base'), mean('personalized'), server.round + 1), new_states
 
 
-@pytest.mark.parametrize('cohort', [(3, 2), (2, 1)])
-def test_grouped_round_equals_a_loop_over_clients(cohort):
+@pytest.fixture(scope='module')
+def toy():
   hp = hparams()
-  algorithm, data, _, group_ids = setup(hp)
+  algorithm, data, public_x, group_ids = setup(hp)
   server = algorithm.init(jax.random.key(0))
   states = init_group_states(algorithm, jax.random.key(1), group_ids)
+  return hp, algorithm, data, public_x, group_ids, server, states
+
+
+def test_grouped_round_equals_a_loop_over_clients(toy):
+  # 2 of the 3 small clients and 1 of the 2 big ones: sampling, gather, scatter.
+  _, algorithm, data, _, group_ids, server, states = toy
   for r in range(2):   # round 0 (no digest) and round 1 (digest of round 0's knowledge)
     key = jax.random.key(10 + r)
-    out = run_round(algorithm, data, group_ids, server, states, key, cohort)
+    out = run_round(algorithm, data, group_ids, server, states, key, (2, 1))
     want_server, want_states = loop_round(algorithm, data, group_ids, server, states, key,
-                                          cohort)
+                                          (2, 1))
     chex.assert_trees_all_close(out.server_state, want_server, **backend_tolerance(2e-5, 1e-6))
     chex.assert_trees_all_close(out.group_states, tuple(want_states),
                                 **backend_tolerance(2e-5, 1e-6))
     server, states = out.server_state, out.group_states
   assert int(server.round) == 2
+  assert ROUNDS[(id(algorithm), (2, 1))][1]._cache_size() == 1   # one compilation
 
 
-def test_knowledge_is_the_mean_of_the_clients_public_logits():
+def test_knowledge_is_the_mean_of_the_clients_public_logits(toy):
   """Alg. 2, Aggregate: F_base = 1/N Σ f(D_p; ψ_i) and F_per = 1/N Σ f(D_p; ψ̃_i), with
   ψ̃_i the inner step of ψ_i on each public batch, recomputed from the returned states."""
-  hp = hparams()
-  algorithm, data, public_x, group_ids = setup(hp)
-  out = run_round(algorithm, data, group_ids, algorithm.init(jax.random.key(0)),
-                  init_group_states(algorithm, jax.random.key(1), group_ids), jax.random.key(2))
+  hp, algorithm, data, public_x, group_ids, server, states = toy
+  out = run_round(algorithm, data, group_ids, server, states, jax.random.key(2))
   base, personal = [], []
   for size, stack, ids in zip(hp.sizes, out.group_states, group_ids):
     arch = hetero_fedtta.architecture(size, NUM_CLASSES)
@@ -119,6 +129,20 @@ def test_knowledge_is_the_mean_of_the_clients_public_logits():
                               **backend_tolerance(1e-5, 1e-6))
   chex.assert_trees_all_close(out.server_state.personalized, sum(personal) / 5,
                               **backend_tolerance(1e-5, 1e-6))
+
+
+def test_probability_ensemble_is_the_log_of_the_weighted_mean_softmax():
+  hp = hparams(ensemble='probabilities')
+  algorithm, *_ = setup(hp)
+  logits = jax.random.normal(jax.random.key(0), (3, 8, NUM_CLASSES))
+  weights = jnp.array([0.5, 0.25, 0.25])
+  outputs = ClientOutput({'base': logits, 'personalized': 2 * logits}, {})
+  knowledge = algorithm.server_update(algorithm.init(jax.random.key(0)), outputs, weights)
+  probs = np.exp(np.asarray(logits, np.float64))
+  probs /= probs.sum(-1, keepdims=True)
+  want = np.log(np.tensordot(np.asarray(weights), probs, axes=1))
+  np.testing.assert_allclose(knowledge.base, want, rtol=1e-5, atol=1e-6)
+  assert int(knowledge.round) == 1
 
 
 @pytest.mark.parametrize('kd_lambda', [0.0, 0.5])
@@ -148,39 +172,34 @@ def test_kd_loss_is_eq14_computed_by_hand(kd_lambda):
   np.testing.assert_allclose(float(got), want, rtol=1e-5)
 
 
-def test_round_zero_has_no_knowledge_to_digest_and_later_rounds_do():
-  algorithm, data, _, group_ids = setup(hparams(digest_steps=3))
+def test_round_zero_has_no_knowledge_to_digest_and_later_rounds_do(toy):
+  # One small client: digest_steps 2 (the toy's) against 0, at knowledge round 0 and 1.
+  _, algorithm, data, _, group_ids, server, states = toy
   no_digest, *_ = setup(hparams(digest_steps=0))
-  server = algorithm.init(jax.random.key(0))
-  states = init_group_states(algorithm, jax.random.key(1), group_ids)
-  first = run_round(algorithm, data, group_ids, server, states, jax.random.key(2))
-  plain = run_round(no_digest, data, group_ids, server, states, jax.random.key(2))
-  chex.assert_trees_all_close(first.group_states, plain.group_states)
-  second = run_round(algorithm, data, group_ids, first.server_state, first.group_states,
-                     jax.random.key(3))
-  plain = run_round(no_digest, data, group_ids, first.server_state, first.group_states,
-                    jax.random.key(3))
-  gap = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), second.group_states,
-                     plain.group_states)
-  assert max(jax.tree.leaves(gap)) > 1e-4
-  assert float(second.metrics['kd_loss']) > 0 and float(first.metrics['kd_loss']) == 0
+  one = ClientData(*(jnp.asarray(a[0]) for a in data), jnp.int32(NO_STEP_LIMIT))
+  params = jax.tree.map(lambda a: a[0], states[0])
+  knowledge = server._replace(base=jax.random.normal(jax.random.key(3), server.base.shape),
+                              personalized=jax.random.normal(jax.random.key(4),
+                                                             server.base.shape))
+  with_digest = jax.jit(algorithm.groups[0].client_update)
+  without = jax.jit(no_digest.groups[0].client_update)
+  key = jax.random.key(5)
+  (first, first_params), (plain, plain_params) = (with_digest(knowledge, params, one, key),
+                                                  without(knowledge, params, one, key))
+  chex.assert_trees_all_close(first_params, plain_params)
+  assert float(first.metrics['kd_loss']) == 0
+  later = knowledge._replace(round=jnp.int32(1))
+  (second, second_params), (_, plain_params) = (with_digest(later, params, one, key),
+                                                without(later, params, one, key))
+  gap = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), second_params, plain_params)
+  assert max(jax.tree.leaves(gap)) > 1e-4 and float(second.metrics['kd_loss']) > 0
 
 
-def test_the_grouped_round_compiles_once_and_groups_keep_their_shapes():
-  hp = hparams()
-  algorithm, data, _, group_ids = setup(hp)
-  round_fn = build_grouped_round(algorithm, (3, 2), 'uniform')
-  server = algorithm.init(jax.random.key(0))
-  states = init_group_states(algorithm, jax.random.key(1), group_ids)
-  group_data = split_groups(data, group_ids)
-  ids = tuple(jnp.asarray(i) for i in group_ids)
-  for r in range(3):
-    out = round_fn(server, states, group_data, ids, jax.random.key(r))
-    server, states = out.server_state, out.group_states
-  assert round_fn._cache_size() == 1
-  # Each group its own architecture: small's first layer 100 wide, big's 400.
-  widths = [jax.tree.leaves(s['base'])[1].shape for s in states]
-  assert widths[0][-1] != widths[1][-1] and widths[0][0] == 3 and widths[1][0] == 2
+def test_groups_keep_their_own_architectures(toy):
+  _, algorithm, data, _, group_ids, server, states = toy
+  out = run_round(algorithm, data, group_ids, server, states, jax.random.key(0))
+  kernels = [s['base']['encoder']['Dense_0']['kernel'].shape for s in out.group_states]
+  assert kernels == [(3, 16, 100), (2, 16, 400)]   # small: 100 hidden units, big: 400
 
 
 def test_sizes_assignment_and_stratified_cohorts():
@@ -196,47 +215,55 @@ def test_sizes_assignment_and_stratified_cohorts():
 
 def hetero_config(**fields):
   from configs import hetero_fedtta as config_file
-  config = config_file.get_config('tiny')
-  for key, value in fields.items():
-    target = config
-    *path, leaf = key.split('.')
-    for part in path:
-      target = target[part]
-    target[leaf] = value
-  return config
+  return override(config_file.get_config('tiny'), **fields)
 
 
-def test_hetero_pipeline_runs_resumes_and_sweeps_lambda(tmp_path):
-  config = hetero_config(**{'hetero.kd_lambdas': (0.0, 1.0), 'rounds': 2, 'eval_every': 1})
+def test_hetero_pipeline_runs_and_resumes(tmp_path):
+  config = hetero_config(**{'hetero_fedtta.sizes': ('small', 'big'), 'rounds': 2,
+                            'eval_every': 1})
   results = pipelines.run(config, str(tmp_path))
-  names = [r['algorithm'] for r in results.records['results']]
-  assert names == ['hetero_fedtta_lambda0', 'hetero_fedtta_lambda1']
-  first = results.records['results'][0]
+  (first,) = results.records['results']
+  assert first['algorithm'] == 'hetero_fedtta_lambda0.8'
   for key in ('personalized/val/accuracy', 'base/val/accuracy', 'digested/test/accuracy',
-              'personalized/test/accuracy', 'personalized/test_small/accuracy'):
+              'personalized/test/accuracy', 'personalized/test_small/accuracy',
+              'knowledge_base/public/accuracy', 'knowledge_personalized/public/accuracy'):
     assert 0.0 <= first['metrics'][key] <= 1.0, key
   assert first['uploaded_parameters'] == 2 * 40 * 10   # f(D_p; ψ) and f(D_p; ψ̃)
-  assert first['group_sizes'] == {'small': 2, 'medium': 2, 'big': 2}
+  assert first['group_sizes'] == {'small': 3, 'big': 3}
   assert len(first['evaluations']) == 2
-  run_dir = os.path.join(tmp_path, 'hetero_fedtta_lambda0', 'seed_0')
+  run_dir = os.path.join(tmp_path, 'hetero_fedtta_lambda0.8', 'seed_0')
   with open(os.path.join(run_dir, 'partition.json')) as f:
     assert len(json.load(f)['new_client_sizes']) == 6
+  with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+    assert len(f.readlines()) == 2
   again = pipelines.run(config, str(tmp_path))   # finished: restored, not retrained
   assert again.records['results'][0]['metrics'] == first['metrics']
-  assert 'hetero_fedtta_lambda1' in results.tables[0]
+  with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+    assert len(f.readlines()) == 2
+  assert 'hetero_fedtta_lambda0.8' in results.tables[0]
 
 
-def test_new_clients_labels_are_never_read(tmp_path):
+def test_lambda_sweep_runs_one_directory_per_lambda_and_seed(tmp_path):
+  from fedjax_shift.pipelines import hetero
+  config = hetero_config(**{'hetero.kd_lambdas': (0.0, 0.4), 'seeds': (0, 1)})
+  dirs = hetero.run_dirs(config, str(tmp_path))
+  assert [os.path.relpath(d, tmp_path) for d, _, _ in dirs] == [
+      'hetero_fedtta_lambda0/seed_0', 'hetero_fedtta_lambda0/seed_1',
+      'hetero_fedtta_lambda0.4/seed_0', 'hetero_fedtta_lambda0.4/seed_1']
+  assert [c.hetero_fedtta.kd_lambda for _, c, _ in dirs] == [0.0, 0.0, 0.4, 0.4]
+  assert {section for _, _, section in dirs} == {'hetero_fedtta'}
+
+
+def test_new_clients_labels_are_never_read():
   """Poisoned new-client labels leave every new client's predictions unchanged."""
   from fedjax_shift.pipelines import hetero
-  config = hetero_config()
+  config = hetero_config(**{'hetero_fedtta.sizes': ('small',)})
   bench = hetero.build_data(config, 0)
-  evaluate_args = dict(config=config, seed=0)
-  clean = hetero.new_client_predictions(bench, **evaluate_args)
+  clean = hetero.new_client_predictions(bench, config, 0)
   test = bench.splits['test']
   poisoned = test._replace(y=(test.y + 1) % 10)
   bench = bench._replace(splits={**bench.splits, 'test': poisoned})
-  np.testing.assert_array_equal(hetero.new_client_predictions(bench, **evaluate_args), clean)
+  np.testing.assert_array_equal(hetero.new_client_predictions(bench, config, 0), clean)
   assert (clean[np.asarray(test.mask)] >= 0).all()
 
 
@@ -244,6 +271,8 @@ def test_new_clients_labels_are_never_read(tmp_path):
     ('hetero_fedtta.sizes', ('small', 'huge'), 'hetero_fedtta.sizes'),
     ('hetero_fedtta.public_examples', 30, 'hetero_fedtta.public_examples'),
     ('hetero_fedtta.kd_lambda', -1.0, 'hetero_fedtta.kd_lambda'),
+    ('hetero_fedtta.ensemble', 'median', 'hetero_fedtta.ensemble'),
+    ('hetero_fedtta.sizes', (), 'hetero_fedtta.sizes'),
     ('hetero.kd_lambdas', (0.5, -0.1), 'hetero.kd_lambdas'),
     ('model.name', 'bn_mlp', 'model.name'),
     ('data.benchmark', 'label_skew_corrupted', 'data.benchmark'),

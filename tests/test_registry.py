@@ -109,7 +109,7 @@ def test_every_method_section_holds_its_registered_defaults():
 
 @pytest.mark.parametrize('field, value, pattern', [
     ('pipeline', 'nope', r"config.pipeline: unknown pipeline 'nope'; choose from "
-                         r"\['federated', 'test_time'\]"),
+                         r"\['federated', 'hetero', 'test_time'\]"),
     ('data.benchmark', 'nope', r"config.data.benchmark: unknown benchmark 'nope'; choose from "
                                r"\['atp_shift', 'circle', 'label_skew_corrupted'"),
     ('data.benchmark', 'atp_shift', r"config.data.benchmark: 'atp_shift' feeds the "

@@ -14,7 +14,7 @@ import ml_collections
 import optax
 
 from fedjax_shift import models
-from fedjax_shift.core.algorithm import ClientData, ClientOutput
+from fedjax_shift.core.algorithm import ClientData, ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import LocalSchedule, local_train, masked_mean
 from fedjax_shift.registry import Registry, require
 
@@ -214,6 +214,24 @@ def average_server_update(server_opt: optax.GradientTransformation, scale: float
     return ServerState({'params': params, **rest}, opt_state, state.round + 1)
 
   return server_update
+
+
+def params_averaging(init: Callable, loss_fn: Callable, client_opt: optax.GradientTransformation,
+                     context: BuildContext, global_model: Callable):
+  """A method without client state whose clients train the server's 'params' with
+  ``loss_fn`` (core.local's signature) and ``client_opt`` and send the delta, averaged
+  by ``average_server_update`` (FedSR, FedADG). ``init`` builds the ServerState."""
+
+  def client_update(server_state, client_state, data, rng):
+    params = server_state.variables['params']
+    new_params, _, _, metrics = local_train(loss_fn, client_opt, params, {}, data, rng,
+                                            context.schedule)
+    return ClientOutput({'params': tree_sub(new_params, params)}, metrics), client_state
+
+  return FederatedAlgorithm(
+      init=init, init_client_state=lambda state: (), client_update=client_update,
+      server_update=average_server_update(context.server_optimizer), personalize=None,
+      global_model=global_model)
 
 
 def send_only(delta, is_sent: Callable) -> dict:

@@ -29,8 +29,8 @@ import optax
 
 from fedjax_shift import models
 from fedjax_shift.algorithms import base
-from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
-from fedjax_shift.core.local import local_train, masked_mean
+from fedjax_shift.core.algorithm import FederatedAlgorithm
+from fedjax_shift.core.local import masked_mean
 from fedjax_shift.registry import require
 
 LABEL_SCALE = 0.6   # ỹ = 0.6 · onehot(y), D's and G's label input
@@ -74,7 +74,6 @@ def check(hparams: ml_collections.ConfigDict) -> None:
 def fedadg(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module = context.module
   num_classes = module.num_classes
-  schedule = context.schedule
   server_opt = context.server_optimizer
   client_opt = optax.multi_transform(
       {'model': context.client_optimizer,
@@ -115,13 +114,6 @@ def fedadg(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
     lam = hparams.lambda_0
     return ((lam * loss_advf + (1 - lam) * loss_err) + loss_advd + loss_advg), model_state
 
-  def client_update(server_state, client_state, data, rng):
-    params = server_state.variables['params']
-    new_params, _, _, metrics = local_train(loss_fn, client_opt, params, {}, data, rng,
-                                            schedule)
-    return ClientOutput({'params': base.tree_sub(new_params, params)}, metrics), client_state
-
-  return FederatedAlgorithm(
-      init=init, init_client_state=lambda state: (), client_update=client_update,
-      server_update=base.average_server_update(server_opt), personalize=None,
+  return base.params_averaging(
+      init, loss_fn, client_opt, context,
       global_model=lambda state: {'params': state.variables['params']['model']})

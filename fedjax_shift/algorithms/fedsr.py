@@ -20,8 +20,8 @@ import optax
 
 from fedjax_shift import models
 from fedjax_shift.algorithms import base
-from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
-from fedjax_shift.core.local import local_train, masked_mean
+from fedjax_shift.core.algorithm import FederatedAlgorithm
+from fedjax_shift.core.local import masked_mean
 
 
 def gaussian_kl(mean_q, std_q, mean_p, std_p) -> jax.Array:
@@ -34,8 +34,7 @@ def gaussian_kl(mean_q, std_q, mean_p, std_p) -> jax.Array:
 def fedsr(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   l2r, cmi = hparams.l2r, hparams.cmi
   module = context.module
-  server_opt, client_opt, schedule = (context.server_optimizer, context.client_optimizer,
-                                      context.schedule)
+  server_opt, client_opt = context.server_optimizer, context.client_optimizer
   num_classes = module.num_classes
 
   def init(rng, example_x):
@@ -66,13 +65,6 @@ def fedsr(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fed
     reg_cmi = masked_mean(gaussian_kl(mean, std, sr['ref_mean'][y], ref_std), weight)
     return ce + l2r * reg_l2r + cmi * reg_cmi, model_state
 
-  def client_update(server_state, client_state, data, rng):
-    params = server_state.variables['params']
-    new_params, _, _, metrics = local_train(loss_fn, client_opt, params, {}, data, rng,
-                                            schedule)
-    return ClientOutput({'params': base.tree_sub(new_params, params)}, metrics), client_state
-
-  return FederatedAlgorithm(
-      init=init, init_client_state=lambda state: (), client_update=client_update,
-      server_update=base.average_server_update(server_opt), personalize=None,
+  return base.params_averaging(
+      init, loss_fn, client_opt, context,
       global_model=lambda state: {'params': model_params(state.variables['params'])})

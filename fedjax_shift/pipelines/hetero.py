@@ -14,6 +14,8 @@ Evaluation (every ``eval_every`` rounds and the last), accuracy over examples:
   'digested/test'              each new client's digested ψ, unadapted
   'personalized/test'          ... adapted by its digested φ (HeteroFedTTA's prediction)
   'personalized/test_<size>'   the same, new clients of one architecture only
+  'knowledge_base/public',     the server's F_base and F_per against D_p's labels (read
+  'knowledge_personalized/public'  for this score only): how much the clients' ensemble knows
 New clients' whole data is adapted in batches of ``eval_adapter_batch_size``; their
 labels are only read to score predictions.
 
@@ -26,7 +28,7 @@ import json
 import logging
 import os
 import time
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -117,9 +119,10 @@ def run_dirs(config: ml_collections.ConfigDict, workdir: str):
            'hetero_fedtta') for value in lambdas(config) for seed in config.seeds]
 
 
-def public_set(config: ml_collections.ConfigDict, seed: int) -> np.ndarray:
-  """D_p [P, ...]: ``public_examples`` images of ``public_source`` (coloured as
-  ``config.data``), labels dropped. UCI digits fill their 8 × 8 frame; they are framed
+def public_set(config: ml_collections.ConfigDict, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+  """(D_p [P, ...], labels [P]): ``public_examples`` images of ``public_source``
+  (coloured as ``config.data``). Training never reads the labels; the evaluation
+  scores the server's knowledge with them ('knowledge_*/public'). UCI digits fill their 8 × 8 frame; they are framed
   as MNIST's are (the digit in the central 20/28 of the image, a zero margin), since
   a digit filling the frame is another input distribution than the clients' digits."""
   hp = config.hetero_fedtta
@@ -128,7 +131,8 @@ def public_set(config: ml_collections.ConfigDict, seed: int) -> np.ndarray:
     inner = int(round(size * 20 / 28))
     margin = (size - inner) // 2
     src = sources.uci_digits(size=inner)
-    x = np.pad(src.x, ((0, 0), (margin, size - inner - margin),
+    x, y = src.x, src.y
+    x = np.pad(x, ((0, 0), (margin, size - inner - margin),
                        (margin, size - inner - margin), (0, 0)))
     if config.data.channels:
       x = sources.to_channels(x, config.data.channels)
@@ -136,12 +140,13 @@ def public_set(config: ml_collections.ConfigDict, seed: int) -> np.ndarray:
     data_config = ml_collections.ConfigDict(config.data.to_dict())
     data_config.source = hp.public_source
     data_config.image_size = size
-    x = load_source(data_config).x
+    src = load_source(data_config)
+    x, y = src.x, src.y
   count = hp.public_examples
   require(count <= len(x), 'hetero_fedtta.public_examples',
           f'{count} > the {len(x)} examples of {hp.public_source}')
   order = np.sort(np.random.default_rng([seed, 37]).permutation(len(x))[:count])
-  return x[order].astype(np.float32)
+  return x[order].astype(np.float32), y[order]
 
 
 def _sums_concat(parts: List[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
@@ -168,6 +173,7 @@ class Setup(NamedTuple):
   group_ids: List[np.ndarray]  # per architecture, its training clients' rows
   new_ids: List[np.ndarray]    # per architecture, its new clients' rows of 'test'
   public_x: np.ndarray         # D_p [P, ...]
+  public_y: np.ndarray         # [P], only to score the knowledge
   base_optimizer: object       # η_outer's optimizer (config.client)
   example_x: jax.Array         # [1, ...]
   algorithm: object            # the GroupedAlgorithm
@@ -183,7 +189,7 @@ def setup(config: ml_collections.ConfigDict, bench, seed: int) -> Setup:
                                          tuple(hp.sizes), rng)
   rows = lambda assigned, size: np.array([k for k, s in enumerate(assigned) if s == size],
                                          np.int32)
-  public_x = public_set(config, seed)
+  public_x, public_y = public_set(config, seed)
   c = config.client
   schedule = LocalSchedule(c.batch_size, c.local_epochs, c.local_steps, train.max_examples,
                            config.engine.unroll)
@@ -192,8 +198,8 @@ def setup(config: ml_collections.ConfigDict, bench, seed: int) -> Setup:
   algorithm = hetero_fedtta.build(hp, bench.num_classes, public_x, base_optimizer, schedule,
                                   example_x)
   return Setup(train_sizes, new_sizes, [rows(train_sizes, s) for s in hp.sizes],
-               [rows(new_sizes, s) for s in hp.sizes], public_x, base_optimizer, example_x,
-               algorithm)
+               [rows(new_sizes, s) for s in hp.sizes], public_x, public_y, base_optimizer,
+               example_x, algorithm)
 
 
 def new_client_predictions(bench, config: ml_collections.ConfigDict, seed: int) -> np.ndarray:
@@ -351,7 +357,11 @@ def build_evaluate(config, num_classes: int, parts: Setup, val: federated.Federa
                   'personalized': {'val': _sums_concat(val_personal),
                                    'test': _sums_concat(test_personal), **per_size},
                   'digested': {'test': _sums_concat(test_digested)}}
-    return evaluation.summarize(per_client), (predictions if with_predictions else None)
+    metrics = evaluation.summarize(per_client)
+    for name in ('base', 'personalized'):   # the knowledge's argmax against D_p's labels
+      metrics[f'knowledge_{name}/public/accuracy'] = float(np.mean(
+          np.argmax(np.asarray(getattr(knowledge, name)), -1) == parts.public_y))
+    return metrics, (predictions if with_predictions else None)
 
   return evaluate
 
