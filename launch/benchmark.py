@@ -196,7 +196,7 @@ def case_hetero(sizes):
   hparams = config.hetero_fedtta
   hparams.sizes = sizes
   data = cohort_data(FLAGS.clients)
-  public_x = np.random.default_rng(1).random((hparams.public_examples,) + SHAPES[FLAGS.model],
+  public_x = np.random.default_rng(1).random((500,) + SHAPES[FLAGS.model],
                                              dtype=np.float32)
   schedule = LocalSchedule(FLAGS.batch_size, 1, 0, FLAGS.examples, config.engine.unroll)
   algorithm = hetero_fedtta.build(hparams, 10, public_x, optax.sgd(0.01), schedule,

@@ -26,7 +26,6 @@ NUM_CLASSES = 3
 def hparams(**fields):
   hp = base_config().hetero_fedtta
   hp.sizes = ('small', 'big')
-  hp.public_examples = 8
   hp.public_batch_size = 4
   hp.digest_steps = 2
   hp.new_client_digest_steps = 2
@@ -38,7 +37,7 @@ def hparams(**fields):
 def setup(hp, sizes=(3, 2, 4, 3, 5)):
   """A 2-architecture algorithm over 5 toy clients: small = 0, 2, 4; big = 1, 3."""
   data, _, _ = toy_clients(sizes, SHAPE, NUM_CLASSES)
-  public_x = np.random.default_rng(1).random((hp.public_examples,) + SHAPE).astype(np.float32)
+  public_x = np.random.default_rng(1).random((8,) + SHAPE).astype(np.float32)
   schedule = LocalSchedule(batch_size=2, num_epochs=0, num_steps=2,
                            max_examples=data.max_examples)
   algorithm = hetero_fedtta.build(hp, NUM_CLASSES, public_x, optax.sgd(0.1), schedule,
@@ -269,7 +268,9 @@ def test_new_clients_labels_are_never_read():
 
 @pytest.mark.parametrize('field, value, message', [
     ('hetero_fedtta.sizes', ('small', 'huge'), 'hetero_fedtta.sizes'),
-    ('hetero_fedtta.public_examples', 30, 'hetero_fedtta.public_examples'),
+    ('data.public_examples', 30, 'data.public_examples'),
+    ('data.public_source', '', 'data.public_source'),
+    ('data.public_source', 'imagenet', 'data.public_source'),
     ('hetero_fedtta.kd_lambda', -1.0, 'hetero_fedtta.kd_lambda'),
     ('hetero_fedtta.ensemble', 'median', 'hetero_fedtta.ensemble'),
     ('hetero_fedtta.sizes', (), 'hetero_fedtta.sizes'),
@@ -285,8 +286,30 @@ def test_bad_input_names_the_field(tmp_path, field, value, message):
 
 
 def test_a_public_set_larger_than_its_source_is_an_error(tmp_path):
-  config = hetero_config(**{'hetero_fedtta.public_examples': 2000,
+  config = hetero_config(**{'data.public_source': 'uci_digits', 'data.public_examples': 2000,
                             'hetero_fedtta.public_batch_size': 20})
-  with pytest.raises(ValueError, match=r'hetero_fedtta\.public_examples.*1797'):
+  with pytest.raises(ValueError, match=r'data\.public_examples=2000: uci_digits has only 1797'):
     pipelines.run(config, str(tmp_path))
 
+
+def test_public_sets_are_disjoint_from_every_client_and_framed_like_mnist():
+  from fedjax_shift.benchmarks import upfl
+  from fedjax_shift.pipelines import hetero
+  config = hetero_config(**{'data.num_clients': 20})
+  bench = hetero.build_data(config, 0)
+  public_x, _ = upfl.public_set(config.data, bench.info)
+  assert public_x.shape == (40, 28, 28, 1)
+  held_out = {x.tobytes() for x in public_x}
+  for split in bench.splits.values():
+    for k in range(split.num_clients):
+      for x in split.x[k, :split.num_examples[k]]:
+        assert x.tobytes() not in held_out
+  # Without a public set the partition is the one FedTTA's runs had.
+  plain = hetero.build_data(override(config, **{'data.public_source': ''}), 0)
+  assert 'public' not in plain.info
+  assert sum(int(s.num_examples.sum()) for s in plain.splits.values()) == \
+      40 + sum(int(s.num_examples.sum()) for s in bench.splits.values())
+  uci = override(config, **{'data.public_source': 'uci_digits'})
+  x, y = upfl.public_set(uci.data, hetero.build_data(uci, 0).info)
+  assert x.shape == (40, 28, 28, 1) and y.shape == (40,)
+  assert x[:, :4].max() == 0 and x[:, -4:].max() == 0   # MNIST's empty 4-pixel margin

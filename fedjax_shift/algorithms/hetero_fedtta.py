@@ -49,9 +49,8 @@ DEFAULTS = {
     'kd_lambda': 0.8,               # λ of Eq. 14 (Sec. 4.6: best near 0.8)
     'digest_steps': 10,             # Eq. 14 steps per round on public batches
     'new_client_digest_steps': 100, # Eq. 14 steps of a new client before it adapts
-    'public_source': 'uci_digits',  # D_p: unlabelled digits of another writer population
-    'public_examples': 500,         # |D_p|
-    'public_batch_size': 50,        # a public batch (teacher and student adapt on it)
+    'public_batch_size': 50,        # a public batch (teacher and student adapt on it);
+                                    # D_p itself is the benchmark's (data.public_source)
     'inner_learning_rate': 0.5,     # η_inner (Sec. 4.6: 0.5)
     'adapt_learning_rate': 0.005,   # η_adapt (Sec. 4.6: 0.005); η_outer = client.learning_rate
     'norm_epsilon': 0.1,            # as config.fedtta.norm_epsilon
@@ -61,7 +60,6 @@ DEFAULTS = {
     'ensemble': 'logits',
 }
 ENSEMBLES = ('logits', 'probabilities')
-PUBLIC_SOURCES = ('uci_digits', 'mnist_embedded')
 
 
 def check(hparams: ml_collections.ConfigDict) -> None:
@@ -75,15 +73,8 @@ def check(hparams: ml_collections.ConfigDict) -> None:
     require(hparams[field] >= 0, f'hetero_fedtta.{field}', f'must be >= 0, got {hparams[field]}')
   require(hparams.ensemble in ENSEMBLES, 'hetero_fedtta.ensemble',
           f'choose from {list(ENSEMBLES)}, got {hparams.ensemble!r}')
-  require(hparams.public_source in PUBLIC_SOURCES, 'hetero_fedtta.public_source',
-          f'choose from {list(PUBLIC_SOURCES)}, got {hparams.public_source!r}')
   require(hparams.public_batch_size >= 1, 'hetero_fedtta.public_batch_size',
           f'must be >= 1, got {hparams.public_batch_size}')
-  require(hparams.public_examples >= hparams.public_batch_size and
-          hparams.public_examples % hparams.public_batch_size == 0,
-          'hetero_fedtta.public_examples',
-          f'must be a positive multiple of public_batch_size={hparams.public_batch_size}, '
-          f'got {hparams.public_examples}')
 
 
 class Knowledge(NamedTuple):

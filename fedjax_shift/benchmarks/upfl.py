@@ -17,6 +17,13 @@ Two shifts of the paper on top (``config.data`` fields):
                          (0, 30, 60), new client k's by new_rotations[k mod len]
                          (15, 45), counter-clockwise.
 
+A public unlabelled set (HeteroFedTTA's D_p, Sec. 3.4) when ``public_source`` is set:
+'holdout' takes ``public_examples`` digits out of the source before partitioning (no
+client holds them), 'uci_digits' draws them from the UCI digits (another writer
+population, framed as MNIST's: the digit in the central 20/28, a zero margin). The
+indices are in ``info['public']``; ``public_set(data_config, info)`` returns the images
+and their labels (the labels only to score a method's knowledge, never to train).
+
 Splits (all with max(training, new) clients; the shorter side is padded with clients
 holding no examples, which carry weight 0 in every mean):
   'train'  the training clients' 85 %
@@ -58,6 +65,12 @@ def check(data_config: ml_collections.ConfigDict) -> None:
   for field in ('train_rotations', 'new_rotations'):
     require(all(np.isfinite(float(a)) for a in data_config[field]), f'data.{field}',
             f'must be finite angles in degrees, got {tuple(data_config[field])}')
+  require(data_config.public_source in PUBLIC_SOURCES, 'data.public_source',
+          f'choose from {list(PUBLIC_SOURCES)}, got {data_config.public_source!r}')
+  if data_config.public_source:
+    require(data_config.public_examples >= 1, 'data.public_examples',
+            f'must be >= 1 with data.public_source={data_config.public_source!r}, got '
+            f'{data_config.public_examples}')
   require(bool(data_config.train_rotations) == bool(data_config.new_rotations),
           'data.train_rotations', 'concept shift needs both train_rotations and '
           'new_rotations (or neither)')
@@ -87,6 +100,45 @@ def client_indices(labels: np.ndarray, data_config: ml_collections.ConfigDict, n
           np.arange(num_train), num_train + np.arange(num_new))
 
 
+PUBLIC_SOURCES = ('', 'holdout', 'uci_digits')
+UCI_DIGITS = 1797
+
+
+def public_indices(data_config: ml_collections.ConfigDict, num_source: int, seed: int
+                   ) -> np.ndarray:
+  """The public set's sorted indices (numpy generator [seed, 37]) into the source
+  ('holdout') or the UCI digits; empty without ``public_source``."""
+  source = data_config.public_source
+  if not source:
+    return np.zeros((0,), np.int64)
+  available = num_source if source == 'holdout' else UCI_DIGITS
+  count = data_config.public_examples
+  if count > available:
+    raise ValueError(f'config.data.public_examples={count}: {source} has only {available} '
+                     f'examples' + (' (and the clients need some)' if source == 'holdout' else ''))
+  return np.sort(np.random.default_rng([seed, 37]).permutation(available)[:count])
+
+
+def public_set(data_config: ml_collections.ConfigDict, info: dict):
+  """(x [P, ...], y [P]) of the benchmark's public set (``info['public']``)."""
+  public = info.get('public')
+  if not public:
+    raise ValueError('the benchmark has no public set: set config.data.public_source')
+  indices = np.asarray(public['indices'], np.int64)
+  size = data_config.image_size or 28
+  if public['source'] == 'holdout':
+    src = load_source(data_config)
+    return src.x[indices], src.y[indices]
+  inner = int(round(size * 20 / 28))
+  margin = (size - inner) // 2
+  src = sources.uci_digits(size=inner)
+  x = np.pad(src.x[indices], ((0, 0), (margin, size - inner - margin),
+                              (margin, size - inner - margin), (0, 0)))
+  if data_config.channels:
+    x = sources.to_channels(x, data_config.channels)
+  return x.astype(np.float32), src.y[indices]
+
+
 def rotated(xs, angles):
   """Client k's images rotated by angles[k mod len] degrees (none when angles is empty)."""
   if not len(angles):
@@ -100,6 +152,8 @@ def rotated(xs, angles):
     'new_client_alpha': 0.0,        # Table 2: new clients' Dirichlet α (0 = no own split)
     'train_rotations': (),          # Sec. 4.5 concept shift: (0, 30, 60)
     'new_rotations': (),            #   and (15, 45) degrees
+    'public_source': '',            # HeteroFedTTA's D_p: '' | 'holdout' | 'uci_digits'
+    'public_examples': 0,           # |D_p|
 }, check=check, pipelines=('federated', 'hetero'))
 def upfl(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   rng = np.random.default_rng([seed, 19])
@@ -108,8 +162,13 @@ def upfl(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
       data_config.classes_per_client > src.num_classes:
     raise ValueError(f'config.data.classes_per_client={data_config.classes_per_client}: '
                      f'the source has only {src.num_classes} classes')
-  train_parts, new_parts, train_ids, new_ids = client_indices(src.y, data_config,
+  public = public_indices(data_config, len(src.y), seed)
+  pool = np.arange(len(src.y))
+  if data_config.public_source == 'holdout':   # no client holds a public digit
+    pool = np.setdiff1d(pool, public)
+  train_parts, new_parts, train_ids, new_ids = client_indices(src.y[pool], data_config,
                                                               src.num_classes, rng)
+  train_parts, new_parts = [pool[p] for p in train_parts], [pool[p] for p in new_parts]
   partitions.check_disjoint(train_parts + new_parts)
   val = data_config.validation_fraction
   fractions = {'train': 1.0 - val, 'val': val} if val else {'train': 1.0}
@@ -128,6 +187,8 @@ def upfl(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
                                  example_shape=example_shape)
   info = {'source': data_config.source, 'partition': data_config.partition,
           'training_clients': train_ids.tolist(), 'new_clients': {'test': new_ids.tolist()}}
+  if data_config.public_source:
+    info['public'] = {'source': data_config.public_source, 'indices': public.tolist()}
   if data_config.train_rotations:
     info['rotations'] = {'train': [float(a) for a in data_config.train_rotations],
                          'test': [float(a) for a in data_config.new_rotations]}

@@ -5,8 +5,8 @@ and seed, with the grouped compiled round of ``core/groups.py``.
 
 Training clients and new clients are each given an architecture
 (``algorithms.hetero_fedtta.assign_sizes``, numpy generator [seed, 31]). The public set
-D_p is ``hetero_fedtta.public_examples`` images of ``hetero_fedtta.public_source``
-(generator [seed, 37]); its labels are never read.
+D_p is the benchmark's (``data.public_source``, ``data.public_examples``;
+benchmarks/upfl.py); its labels are never read in training.
 
 Evaluation (every ``eval_every`` rounds and the last), accuracy over examples:
   'base/val'                   each training client's own ψ_i on its validation data
@@ -40,7 +40,7 @@ from fedjax_shift.adapters.fedtta import fedtta_adapter
 from fedjax_shift.adapters.no_adapt import no_adapt
 from fedjax_shift.algorithms import base, hetero_fedtta
 from fedjax_shift.benchmarks import BENCHMARKS
-from fedjax_shift.benchmarks.base import load_source
+from fedjax_shift.benchmarks import upfl
 from fedjax_shift.checkpoint import Checkpointer
 from fedjax_shift.core import evaluation
 from fedjax_shift.core.groups import (build_grouped_round, cohort_sizes, init_group_states,
@@ -48,7 +48,7 @@ from fedjax_shift.core.groups import (build_grouped_round, cohort_sizes, init_gr
 from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.core.round import WEIGHTING, round_key
 from fedjax_shift.core.test_time import client_runner
-from fedjax_shift.data import federated, sources
+from fedjax_shift.data import federated
 from fedjax_shift.metrics import MetricsWriter, read_metrics
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
@@ -95,6 +95,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
           f"unknown {config.on_divergence!r}; choose from ['stop', 'continue']")
   base.check_training(config)
   hetero_fedtta.check(config.hetero_fedtta)
+  require(config.data.public_source != '', 'data.public_source',
+          "HeteroFedTTA distils on a public unlabelled set: set 'holdout' or 'uci_digits'")
+  batch = config.hetero_fedtta.public_batch_size
+  require(config.data.public_examples % batch == 0, 'data.public_examples',
+          f'must be a multiple of hetero_fedtta.public_batch_size={batch}, got '
+          f'{config.data.public_examples}')
   for value in config.hetero.kd_lambdas:
     require(value >= 0, 'hetero.kd_lambdas', f'each λ must be >= 0, got {value}')
 
@@ -117,36 +123,6 @@ def run_config(config: ml_collections.ConfigDict, kd_lambda: float) -> ml_collec
 def run_dirs(config: ml_collections.ConfigDict, workdir: str):
   return [(os.path.join(workdir, run_name(value), f'seed_{seed}'), run_config(config, value),
            'hetero_fedtta') for value in lambdas(config) for seed in config.seeds]
-
-
-def public_set(config: ml_collections.ConfigDict, seed: int) -> Tuple[np.ndarray, np.ndarray]:
-  """(D_p [P, ...], labels [P]): ``public_examples`` images of ``public_source``
-  (coloured as ``config.data``). Training never reads the labels; the evaluation
-  scores the server's knowledge with them ('knowledge_*/public'). UCI digits fill their 8 × 8 frame; they are framed
-  as MNIST's are (the digit in the central 20/28 of the image, a zero margin), since
-  a digit filling the frame is another input distribution than the clients' digits."""
-  hp = config.hetero_fedtta
-  size = config.data.image_size or 28
-  if hp.public_source == 'uci_digits':
-    inner = int(round(size * 20 / 28))
-    margin = (size - inner) // 2
-    src = sources.uci_digits(size=inner)
-    x, y = src.x, src.y
-    x = np.pad(x, ((0, 0), (margin, size - inner - margin),
-                       (margin, size - inner - margin), (0, 0)))
-    if config.data.channels:
-      x = sources.to_channels(x, config.data.channels)
-  else:
-    data_config = ml_collections.ConfigDict(config.data.to_dict())
-    data_config.source = hp.public_source
-    data_config.image_size = size
-    src = load_source(data_config)
-    x, y = src.x, src.y
-  count = hp.public_examples
-  require(count <= len(x), 'hetero_fedtta.public_examples',
-          f'{count} > the {len(x)} examples of {hp.public_source}')
-  order = np.sort(np.random.default_rng([seed, 37]).permutation(len(x))[:count])
-  return x[order].astype(np.float32), y[order]
 
 
 def _sums_concat(parts: List[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
@@ -189,7 +165,7 @@ def setup(config: ml_collections.ConfigDict, bench, seed: int) -> Setup:
                                          tuple(hp.sizes), rng)
   rows = lambda assigned, size: np.array([k for k, s in enumerate(assigned) if s == size],
                                          np.int32)
-  public_x, public_y = public_set(config, seed)
+  public_x, public_y = upfl.public_set(config.data, bench.info)
   c = config.client
   schedule = LocalSchedule(c.batch_size, c.local_epochs, c.local_steps, train.max_examples,
                            config.engine.unroll)
@@ -391,7 +367,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   hp = config.hetero_fedtta
   preamble = (f"HeteroFedTTA (fedtta_upfl.txt Sec. 3.4) on {config.data.benchmark}: "
               f"{config.data.source}, {config.data.num_clients} clients, architectures "
-              f"{tuple(hp.sizes)}, public set {hp.public_examples} × {hp.public_source}, "
+              f"{tuple(hp.sizes)}, public set {config.data.public_examples} × "
+              f"{config.data.public_source}, "
               f"{config.rounds} rounds; accuracy (%) mean ± std over seeds "
               f"{tuple(config.seeds)}; hardware: {info['device_kind']} ({info['backend']}).")
   files = (report.write_csv(table, os.path.join(workdir, 'results.csv')),
