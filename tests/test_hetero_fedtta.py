@@ -274,6 +274,7 @@ def test_new_clients_labels_are_never_read():
     ('hetero_fedtta.kd_lambda', -1.0, 'hetero_fedtta.kd_lambda'),
     ('hetero_fedtta.ensemble', 'median', 'hetero_fedtta.ensemble'),
     ('hetero_fedtta.sizes', (), 'hetero_fedtta.sizes'),
+    ('hetero_fedtta.digest_step', 3, 'hetero_fedtta.digest_step: unknown field'),
     ('hetero.kd_lambdas', (0.5, -0.1), 'hetero.kd_lambdas'),
     ('model.name', 'bn_mlp', 'model.name'),
     ('data.benchmark', 'label_skew_corrupted', 'data.benchmark'),

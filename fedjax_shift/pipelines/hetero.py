@@ -52,9 +52,10 @@ from fedjax_shift.data import federated
 from fedjax_shift.metrics import MetricsWriter, read_metrics
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
-                                         check_finite, check_run_dir, hardware)
+                                         check_finite, check_run_dir, check_sections,
+                                         hardware)
 from fedjax_shift.pipelines.federated import DivergenceError, build_data
-from fedjax_shift.registry import require
+from fedjax_shift.registry import check_fields, require
 
 log = logging.getLogger('fedjax_shift')
 
@@ -69,6 +70,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   require(tuple(algorithm_names(config)) == ('hetero_fedtta',), 'algorithms',
           f"the hetero pipeline trains ('hetero_fedtta',), got {tuple(config.algorithms)}")
   check_finite(config)
+  check_sections(config)
+  for section, fields in SECTIONS.items():
+    check_fields(config[section], fields, f'config.{section}')
   seeds = tuple(config.seeds)
   require(len(seeds) >= 1 and len(set(seeds)) == len(seeds), 'seeds',
           f'name each seed once, at least one, got {seeds}')
