@@ -311,6 +311,30 @@ def check_run_dir(run_dir: str, run_config: ml_collections.ConfigDict, section: 
   return fields
 
 
+class OpenRun(NamedTuple):
+  """A run directory opened for training (``open_run``)."""
+  checkpointer: Any        # checkpoint.Checkpointer of <run_dir>/checkpoints
+  start_round: int         # rounds already trained (0 for a new run)
+  state: Any               # the restored (or initial) state, last leaf the seconds so far
+  writer: Any              # metrics.MetricsWriter, None when no round is left to train
+
+
+def open_run(run_dir: str, config: ml_collections.ConfigDict, fields: dict, state) -> OpenRun:
+  """Restores ``state`` (a tuple whose last element is the elapsed seconds) from the
+  latest checkpoint of ``run_dir`` up to ``config.rounds``, records run.json and opens
+  metrics.jsonl from the restored round."""
+  from fedjax_shift.metrics import MetricsWriter
+  checkpointer = checkpoint.Checkpointer(os.path.join(run_dir, 'checkpoints'),
+                                         config.checkpoint_every, config.keep_checkpoints)
+  start_round, state = checkpointer.restore(state, max_round=config.rounds)
+  start_round = start_round or 0
+  if start_round:
+    log.info('resumed from round %d in %s', start_round, run_dir)
+  workdir_lib.record_run(run_dir, fields, config.rounds)
+  writer = MetricsWriter(run_dir, start_round) if start_round < config.rounds else None
+  return OpenRun(checkpointer, start_round, state, writer)
+
+
 def preflight(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Checks every run directory the pipeline will train before anything is written."""
   for run_dir, run_config, section in PIPELINES.meta(config.pipeline)['run_dirs'](

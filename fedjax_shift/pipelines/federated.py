@@ -25,18 +25,16 @@ import numpy as np
 
 from fedjax_shift import algorithms, models, report
 from fedjax_shift.benchmarks import BENCHMARKS, Benchmark
-from fedjax_shift.checkpoint import Checkpointer
 from fedjax_shift.core import evaluation
 from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
 from fedjax_shift.core.round import (NO_STEP_LIMIT, HostStore, RoundConfig, build_round,
                                      client_mesh, round_key, stack_client_states)
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
-from fedjax_shift.metrics import MetricsWriter, read_metrics
-from fedjax_shift.pipelines import workdir as workdir_lib
+from fedjax_shift.metrics import read_metrics
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, adapts,
                                          algorithm_names, check_run, check_run_dir,
-                                         eval_adapter_specs, hardware, round_backend)
+                                         eval_adapter_specs, hardware, open_run, round_backend)
 
 log = logging.getLogger('fedjax_shift')
 
@@ -219,16 +217,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
   client_states = stack_client_states(algorithm, server_state, train.num_clients)
   upload = uploaded_parameters(algorithm, server_state, client_states, train)
 
-  checkpointer = Checkpointer(os.path.join(workdir, 'checkpoints'), config.checkpoint_every,
-                              config.keep_checkpoints)
-  start_round, (server_state, client_states, elapsed) = checkpointer.restore(
-      (server_state, client_states, jnp.float32(0.0)), max_round=config.rounds)
-  start_round = start_round or 0
+  checkpointer, start_round, (server_state, client_states, elapsed), writer = open_run(
+      workdir, config, fields, (server_state, client_states, jnp.float32(0.0)))
   elapsed = float(elapsed)
-  if start_round:
-    log.info('resumed from round %d in %s', start_round, workdir)
-  workdir_lib.record_run(workdir, fields, config.rounds)
-  writer = MetricsWriter(workdir, start_round) if start_round < config.rounds else None
 
   round_config = _round_config(config)
   host_store = None

@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import time
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Dict, List, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +41,6 @@ from fedjax_shift.adapters.no_adapt import no_adapt
 from fedjax_shift.algorithms import base, hetero_fedtta
 from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.benchmarks import upfl
-from fedjax_shift.checkpoint import Checkpointer
 from fedjax_shift.core import evaluation
 from fedjax_shift.core.groups import (build_grouped_round, cohort_sizes, init_group_states,
                                       split_groups)
@@ -49,11 +48,11 @@ from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.core.round import WEIGHTING, round_key
 from fedjax_shift.core.test_time import client_runner
 from fedjax_shift.data import federated
-from fedjax_shift.metrics import MetricsWriter, read_metrics
+from fedjax_shift.metrics import read_metrics
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
                                          check_finite, check_run_dir, check_sections,
-                                         hardware)
+                                         hardware, open_run)
 from fedjax_shift.pipelines.federated import DivergenceError, build_data
 from fedjax_shift.registry import check_fields, require
 
@@ -217,14 +216,9 @@ def _train_and_evaluate(config, run_dir: str, seed: int) -> Dict[str, object]:
   group_ids_device = tuple(jnp.asarray(ids) for ids in group_ids)
   evaluate = build_evaluate(config, bench.num_classes, parts, val, test, eval_key)
 
-  checkpointer = Checkpointer(os.path.join(run_dir, 'checkpoints'), config.checkpoint_every,
-                              config.keep_checkpoints)
-  start, (server_state, group_states, elapsed) = checkpointer.restore(
-      (server_state, group_states, jnp.float32(0.0)), max_round=config.rounds)
-  start = start or 0
+  checkpointer, start, (server_state, group_states, elapsed), writer = open_run(
+      run_dir, config, fields, (server_state, group_states, jnp.float32(0.0)))
   elapsed = float(elapsed)
-  workdir_lib.record_run(run_dir, fields, config.rounds)
-  writer = MetricsWriter(run_dir, start) if start < config.rounds else None
   progress = None
   if config.progress:
     from tqdm import tqdm
