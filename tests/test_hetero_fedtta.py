@@ -225,6 +225,7 @@ def test_hetero_pipeline_runs_and_resumes(tmp_path):
   assert first['algorithm'] == 'hetero_fedtta_lambda0.8'
   for key in ('personalized/val/accuracy', 'base/val/accuracy', 'digested/test/accuracy',
               'personalized/test/accuracy', 'personalized/test_small/accuracy',
+              'personalized_pp/val/accuracy', 'personalized_pp/test/accuracy',
               'knowledge_base/public/accuracy', 'knowledge_personalized/public/accuracy'):
     assert 0.0 <= first['metrics'][key] <= 1.0, key
   assert first['uploaded_parameters'] == 2 * 40 * 10   # f(D_p; ψ) and f(D_p; ψ̃)

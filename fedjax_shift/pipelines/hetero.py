@@ -14,6 +14,8 @@ Evaluation (every ``eval_every`` rounds and the last), accuracy over examples:
   'digested/test'              each new client's digested ψ, unadapted
   'personalized/test'          ... adapted by its digested φ (HeteroFedTTA's prediction)
   'personalized/test_<size>'   the same, new clients of one architecture only
+  'personalized_pp/val|test'   adapted with FedTTA++'s early-stopped steps instead
+                               (``config.adapters.fedtta_pp``: E, patience, restore_best)
   'knowledge_base/public',     the server's F_base and F_per against D_p's labels (read
   'knowledge_personalized/public'  for this score only): how much the clients' ensemble knows
 New clients' whole data is adapted in batches of ``eval_adapter_batch_size``; their
@@ -284,25 +286,30 @@ def build_evaluate(config, num_classes: int, parts: Setup, val: federated.Federa
   group_ids, new_ids = parts.group_ids, parts.new_ids
   val_parts = split_groups(val, group_ids)
   test_parts = split_groups(test, new_ids)
+  early = config.adapters.fedtta_pp   # FedTTA++'s stopping rule (adapters/fedtta.py)
   programs = []
   for size in hp.sizes:
     arch = hetero_fedtta.architecture(size, num_classes)
-    adapted = client_runner(fedtta_adapter(arch.module, hp.inner_learning_rate, 1, 0,
-                                           hp.norm_epsilon), batch_size)
-    plain = client_runner(no_adapt(arch.module), batch_size)
+    runners = {
+        'plain': client_runner(no_adapt(arch.module), batch_size),
+        'one_step': client_runner(fedtta_adapter(arch.module, hp.inner_learning_rate, 1, 0,
+                                                 hp.norm_epsilon), batch_size),
+        'early_stopped': client_runner(fedtta_adapter(
+            arch.module, hp.inner_learning_rate, early.max_steps, early.patience,
+            hp.norm_epsilon, early.loop, early.restore_best), batch_size)}
 
-    def both(params, x, y, num_examples, key, adapted=adapted, plain=plain):
+    def score(params, x, y, num_examples, key, runners=runners):
+      """{'plain': ψ, 'one_step': FedTTA's, 'early_stopped': FedTTA++'s} sums."""
       variables = hetero_fedtta.variables_of(params)
-      return (plain({'params': params['base']}, x, y, num_examples, key),
-              adapted(variables, x, y, num_examples, key))
+      return {name: run(variables, x, y, num_examples, key) for name, run in runners.items()}
 
-    def new_client(knowledge, key, x, y, num_examples, size=size, both=both):
+    def new_client(knowledge, key, x, y, num_examples, size=size, score=score):
       params = hetero_fedtta.new_client_params(size, num_classes, hp, knowledge,
                                                parts.public_x, parts.base_optimizer,
                                                parts.example_x, key)
-      return both(params, x, y, num_examples, key)
+      return score(params, x, y, num_examples, key)
 
-    programs.append((jax.jit(jax.vmap(both)),
+    programs.append((jax.jit(jax.vmap(score)),
                      jax.jit(jax.vmap(new_client, (None, 0, 0, 0, 0)))))
 
   def keys(ids, stream: int):
@@ -311,26 +318,25 @@ def build_evaluate(config, num_classes: int, parts: Setup, val: federated.Federa
                                                    jnp.asarray(ids, jnp.int32))
 
   def evaluate(knowledge, group_states, with_predictions: bool = False):
-    val_base, val_personal, test_digested, test_personal = [], [], [], []
+    val, test_sums = [], []
     per_size = {}
     predictions = np.full(test.y.shape, -1, np.int32)
     for (own, new), size, states, part, test_part, ids, ids_new in zip(
         programs, hp.sizes, group_states, val_parts, test_parts, group_ids, new_ids):
       if len(ids):
-        plain_sums, adapted_sums = own(states, part.x, part.y, part.num_examples, keys(ids, 0))
-        val_base.append(plain_sums)
-        val_personal.append(adapted_sums)
+        val.append(own(states, part.x, part.y, part.num_examples, keys(ids, 0)))
       if len(ids_new):
-        plain_sums, adapted_sums = new(knowledge, keys(ids_new, 1), test_part.x, test_part.y,
-                                       test_part.num_examples)
-        test_digested.append(plain_sums)
-        test_personal.append(adapted_sums)
-        per_size[f'test_{size}'] = _sums_concat([adapted_sums])
-        predictions[ids_new] = np.asarray(adapted_sums['predictions'])
-    per_client = {'base': {'val': _sums_concat(val_base)},
-                  'personalized': {'val': _sums_concat(val_personal),
-                                   'test': _sums_concat(test_personal), **per_size},
-                  'digested': {'test': _sums_concat(test_digested)}}
+        sums = new(knowledge, keys(ids_new, 1), test_part.x, test_part.y, test_part.num_examples)
+        test_sums.append(sums)
+        per_size[f'test_{size}'] = _sums_concat([sums['one_step']])
+        predictions[ids_new] = np.asarray(sums['one_step']['predictions'])
+    joined = lambda parts, name: _sums_concat([p[name] for p in parts])
+    per_client = {'base': {'val': joined(val, 'plain')},
+                  'personalized': {'val': joined(val, 'one_step'),
+                                   'test': joined(test_sums, 'one_step'), **per_size},
+                  'personalized_pp': {'val': joined(val, 'early_stopped'),
+                                      'test': joined(test_sums, 'early_stopped')},
+                  'digested': {'test': joined(test_sums, 'plain')}}
     metrics = evaluation.summarize(per_client)
     for name in ('base', 'personalized'):   # the knowledge's argmax against D_p's labels
       metrics[f'knowledge_{name}/public/accuracy'] = float(np.mean(
