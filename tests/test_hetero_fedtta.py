@@ -183,8 +183,8 @@ def test_round_zero_has_no_knowledge_to_digest_and_later_rounds_do(toy):
   with_digest = jax.jit(algorithm.groups[0].client_update)
   without = jax.jit(no_digest.groups[0].client_update)
   key = jax.random.key(5)
-  (first, first_params), (plain, plain_params) = (with_digest(knowledge, params, one, key),
-                                                  without(knowledge, params, one, key))
+  (first, first_params), (_, plain_params) = (with_digest(knowledge, params, one, key),
+                                              without(knowledge, params, one, key))
   chex.assert_trees_all_close(first_params, plain_params)
   assert float(first.metrics['kd_loss']) == 0
   later = knowledge._replace(round=jnp.int32(1))
