@@ -108,6 +108,20 @@ def validate(config: ml_collections.ConfigDict) -> None:
           f'{config.data.public_examples}')
   for value in config.hetero.kd_lambdas:
     require(value >= 0, 'hetero.kd_lambdas', f'each λ must be >= 0, got {value}')
+  # Fields of the federated pipeline that the grouped round does not implement: refused
+  # rather than ignored.
+  unsupported = (('data.store', config.data.store, 'device'),
+                 ('sampling', config.sampling, 'uniform'),
+                 ('straggler_prob', config.straggler_prob, 0.0),
+                 ('engine.rounds_per_call', config.engine.rounds_per_call, 1),
+                 ('engine.num_devices', config.engine.num_devices, 0),
+                 ('engine.client_chunk', config.engine.client_chunk, 0),
+                 ('eval_adapters', tuple(config.eval_adapters), ()))
+  for field, value, supported in unsupported:
+    require(value == supported, field, f'the hetero pipeline runs only {field}={supported!r} '
+            f'(the grouped round of core/groups.py), got {value!r}')
+  require(config.engine.backend in ('auto', 'vmap'), 'engine.backend',
+          f"the hetero pipeline's grouped round is vmapped; got {config.engine.backend!r}")
 
 
 def lambdas(config: ml_collections.ConfigDict) -> tuple:
