@@ -108,19 +108,21 @@ def public_batches(public_x: jax.Array, batch_size: int) -> jax.Array:
   return public_x.reshape((-1, batch_size) + public_x.shape[1:])
 
 
+def batch_logits(arch: Architecture, params, x: jax.Array, hparams):
+  """(f(x; ψ), f(x; ψ̃)) on one public batch x [b, ...], ψ̃ the inner step of ψ under φ
+  on x itself (Eq. 5): the logits a client sends and the ones Eq. 14 distils."""
+  adapted = fedtta.inner_step(arch.module, arch.adaptation_module, params['base'],
+                              params['adaptation'], x, jnp.ones(x.shape[0]),
+                              hparams.inner_learning_rate, hparams.norm_epsilon)
+  return (arch.module.apply({'params': params['base']}, x),
+          arch.module.apply({'params': adapted}, x))
+
+
 def public_logits(arch: Architecture, params, batches: jax.Array, hparams
                   ) -> Dict[str, jax.Array]:
   """{'base': f(D_p; ψ), 'personalized': f(D_p; ψ̃)} each [P, C]; ψ̃ is adapted on each
   public batch of ``batches`` [P / b, b, ...] (Alg. 2, Communicate)."""
-  def one_batch(x):
-    weight = jnp.ones(x.shape[0])
-    adapted = fedtta.inner_step(arch.module, arch.adaptation_module, params['base'],
-                                params['adaptation'], x, weight,
-                                hparams.inner_learning_rate, hparams.norm_epsilon)
-    return (arch.module.apply({'params': params['base']}, x),
-            arch.module.apply({'params': adapted}, x))
-
-  base, personalized = jax.lax.map(one_batch, batches)
+  base, personalized = jax.lax.map(lambda x: batch_logits(arch, params, x, hparams), batches)
   flat = lambda logits: logits.reshape((-1,) + logits.shape[2:])
   return {'base': flat(base), 'personalized': flat(personalized)}
 
@@ -135,12 +137,7 @@ def kd_loss(arch: Architecture, params, x: jax.Array, teacher_base: jax.Array,
             teacher_personalized: jax.Array, hparams) -> jax.Array:
   """Eq. 14 on one public batch x [b, ...] with the teachers' logits [b, C], averaged
   over the batch: KL(F_per ‖ f(·; ψ̃)) + λ KL(F_base ‖ f(·; ψ))."""
-  weight = jnp.ones(x.shape[0])
-  adapted = fedtta.inner_step(arch.module, arch.adaptation_module, params['base'],
-                              params['adaptation'], x, weight, hparams.inner_learning_rate,
-                              hparams.norm_epsilon)
-  personalized = arch.module.apply({'params': adapted}, x)
-  base = arch.module.apply({'params': params['base']}, x)
+  base, personalized = batch_logits(arch, params, x, hparams)
   return (jnp.mean(kl_to_teacher(teacher_personalized, personalized)) +
           hparams.kd_lambda * jnp.mean(kl_to_teacher(teacher_base, base)))
 

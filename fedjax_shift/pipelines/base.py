@@ -161,6 +161,36 @@ def adapts(adapter: str, algorithm: str) -> bool:
   return algorithm in ADAPTERS.meta(adapter).get('trained_by', (algorithm,))
 
 
+def check_run_loop(config: ml_collections.ConfigDict) -> None:
+  """The run-loop fields every training pipeline reads (federated, hetero): seeds,
+  finite floats, checkpoints and resuming, rounds, cohort, weighting, evaluation and
+  checkpoint periods, divergence, the client / server optimizers."""
+  seeds = tuple(config.seeds)
+  require(len(seeds) >= 1, 'seeds', 'name at least one seed')
+  require(len(set(seeds)) == len(seeds), 'seeds',
+          f'names a seed twice ({list(seeds)}): each (method, seed) is one run')
+  check_finite(config)
+  checkpoint.check_keep(config.keep_checkpoints)
+  require(config.resume in workdir_lib.RESUME_CHOICES, 'resume',
+          f'unknown {config.resume!r}; choose from {list(workdir_lib.RESUME_CHOICES)} '
+          f"('extend': continue finished runs to a larger config.rounds)")
+  require(config.rounds >= 1, 'rounds', f'must be >= 1, got {config.rounds}')
+  require(config.data.num_clients >= 1, 'data.num_clients',
+          f'must be >= 1, got {config.data.num_clients}')
+  require(1 <= config.cohort_size <= config.data.num_clients, 'cohort_size',
+          f'must be in [1, data.num_clients={config.data.num_clients}], got {config.cohort_size}')
+  require(config.weighting in WEIGHTING, 'weighting',
+          f'unknown {config.weighting!r}; choose from {list(WEIGHTING)}')
+  require(config.eval_every >= 1, 'eval_every', f'must be >= 1, got {config.eval_every}')
+  require(config.checkpoint_every >= 1, 'checkpoint_every',
+          f'must be >= 1, got {config.checkpoint_every}')
+  require(config.eval_adapter_batch_size >= 1, 'eval_adapter_batch_size',
+          f'must be >= 1, got {config.eval_adapter_batch_size}')
+  require(config.on_divergence in ('stop', 'continue'), 'on_divergence',
+          f"unknown {config.on_divergence!r}; choose from ['stop', 'continue']")
+  base.check_training(config)
+
+
 def check_run(config: ml_collections.ConfigDict) -> None:
   """The fields every federated run reads: methods and their sections, model,
   benchmark (its own ``config.data`` check), rounds, cohort, engine, evaluation,
@@ -169,14 +199,7 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   require(len(names) > 0, 'algorithms', 'name at least one algorithm')
   require(len(set(names)) == len(names), 'algorithms',
           f'names a method twice ({list(names)}): each (method, seed) is one run')
-  seeds = tuple(config.seeds)
-  require(len(set(seeds)) == len(seeds), 'seeds',
-          f'names a seed twice ({list(seeds)}): each (method, seed) is one run')
-  check_finite(config)
-  checkpoint.check_keep(config.keep_checkpoints)
-  require(config.resume in workdir_lib.RESUME_CHOICES, 'resume',
-          f'unknown {config.resume!r}; choose from {list(workdir_lib.RESUME_CHOICES)} '
-          f"('extend': continue finished runs to a larger config.rounds)")
+  check_run_loop(config)
   check_sections(config)
   for name in names:
     ALGORITHMS.get(name, 'config.algorithms')
@@ -189,31 +212,18 @@ def check_run(config: ml_collections.ConfigDict) -> None:
           f'{benchmark!r} feeds the {list(feeds)} pipeline(s), not '
           f'config.pipeline={config.pipeline!r}')
   BENCHMARKS.check(benchmark, config.data, 'config.data', known_fields_only=False)
-  require(config.data.num_clients >= 1, 'data.num_clients',
-          f'must be >= 1, got {config.data.num_clients}')
-  require(1 <= config.cohort_size <= config.data.num_clients, 'cohort_size',
-          f'must be in [1, data.num_clients={config.data.num_clients}], got {config.cohort_size}')
   require(config.sampling in SAMPLING, 'sampling',
           f'unknown {config.sampling!r}; choose from {list(SAMPLING)}')
-  require(config.weighting in WEIGHTING, 'weighting',
-          f'unknown {config.weighting!r}; choose from {list(WEIGHTING)}')
   require(config.data.pad_to >= 0, 'data.pad_to',
           f'must be >= 0 (0: each split\'s largest client), got {config.data.pad_to}')
   require(config.data.store in ('device', 'host'), 'data.store',
           f"unknown {config.data.store!r}; choose from ['device', 'host']")
-  require(config.rounds >= 1, 'rounds', f'must be >= 1, got {config.rounds}')
-  require(config.on_divergence in ('stop', 'continue'), 'on_divergence',
-          f"unknown {config.on_divergence!r}; choose from ['stop', 'continue']")
   require(config.paper_tables in PAPER_TABLES, 'paper_tables',
           f'unknown {config.paper_tables!r}; choose from {list(PAPER_TABLES)}')
-  base.check_training(config)
   require(0.0 <= config.straggler_prob <= 1.0, 'straggler_prob',
           f'must be in [0, 1], got {config.straggler_prob}')
   require(config.straggler_max_steps >= 1, 'straggler_max_steps',
           f'must be >= 1, got {config.straggler_max_steps}')
-  require(config.eval_every >= 1, 'eval_every', f'must be >= 1, got {config.eval_every}')
-  require(config.checkpoint_every >= 1, 'checkpoint_every',
-          f'must be >= 1, got {config.checkpoint_every}')
   engine = config.engine
   require(engine.num_devices >= 0, 'engine.num_devices',
           f'must be >= 0, got {engine.num_devices}')
@@ -257,9 +267,6 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   require(all(isinstance(p, str) and p for p in config.eval_adapter_splits),
           'eval_adapter_splits', f'name split prefixes, e.g. (\'test\', \'val\'), got '
           f'{tuple(config.eval_adapter_splits)}')
-  require(config.eval_adapter_batch_size >= 1, 'eval_adapter_batch_size',
-          f'must be >= 1, got {config.eval_adapter_batch_size}')
-  require(len(config.seeds) >= 1, 'seeds', 'name at least one seed')
 
 
 def check_workdir(workdir: str) -> None:

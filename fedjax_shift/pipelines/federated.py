@@ -335,12 +335,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
     summary = evaluate(server_state, client_states)
   # Every evaluated round's accuracies, for tables that report the test accuracy at the
   # round of best validation accuracy (FedTTA Sec. 4.1.3).
-  evaluations = [{k: v for k, v in record.items() if k == 'round' or k.endswith('accuracy')}
-                 for record in read_metrics(os.path.join(workdir, 'metrics.jsonl'))
-                 if any(k.endswith('/accuracy') for k in record)
-                 and record['round'] <= config.rounds]
   result = {'algorithm': algorithm_name, 'seed': seed, 'metrics': summary,
-            'evaluations': evaluations,
+            'evaluations': evaluated_rounds(workdir, config.rounds),
             'rounds': config.rounds, 'train_seconds': elapsed, 'hardware': hardware(),
             'uploaded_parameters': upload, 'compile_seconds': round(clock.seconds, 3),
             'compilations': clock.compilations}
@@ -370,6 +366,33 @@ def evaluate_new_clients(new_client_chunk, server_state, client_states,
   return results
 
 
+def evaluated_rounds(run_dir: str, rounds: int) -> List[Dict[str, float]]:
+  """Every evaluated round's accuracies up to ``rounds``, from ``run_dir``'s
+  metrics.jsonl, for tables that report the test accuracy at the round of best
+  validation accuracy (FedTTA Sec. 4.1.3)."""
+  return [{k: v for k, v in record.items() if k == 'round' or k.endswith('accuracy')}
+          for record in read_metrics(os.path.join(run_dir, 'metrics.jsonl'))
+          if any(k.endswith('/accuracy') for k in record) and record['round'] <= rounds]
+
+
+def train_or_diverged(train: Callable[[], Dict], config: ml_collections.ConfigDict,
+                      run_dir: str, name: str, seed: int) -> Dict:
+  """``train()``'s result; when it raises DivergenceError and ``config.on_divergence``
+  is 'continue', a record of the diverged run instead (also written to
+  ``run_dir``/results.json for launch/report.py), so the other runs go on."""
+  try:
+    return train()
+  except DivergenceError as err:
+    if config.on_divergence != 'continue':
+      raise
+    log.warning('%s; config.on_divergence=continue: going on with the other runs', err)
+    record = {'algorithm': name, 'seed': seed, 'metrics': {}, 'diverged': str(err),
+              'rounds': config.rounds, 'train_seconds': float('nan')}
+    with open(os.path.join(run_dir, 'results.json'), 'w') as f:
+      json.dump(record, f, indent=1)
+    return record
+
+
 def run_dirs(config: ml_collections.ConfigDict, workdir: str):
   """[(run_dir, run config, own section)]: one run per method × seed."""
   return [(os.path.join(workdir, name, f'seed_{seed}'), config, name)
@@ -388,17 +411,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   for name in algorithm_names(config):
     for seed in config.seeds:
       run_dir = os.path.join(workdir, name, f'seed_{seed}')
-      try:
-        results.append(train_and_evaluate(config, run_dir, name, seed, programs=programs))
-      except DivergenceError as err:
-        if config.on_divergence != 'continue':
-          raise
-        log.warning('%s; config.on_divergence=continue: going on with the other runs', err)
-        record = {'algorithm': name, 'seed': seed, 'metrics': {}, 'diverged': str(err),
-                  'rounds': config.rounds, 'train_seconds': float('nan')}
-        with open(os.path.join(run_dir, 'results.json'), 'w') as f:   # for launch/report.py
-          json.dump(record, f, indent=1)
-        results.append(record)
+      results.append(train_or_diverged(
+          lambda: train_and_evaluate(config, run_dir, name, seed, programs=programs),
+          config, run_dir, name, seed))
       run_dirs.setdefault(name, []).append(run_dir)
   table = report.results_table(results)
   preamble = (f"Benchmark {config.data.benchmark}: {config.data.source}, "

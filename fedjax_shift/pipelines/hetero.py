@@ -27,7 +27,6 @@ partition.json, results.json (as the federated pipeline).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 from typing import Dict, List, NamedTuple
@@ -37,28 +36,24 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from fedjax_shift import checkpoint, report
+from fedjax_shift import report
 from fedjax_shift.adapters.fedtta import fedtta_adapter
 from fedjax_shift.adapters.no_adapt import no_adapt
 from fedjax_shift.algorithms import base, hetero_fedtta
-from fedjax_shift.benchmarks import BENCHMARKS
-from fedjax_shift.benchmarks import upfl
+from fedjax_shift.benchmarks import BENCHMARKS, upfl
 from fedjax_shift.core import evaluation
 from fedjax_shift.core.groups import (build_grouped_round, cohort_sizes, init_group_states,
                                       split_groups)
 from fedjax_shift.core.local import LocalSchedule
-from fedjax_shift.core.round import WEIGHTING, round_key
+from fedjax_shift.core.round import round_key
 from fedjax_shift.core.test_time import client_runner
 from fedjax_shift.data import federated
-from fedjax_shift.metrics import read_metrics
-from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
-                                         check_finite, check_run_dir, check_sections,
+                                         check_run_dir, check_run_loop, check_sections,
                                          hardware, open_run)
-from fedjax_shift.pipelines.federated import DivergenceError, build_data
+from fedjax_shift.pipelines.federated import (DivergenceError, build_data, evaluated_rounds,
+                                              train_or_diverged)
 from fedjax_shift.registry import check_fields, require
-
-log = logging.getLogger('fedjax_shift')
 
 SECTIONS = {
     'hetero_fedtta': hetero_fedtta.DEFAULTS,
@@ -70,35 +65,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """The fields this pipeline reads, before any data is built."""
   require(tuple(algorithm_names(config)) == ('hetero_fedtta',), 'algorithms',
           f"the hetero pipeline trains ('hetero_fedtta',), got {tuple(config.algorithms)}")
-  check_finite(config)
+  check_run_loop(config)
   check_sections(config)
   for section, fields in SECTIONS.items():
     check_fields(config[section], fields, f'config.{section}')
-  seeds = tuple(config.seeds)
-  require(len(seeds) >= 1 and len(set(seeds)) == len(seeds), 'seeds',
-          f'name each seed once, at least one, got {seeds}')
-  checkpoint.check_keep(config.keep_checkpoints)
-  require(config.resume in workdir_lib.RESUME_CHOICES, 'resume',
-          f'unknown {config.resume!r}; choose from {list(workdir_lib.RESUME_CHOICES)}')
   require(config.data.benchmark == 'upfl', 'data.benchmark',
           f"HeteroFedTTA personalises new clients: use 'upfl', got {config.data.benchmark!r}")
   BENCHMARKS.check('upfl', config.data, 'config.data', known_fields_only=False)
   require(config.model.name == 'mlp', 'model.name',
           f"the hetero pipeline builds MLPs of the sizes in hetero_fedtta.sizes (App. G); "
           f"set model.name='mlp', got {config.model.name!r}")
-  require(config.rounds >= 1, 'rounds', f'must be >= 1, got {config.rounds}')
-  require(1 <= config.cohort_size <= config.data.num_clients, 'cohort_size',
-          f'must be in [1, data.num_clients={config.data.num_clients}], got {config.cohort_size}')
-  require(config.weighting in WEIGHTING, 'weighting',
-          f'unknown {config.weighting!r}; choose from {list(WEIGHTING)}')
-  require(config.eval_every >= 1, 'eval_every', f'must be >= 1, got {config.eval_every}')
-  require(config.checkpoint_every >= 1, 'checkpoint_every',
-          f'must be >= 1, got {config.checkpoint_every}')
-  require(config.eval_adapter_batch_size >= 1, 'eval_adapter_batch_size',
-          f'must be >= 1, got {config.eval_adapter_batch_size}')
-  require(config.on_divergence in ('stop', 'continue'), 'on_divergence',
-          f"unknown {config.on_divergence!r}; choose from ['stop', 'continue']")
-  base.check_training(config)
   hetero_fedtta.check(config.hetero_fedtta)
   require(config.data.public_source != '', 'data.public_source',
           "HeteroFedTTA distils on a public unlabelled set: set 'holdout' or 'uci_digits'")
@@ -277,12 +253,9 @@ def _train_and_evaluate(config, run_dir: str, seed: int) -> Dict[str, object]:
     checkpointer.close()
   if not summary:
     summary = evaluate(server_state, group_states)[0]
-  evaluations = [{k: v for k, v in r.items() if k == 'round' or k.endswith('accuracy')}
-                 for r in read_metrics(os.path.join(run_dir, 'metrics.jsonl'))
-                 if any(k.endswith('/accuracy') for k in r) and r['round'] <= config.rounds]
   num_public = public_x.shape[0]
   return {'algorithm': run_name(hp.kd_lambda), 'kd_lambda': float(hp.kd_lambda), 'seed': seed,
-          'metrics': summary, 'evaluations': evaluations, 'rounds': config.rounds,
+          'metrics': summary, 'evaluations': evaluated_rounds(run_dir, config.rounds), 'rounds': config.rounds,
           'train_seconds': elapsed, 'hardware': hardware(),
           # a client sends f(D_p; ψ) and f(D_p; ψ̃): 2 · P · C numbers
           'uploaded_parameters': 2 * num_public * bench.num_classes,
@@ -368,18 +341,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   curves: Dict[str, List[str]] = {}
   for run_dir, one_config, _ in run_dirs(config, workdir):
     seed = int(os.path.basename(run_dir).split('_')[-1])
-    try:
-      results.append(train_and_evaluate(one_config, run_dir, seed))
-    except DivergenceError as err:
-      if config.on_divergence != 'continue':
-        raise
-      log.warning('%s; config.on_divergence=continue: going on with the other runs', err)
-      record = {'algorithm': run_name(one_config.hetero_fedtta.kd_lambda), 'seed': seed,
-                'metrics': {}, 'diverged': str(err), 'rounds': config.rounds,
-                'train_seconds': float('nan')}
-      with open(os.path.join(run_dir, 'results.json'), 'w') as f:
-        json.dump(record, f, indent=1)
-      results.append(record)
+    results.append(train_or_diverged(
+        lambda: train_and_evaluate(one_config, run_dir, seed), config, run_dir,
+        run_name(one_config.hetero_fedtta.kd_lambda), seed))
     curves.setdefault(results[-1]['algorithm'], []).append(run_dir)
   table = report.results_table(results)
   hp = config.hetero_fedtta
