@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from fedjax_shift.registry import Registry
+
 
 def rotate(image: jax.Array, degrees: jax.Array) -> jax.Array:
   """Bilinear rotation about the centre, edges extended. [H, W, C] -> [H, W, C]."""
@@ -52,3 +54,129 @@ def augment(key: jax.Array, image: jax.Array) -> jax.Array:
 def augment_many(key: jax.Array, image: jax.Array, count: int) -> jax.Array:
   """[count, H, W, C] independent augmentations of one image."""
   return jax.vmap(augment, (0, None))(jax.random.split(key, count), image)
+
+
+# --- Two-view augmentations for contrastive learning (FedICON, SimCLR/SupCon style) ---
+# Each entry maps (key, image [H, W, C] in [0, 1]) -> image of the same shape; a view is
+# the composition of the configured names in order (``view``). Probabilities and ranges
+# are SimCLR's CIFAR settings (Chen et al. 2020, App. A): crop area U(0.2, 1) (SupCon's
+# CIFAR crop), aspect ratio U(3/4, 4/3); colour jitter with probability 0.8 and strength
+# 0.4 (brightness, contrast, saturation; hue is left out); grayscale with probability 0.2;
+# Gaussian blur with probability 0.5, σ ~ U(0.1, 2.0), kernel about a tenth of the side.
+VIEW_AUGMENTATIONS: Registry = Registry('augmentation')
+CROP_SCALE = (0.2, 1.0)
+CROP_RATIO = (3 / 4, 4 / 3)
+JITTER_PROB, JITTER_STRENGTH = 0.8, 0.4
+GRAYSCALE_PROB = 0.2
+BLUR_PROB, BLUR_SIGMA = 0.5, (0.1, 2.0)
+
+
+def _bilinear(image: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
+  channel = lambda ch: jax.scipy.ndimage.map_coordinates(ch, [rows, cols], order=1,
+                                                         mode='nearest')
+  return jax.vmap(channel, in_axes=2, out_axes=2)(image)
+
+
+@VIEW_AUGMENTATIONS.register('random_resized_crop')
+def random_resized_crop(key: jax.Array, image: jax.Array) -> jax.Array:
+  """A crop of random area (CROP_SCALE of the image) and aspect ratio (CROP_RATIO,
+  log-uniform), resized back to [H, W] bilinearly; the crop is clipped to the image."""
+  height, width = image.shape[:2]
+  area_key, ratio_key, top_key, left_key = jax.random.split(key, 4)
+  area = jax.random.uniform(area_key, (), minval=CROP_SCALE[0], maxval=CROP_SCALE[1])
+  log_ratio = jax.random.uniform(ratio_key, (), minval=jnp.log(CROP_RATIO[0]),
+                                 maxval=jnp.log(CROP_RATIO[1]))
+  ratio = jnp.exp(log_ratio)
+  crop_h = jnp.clip(jnp.sqrt(area / ratio) * height, 1.0, height)
+  crop_w = jnp.clip(jnp.sqrt(area * ratio) * width, 1.0, width)
+  top = jax.random.uniform(top_key, ()) * (height - crop_h)
+  left = jax.random.uniform(left_key, ()) * (width - crop_w)
+  rows = top + (jnp.arange(height, dtype=jnp.float32) + 0.5) * crop_h / height - 0.5
+  cols = left + (jnp.arange(width, dtype=jnp.float32) + 0.5) * crop_w / width - 0.5
+  grid_r, grid_c = jnp.meshgrid(rows, cols, indexing='ij')
+  return _bilinear(image, grid_r, grid_c)
+
+
+@VIEW_AUGMENTATIONS.register('horizontal_flip')
+def horizontal_flip(key: jax.Array, image: jax.Array) -> jax.Array:
+  """Mirror left-right with probability 1/2 (off for digits: a mirrored digit is not
+  the same digit)."""
+  return jnp.where(jax.random.bernoulli(key), image[:, ::-1], image)
+
+
+def _gray(image: jax.Array) -> jax.Array:
+  """Luma [H, W, 1] (ITU-R 601 weights; a 1-channel image is its own gray)."""
+  if image.shape[-1] == 1:
+    return image
+  weights = jnp.array([0.299, 0.587, 0.114], image.dtype)
+  return jnp.sum(image[..., :3] * weights, axis=-1, keepdims=True)
+
+
+@VIEW_AUGMENTATIONS.register('colour_jitter')
+def colour_jitter(key: jax.Array, image: jax.Array) -> jax.Array:
+  """With probability JITTER_PROB: brightness, contrast and saturation factors
+  U(1 − s, 1 + s) with s = JITTER_STRENGTH, in that order (saturation is a no-op on
+  one channel); clipped to [0, 1]."""
+  apply_key, bri_key, con_key, sat_key = jax.random.split(key, 4)
+  factor = lambda k: jax.random.uniform(k, (), minval=1 - JITTER_STRENGTH,
+                                        maxval=1 + JITTER_STRENGTH)
+  out = jnp.clip(image * factor(bri_key), 0.0, 1.0)
+  mean = jnp.mean(_gray(out))
+  out = jnp.clip((out - mean) * factor(con_key) + mean, 0.0, 1.0)
+  out = jnp.clip((out - _gray(out)) * factor(sat_key) + _gray(out), 0.0, 1.0)
+  return jnp.where(jax.random.bernoulli(apply_key, JITTER_PROB), out, image)
+
+
+@VIEW_AUGMENTATIONS.register('grayscale')
+def grayscale(key: jax.Array, image: jax.Array) -> jax.Array:
+  """With probability GRAYSCALE_PROB, every channel becomes the luma (a no-op on one
+  channel)."""
+  gray = jnp.broadcast_to(_gray(image), image.shape)
+  return jnp.where(jax.random.bernoulli(key, GRAYSCALE_PROB), gray, image)
+
+
+@VIEW_AUGMENTATIONS.register('gaussian_blur')
+def gaussian_blur(key: jax.Array, image: jax.Array) -> jax.Array:
+  """With probability BLUR_PROB, a separable Gaussian blur of σ ~ U(BLUR_SIGMA) with an
+  odd kernel of about a tenth of the image side (at least 3), edges reflected."""
+  apply_key, sigma_key = jax.random.split(key)
+  height = image.shape[0]
+  radius = max(1, int(round(0.1 * height)) // 2)
+  sigma = jax.random.uniform(sigma_key, (), minval=BLUR_SIGMA[0], maxval=BLUR_SIGMA[1])
+  taps = jnp.exp(-0.5 * (jnp.arange(-radius, radius + 1, dtype=jnp.float32) / sigma) ** 2)
+  taps = taps / jnp.sum(taps)
+  padded = jnp.pad(image, ((radius, radius), (radius, radius), (0, 0)), mode='reflect')
+  size = 2 * radius + 1
+  rows = sum(taps[i] * padded[i:i + image.shape[0]] for i in range(size))
+  blurred = sum(taps[i] * rows[:, i:i + image.shape[1]] for i in range(size))
+  return jnp.where(jax.random.bernoulli(apply_key, BLUR_PROB), blurred, image)
+
+
+def check_view_names(names, field: str) -> None:
+  """Raises naming ``field`` for an unknown augmentation name."""
+  for name in names:
+    if name not in VIEW_AUGMENTATIONS:
+      raise ValueError(f'{field}: unknown augmentation {name!r}; choose from '
+                       f'{VIEW_AUGMENTATIONS.names()}')
+
+
+def view(key: jax.Array, image: jax.Array, names) -> jax.Array:
+  """One random view of ``image`` [H, W, C]: the named augmentations applied in order,
+  each with its own key (``fold_in`` of its position). Vector inputs [D] get Gaussian
+  jitter (``augment``'s) instead."""
+  if image.ndim == 1:
+    return augment(key, image)
+  for position, name in enumerate(names):
+    image = VIEW_AUGMENTATIONS.get(name, 'augmentations')(jax.random.fold_in(key, position),
+                                                           image)
+  return image
+
+
+def two_views(key: jax.Array, x: jax.Array, names) -> jax.Array:
+  """[2B, ...]: two independent views of every example of x [B, ...]; rows 0..B−1 are
+  the first views, B..2B−1 the second (example b's views are rows b and B + b)."""
+  first, second = jax.random.split(key)
+  many = jax.vmap(lambda k, image: view(k, image, names))
+  batch = x.shape[0]
+  return jnp.concatenate([many(jax.random.split(first, batch), x),
+                          many(jax.random.split(second, batch), x)])

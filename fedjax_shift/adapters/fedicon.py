@@ -1,0 +1,137 @@
+"""FedICON's test-time adaptation (fedicon.txt Sec. 4.2, Eq. 7): the trained encoder
+(and projection) is tuned on the unlabelled test data by an unsupervised contrastive
+loss, the anchor x against its augmented view x' with every other test view in A(x):
+
+  L_us = Σ_x −log exp(z_x·z'_x/τ) / Σ_{a∈A(x)} exp(z_x·z_a/τ)
+
+Batch variant (mode 'episodic'): A(x) = the other views of the test batch; the model
+restarts from the trained one at every batch. Online variant (mode 'online'): the
+adapted model carries over and a memory of ``memory_size`` past test features joins
+A(x) as negatives; each batch's features replace the oldest entries. The paper seeds
+that memory with training samples and replaces a random one per test sample; an
+adapter sees no training data here, so the memory starts empty and is first-in
+first-out. With an empty memory the online variant's first batch is the batch
+variant's (tests/test_fedicon.py).
+
+Each batch takes ``steps`` SGD steps (lr 0.005, the paper's contrastive rate) on the
+encoder and projection, in batch-statistics mode, then predicts with the personal head
+in eval mode ('after'; 'before' predicts with the model it started the batch with).
+Only models with FedICON's projection (fedicon, fedicon_us) can be adapted.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_shift import models
+from fedjax_shift.adapters import common
+from fedjax_shift.algorithms.fedicon import MIN_BATCH, projection_of, representation, supcon_loss
+from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.data import augment
+
+
+class ContrastiveState(NamedTuple):
+  variables: dict
+  opt_state: optax.OptState
+  memory: jax.Array        # [M, D] normalised test features (negatives)
+  memory_valid: jax.Array  # [M] bool
+  next_slot: jax.Array     # [] int32, where the next feature is written
+  rng: jax.Array
+
+
+def write_memory(memory, valid, next_slot, features, weight):
+  """First-in first-out write of the rows of ``features`` [B, D] with weight > 0."""
+  size = memory.shape[0]
+  keep = weight > 0
+  offsets = jnp.cumsum(keep) - 1
+  slots = jnp.where(keep, (next_slot + offsets) % size, size)  # size = dropped
+  memory = memory.at[slots].set(features, mode='drop')
+  valid = valid.at[slots].set(True, mode='drop')
+  return memory, valid, (next_slot + jnp.sum(keep)) % size
+
+
+def fedicon_tta(module, temperature: float = 0.1,
+                learning_rate: float = 0.005, steps: int = 1, memory_size: int = 0,
+                augmentations=augment.VIEW_AUGMENTATIONS.names(), predict: str = 'after',
+                batch_size: int = 0) -> Adapter:
+  common.check_predict('fedicon', predict)
+  augment.check_view_names(augmentations, 'adapters.fedicon.augmentations')
+  if steps < 1:
+    raise ValueError(f'config.adapters.fedicon.steps: must be >= 1, got {steps}')
+  if memory_size < 0 or (memory_size and memory_size < batch_size):
+    raise ValueError(f'config.adapters.fedicon.memory_size: must be 0 or at least the test '
+                     f'batch size ({batch_size}), got {memory_size}')
+  if batch_size and batch_size < MIN_BATCH:
+    raise ValueError(f'config.eval_adapter_batch_size={batch_size}: FedICON\'s contrastive '
+                     f'adaptation needs at least {MIN_BATCH} test examples per batch')
+  opt = optax.sgd(learning_rate)
+  names = tuple(augmentations)
+  memory_rows = max(memory_size, 1)
+
+  def is_body(path):
+    return path[0] != 'head'
+
+  def init(variables, rng):
+    if 'projection' not in variables['params']:
+      raise ValueError('the fedicon adapter needs a model trained by fedicon or fedicon_us '
+                       '(it has no projection head)')
+    body, _ = common.split_params(variables['params'], is_body, 'fedicon')
+    dim = projection_of(variables['params']).dim
+    return ContrastiveState(variables, opt.init(body), jnp.zeros((memory_rows, dim)),
+                            jnp.zeros((memory_rows,), bool), jnp.int32(0), rng)
+
+  def predict_logits(variables, x):
+    return models.apply(module, variables, x, 'eval')[0]
+
+  def step(state, batch):
+    rng, step_rng = jax.random.split(state.rng)
+    variables, opt_state = state.variables, state.opt_state
+    size = batch.x.shape[0]
+    logits = predict_logits(variables, batch.x)
+    weight = jnp.concatenate([batch.weight, batch.weight])
+    labels = jnp.tile(jnp.arange(size), 2)
+    anchors = batch.x
+    projection = projection_of(variables['params'])
+    for index in range(steps):
+      body, rest = common.split_params(variables['params'], is_body, 'fedicon')
+      views = jnp.concatenate([anchors, jax.vmap(lambda k, image: augment.view(k, image, names))(
+          jax.random.split(jax.random.fold_in(step_rng, index), size), anchors)])
+
+      def loss_fn(body):
+        adapted = {**variables, 'params': common.join_params(body, rest)}
+        z, _ = representation(module, projection, adapted, views, 'batch_stats')
+        memory = state.memory if memory_size else None
+        return supcon_loss(z, labels, weight, temperature, memory, state.memory_valid), z
+
+      (_, z), grads = jax.value_and_grad(loss_fn, has_aux=True)(body)
+      updates, opt_state = opt.update(grads, opt_state, body)
+      body = optax.apply_updates(body, updates)
+      variables = {**variables, 'params': common.join_params(body, rest)}
+      if index == 0:
+        first_features = jax.lax.stop_gradient(z[:size])
+    memory, valid, next_slot = state.memory, state.memory_valid, state.next_slot
+    if memory_size:
+      memory, valid, next_slot = write_memory(memory, valid, next_slot, first_features,
+                                              batch.weight)
+    if predict == 'after':
+      logits = predict_logits(variables, batch.x)
+    return ContrastiveState(variables, opt_state, memory, valid, next_slot, rng), logits
+
+  return Adapter(init, step)
+
+
+@ADAPTERS.register('fedicon', defaults={
+    'temperature': 0.1,               # Sec. 5.1: τ = 0.1 in Eq. 7
+    'learning_rate': 0.005,           # Sec. 5.1: lr 0.005 for the contrastive loss
+    'steps': 1,                       # SGD steps per test batch (our choice)
+    'memory_size': 128,               # online variant: test features kept as negatives
+    'augmentations': ('random_resized_crop', 'colour_jitter', 'grayscale', 'gaussian_blur'),
+    'predict': 'after'}, trained_by=('fedicon', 'fedicon_us'))
+def build_fedicon(module, hparams, context: SourceContext) -> Adapter:
+  """The registry's builder: this method from its ``config.adapters.fedicon``."""
+  return fedicon_tta(module, hparams.temperature,
+                     hparams.learning_rate, hparams.steps, hparams.memory_size,
+                     tuple(hparams.augmentations), hparams.predict, context.batch_size)

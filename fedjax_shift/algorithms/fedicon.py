@@ -1,0 +1,204 @@
+"""FedICON: Taming Inter-Client Heterogeneity for Test-Time Shift in Federated Learning
+(fedicon.txt, Sec. 4; its Algorithm 1 is in an appendix our copy lacks).
+
+  client i, each round (Sec. 4.1.1):
+    head_i ← ``head_epochs`` of SGD on CE (lr 0.01), encoder frozen; the head never
+             leaves the client
+    two random views of every example (data/augment.py ``two_views``)
+    z = normalise(g(h(x; θ_i))), the encoder h and a projection g to 64 numbers (Eq. 3)
+    θ_i, g_i ← E = ``client.local_epochs`` of SGD (lr 0.005) on L_sup (Eq. 4, SupCon,
+             τ = 0.1) over the 2B views of each batch
+  server (Eq. 6): θ ← Σ_i |D_i|/N θ_i, and g likewise (the engine's weighted mean)
+  personalised model: the global encoder with the client's head, fine-tuned for
+    ``head_epochs`` on it ("then personalize the classifier for each client", Sec. 4.1.2)
+  test time (Eq. 7): adapters/fedicon.py
+
+FedICON-us (Table 4): the same with every example its own class in Eq. 4, so a view's
+only positive is the other view of the same example (SimCLR's NT-Xent); labels are then
+used only by the head.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from fedjax_shift import models
+from fedjax_shift.algorithms import base
+from fedjax_shift.algorithms.fedrep import body_only, train_part, with_head
+from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
+from fedjax_shift.core.local import local_train, masked_mean
+from fedjax_shift.data import augment
+from fedjax_shift.registry import require
+
+# Contrastive pairs need a batch of at least two examples: with one, A(x) holds only
+# the positive and Eq. 4 is identically 0.
+MIN_BATCH = 2
+
+
+class Projection(nn.Module):
+  """g: features [B, F] -> [B, dim], Dense(F) – ReLU – Dense(dim) (SimCLR's head)."""
+  dim: int = 64
+
+  @nn.compact
+  def __call__(self, features):
+    hidden = nn.relu(nn.Dense(features.shape[-1])(features))
+    return nn.Dense(self.dim)(hidden)
+
+
+def projection_of(params) -> Projection:
+  """The Projection whose parameters ``params['projection']`` are (its output size read
+  off them)."""
+  return Projection(params['projection']['Dense_1']['bias'].shape[0])
+
+
+def supcon_loss(z: jax.Array, labels: jax.Array, weight: jax.Array, temperature: float,
+                memory: jax.Array | None = None, memory_valid: jax.Array | None = None
+                ) -> jax.Array:
+  """Eq. 4 (and Eq. 7 with instance labels), averaged over anchors.
+
+  For anchor a: A(a) = every other real view (and every valid ``memory`` row, a
+  negative), P(a) = the views in A(a) with a's label; the anchor's loss is
+  −(1/|P(a)|) Σ_{p∈P(a)} log softmax_{A(a)}(z_a·z_p / τ).
+
+  Args:
+    z: [V, D] L2-normalised representations.
+    labels: [V] int (the same label = positives).
+    weight: [V]; views with weight 0 (padding) are neither anchors nor in any A(a).
+    memory: [M, D] normalised features used only as negatives (FedICON online), with
+      ``memory_valid`` [M] bool.
+  Returns the mean over real anchors that have a positive; 0 (not NaN) when none has.
+  """
+  num_views = z.shape[0]
+  real = weight > 0
+  logits = z @ z.T / temperature
+  contrast = real[None, :] & ~jnp.eye(num_views, dtype=bool)
+  positives = contrast & (labels[:, None] == labels[None, :])
+  if memory is not None:
+    logits = jnp.concatenate([logits, z @ memory.T / temperature], axis=1)
+    contrast = jnp.concatenate(
+        [contrast, jnp.broadcast_to(memory_valid[None, :], (num_views, memory.shape[0]))], 1)
+    positives = jnp.concatenate([positives, jnp.zeros((num_views, memory.shape[0]), bool)], 1)
+  # A large finite negative, not −inf: rows without contrast stay finite (and so do
+  # their gradients, which the anchor weight then zeroes).
+  logits = jnp.where(contrast, logits, -1e9)
+  log_prob = logits - jax.scipy.special.logsumexp(logits, axis=1, keepdims=True)
+  num_positives = jnp.sum(positives, axis=1)
+  per_anchor = -jnp.sum(jnp.where(positives, log_prob, 0.0), axis=1) / jnp.maximum(
+      num_positives, 1)
+  return masked_mean(per_anchor, (real & (num_positives > 0)).astype(z.dtype))
+
+
+def representation(module, projection: Projection, variables, x, mode: str):
+  """z [B, dim] of x, normalised, and the variables (new BN statistics in 'train')."""
+  if mode == 'train':
+    features, variables = models.train_features(module, variables, x)
+  else:
+    features = models.features(module, variables, x, mode)
+  z = projection.apply({'params': variables['params']['projection']}, features)
+  return z / jnp.maximum(jnp.linalg.norm(z, axis=-1, keepdims=True), 1e-12), variables
+
+
+def contrastive_loss(module, projection: Projection, head, names, temperature: float,
+                     supervised: bool):
+  """core.local's LossFn: Eq. 4 over two views of a batch (encoder + projection)."""
+
+  def loss_fn(params, model_state, x, y, weight, rng):
+    views = augment.two_views(rng, x, names)
+    variables = {'params': {**params, 'head': head}, **model_state}
+    z, variables = representation(module, projection, variables, views, 'train')
+    batch = x.shape[0]
+    labels = y if supervised else jnp.arange(batch)
+    loss = supcon_loss(z, jnp.concatenate([labels, labels]), jnp.concatenate([weight, weight]),
+                       temperature)
+    return loss, {k: v for k, v in variables.items() if k != 'params'}
+
+  return loss_fn
+
+
+def check(section: str):
+  """The check of config.<section> (fedicon or fedicon_us)."""
+
+  def check_section(hparams: ml_collections.ConfigDict) -> None:
+    augment.check_view_names(hparams.augmentations, f'{section}.augmentations')
+    require(hparams.temperature > 0, f'{section}.temperature',
+            f'must be > 0, got {hparams.temperature}')
+    require(hparams.projection_dim >= 1, f'{section}.projection_dim',
+            f'must be >= 1, got {hparams.projection_dim}')
+    require(hparams.head_epochs >= 1, f'{section}.head_epochs',
+            f'must be >= 1, got {hparams.head_epochs}')
+
+  return check_section
+
+
+DEFAULTS = {
+    'temperature': 0.1,               # Sec. 5.1: τ = 0.1 (Digit-5, Office-10, CIFAR-10)
+    'projection_dim': 64,             # Sec. 5.1: representation size 64
+    'head_learning_rate': 0.01,       # Sec. 5.1: lr 0.01 for the CE (head) loss
+    'head_weight_decay': 5e-4,        # Sec. 5.1: SGD weight decay 5e-4
+    'head_epochs': 1,                 # epochs of head training per round and to personalise
+    # SimCLR's chain without the flip (digits): data/augment.py VIEW_AUGMENTATIONS.
+    'augmentations': ('random_resized_crop', 'colour_jitter', 'grayscale', 'gaussian_blur'),
+}
+
+
+def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildContext,
+                      supervised: bool) -> FederatedAlgorithm:
+  if context.schedule.batch_size < MIN_BATCH:
+    raise ValueError(f'config.client.batch_size={context.schedule.batch_size}: FedICON\'s '
+                     f'contrastive loss needs at least {MIN_BATCH} examples per batch')
+  module, projection = context.module, Projection(hparams.projection_dim)
+  names, temperature = tuple(hparams.augmentations), hparams.temperature
+  head_context = context._replace(client_optimizer=optax.chain(
+      optax.add_decayed_weights(hparams.head_weight_decay),
+      optax.sgd(hparams.head_learning_rate)))
+
+  def init(rng, example_x):
+    model_key, projection_key = jax.random.split(rng)
+    variables = models.init(module, model_key, example_x)
+    features = models.features(module, variables, example_x)
+    params = {**variables['params'],
+              'projection': projection.init(projection_key, features)['params']}
+    variables = {**variables, 'params': params}
+    return base.ServerState(variables, context.server_optimizer.init(params), jnp.int32(0))
+
+  def train_head(variables, data, rng):
+    return train_part(head_context, variables, 'head', hparams.head_epochs, data, rng)
+
+  def client_update(server_state, head, data, rng):
+    start = with_head(server_state.variables, head)
+    variables, _ = train_head(start, data, jax.random.fold_in(rng, 0))
+    head = variables['params']['head']
+    params, model_state = base.split_variables(variables)
+    body = {k: v for k, v in params.items() if k != 'head'}
+    loss_fn = contrastive_loss(module, projection, head, names, temperature, supervised)
+    body, model_state, _, metrics = local_train(loss_fn, context.client_optimizer, body,
+                                                model_state, data, jax.random.fold_in(rng, 1),
+                                                context.schedule)
+    variables = {'params': {**body, 'head': head}, **model_state}
+    delta = base.tree_sub(variables, with_head(server_state.variables, head))
+    return ClientOutput(body_only(delta), metrics), head
+
+  def personalize(server_state, head, data, rng):
+    return train_head(with_head(server_state.variables, head), data, rng)[0]
+
+  return FederatedAlgorithm(
+      init=init,
+      init_client_state=lambda server_state: server_state.variables['params']['head'],
+      client_update=client_update,
+      server_update=base.partial_server_update(context.server_optimizer),
+      personalize=personalize, global_model=None)
+
+
+@base.ALGORITHMS.register('fedicon', defaults=DEFAULTS, check=check('fedicon'))
+def fedicon(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  return fedicon_algorithm(hparams, context, supervised=True)
+
+
+@base.ALGORITHMS.register('fedicon_us', defaults=DEFAULTS, check=check('fedicon_us'))
+def fedicon_us(hparams: ml_collections.ConfigDict, context: base.BuildContext
+               ) -> FederatedAlgorithm:
+  """FedICON-us (Table 4): the encoder learns without labels."""
+  return fedicon_algorithm(hparams, context, supervised=False)
