@@ -1,4 +1,20 @@
-"""The FedTHE-style benchmark: label-skewed clients, clean and corrupted test splits."""
+"""The FedTHE-style benchmark: label-skewed clients, each with its own train / val /
+test splits and up to five test sets (FedTHE Sec. 5; REFERENCE.md "FedTHE benchmark"):
+
+  test            in-distribution: the client's own held-out examples
+  test_corrupted  the same under one CIFAR-10-C corruption per client (``corruptions``)
+  test_ooc        out-of-client label shift: the test split of another client (a random
+                  derangement of the clients), so another label distribution
+  test_natural    natural shift: the client's test label counts drawn from another
+                  real source (``natural_source``; 'auto': UCI digits, framed as MNIST's,
+                  for MNIST clients; CIFAR-10.1 through TFDS for CIFAR-10)
+  test_mixture    an equal share of each of the client's other test sets, shuffled
+
+``shift_tests`` chooses among 'ooc', 'natural' and 'mixture' (default none). Every test
+set is disjoint from every client's training data: the partition is disjoint, another
+client's test split is not in anyone's training split, and the natural source is
+another dataset.
+"""
 from __future__ import annotations
 
 import math
@@ -8,7 +24,7 @@ import numpy as np
 
 from fedjax_shift.benchmarks.base import (BENCHMARKS, Benchmark, check_partition, check_source,
                                           load_source, partition)
-from fedjax_shift.data import corruptions, partitions
+from fedjax_shift.data import corruptions, partitions, sources
 from fedjax_shift.data.federated import split_clients, stack_clients
 from fedjax_shift.registry import require
 
@@ -23,10 +39,111 @@ def check(data_config: ml_collections.ConfigDict) -> None:
   for name in data_config.corruptions:
     require(name in corruptions.ALL_CORRUPTIONS, 'data.corruptions',
             f'unknown corruption {name!r}; choose from {list(corruptions.ALL_CORRUPTIONS)}')
+  for name in data_config.shift_tests:
+    require(name in SHIFT_TESTS, 'data.shift_tests',
+            f'unknown test set {name!r}; choose from {list(SHIFT_TESTS)}')
+  if 'natural' in data_config.shift_tests:
+    natural_source(data_config)
   fractions = dict(data_config.split_fractions)
+  require('test' in fractions or not data_config.shift_tests, 'data.shift_tests',
+          f'the shifted test sets are built from each client\'s test split; '
+          f'data.split_fractions has none ({fractions})')
   require('train' in fractions and all(v >= 0 for v in fractions.values()) and
           math.isclose(sum(fractions.values()), 1.0), 'data.split_fractions',
           f'need a "train" split and non-negative fractions summing to 1, got {fractions}')
+
+
+SHIFT_TESTS = ('ooc', 'natural', 'mixture')
+# data.source -> the natural shift 'auto' picks (FedTHE: CIFAR-10 -> CIFAR-10.1).
+NATURAL_SOURCES = {'mnist_embedded': 'uci_digits', 'tfds:mnist': 'uci_digits',
+                   'tfds:cifar10': 'tfds:cifar10_1'}
+
+
+def natural_source(data_config: ml_collections.ConfigDict) -> str:
+  """The natural-shift source of ``data.natural_source`` ('auto' resolved)."""
+  name = data_config.natural_source
+  if name == 'auto':
+    require(data_config.source in NATURAL_SOURCES, 'data.natural_source',
+            f'no natural shift is known for data.source={data_config.source!r} (known: '
+            f'{NATURAL_SOURCES}); name one ("uci_digits" or "tfds:<name>") or leave '
+            f'"natural" out of data.shift_tests')
+    name = NATURAL_SOURCES[data_config.source]
+  require(name == 'uci_digits' or (name.startswith('tfds:') and
+                                   name[5:].split('/')[0] in sources.TFDS_DATASETS),
+          'data.natural_source', f'unknown source {name!r}; choose "auto", "uci_digits" or '
+          f'tfds:<name> with <name> in {sorted(sources.TFDS_DATASETS)}')
+  require(name != data_config.source, 'data.natural_source',
+          f'{name!r} is the training source itself, not a shift')
+  return name
+
+
+def load_natural(data_config: ml_collections.ConfigDict, example_shape) -> sources.Source:
+  """The natural-shift pool shaped like the training examples. A TFDS source that is
+  not prepared offline raises naming ``data.natural_source``."""
+  name = natural_source(data_config)
+  if name == 'uci_digits':
+    src = sources.uci_digits_mnist_frame(example_shape[0])
+  else:
+    try:
+      src = sources.tfds_source(name[5:], 'test', data_config.data_dir or None)
+    except FileNotFoundError as err:
+      raise FileNotFoundError(f'config.data.natural_source={name!r} is not available '
+                              f'offline: {err}') from None
+    if src.x.shape[1] != example_shape[0]:
+      src = sources.Source(sources.resize_images(src.x, example_shape[0], example_shape[1]),
+                           src.y, src.num_classes)
+  x = src.x
+  if x.shape[-1] != example_shape[-1]:
+    x = sources.to_channels(x, example_shape[-1])
+  return sources.Source(x.astype(np.float32), src.y, src.num_classes)
+
+
+def draw_like(labels_per_client, pool_labels: np.ndarray, rng: np.random.Generator):
+  """Per client, indices into the pool with the client's label counts: each class's
+  pool is permuted once and dealt out in order, starting over only when exhausted
+  (so clients share natural examples only when the pool is too small)."""
+  order = {c: rng.permutation(np.flatnonzero(pool_labels == c))
+           for c in np.unique(pool_labels)}
+  cursor = {c: 0 for c in order}
+  drawn = []
+  for labels in labels_per_client:
+    picked = []
+    for c in labels:
+      if c not in order:
+        raise ValueError(f'config.data.natural_source has no example of class {c}')
+      picked.append(order[c][cursor[c] % len(order[c])])
+      cursor[c] += 1
+    drawn.append(np.asarray(picked, np.int64))
+  return drawn
+
+
+def ooc_donors(num_clients: int, rng: np.random.Generator) -> np.ndarray:
+  """A random derangement: client k's out-of-client test set is donors[k] != k's
+  (the identity for a single client, which has no other client)."""
+  if num_clients == 1:
+    return np.zeros(1, np.int64)
+  while True:
+    donors = rng.permutation(num_clients)
+    if np.all(donors != np.arange(num_clients)):
+      return donors
+
+
+def mixture(test_sets, rng: np.random.Generator):
+  """Per client, round(n_s / S) random examples of each of its S test sets s, shuffled:
+  ([x_k], [y_k])."""
+  xs, ys = [], []
+  for k in range(len(test_sets[0][0])):
+    parts_x, parts_y = [], []
+    for set_x, set_y in test_sets:
+      n = len(set_y[k])
+      take = rng.permutation(n)[:int(round(n / len(test_sets)))]
+      parts_x.append(set_x[k][take])
+      parts_y.append(set_y[k][take])
+    x, y = np.concatenate(parts_x), np.concatenate(parts_y)
+    order = rng.permutation(len(y))
+    xs.append(x[order])
+    ys.append(y[order])
+  return xs, ys
 
 
 @BENCHMARKS.register('label_skew_corrupted', defaults={
@@ -34,6 +151,8 @@ def check(data_config: ml_collections.ConfigDict) -> None:
     'corruptions': ('gaussian_noise', 'shot_noise', 'impulse_noise', 'defocus_blur',
                     'motion_blur', 'contrast', 'elastic_transform', 'pixelate'),
     'severity': 5,                    # FedTHE corrupted test set: severity 5
+    'shift_tests': (),                # any of 'ooc', 'natural', 'mixture' (FedTHE's five)
+    'natural_source': 'auto',         # test_natural's source ('auto': by data.source)
 }, check=check, pipelines=('federated',))
 def label_skew_corrupted(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """Label-skewed clients evaluated on clean and corrupted test splits (FedTHE-style).
@@ -65,5 +184,27 @@ def label_skew_corrupted(data_config: ml_collections.ConfigDict, seed: int) -> B
     splits['test_corrupted'] = stack_clients(corrupted, ys, example_shape=example_shape)
     info['corruption_per_client'] = per_client
     info['severity'] = severity
+  shift_tests = tuple(data_config.shift_tests)
+  if shift_tests:
+    # A generator of its own, so the splits above stay those of runs without these sets.
+    shift_rng = np.random.default_rng([seed, 41])
+    test_sets = {'test': splits_xy['test']}
+    if 'test_corrupted' in splits:
+      test_sets['test_corrupted'] = (corrupted, splits_xy['test'][1])
+    if 'ooc' in shift_tests:
+      donors = ooc_donors(len(parts), shift_rng)
+      xs, ys = splits_xy['test']
+      test_sets['test_ooc'] = ([xs[d] for d in donors], [ys[d] for d in donors])
+      info['ooc_donors'] = donors.tolist()
+    if 'natural' in shift_tests:
+      pool = load_natural(data_config, example_shape)
+      drawn = draw_like(splits_xy['test'][1], pool.y, shift_rng)
+      test_sets['test_natural'] = ([pool.x[i] for i in drawn], [pool.y[i] for i in drawn])
+      info['natural_source'] = natural_source(data_config)
+    if 'mixture' in shift_tests:
+      test_sets['test_mixture'] = mixture(list(test_sets.values()), shift_rng)
+    for name, (xs, ys) in test_sets.items():
+      if name not in splits:
+        splits[name] = stack_clients(xs, ys, example_shape=example_shape)
   return Benchmark(splits, src.num_classes, tuple(example_shape), info)
 

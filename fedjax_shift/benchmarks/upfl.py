@@ -129,14 +129,11 @@ def public_set(data_config: ml_collections.ConfigDict, info: dict):
   if public['source'] == 'holdout':
     src = load_source(data_config)
     return src.x[indices], src.y[indices]
-  inner = int(round(size * 20 / 28))
-  margin = (size - inner) // 2
-  src = sources.uci_digits(size=inner)
-  x = np.pad(src.x[indices], ((0, 0), (margin, size - inner - margin),
-                              (margin, size - inner - margin), (0, 0)))
+  src = sources.uci_digits_mnist_frame(size)
+  x = src.x[indices]
   if data_config.channels:
     x = sources.to_channels(x, data_config.channels)
-  return x.astype(np.float32), src.y[indices]
+  return x, src.y[indices]
 
 
 def rotated(xs, angles):

@@ -63,6 +63,17 @@ def uci_digits(size: int = 28) -> Source:
   return Source(x, digits.target.astype(np.int32), 10)
 
 
+def uci_digits_mnist_frame(size: int = 28) -> Source:
+  """The UCI digits framed as MNIST's: each digit resized to the central 20/28 of a
+  size² image with a zero margin (MNIST centres its digits in a 20×20 box)."""
+  inner = int(round(size * 20 / 28))
+  margin = (size - inner) // 2
+  src = uci_digits(size=inner)
+  x = np.pad(src.x, ((0, 0), (margin, size - inner - margin),
+                     (margin, size - inner - margin), (0, 0)))
+  return Source(x.astype(np.float32), src.y, src.num_classes)
+
+
 def circle(num_domains: int = 30, points_per_domain: int = 100, seed: int = 0):
   """Synthetic Circle (CIDA, Wang et al. 2020; FedEvolve Sec. 5).
 

@@ -1,0 +1,193 @@
+"""FedTHE's test-time head ensemble (Jiang & Lin, ICLR 2023; the authors' THE_worker)
+and FedTHE+ (the ensemble followed by MEMO-style fine-tuning), on models trained by
+``algorithms/fedthe.py``.
+
+Per test batch, for every sample i with encoder feature f_i, global-head logits g_i
+and personal-head logits p_i:
+
+  history  h_i = α f_i + (1 − α) h_{i−1} over the test stream (α = 0.1), h_0 = f_0
+  feature  r_i = β f_i + (1 − β) h_i (β = 0.3)
+  ensemble ŷ_i = e_i g_i + (1 − e_i) p_i, (e_i, 1 − e_i) = softmax(w_i), w_i = log(½, ½)
+  loss     mean_i  s_i H(softmax ŷ_i) + (1 − s_i)(e_i ‖r_i − f_G‖ + (1 − e_i) ‖r_i − f_k‖)
+           with s_i = cos(softmax g_i, softmax p_i) (no gradient)
+
+``steps`` Adam steps (lr 0.1: 10× the round's lr in the authors' code) on w, stopping
+once its gradient norm is below 1e-5; the prediction is ŷ with the learned e. Run it
+in mode 'online' so the history carries over batches (the weights w restart at every
+batch, as in the authors' code). ``initial_global_weight`` sets e before the steps; with
+``steps = 0`` the prediction is that fixed mixture (1: the global head, 0: the personal
+head).
+
+FedTHE+ (``tune_steps`` > 0): then, per sample with its e fixed, ``tune_steps`` SGD
+steps (lr 0.0005) on the marginal entropy of ŷ over ``num_augmentations`` = 16
+augmentations, tuning the encoder and both heads, restarting from the trained model for
+every sample; the sample is predicted with its tuned model.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_shift import models
+from fedjax_shift.adapters.common import entropy
+from fedjax_shift.adapters.memo import marginal_entropy
+from fedjax_shift.algorithms.fedthe import EXTRA
+from fedjax_shift.core.local import masked_mean
+from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.data.augment import augment_many
+
+GRADIENT_TOLERANCE = 1e-5   # authors' code: stop when ‖∇w‖ < 1e-5
+
+
+class EnsembleState(NamedTuple):
+  variables: dict
+  history: jax.Array       # [F] h of the last test sample seen
+  has_history: jax.Array   # [] bool
+  rng: jax.Array
+
+
+def ensemble_logits(global_logits, personal_logits, global_weight):
+  """ŷ = e g + (1 − e) p. global_weight: [B] (or scalar) e."""
+  weight = jnp.asarray(global_weight)[..., None]
+  return weight * global_logits + (1.0 - weight) * personal_logits
+
+
+def two_heads(module, variables, x):
+  """(features [B, F], global-head logits [B, C], personal-head logits [B, C])."""
+  features = models.features(module, variables, x)
+  return (features, models.head({'params': {'head': variables[EXTRA]['global_head']}}, features),
+          models.head(variables, features))
+
+
+def feature_history(features, weight, history, has_history, alpha: float):
+  """h over the batch (rows with weight 0 leave it unchanged): ([B, F], last h, has)."""
+
+  def body(carry, row):
+    last, has = carry
+    feature, real = row
+    new = jnp.where(has, alpha * feature + (1.0 - alpha) * last, feature)
+    new = jnp.where(real > 0, new, last)
+    has = has | (real > 0)
+    return (new, has), new
+
+  (last, has), per_row = jax.lax.scan(body, (history, has_history), (features, weight))
+  return per_row, last, has
+
+
+def fedthe_adapter(module, learning_rate: float = 0.1, steps: int = 20, alpha: float = 0.1,
+                   beta: float = 0.3, initial_global_weight: float = 0.5, tune_steps: int = 0,
+                   tune_learning_rate: float = 0.0005, num_augmentations: int = 16,
+                   name: str = 'fedthe') -> Adapter:
+  field = f'config.adapters.{name}'
+  if steps < 0 or tune_steps < 0:
+    raise ValueError(f'{field}.steps and .tune_steps must be >= 0, got {steps}, {tune_steps}')
+  if not 0.0 <= initial_global_weight <= 1.0:
+    raise ValueError(f'{field}.initial_global_weight must be in [0, 1], got '
+                     f'{initial_global_weight}')
+  opt = optax.adam(learning_rate)
+  initial = jnp.log(jnp.array([initial_global_weight, 1.0 - initial_global_weight]))
+
+  def init(variables, rng):
+    if EXTRA not in variables:
+      raise ValueError(f'the {name} adapter needs a model trained by fedthe (it has no '
+                       f'global head, client feature and global feature)')
+    width = variables[EXTRA]['local_feature'].shape[-1]
+    return EnsembleState(variables, jnp.zeros((width,)), jnp.asarray(False), rng)
+
+  def learn_weights(features, g, p, history, weight, extra):
+    rep = beta * features + (1.0 - beta) * history
+    global_gap = jnp.linalg.norm(rep - extra['global_feature'], axis=-1)
+    local_gap = jnp.linalg.norm(rep - extra['local_feature'], axis=-1)
+    g_prob, p_prob = jax.nn.softmax(g), jax.nn.softmax(p)
+    sim = jnp.sum(g_prob * p_prob, -1) / jnp.maximum(
+        jnp.linalg.norm(g_prob, axis=-1) * jnp.linalg.norm(p_prob, axis=-1), 1e-6)
+
+    def loss_fn(w):
+      e = jax.nn.softmax(w)
+      mixed = ensemble_logits(g, p, e[:, 0])
+      per_sample = sim * entropy(mixed) + (1.0 - sim) * (e[:, 0] * global_gap +
+                                                        e[:, 1] * local_gap)
+      return masked_mean(per_sample, weight)
+
+    def body(carry, _):
+      w, opt_state, done = carry
+      grads = jax.grad(loss_fn)(w)
+      done = done | (optax.global_norm(grads) < GRADIENT_TOLERANCE)
+      updates, new_opt_state = opt.update(grads, opt_state, w)
+      new_w = optax.apply_updates(w, updates)
+      keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(done, b, a), new, old)
+      return (keep(new_w, w), keep(new_opt_state, opt_state), done), None
+
+    w = jnp.broadcast_to(initial, (features.shape[0], 2))
+    if steps:
+      (w, _, _), _ = jax.lax.scan(body, (w, opt.init(w), jnp.asarray(False)), None,
+                                  length=steps)
+    return jax.nn.softmax(w)[:, 0]
+
+  def tune_one(variables, x, global_weight, key):
+    """FedTHE+: the sample's prediction after ``tune_steps`` marginal-entropy steps."""
+    tuned = {'params': variables['params'], 'global_head': variables[EXTRA]['global_head']}
+    rest = {k: v for k, v in variables.items() if k != 'params'}
+
+    def assemble(tuned):
+      return {**rest, 'params': tuned['params'],
+              EXTRA: {**variables[EXTRA], 'global_head': tuned['global_head']}}
+
+    for index in range(tune_steps):
+      views = augment_many(jax.random.fold_in(key, index), x, num_augmentations)
+      loss = lambda t: marginal_entropy(ensemble_logits(*two_heads(module, assemble(t), views)[1:],
+                                                        global_weight))
+      grads = jax.grad(loss)(tuned)
+      tuned = jax.tree.map(lambda a, b: a - tune_learning_rate * b, tuned, grads)
+    _, g, p = two_heads(module, assemble(tuned), x[None])
+    return ensemble_logits(g, p, global_weight)[0]
+
+  def step(state: EnsembleState, batch):
+    rng, tune_key = jax.random.split(state.rng)
+    variables = state.variables
+    features, g, p = two_heads(module, variables, batch.x)
+    per_row, history, has_history = feature_history(features, batch.weight, state.history,
+                                                    state.has_history, alpha)
+    global_weight = learn_weights(features, g, p, per_row, batch.weight, variables[EXTRA])
+    if tune_steps:
+      keys = jax.random.split(tune_key, batch.x.shape[0])
+      logits = jax.vmap(tune_one, (None, 0, 0, 0))(variables, batch.x, global_weight, keys)
+    else:
+      logits = ensemble_logits(g, p, global_weight)
+    return EnsembleState(variables, history, has_history, rng), logits
+
+  return Adapter(init, step)
+
+
+DEFAULTS = {
+    'learning_rate': 0.1,             # authors' code: Adam, 10 × lr (0.01)
+    'steps': 20,                      # authors' code: THE_steps = 20
+    'alpha': 0.1,                     # authors' code: THE_alpha (history EMA)
+    'beta': 0.3,                      # authors' code: test feature vs history (β = 0.3)
+    'initial_global_weight': 0.5,     # authors' code: softmax of (1, 1)
+}
+
+
+@ADAPTERS.register('fedthe', defaults={**DEFAULTS, 'tune_steps': 0},
+                   trained_by=('fedthe',))
+def build_fedthe(module, hparams, context: SourceContext) -> Adapter:
+  """FedTHE: the learned two-head ensemble, from ``config.adapters.fedthe``."""
+  del context
+  return fedthe_adapter(module, hparams.learning_rate, hparams.steps, hparams.alpha,
+                        hparams.beta, hparams.initial_global_weight, hparams.tune_steps)
+
+
+@ADAPTERS.register('fedthe_plus', defaults={
+    **DEFAULTS,
+    'tune_steps': 3,                  # authors' code: _test_time_tune num_steps = 3
+    'tune_learning_rate': 0.0005,     # authors' code: SGD lr 0.0005
+    'num_augmentations': 16}, trained_by=('fedthe',))
+def build_fedthe_plus(module, hparams, context: SourceContext) -> Adapter:
+  """FedTHE+: the ensemble, then per-sample marginal-entropy tuning."""
+  del context
+  return fedthe_adapter(module, hparams.learning_rate, hparams.steps, hparams.alpha,
+                        hparams.beta, hparams.initial_global_weight, hparams.tune_steps,
+                        hparams.tune_learning_rate, hparams.num_augmentations, 'fedthe_plus')
