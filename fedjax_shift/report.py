@@ -323,3 +323,51 @@ def fedtta_tables(config, results: List[Dict]) -> str:
           '\n\nThe same at each run\'s evaluated round of best validation accuracy (the '
           'paper\'s protocol; every config.eval_every rounds)\n\n' +
           upfl_table({'run': results}, config.data.source, best_validation=True))
+
+
+# FedICON Tables 1–5 rows (fedicon.txt Sec. 5.1): (label, method, model key). Tent, EATA
+# and T3A adapt FedAvg's global model ("we implement these TTA methods with the FedAvg
+# framework"); FedTHE / FedTHE+ ensemble FedTHE's two heads; FedICON adapts each
+# client's personalised model by Eq. 7.
+FEDICON_ROWS = (
+    ('Local', 'local', 'personalized'),
+    ('FedAvg', 'fedavg', 'global'),
+    ('FedAvg-FT', 'fedavg_ft', 'personalized'),
+    ('FedProx', 'fedprox', 'global'),
+    ('FedRep', 'fedrep', 'personalized'),
+    ('FedBN', 'fedbn', 'personalized'),
+    ('FedTHE', 'fedthe', 'personalized+fedthe'),
+    ('FedTHE+', 'fedthe', 'personalized+fedthe_plus'),
+    ('Tent', 'fedavg', 'global+tent'),
+    ('EATA', 'fedavg', 'global+eata'),
+    ('T3A', 'fedavg', 'global+t3a'),
+    ('FedICON', 'fedicon', 'personalized+fedicon'),
+    ('FedICON-us', 'fedicon_us', 'personalized+fedicon'),
+)
+# The FedTHE-style test sets (benchmarks/label_skew.py), in the papers' column order.
+FEDICON_COLUMNS = (('test', 'In-distribution'), ('test_corrupted', 'Corrupted'),
+                   ('test_ooc', 'Out-of-client'), ('test_natural', 'Natural shift'),
+                   ('test_mixture', 'Mixture'))
+
+
+def fedicon_table(results: List[Dict]) -> str:
+  """FedICON's layout: rows = FEDICON_ROWS that were run, columns = the test sets the
+  runs have; accuracy (%) over each test set's examples, mean ± std over seeds."""
+  columns = [(split, label) for split, label in FEDICON_COLUMNS
+             if any(f'{model}/{split}/accuracy' in r['metrics']
+                    for r in results for _, _, model in FEDICON_ROWS)]
+  rows = []
+  for label, method, model in FEDICON_ROWS:
+    runs = [r for r in results if r['algorithm'] == method]
+    if not runs or not any(k.startswith(model + '/') for r in runs for k in r['metrics']):
+      continue
+    rows.append([label] + [mean_std([r['metrics'].get(f'{model}/{split}/accuracy')
+                                     for r in runs]) for split, _ in columns] +
+                [seeds_cell(runs)])
+  return _markdown(['Method'] + [label for _, label in columns] + ['seeds'], rows)
+
+
+def fedicon_tables(config, results: List[Dict]) -> str:
+  """What launch/train.py prints for a configs/fedicon.py run."""
+  return ('FedICON Tables 1–5 layout: accuracy (%) on each client\'s test sets (all '
+          'examples pooled), mean ± std over seeds; last round\n\n' + fedicon_table(results))

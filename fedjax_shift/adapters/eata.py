@@ -106,6 +106,11 @@ def eata(module, num_classes: int, fisher=None, learning_rate: float = 0.005,
     'predict': 'before'})
 def build_eata(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.eata``."""
+  if hparams.fisher_weight and context.source_x is None:
+    raise ValueError('config.adapters.eata.fisher_weight: the Fisher regulariser needs '
+                     'labelled source data, which this pipeline does not give its adapters '
+                     '(the federated pipeline\'s eval_adapters); set it to 0 (EATA without '
+                     'the regulariser)')
   fisher = fisher_information(module, context.variables,
                               context.source_x[:hparams.fisher_samples]
                               ) if hparams.fisher_weight else None

@@ -172,7 +172,7 @@ DEFAULTS = {
 
 
 @ADAPTERS.register('fedthe', defaults={**DEFAULTS, 'tune_steps': 0},
-                   trained_by=('fedthe',))
+                   trained_by=('fedthe',), adapts_models=('personalized',))
 def build_fedthe(module, hparams, context: SourceContext) -> Adapter:
   """FedTHE: the learned two-head ensemble, from ``config.adapters.fedthe``."""
   del context
@@ -184,7 +184,7 @@ def build_fedthe(module, hparams, context: SourceContext) -> Adapter:
     **DEFAULTS,
     'tune_steps': 3,                  # authors' code: _test_time_tune num_steps = 3
     'tune_learning_rate': 0.0005,     # authors' code: SGD lr 0.0005
-    'num_augmentations': 16}, trained_by=('fedthe',))
+    'num_augmentations': 16}, trained_by=('fedthe',), adapts_models=('personalized',))
 def build_fedthe_plus(module, hparams, context: SourceContext) -> Adapter:
   """FedTHE+: the ensemble, then per-sample marginal-entropy tuning."""
   del context

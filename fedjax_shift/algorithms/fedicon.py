@@ -6,8 +6,10 @@
              leaves the client
     two random views of every example (data/augment.py ``two_views``)
     z = normalise(g(h(x; θ_i))), the encoder h and a projection g to 64 numbers (Eq. 3)
-    θ_i, g_i ← E = ``client.local_epochs`` of SGD (lr 0.005) on L_sup (Eq. 4, SupCon,
-             τ = 0.1) over the 2B views of each batch
+    θ_i, g_i ← E = ``client.local_epochs`` of SGD (``learning_rate`` 0.005) on L_sup
+             (Eq. 4, SupCon, τ = 0.1) over the 2B views of each batch of
+             ``client.batch_size`` (the config.client optimizer is not used: the paper
+             gives the contrastive loss its own rate)
   server (Eq. 6): θ ← Σ_i |D_i|/N θ_i, and g likewise (the engine's weighted mean)
   personalised model: the global encoder with the client's head, fine-tuned for
     ``head_epochs`` on it ("then personalize the classifier for each client", Sec. 4.1.2)
@@ -127,6 +129,10 @@ def check(section: str):
             f'must be > 0, got {hparams.temperature}')
     require(hparams.projection_dim >= 1, f'{section}.projection_dim',
             f'must be >= 1, got {hparams.projection_dim}')
+    require(hparams.learning_rate > 0 and hparams.head_learning_rate > 0,
+            f'{section}.learning_rate',
+            f'learning_rate and head_learning_rate must be > 0, got {hparams.learning_rate}, '
+            f'{hparams.head_learning_rate}')
     require(hparams.head_epochs >= 1, f'{section}.head_epochs',
             f'must be >= 1, got {hparams.head_epochs}')
 
@@ -136,8 +142,9 @@ def check(section: str):
 DEFAULTS = {
     'temperature': 0.1,               # Sec. 5.1: τ = 0.1 (Digit-5, Office-10, CIFAR-10)
     'projection_dim': 64,             # Sec. 5.1: representation size 64
+    'learning_rate': 0.005,           # Sec. 5.1: SGD lr 0.005 for the contrastive loss
     'head_learning_rate': 0.01,       # Sec. 5.1: lr 0.01 for the CE (head) loss
-    'head_weight_decay': 5e-4,        # Sec. 5.1: SGD weight decay 5e-4
+    'weight_decay': 5e-4,             # Sec. 5.1: SGD weight decay 5e-4 (both)
     'head_epochs': 1,                 # epochs of head training per round and to personalise
     # SimCLR's chain without the flip (digits): data/augment.py VIEW_AUGMENTATIONS.
     'augmentations': ('random_resized_crop', 'colour_jitter', 'grayscale', 'gaussian_blur'),
@@ -151,9 +158,10 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
                      f'contrastive loss needs at least {MIN_BATCH} examples per batch')
   module, projection = context.module, Projection(hparams.projection_dim)
   names, temperature = tuple(hparams.augmentations), hparams.temperature
-  head_context = context._replace(client_optimizer=optax.chain(
-      optax.add_decayed_weights(hparams.head_weight_decay),
-      optax.sgd(hparams.head_learning_rate)))
+  sgd = lambda rate: optax.chain(optax.add_decayed_weights(hparams.weight_decay),
+                                 optax.sgd(rate))
+  head_context = context._replace(client_optimizer=sgd(hparams.head_learning_rate))
+  contrastive_optimizer = sgd(hparams.learning_rate)
 
   def init(rng, example_x):
     model_key, projection_key = jax.random.split(rng)
@@ -174,7 +182,7 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
     params, model_state = base.split_variables(variables)
     body = {k: v for k, v in params.items() if k != 'head'}
     loss_fn = contrastive_loss(module, projection, head, names, temperature, supervised)
-    body, model_state, _, metrics = local_train(loss_fn, context.client_optimizer, body,
+    body, model_state, _, metrics = local_train(loss_fn, contrastive_optimizer, body,
                                                 model_state, data, jax.random.fold_in(rng, 1),
                                                 context.schedule)
     variables = {'params': {**body, 'head': head}, **model_state}

@@ -134,13 +134,16 @@ def build_new_client_evaluate(algorithm: FederatedAlgorithm, module, batch_size:
 
 
 def build_adapted_evaluate(algorithm: FederatedAlgorithm, runners: Dict[str, Any],
-                           global_only: Sequence[str] = ()):
+                           global_only: Sequence[str] = (),
+                           models_of: Dict[str, Sequence[str]] | None = None):
   """Test-time adaptation on top of the trained models (FedEvolve's MEMO(G),
   MEMO(P), T3A on FedAvg-FT): ``runners`` maps a name to a
   ``core.test_time.client_runner``. Returns jitted ``evaluate_chunk`` with the
   signature of ``build_evaluate``'s, giving {'<model>+<name>': {split: sums [C]}} for
-  model 'global' and/or 'personalized' (not on the ``global_only`` splits); client
-  k's adapter key is ``fold_in(key, k)``."""
+  model 'global' and/or 'personalized' (not on the ``global_only`` splits; only the
+  models ``models_of[name]`` names, when given: FedTHE's ensemble needs the personal
+  head); client k's adapter key is ``fold_in(key, k)``."""
+  models_of = models_of or {}
 
   def one_client(server_state, client_state, train: FederatedData,
                  splits: Dict[str, FederatedData], client_id, key):
@@ -154,6 +157,8 @@ def build_adapted_evaluate(algorithm: FederatedAlgorithm, runners: Dict[str, Any
     adapt_key = jax.random.fold_in(jax.random.fold_in(key, 1), client_id)
     for model, variables in models_to_adapt.items():
       for name, run_one in runners.items():
+        if model not in models_of.get(name, (model,)):
+          continue
         results[f'{model}+{name}'] = {
             split: {k: v for k, v in run_one(variables, s.x, s.y, s.num_examples,
                                              adapt_key).items() if k != 'predictions'}

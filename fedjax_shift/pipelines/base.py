@@ -151,7 +151,7 @@ def check_finite(config: ml_collections.ConfigDict, prefix: str = '') -> None:
               f'must be a finite number, got {value}')
 
 
-PAPER_TABLES = ('', 'fedevolve', 'fedtta')   # config.paper_tables (federated pipeline)
+PAPER_TABLES = ('', 'fedevolve', 'fedtta', 'fedicon')   # config.paper_tables (federated pipeline)
 
 
 def adapts(adapter: str, algorithm: str) -> bool:

@@ -114,7 +114,9 @@ def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: 
   for name, mode in specs:
     adapter = ADAPTERS.get(name, 'config.eval_adapters')(module, config.adapters[name], context)
     runners[name] = client_runner(adapter, config.eval_adapter_batch_size, mode)
-  return evaluation.build_adapted_evaluate(algorithm, runners, global_only)
+  models_of = {name: ADAPTERS.meta(name)['adapts_models'] for name in runners
+               if 'adapts_models' in ADAPTERS.meta(name)}
+  return evaluation.build_adapted_evaluate(algorithm, runners, global_only, models_of)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
@@ -427,6 +429,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
     paper_tables = report.fedevolve_tables(config, results)
   elif config.paper_tables == 'fedtta':
     paper_tables = report.fedtta_tables(config, results)
+  elif config.paper_tables == 'fedicon':
+    paper_tables = report.fedicon_tables(config, results)
   files = (report.write_csv(table, os.path.join(workdir, 'results.csv')),
            report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png')))
   tables = (table['markdown'],) + ((paper_tables,) if paper_tables else ())
