@@ -1,0 +1,351 @@
+"""FedICON (SupCon encoder, personal heads, contrastive test-time adaptation), FedTHE
+(two heads, test-time ensemble) and the FedTHE-style shifted test sets."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_shift import algorithms, models, report
+from fedjax_shift.adapters import fedicon as fedicon_adapter
+from fedjax_shift.adapters import fedthe as fedthe_adapter
+from fedjax_shift.algorithms.fedicon import supcon_loss
+from fedjax_shift.benchmarks import BENCHMARKS, label_skew
+from fedjax_shift.core.algorithm import ClientData
+from fedjax_shift.core.evaluation import personalized_variables
+from fedjax_shift.core.round import RoundConfig, build_round, stack_client_states
+from fedjax_shift.core.test_time import AdaptBatch, build_test_time
+from fedjax_shift.data import augment
+from tests.helpers import data_config, tiny_config, toy_clients
+
+NUM_CLASSES = 3
+
+
+def direct_supcon(z, labels, weight, temperature, memory=None, memory_valid=None):
+  """Eq. 4 written pair by pair (numpy loops): the reference for ``supcon_loss``."""
+  z = np.asarray(z, np.float64)
+  total, anchors = 0.0, 0
+  for a in range(len(z)):
+    if weight[a] <= 0:
+      continue
+    others = [b for b in range(len(z)) if b != a and weight[b] > 0]
+    denominator = sum(np.exp(z[a] @ z[b] / temperature) for b in others)
+    if memory is not None:
+      denominator += sum(np.exp(z[a] @ m / temperature)
+                         for m, ok in zip(np.asarray(memory, np.float64), memory_valid) if ok)
+    positives = [p for p in others if labels[p] == labels[a]]
+    if not positives:
+      continue
+    total += -np.mean([np.log(np.exp(z[a] @ z[p] / temperature) / denominator)
+                       for p in positives])
+    anchors += 1
+  return total / max(anchors, 1)
+
+
+def normalised(key, shape):
+  z = jax.random.normal(key, shape)
+  return z / jnp.linalg.norm(z, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize('labels,weight', [
+    ([0, 1, 0, 2, 1, 0, 1, 0, 2, 1], [1, 1, 1, 0, 1, 1, 1, 1, 0, 1]),   # padding included
+    ([4, 4, 4, 4, 4, 4], [1, 1, 1, 1, 1, 1]),          # one class: every view a positive
+    ([0, 1, 2, 0, 1, 2], [1, 1, 1, 1, 1, 1]),          # FedICON-us / Eq. 7: instance labels
+    ([0, 1, 2, 3], [1, 0, 1, 1]),                      # anchors without a positive skipped
+])
+def test_supcon_equals_the_pairwise_definition(labels, weight):
+  z = normalised(jax.random.key(0), (len(labels), 5))
+  got = supcon_loss(z, jnp.asarray(labels), jnp.asarray(weight, jnp.float32), 0.1)
+  np.testing.assert_allclose(float(got), direct_supcon(z, labels, weight, 0.1), rtol=1e-5)
+
+
+def test_supcon_with_memory_adds_only_negatives():
+  z = normalised(jax.random.key(1), (6, 4))
+  memory = normalised(jax.random.key(2), (5, 4))
+  valid = np.array([True, False, True, True, False])
+  labels, weight = [0, 1, 2, 0, 1, 2], [1.0] * 6
+  got = supcon_loss(z, jnp.asarray(labels), jnp.asarray(weight), 0.5, memory, jnp.asarray(valid))
+  np.testing.assert_allclose(float(got), direct_supcon(z, labels, weight, 0.5, memory, valid),
+                             rtol=1e-5)
+
+
+def test_all_padding_batch_gives_zero_loss_and_finite_gradient():
+  z = normalised(jax.random.key(3), (6, 4))
+  loss, grad = jax.value_and_grad(lambda z: supcon_loss(z, jnp.zeros(6, jnp.int32),
+                                                        jnp.zeros(6), 0.1))(z)
+  assert float(loss) == 0.0
+  assert np.all(np.isfinite(np.asarray(grad))) and float(jnp.abs(grad).max()) == 0.0
+
+
+# --- augmentations -------------------------------------------------------------------
+
+def test_view_augmentations_keep_shape_and_range_and_follow_the_key():
+  x = jax.random.uniform(jax.random.key(0), (3, 12, 12, 3))
+  names = augment.VIEW_AUGMENTATIONS.names()
+  views = jax.jit(lambda k, x: augment.two_views(k, x, names))(jax.random.key(1), x)
+  chex.assert_shape(views, (6, 12, 12, 3))
+  assert float(views.min()) >= 0.0 and float(views.max()) <= 1.0
+  again = augment.two_views(jax.random.key(1), x, names)
+  np.testing.assert_allclose(views, again, atol=1e-6)
+  assert not np.allclose(views[:3], views[3:])     # the two views differ
+
+
+def test_flip_mirrors_and_grayscale_equalises_channels():
+  image = jax.random.uniform(jax.random.key(0), (5, 7, 3))
+  flips = [augment.horizontal_flip(jax.random.key(k), image) for k in range(16)]
+  assert all(np.allclose(f, image) or np.allclose(f, image[:, ::-1]) for f in flips)
+  assert any(np.allclose(f, image[:, ::-1]) for f in flips)
+  grays = [augment.grayscale(jax.random.key(k), image) for k in range(32)]
+  changed = [g for g in grays if not np.allclose(g, image)]
+  assert changed and all(np.allclose(g[..., 0], g[..., 1]) for g in changed)
+
+
+def test_unknown_augmentation_names_the_field():
+  config = tiny_config(**{'algorithms': ('fedicon',)})
+  config.fedicon.augmentations = ('random_resized_crop', 'solarize')
+  with pytest.raises(ValueError, match=r'fedicon\.augmentations.*solarize'):
+    algorithms.base.ALGORITHMS.check('fedicon', config.fedicon, 'config.fedicon')
+
+
+# --- FedICON and FedTHE training -----------------------------------------------------
+
+def build(name, data, **fields):
+  config = tiny_config(**{'model.name': 'bn_mlp', 'model.hidden': (16,),
+                          'client.batch_size': 4, **fields})
+  module = models.create(config.model, NUM_CLASSES)
+  algorithm = algorithms.build(name, config, module, data.max_examples, {}, data.num_clients,
+                               data.x.shape[2:])
+  server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
+  return config, module, algorithm, server
+
+
+def test_batch_of_one_is_refused_naming_the_field():
+  data, _, _ = toy_clients([6, 5], num_classes=NUM_CLASSES)
+  with pytest.raises(ValueError, match='client.batch_size=1'):
+    build('fedicon', data, **{'client.batch_size': 1})
+
+
+@pytest.mark.parametrize('name', ['fedicon', 'fedicon_us', 'fedthe'])
+def test_personal_heads_never_reach_the_server(name):
+  data, _, _ = toy_clients([6, 5, 7], num_classes=NUM_CLASSES)
+  _, _, algorithm, server = build(name, data)
+  states = stack_client_states(algorithm, server, 3)
+  other = jax.tree.map(lambda a: a + jax.random.normal(jax.random.key(9), a.shape), states)
+  if name == 'fedthe':   # its client features are recomputed each round; heads are not
+    other = states._replace(head=other.head)
+  round_fn = build_round(algorithm, RoundConfig(cohort_size=3))[1]
+  ids, key = jnp.arange(3), jax.random.key(4)
+  a = round_fn(server, states, data, ids, key)
+  b = round_fn(server, other, data, ids, key)
+  chex.assert_trees_all_close(a.server_state, b.server_state, atol=0)
+  heads_a = a.client_states if name != 'fedthe' else a.client_states.head
+  heads_b = b.client_states if name != 'fedthe' else b.client_states.head
+  assert not np.allclose(jax.tree.leaves(heads_a)[0], jax.tree.leaves(heads_b)[0])
+
+
+def test_fedicon_uploads_encoder_and_projection_not_head():
+  data, _, _ = toy_clients([6, 5], num_classes=NUM_CLASSES)
+  _, _, algorithm, server = build('fedicon', data)
+  states = stack_client_states(algorithm, server, 2)
+  one = jax.tree.map(lambda a: jnp.asarray(a[0]), data)
+  output, _ = algorithm.client_update(
+      server, jax.tree.map(lambda a: a[0], states),
+      ClientData(one.x, one.y, one.mask, one.num_examples, jnp.int32(10 ** 6)),
+      jax.random.key(1))
+  sent = {path[1] for path in output.update}
+  assert sent == {'encoder', 'projection'}
+
+
+def test_fedthe_global_feature_is_the_weighted_mean_of_client_features():
+  data, _, _ = toy_clients([6, 2, 7], num_classes=NUM_CLASSES)
+  _, module, algorithm, server = build('fedthe', data)
+  states = stack_client_states(algorithm, server, 3)
+  out = build_round(algorithm, RoundConfig(cohort_size=3))[1](server, states, data,
+                                                               jnp.arange(3), jax.random.key(2))
+  weights = np.array([6, 2, 7]) / 15
+  expected = np.tensordot(weights, np.asarray(out.client_states.feature), axes=1)
+  np.testing.assert_allclose(out.server_state.global_feature, expected, rtol=1e-5)
+
+
+# --- test-time adapters --------------------------------------------------------------
+
+def trained(name, **fields):
+  data, _, _ = toy_clients([12, 10], num_classes=NUM_CLASSES)
+  config, module, algorithm, server = build(name, data, **fields)
+  states = stack_client_states(algorithm, server, 2)
+  out = build_round(algorithm, RoundConfig(cohort_size=2))[1](server, states, data,
+                                                               jnp.arange(2), jax.random.key(3))
+  variables = personalized_variables(algorithm, out.server_state,
+                                     jax.tree.map(lambda a: a[0], out.client_states),
+                                     jax.tree.map(lambda a: jnp.asarray(a[0]), data), 0,
+                                     jax.random.key(5))
+  return config, module, variables, data
+
+
+def test_online_contrastive_tta_with_empty_memory_equals_batch_variant_on_first_batch():
+  config, module, variables, data = trained('fedicon')
+  adapter = fedicon_adapter.fedicon_tta(module, memory_size=8, batch_size=4)
+  online = build_test_time(adapter, 4, 'online')(variables, data, jax.random.key(1))
+  episodic = build_test_time(adapter, 4, 'episodic')(variables, data, jax.random.key(1))
+  np.testing.assert_array_equal(online['predictions'][:, :4], episodic['predictions'][:, :4])
+  # After a batch the memory holds its four features (negatives for the next one).
+  state, _ = adapter.step(adapter.init(variables, jax.random.key(0)),
+                          AdaptBatch(jnp.asarray(data.x[0, :4]), jnp.ones(4)))
+  assert int(state.memory_valid.sum()) == 4
+
+
+def test_fedicon_memory_is_first_in_first_out():
+  memory, valid = jnp.zeros((4, 2)), jnp.zeros((4,), bool)
+  rows = jnp.arange(6, dtype=jnp.float32).reshape(3, 2)
+  memory, valid, slot = fedicon_adapter.write_memory(memory, valid, jnp.int32(3), rows,
+                                                     jnp.array([1.0, 0.0, 1.0]))
+  np.testing.assert_array_equal(memory, [[4, 5], [0, 0], [0, 0], [0, 1]])
+  np.testing.assert_array_equal(valid, [True, False, False, True])
+  assert int(slot) == 1
+
+
+def test_fedicon_adapter_refuses_models_without_projection_and_bad_sizes():
+  config, module, variables, data = trained('fedthe')
+  adapter = fedicon_adapter.fedicon_tta(module, batch_size=4)
+  with pytest.raises(ValueError, match='fedicon or fedicon_us'):
+    adapter.init(variables, jax.random.key(0))
+  with pytest.raises(ValueError, match='memory_size'):
+    fedicon_adapter.fedicon_tta(module, memory_size=3, batch_size=4)
+  with pytest.raises(ValueError, match='eval_adapter_batch_size=1'):
+    fedicon_adapter.fedicon_tta(module, batch_size=1)
+
+
+@pytest.mark.parametrize('weight,head', [(1.0, 'global'), (0.0, 'personal')])
+def test_fedthe_fixed_weight_gives_one_heads_predictions(weight, head):
+  config, module, variables, data = trained('fedthe')
+  adapter = fedthe_adapter.fedthe_adapter(module, steps=0, initial_global_weight=weight)
+  result = build_test_time(adapter, 4, 'online')(variables, data, jax.random.key(1))
+  if head == 'global':
+    model = {**variables, 'params': {**variables['params'],
+                                     'head': variables['fedthe']['global_head']}}
+  else:
+    model = variables
+  for k in range(2):
+    n = int(data.num_examples[k])
+    logits = models.apply(module, model, jnp.asarray(data.x[k, :n]), 'eval')[0]
+    np.testing.assert_array_equal(result['predictions'][k, :n], np.argmax(logits, -1))
+
+
+def test_fedthe_history_is_the_ema_of_the_test_stream():
+  features = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
+  weight = np.array([1, 1, 0, 1, 1], np.float32)
+  per_row, last, has = fedthe_adapter.feature_history(jnp.asarray(features), jnp.asarray(weight),
+                                                      jnp.zeros(3), jnp.asarray(False), 0.1)
+  expected, h = [], None
+  for f, w in zip(features, weight):
+    if w > 0:
+      h = f if h is None else 0.1 * f + 0.9 * h
+    expected.append(h)
+  np.testing.assert_allclose(per_row, np.stack(expected), rtol=1e-6)
+  np.testing.assert_allclose(last, expected[-1], rtol=1e-6)
+  assert bool(has)
+
+
+def test_fedthe_adapter_needs_a_fedthe_model():
+  config, module, variables, data = trained('fedicon')
+  with pytest.raises(ValueError, match='trained by fedthe'):
+    fedthe_adapter.fedthe_adapter(module).init(variables, jax.random.key(0))
+
+
+# --- FedTHE-style test sets ----------------------------------------------------------
+
+def shifted_benchmark(**fields):
+  config = data_config(num_clients=6, min_examples_per_client=2,
+                       corruptions=('gaussian_noise',), shift_tests=('ooc', 'natural', 'mixture'),
+                       **fields)
+  label_skew.check(config)
+  return BENCHMARKS.get('label_skew_corrupted')(config, 0)
+
+
+def rows(split, k):
+  n = int(split.num_examples[k])
+  return {np.asarray(x).tobytes() for x in split.x[k, :n]}
+
+
+def test_every_shifted_test_set_is_disjoint_from_all_training_data():
+  bench = shifted_benchmark()
+  train = set().union(*(rows(bench.splits['train'], k) for k in range(6)))
+  for name in ('test', 'test_corrupted', 'test_ooc', 'test_natural', 'test_mixture'):
+    for k in range(6):
+      assert not rows(bench.splits[name], k) & train, (name, k)
+
+
+def test_shifted_test_sets_follow_their_definitions():
+  bench = shifted_benchmark()
+  test, donors = bench.splits['test'], bench.info['ooc_donors']
+  assert sorted(donors) == list(range(6)) and all(d != k for k, d in enumerate(donors))
+  natural = bench.splits['test_natural']
+  for k in range(6):
+    assert rows(bench.splits['test_ooc'], k) == rows(test, donors[k])
+    # the natural set has the client's test label counts
+    n = int(test.num_examples[k])
+    np.testing.assert_array_equal(np.bincount(natural.y[k, :n], minlength=10),
+                                  np.bincount(test.y[k, :n], minlength=10))
+    # every mixture example comes from one of the client's four other test sets
+    pool = set().union(*(rows(bench.splits[s], k) for s in
+                         ('test', 'test_corrupted', 'test_ooc', 'test_natural')))
+    assert rows(bench.splits['test_mixture'], k) <= pool
+  assert bench.info['natural_source'] == 'uci_digits'
+
+
+def test_shifted_sets_leave_the_other_splits_unchanged():
+  plain = BENCHMARKS.get('label_skew_corrupted')(
+      data_config(num_clients=6, min_examples_per_client=2, corruptions=('gaussian_noise',)), 0)
+  shifted = shifted_benchmark()
+  for name, split in plain.splits.items():
+    np.testing.assert_array_equal(split.x, shifted.splits[name].x)
+
+
+def test_natural_shift_errors_name_the_field():
+  with pytest.raises(ValueError, match='data.natural_source'):
+    label_skew.check(data_config(source='uci_digits', shift_tests=('natural',)))
+  with pytest.raises(ValueError, match='data.shift_tests'):
+    label_skew.check(data_config(shift_tests=('ood',)))
+  config = data_config(num_clients=4, min_examples_per_client=2, shift_tests=('natural',),
+                       natural_source='tfds:cifar10_1', data_dir='/nonexistent')
+  with pytest.raises(FileNotFoundError, match='natural_source'):
+    BENCHMARKS.get('label_skew_corrupted')(config, 0)
+
+
+# --- the paper's table ---------------------------------------------------------------
+
+def test_fedicon_table_rows_and_columns():
+  results = [
+      {'algorithm': 'fedavg', 'seed': s, 'metrics': {'global/test/accuracy': 0.5 + s / 10,
+                                                    'global/test_ooc/accuracy': 0.4,
+                                                    'global+tent/test/accuracy': 0.3}}
+      for s in range(2)] + [
+      {'algorithm': 'fedicon', 'seed': 0, 'metrics': {'personalized+fedicon/test/accuracy': 0.9,
+                                                     'personalized+fedicon/test_ooc/accuracy': 0.1}}]
+  lines = report.fedicon_table(results).splitlines()
+  assert lines[0] == '| Method | In-distribution | Out-of-client | seeds |'
+  assert lines[2] == '| FedAvg | 55.00 ± 5.00 | 40.00 ± 0.00 | 2 |'
+  assert lines[3] == '| Tent | 30.00 ± 0.00 | n/a | 2 |'
+  assert lines[4] == '| FedICON | 90.00 | 10.00 | 1 |'
+  assert len(lines) == 5
+
+
+def test_fedicon_config_runs_end_to_end(tmp_path):
+  import importlib
+
+  from fedjax_shift import pipelines
+  config = importlib.import_module('configs.fedicon').get_config('tiny')
+  config.algorithms = ('fedthe', 'fedicon')
+  config.eval_adapters = ('fedthe:online', 'fedicon:online')
+  config.eval_adapter_algorithms = ('fedthe', 'fedicon')
+  config.rounds = 2
+  config.eval_every = 2
+  out = pipelines.run(config, str(tmp_path))
+  table = out.records['paper_tables']
+  for row in ('| FedTHE |', '| FedICON |'):
+    assert row in table
+  metrics = {r['algorithm']: r['metrics'] for r in out.records['results']}
+  for split in ('test', 'test_corrupted', 'test_ooc', 'test_natural', 'test_mixture'):
+    assert np.isfinite(metrics['fedicon'][f'personalized+fedicon/{split}/accuracy'])
+    assert np.isfinite(metrics['fedthe'][f'personalized+fedthe/{split}/accuracy'])
+  assert not any(k.startswith('global+fedthe') for k in metrics['fedthe'])
