@@ -115,7 +115,7 @@ def fedthe_adapter(module, learning_rate: float = 0.1, steps: int = 20, alpha: f
     def body(carry, _):
       w, opt_state, done = carry
       grads = jax.grad(loss_fn)(w)
-      done = done | (optax.tree.norm(grads) < GRADIENT_TOLERANCE)
+      done = done | (jnp.linalg.norm(grads) < GRADIENT_TOLERANCE)   # grads: [B, 2]
       updates, new_opt_state = opt.update(grads, opt_state, w)
       new_w = optax.apply_updates(w, updates)
       keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(done, b, a), new, old)
