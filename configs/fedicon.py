@@ -19,8 +19,12 @@ restores them); the natural shift is UCI digits, not a Digit-5 domain; EATA runs
 without its Fisher regulariser (it needs source data the adapters here do not get).
 
 Variants: online (FedICON's online variant: the adapted model and a memory of test
-features carry over batches), paper (100 rounds, E = 5), quick, tiny (shared) — and the
-label-skew ones (e.g. mnist_dir1.0 for FedTHE's Dirichlet 1.0).
+features carry over batches), paper (100 rounds, E = 5), digit5 (Tables 1 and 4: one
+client per digit domain of benchmarks/digit_domains.py — MNIST, UCI, MNIST-M-style,
+SynthDigits-style — with corrupted test sets; columns per domain), lodo_<domain>
+(Table 2: that domain held out as every client's test set, e.g. lodo_synth), quick,
+tiny (shared) — and the label-skew ones (e.g. mnist_dir1.0 for FedTHE's Dirichlet 1.0).
+Combine with commas: digit5,online or lodo_uci,paper.
 """
 import ml_collections
 
@@ -54,7 +58,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.adapters.eata.fisher_weight = 0.0  # no source data reaches eval adapters: EATA's
                                        # sample selection without its Fisher regulariser
   c.paper_tables = 'fedicon'
-  return apply_variant(c, arg, VARIANTS, SOURCE_VARIANTS_HELP + ', online, paper')
+  return apply_variant(c, arg, VARIANTS,
+                       SOURCE_VARIANTS_HELP + ', online, paper, digit5, lodo_<domain>')
 
 
 def _online(c: ml_collections.ConfigDict, match=None) -> None:
@@ -67,6 +72,20 @@ def _paper(c: ml_collections.ConfigDict, match=None) -> None:
   c.client.local_epochs = 5           # Sec. 5.1: E = 5
 
 
+def _digit5(c: ml_collections.ConfigDict, match=None) -> None:
+  """Table 1 / 4: one client per digit domain, corrupted test sets (covariate shift)."""
+  c.data.benchmark = 'digit_domains'  # fields: fedjax_shift/benchmarks/digit_domains.py
+  c.data.held_out_domain = ''
+  c.cohort_size = len(c.data.domains) * c.data.clients_per_domain
+
+
+def _lodo(c: ml_collections.ConfigDict, match) -> None:
+  """Table 2: leave one digit domain out; the others are the clients."""
+  _digit5(c)
+  c.data.held_out_domain = match['domain']
+  c.cohort_size = (len(c.data.domains) - 1) * c.data.clients_per_domain
+
+
 def _tiny(c: ml_collections.ConfigDict, match=None) -> None:
   c.data.min_examples_per_client = 2
   c.data.corruptions = ('gaussian_noise', 'contrast')
@@ -75,6 +94,8 @@ def _tiny(c: ml_collections.ConfigDict, match=None) -> None:
   c.eval_adapter_batch_size = 8
   c.adapters.fedthe_plus.num_augmentations = 4
   c.adapters.fedicon.memory_size = 16
+  c.data.domain_examples = 40
 
 
-VARIANTS = SOURCE_VARIANTS[:-1] + (('online', _online), ('paper', _paper), ('tiny', _tiny))
+VARIANTS = SOURCE_VARIANTS[:-1] + (('online', _online), ('paper', _paper), ('digit5', _digit5),
+                                   (r'lodo_(?P<domain>\w+)', _lodo), ('tiny', _tiny))

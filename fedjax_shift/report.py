@@ -350,10 +350,26 @@ FEDICON_COLUMNS = (('test', 'In-distribution'), ('test_corrupted', 'Corrupted'),
                    ('test_mixture', 'Mixture'))
 
 
-def fedicon_table(results: List[Dict]) -> str:
-  """FedICON's layout: rows = FEDICON_ROWS that were run, columns = the test sets the
-  runs have; accuracy (%) over each test set's examples, mean ± std over seeds."""
-  columns = [(split, label) for split, label in FEDICON_COLUMNS
+def fedicon_columns(data_config) -> tuple:
+  """(split, label) columns of FedICON's table for ``config.data``: FedTHE's five test
+  sets (label_skew_corrupted); Table 1's corrupted test per domain and their average
+  (digit_domains, covariate shift); Table 2's held-out domain (leave-one-domain-out)."""
+  if data_config.benchmark != 'digit_domains':
+    return FEDICON_COLUMNS
+  if data_config.held_out_domain:
+    return (('test', f'Held-out domain: {data_config.held_out_domain}'),
+            ('test_own', 'Own domain'))
+  return tuple((f'test_corrupted_{d}', d) for d in data_config.domains) + (
+      ('test_corrupted', 'Average (corrupted)'), ('test', 'Clean'))
+
+
+def fedicon_table(results: List[Dict], online: bool = False,
+                  columns: Sequence[tuple] = FEDICON_COLUMNS) -> str:
+  """FedICON's layout: rows = FEDICON_ROWS that were run, columns = those of the
+  (split, label) ``columns`` the runs have; accuracy (%) over each test set's examples,
+  mean ± std over seeds. ``online``: FedICON's adapter ran in its online variant (the
+  rows say so)."""
+  columns = [(split, label) for split, label in columns
              if any(f'{model}/{split}/accuracy' in r['metrics']
                     for r in results for _, _, model in FEDICON_ROWS)]
   rows = []
@@ -361,6 +377,8 @@ def fedicon_table(results: List[Dict]) -> str:
     runs = [r for r in results if r['algorithm'] == method]
     if not runs or not any(k.startswith(model + '/') for r in runs for k in r['metrics']):
       continue
+    if online and model.endswith('+fedicon'):
+      label += ' (online)'
     rows.append([label] + [mean_std([r['metrics'].get(f'{model}/{split}/accuracy')
                                      for r in runs]) for split, _ in columns] +
                 [seeds_cell(runs)])
@@ -370,4 +388,6 @@ def fedicon_table(results: List[Dict]) -> str:
 def fedicon_tables(config, results: List[Dict]) -> str:
   """What launch/train.py prints for a configs/fedicon.py run."""
   return ('FedICON Tables 1–5 layout: accuracy (%) on each client\'s test sets (all '
-          'examples pooled), mean ± std over seeds; last round\n\n' + fedicon_table(results))
+          'examples pooled), mean ± std over seeds; last round\n\n' +
+          fedicon_table(results, online='fedicon:online' in tuple(config.eval_adapters),
+                        columns=fedicon_columns(config.data)))

@@ -12,7 +12,8 @@ B, FedAvg with SGD):
               train, average), when torch is importable (never a dependency)
   loop_backend  the engine's round with ``engine.backend='loop'`` (sampling, keys,
               stragglers, scatter included), to compare with (a) and (b)
-  tta_vmap / tta_loop  an online adapter (--tta_adapter: ATP with α = 0.1, or Tent)
+  tta_vmap / tta_loop  an online adapter (--tta_adapter: ATP with α = 0.1, Tent, FedICON's
+              contrastive adaptation with a memory, or FedTHE's ensemble)
               over the same clients as target clients, batches of B: the jitted
               vmapped scan vs a Python loop over clients of a jitted step (opt-in)
   fedevolve   FedEvolve's compiled round on the same cohort (the client data read as
@@ -70,7 +71,9 @@ flags.DEFINE_enum('conv', 'auto', ['auto', 'lax', 'patches', 'lax_patch_grad'],
 flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch', 'torch_vmap', 'loop_backend'],
                   'Cases to run (loop_backend: the engine round with backend=loop; '
                   'tta_vmap / tta_loop: test-time Tent over the clients as target clients).')
-flags.DEFINE_enum('tta_adapter', 'atp', ['atp', 'tent'], 'Adapter of the tta_* cases.')
+flags.DEFINE_enum('tta_adapter', 'atp', ['atp', 'tent', 'fedicon', 'fedthe'],
+                  'Adapter of the tta_* cases (fedicon: its online variant with a memory '
+                  'of 8 batches, on a FedICON model; fedthe: 20 ensemble steps).')
 flags.DEFINE_list('populations', ['240', '1000', '10000'], 'Population sweep (host store).')
 flags.DEFINE_integer('sweep_repeats', 3, 'Timed repeats per population.')
 flags.DEFINE_string('case', '', 'Internal: run one case in this process and print JSON.')
@@ -435,8 +438,21 @@ def case_tta(vmapped: bool):
   if FLAGS.tta_adapter == 'atp':
     alpha = jax.tree.map(lambda a: a + 0.1, atp_lib.init_alpha(variables))
     adapter = atp_lib.atp(module, alpha)
-  else:
+  elif FLAGS.tta_adapter == 'tent':
     adapter = tent(module)
+  elif FLAGS.tta_adapter == 'fedicon':   # a FedICON model: encoder, projection, head
+    from fedjax_shift.adapters.fedicon import fedicon_tta
+    _, _, _, _, server = setup_algorithm(FLAGS.clients, 'algorithm:fedicon')
+    variables = server.variables
+    adapter = fedicon_tta(module, memory_size=8 * FLAGS.batch_size,
+                          batch_size=FLAGS.batch_size)
+  else:                                  # a FedTHE model: two heads and the features
+    from fedjax_shift.adapters.fedthe import fedthe_adapter
+    from fedjax_shift.algorithms.fedthe import PersonalState, personal_model
+    _, _, _, _, server = setup_algorithm(FLAGS.clients, 'algorithm:fedthe')
+    state = PersonalState(server.variables['params']['head'], server.global_feature)
+    variables = personal_model(server, state, server.variables)
+    adapter = fedthe_adapter(module)
   key = jax.random.key(0)
   if vmapped:
     run_all = build_test_time(adapter, FLAGS.batch_size, 'online')

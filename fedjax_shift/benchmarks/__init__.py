@@ -2,6 +2,7 @@
 (``config.data.benchmark``): which data, shift, partition and splits a run uses.
 Adding a benchmark: one file plus one import line here.
 """
-from fedjax_shift.benchmarks import atp_shift, evolving, label_skew, upfl  # noqa: F401
+from fedjax_shift.benchmarks import (atp_shift, digit_domains, evolving,  # noqa: F401
+                                     label_skew, upfl)
 from fedjax_shift.benchmarks.base import (BENCHMARKS, DATA_DEFAULTS,  # noqa: F401
                                           EMBEDDED_SOURCES, PARTITIONS, Benchmark, load_source)

@@ -1,0 +1,114 @@
+"""A Digit-5-style multi-domain benchmark from offline data (FedICON Sec. 5.1, Tables 1,
+2 and 4): every client holds one digit domain (data/digit_domains.py: mnist, uci,
+mnistm, synth, and svhn where TFDS has it prepared), ``clients_per_domain`` clients per
+domain sharing its examples IID, each client's examples split train / val / test by
+``split_fractions``.
+
+Covariate shift (``held_out_domain = ''``, Tables 1 and 4): each client's test split
+under one CIFAR-10-C corruption drawn per client from ``corruptions`` at ``severity``
+('test_corrupted'), and the same per domain ('test_corrupted_<domain>': only that
+domain's clients hold examples) for the per-domain columns of Table 1.
+
+Domain shift (``held_out_domain = <domain>``, Table 2's leave-one-domain-out): that
+domain is no client's; its examples are dealt out to the clients as their 'test'
+split (so the pooled test accuracy is the held-out domain's), and 'test_own' keeps
+each client's own-domain test examples.
+"""
+from __future__ import annotations
+
+import math
+
+import ml_collections
+import numpy as np
+
+from fedjax_shift.benchmarks.base import BENCHMARKS, Benchmark
+from fedjax_shift.data import corruptions, digit_domains
+from fedjax_shift.data.federated import split_clients, stack_clients
+from fedjax_shift.registry import require
+
+
+def check(data_config: ml_collections.ConfigDict) -> None:
+  domains = tuple(data_config.domains)
+  require(len(domains) >= 2 and len(set(domains)) == len(domains), 'data.domains',
+          f'need at least two distinct domains, got {domains}')
+  for name in domains:
+    require(name in digit_domains.DOMAINS, 'data.domains',
+            f'unknown digit domain {name!r}; choose from {list(digit_domains.DOMAINS)} '
+            f'(USPS and the real MNIST-M are not available offline)')
+  require(data_config.domain_examples >= 10, 'data.domain_examples',
+          f'must be >= 10, got {data_config.domain_examples}')
+  require(data_config.clients_per_domain >= 1, 'data.clients_per_domain',
+          f'must be >= 1, got {data_config.clients_per_domain}')
+  held_out = data_config.held_out_domain
+  require(held_out == '' or held_out in domains, 'data.held_out_domain',
+          f'must be "" (covariate shift) or one of data.domains {domains}, got {held_out!r}')
+  fractions = dict(data_config.split_fractions)
+  require('train' in fractions and 'test' in fractions and
+          math.isclose(sum(fractions.values()), 1.0), 'data.split_fractions',
+          f'need "train" and "test" splits and fractions summing to 1, got {fractions}')
+  for name in data_config.corruptions:
+    require(name in corruptions.ALL_CORRUPTIONS, 'data.corruptions',
+            f'unknown corruption {name!r}; choose from {list(corruptions.ALL_CORRUPTIONS)}')
+  require(held_out or len(data_config.corruptions) > 0, 'data.corruptions',
+          'the covariate-shift benchmark (data.held_out_domain="") needs corruptions')
+
+
+def load_domains(data_config: ml_collections.ConfigDict, seed: int):
+  """{domain: Source} with ``domain_examples`` each (numpy generator [seed, 43])."""
+  rng = np.random.default_rng([seed, 43])
+  count = data_config.domain_examples
+  out = {}
+  for name in data_config.domains:
+    out[name] = digit_domains.domain(name, count, rng, data_config.data_dir or None,
+                                     mnist_offset=count if 'mnist' in data_config.domains
+                                     else 0)
+  return out
+
+
+@BENCHMARKS.register('digit_domains', defaults={
+    'domains': ('mnist', 'uci', 'mnistm', 'synth'),   # Digit-5 without USPS and SVHN
+    'domain_examples': 1500,          # examples per domain (UCI has 1,797)
+    'clients_per_domain': 1,          # FedICON Table 1: 5 clients, one per domain
+    'held_out_domain': '',            # '' covariate shift; a domain: leave-one-domain-out
+}, check=check, pipelines=('federated',))
+def digit_domains_benchmark(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
+  """See the module docstring. ``info['client_domain']`` names each client's domain."""
+  rng = np.random.default_rng([seed, 0])
+  domains = load_domains(data_config, seed)
+  held_out = data_config.held_out_domain
+  per_domain = data_config.clients_per_domain
+  client_domain, xs, ys = [], [], []
+  for name, src in domains.items():
+    if name == held_out:
+      continue
+    for part in np.array_split(rng.permutation(len(src.y)), per_domain):
+      client_domain.append(name)
+      xs.append(src.x[part])
+      ys.append(src.y[part])
+  splits_xy = split_clients(xs, ys, dict(data_config.split_fractions), rng)
+  shape = (digit_domains.SIZE, digit_domains.SIZE, 3)
+  splits = {name: stack_clients(x, y, example_shape=shape) for name, (x, y) in splits_xy.items()}
+  info = {'domains': list(domains), 'client_domain': client_domain, 'held_out_domain': held_out}
+  num_clients = len(client_domain)
+  if held_out:
+    target = domains[held_out]
+    parts = np.array_split(rng.permutation(len(target.y)), num_clients)
+    splits['test_own'] = splits['test']
+    splits['test'] = stack_clients([target.x[p] for p in parts], [target.y[p] for p in parts],
+                                   example_shape=shape)
+  else:
+    names = tuple(data_config.corruptions)
+    chosen = [names[i] for i in rng.integers(0, len(names), num_clients)]
+    test_x, test_y = splits_xy['test']
+    corrupted = [corruptions.corrupt(x, name, data_config.severity, seed * 100_003 + k)
+                 if len(x) else x for k, (x, name) in enumerate(zip(test_x, chosen))]
+    splits['test_corrupted'] = stack_clients(corrupted, test_y, example_shape=shape)
+    for name in domains:
+      own = [k for k in range(num_clients) if client_domain[k] == name]
+      keep = lambda arrays, k: arrays[k] if k in own else arrays[k][:0]
+      splits[f'test_corrupted_{name}'] = stack_clients(
+          [keep(corrupted, k) for k in range(num_clients)],
+          [keep(test_y, k) for k in range(num_clients)], example_shape=shape)
+    info['corruption_per_client'] = chosen
+    info['severity'] = data_config.severity
+  return Benchmark(splits, 10, shape, info)
