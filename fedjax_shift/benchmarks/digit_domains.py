@@ -59,9 +59,7 @@ def load_domains(data_config: ml_collections.ConfigDict, seed: int):
   count = data_config.domain_examples
   out = {}
   for name in data_config.domains:
-    out[name] = digit_domains.domain(name, count, rng, data_config.data_dir or None,
-                                     mnist_offset=count if 'mnist' in data_config.domains
-                                     else 0)
+    out[name] = digit_domains.domain(name, count, rng, data_config.data_dir or None)
   return out
 
 

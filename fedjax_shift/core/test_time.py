@@ -64,7 +64,10 @@ class SourceContext(NamedTuple):
 
 
 # name -> build(module, hparams: config.adapters.<name>, context: SourceContext) -> Adapter;
-# each adapter file registers itself with its paper's defaults.
+# each adapter file registers itself with its paper's defaults, and optionally
+# ``trained_by`` (the methods whose models it can adapt: FedTTA's g, FedICON's projection)
+# and ``adapts_models`` (which of their models in config.eval_adapters: FedTHE's
+# ensemble only the personalised one).
 ADAPTERS: Registry = Registry('adapter')
 
 
