@@ -35,13 +35,14 @@ def test_generated_domains_follow_the_generator():
 def test_mnistm_blends_other_digits_than_the_mnist_domain(monkeypatch):
   mnist = sources.mnist_embedded()
   grey = lambda x: {image[..., 0].tobytes() for image in x}
-  split = digit_domains.MNIST_SPLIT
-  first, second = grey(mnist.x[:split]), grey(mnist.x[split:])
+  first, second = (grey(mnist.x[half]) for half in digit_domains.mnist_halves(mnist.y))
   plain = digit_domains.domain('mnist', 300, np.random.default_rng(0))
   # without the texture, a blend is its digit: which MNIST digits mnistm used
   monkeypatch.setattr(digit_domains, 'mnistm', lambda digits, rng: digits)
   unblended = digit_domains.domain('mnistm', 300, np.random.default_rng(0))
   assert grey(plain.x) <= first and grey(unblended.x) <= second
+  # and both domains hold every class
+  assert set(plain.y) == set(unblended.y) == set(range(10))
 
 
 def test_synth_renders_the_requested_digit_shapes():

