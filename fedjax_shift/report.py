@@ -325,7 +325,7 @@ def fedtta_tables(config, results: List[Dict]) -> str:
           upfl_table({'run': results}, config.data.source, best_validation=True))
 
 
-# FedICON Tables 1–5 rows (fedicon.txt Sec. 5.1): (label, method, model key). Tent, EATA
+# FedICON Tables 1–4 rows (fedicon.txt Sec. 5.1): (label, method, model key). Tent, EATA
 # and T3A adapt FedAvg's global model ("we implement these TTA methods with the FedAvg
 # framework"); FedTHE / FedTHE+ ensemble FedTHE's two heads; FedICON adapts each
 # client's personalised model by Eq. 7.
@@ -387,7 +387,7 @@ def fedicon_table(results: List[Dict], online: bool = False,
 
 def fedicon_tables(config, results: List[Dict]) -> str:
   """What launch/train.py prints for a configs/fedicon.py run."""
-  return ('FedICON Tables 1–5 layout: accuracy (%) on each client\'s test sets (all '
-          'examples pooled), mean ± std over seeds; last round\n\n' +
+  return ('FedICON layout (the rows of its Tables 1–4): accuracy (%) on each client\'s test '
+          'sets (all examples pooled), mean ± std over seeds; last round\n\n' +
           fedicon_table(results, online='fedicon:online' in tuple(config.eval_adapters),
                         columns=fedicon_columns(config.data)))
