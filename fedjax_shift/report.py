@@ -391,3 +391,21 @@ def fedicon_tables(config, results: List[Dict]) -> str:
           'sets (all examples pooled), mean ± std over seeds; last round\n\n' +
           fedicon_table(results, online='fedicon:online' in tuple(config.eval_adapters),
                         columns=fedicon_columns(config.data)))
+
+
+def fedicon_lodo_table(runs_by_domain: Dict[str, List[Dict]]) -> str:
+  """FedICON Table 2 layout: one column per held-out domain (each a leave-one-domain-out
+  run of configs/fedicon.py:lodo_<domain>), its 'test' split (the held-out domain dealt
+  to the clients); rows = FEDICON_ROWS; mean ± std over seeds."""
+  domains = list(runs_by_domain)
+  rows = []
+  for label, method, model in FEDICON_ROWS:
+    cells, found = [], False
+    for domain in domains:
+      values = [r['metrics'].get(f'{model}/test/accuracy') for r in runs_by_domain[domain]
+                if r['algorithm'] == method]
+      found |= any(v is not None for v in values)
+      cells.append(mean_std(values))
+    if found:
+      rows.append([label] + cells)
+  return _markdown(['Method'] + [f'Held out: {d}' for d in domains], rows)

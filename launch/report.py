@@ -10,6 +10,7 @@
     python launch/report.py --kind=fedtta --workdirs=/tmp/fedtta,/tmp/fedtta_tent
     python launch/report.py --kind=fedtta_shift --workdirs=/tmp/s001,/tmp/s001_tent,/tmp/s05 \
         --labels='α=0.01,α=0.01,α=0.5'
+    python launch/report.py --kind=fedicon_lodo --workdirs=/tmp/lodo_mnist,/tmp/lodo_synth
 
 --kind=atp (test-time pipeline runs) merges their Table 1 columns (one shift per run,
 or several) and Table 3 where a run trained α on several shifts. --kind=evolving
@@ -18,7 +19,8 @@ column pair per workdir; --kind=straggler its Table 6: one Client column per wor
 --kind=fedtta (configs/fedtta.py runs) lays out FedTTA's Table 1, each row from the first
 workdir that has it (the main run, then the TENT run of configs/fedtta.py:tent);
 --kind=fedtta_shift its Table 2: one Test column per label (workdirs sharing a label
-are merged: a shift<α> run and its tent,shift<α> run).
+are merged: a shift<α> run and its tent,shift<α> run). --kind=fedicon_lodo lays out
+FedICON's Table 2: one column per leave-one-domain-out run (configs/fedicon.py:lodo_<d>).
 Mean ± std over the seeds each run used; --out writes markdown.
 """
 import os
@@ -33,7 +35,7 @@ from fedjax_shift import metrics, report  # noqa: E402
 _WORKDIRS = flags.DEFINE_list('workdirs', None, 'Test-time pipeline workdirs.')
 _OUT = flags.DEFINE_string('out', '', 'Write the markdown here.')
 _KIND = flags.DEFINE_enum('kind', 'atp', ['atp', 'evolving', 'straggler', 'fedtta',
-                                                   'fedtta_shift'],
+                                                   'fedtta_shift', 'fedicon_lodo'],
                           'Which paper layout.')
 _LABELS = flags.DEFINE_list('labels', [], 'Column labels, one per workdir (evolving).')
 flags.mark_flags_as_required(['workdirs'])
@@ -124,6 +126,14 @@ def build(workdirs) -> str:
     runs = load_evolving(workdirs, [])
     return ('Last round\n\n' + report.upfl_table(runs) + '\n\nAt the round of best '
             'validation accuracy\n\n' + report.upfl_table(runs, best_validation=True))
+  if _KIND.value == 'fedicon_lodo':
+    domains = [read_json(os.path.join(w, 'config.json'))['data']['held_out_domain']
+               for w in workdirs]
+    if not all(domains):
+      raise ValueError('--kind=fedicon_lodo reads leave-one-domain-out runs '
+                       '(configs/fedicon.py:lodo_<domain>); a workdir has no held-out domain')
+    return report.fedicon_lodo_table(dict(zip(domains, load_evolving(workdirs,
+                                                                     domains).values())))
   if _KIND.value in ('evolving', 'straggler'):
     return report.evolving_table(load_evolving(workdirs, _LABELS.value),
                                  server=_KIND.value == 'evolving')

@@ -349,3 +349,39 @@ def test_fedicon_config_runs_end_to_end(tmp_path):
     assert np.isfinite(metrics['fedicon'][f'personalized+fedicon/{split}/accuracy'])
     assert np.isfinite(metrics['fedthe'][f'personalized+fedthe/{split}/accuracy'])
   assert not any(k.startswith('global+fedthe') for k in metrics['fedthe'])
+
+
+def test_fedicon_columns_follow_the_benchmark():
+  assert report.fedicon_columns(data_config()) == report.FEDICON_COLUMNS
+  covariate = report.fedicon_columns(data_config(benchmark='digit_domains'))
+  assert [split for split, _ in covariate] == [
+      'test_corrupted_mnist', 'test_corrupted_uci', 'test_corrupted_mnistm',
+      'test_corrupted_synth', 'test_corrupted', 'test']
+  held_out = report.fedicon_columns(data_config(benchmark='digit_domains',
+                                                held_out_domain='uci'))
+  assert held_out == (('test', 'Held-out domain: uci'), ('test_own', 'Own domain'))
+
+
+@pytest.mark.parametrize('name', ['fedicon', 'fedthe'])
+def test_round_is_one_compiled_call_for_a_whole_run(name):
+  from fedjax_shift.core.round import round_key
+  data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
+  _, _, algorithm, server = build(name, data)
+  clients = stack_client_states(algorithm, server, 3)
+  round_device, _ = build_round(algorithm, RoundConfig(cohort_size=2))
+  for r in range(3):
+    out = round_device(server, clients, data, round_key(jax.random.key(0), r))
+    server, clients = out.server_state, out.client_states
+  assert round_device._cache_size() == 1
+
+
+def test_fedicon_lodo_table_has_one_column_per_held_out_domain():
+  runs = {'uci': [{'algorithm': 'fedicon', 'seed': 0,
+                   'metrics': {'personalized+fedicon/test/accuracy': 0.5}}],
+          'synth': [{'algorithm': 'fedicon', 'seed': 0,
+                     'metrics': {'personalized+fedicon/test/accuracy': 0.25}},
+                    {'algorithm': 'fedavg', 'seed': 0, 'metrics': {'global/test/accuracy': 0.2}}]}
+  lines = report.fedicon_lodo_table(runs).splitlines()
+  assert lines[0] == '| Method | Held out: uci | Held out: synth |'
+  assert lines[2] == '| FedAvg | n/a | 20.00 |'
+  assert lines[3] == '| FedICON | 50.00 | 25.00 |'
