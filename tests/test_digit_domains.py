@@ -55,14 +55,24 @@ def test_synth_renders_the_requested_digit_shapes():
   assert covered[labels == 8].mean() > covered[labels == 1].mean()
 
 
-def test_covariate_benchmark_has_one_client_per_domain_and_per_domain_test_sets():
+def test_covariate_benchmark_has_one_client_per_domain_and_groups_them():
   bench = build()
   assert bench.info['client_domain'] == list(DOMAINS)
-  for k, name in enumerate(DOMAINS):
-    split = bench.splits[f'test_corrupted_{name}']
-    assert int(split.num_examples[k]) == int(bench.splits['test'].num_examples[k])
-    assert all(int(split.num_examples[j]) == 0 for j in range(4) if j != k)
-    np.testing.assert_array_equal(split.x[k], bench.splits['test_corrupted'].x[k])
+  assert bench.info['client_groups'] == {name: [k] for k, name in enumerate(DOMAINS)}
+  assert set(bench.splits) == {'train', 'val', 'test', 'test_corrupted'}
+  # one corruption per client, the clean test split underneath
+  assert all(not np.allclose(bench.splits['test_corrupted'].x[k, :5],
+                             bench.splits['test'].x[k, :5]) for k in range(4))
+
+
+def test_per_domain_metrics_pool_only_that_domains_clients():
+  from fedjax_shift.core.evaluation import summarize
+  sums = {'correct': np.array([3.0, 1.0, 8.0]), 'loss': np.array([1.0, 2.0, 3.0]),
+          'count': np.array([4.0, 2.0, 10.0])}
+  flat = summarize({'global': {'test': sums}}, {'a': [0, 1], 'b': [2]})
+  assert flat['global/test/accuracy'] == 12 / 16
+  assert flat['global/test_a/accuracy'] == 4 / 6 and flat['global/test_b/accuracy'] == 0.8
+  assert flat['global/test_a/client_accuracy'] == (0.75 + 0.5) / 2
 
 
 def test_leave_one_domain_out_keeps_the_held_out_domain_from_every_client():

@@ -236,18 +236,28 @@ def client_accuracy(sums: Dict[str, np.ndarray]) -> np.ndarray:
   return np.where(count > 0, np.asarray(sums['correct']) / np.maximum(count, 1), np.nan)
 
 
-def summarize(per_client: Dict[str, Dict[str, Dict[str, np.ndarray]]]) -> Dict[str, float]:
+def summarize(per_client: Dict[str, Dict[str, Dict[str, np.ndarray]]],
+              client_groups: Dict[str, Sequence[int]] | None = None) -> Dict[str, float]:
   """Flat metrics '<model>/<split>/accuracy' (over all examples),
-  '<model>/<split>/client_accuracy' (mean over clients with data) and '/loss'."""
+  '<model>/<split>/client_accuracy' (mean over clients with data) and '/loss'; with
+  ``client_groups`` ({name: client indices}, e.g. the clients of one domain) the same
+  over each group's clients as '<model>/<split>_<name>/…'."""
   flat = {}
   for model, splits in per_client.items():
     for split, sums in splits.items():
-      count = sums['count']
-      total = max(float(count.sum()), 1e-12)
-      has = count > 0
-      prefix = f'{model}/{split}'
-      flat[f'{prefix}/accuracy'] = float(sums['correct'].sum() / total)
-      flat[f'{prefix}/loss'] = float(sums['loss'].sum() / total)
-      flat[f'{prefix}/client_accuracy'] = (
-          float(np.mean(sums['correct'][has] / count[has])) if has.any() else float('nan'))
+      flat.update(_pooled(f'{model}/{split}', sums))
+      for name, ids in (client_groups or {}).items():
+        ids = np.asarray(ids, np.int64)
+        flat.update(_pooled(f'{model}/{split}_{name}',
+                            {k: np.asarray(v)[ids] for k, v in sums.items()}))
   return flat
+
+
+def _pooled(prefix: str, sums: Dict[str, np.ndarray]) -> Dict[str, float]:
+  count = sums['count']
+  total = max(float(count.sum()), 1e-12)
+  has = count > 0
+  return {f'{prefix}/accuracy': float(sums['correct'].sum() / total),
+          f'{prefix}/loss': float(sums['loss'].sum() / total),
+          f'{prefix}/client_accuracy': (float(np.mean(sums['correct'][has] / count[has]))
+                                        if has.any() else float('nan'))}

@@ -246,7 +246,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
       per_client.update(evaluate_new_clients(new_client_chunk, server_state, client_states,
                                              train, {n: eval_splits[n] for n in new_client_splits},
                                              eval_key, seed, config.engine.eval_chunk_size))
-    return evaluation.summarize(per_client)
+    return evaluation.summarize(per_client, bench.info.get('client_groups'))
 
   progress = None
   if config.progress:
