@@ -320,8 +320,9 @@ def test_fedicon_table_rows_and_columns():
                                                     'global/test_ooc/accuracy': 0.4,
                                                     'global+tent/test/accuracy': 0.3}}
       for s in range(2)] + [
-      {'algorithm': 'fedicon', 'seed': 0, 'metrics': {'personalized+fedicon/test/accuracy': 0.9,
-                                                     'personalized+fedicon/test_ooc/accuracy': 0.1}}]
+      {'algorithm': 'fedicon', 'seed': 0,
+       'metrics': {'personalized+fedicon/test/accuracy': 0.9,
+                   'personalized+fedicon/test_ooc/accuracy': 0.1}}]
   lines = report.fedicon_table(results).splitlines()
   assert lines[0] == '| Method | In-distribution | Out-of-client | seeds |'
   assert lines[2] == '| FedAvg | 55.00 ± 5.00 | 40.00 ± 0.00 | 2 |'

