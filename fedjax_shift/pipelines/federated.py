@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +138,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   return result
 
 
+class RunSetup(NamedTuple):
+  """One (method, seed) run opened and ready to train (``setup_run``)."""
+  fields: dict
+  bench: Benchmark
+  algorithm: FederatedAlgorithm
+  round_device: Callable
+  round_host: Callable
+  evaluate: Callable          # (server_state, client_states) -> flat metrics
+  train_key: jax.Array
+  upload: int
+  checkpointer: Any
+  start_round: int
+  server_state: Any
+  client_states: Any
+  elapsed: float
+  writer: Any
+
+
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
                         seed: int, bench: Optional[Benchmark], algorithm, log_state,
                         clock: 'CompileClock', programs: Optional[Dict]
@@ -156,6 +174,17 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
   re-run whose fields differ, or that raises ``rounds`` without
   ``config.resume='extend'``, is refused before anything is touched (pipelines/workdir.py).
   """
+  setup = setup_run(config, workdir, algorithm_name, seed, bench, algorithm, programs)
+  return _train_loop(config, workdir, algorithm_name, seed, setup, log_state, clock)
+
+
+def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str, seed: int,
+              bench: Optional[Benchmark] = None, algorithm=None,
+              programs: Optional[Dict] = None) -> RunSetup:
+  """Opens one (method, seed) run: checks ``workdir``, builds the data (unless given),
+  writes partition.json, builds (or reuses from ``programs``) the method, its compiled
+  round and evaluation, initialises the state and restores it from the latest
+  checkpoint."""
   fields = check_run_dir(workdir, config, algorithm_name, config.resume)
   os.makedirs(workdir, exist_ok=True)
   if bench is None:
@@ -223,12 +252,6 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
       workdir, config, fields, (server_state, client_states, jnp.float32(0.0)))
   elapsed = float(elapsed)
 
-  round_config = _round_config(config)
-  host_store = None
-  if config.data.store == 'host':
-    host_store = HostStore(train, train_key, round_config)
-  else:
-    device_train = jax.device_put(train)
 
   def evaluate(server_state, client_states):
     if not eval_splits:
@@ -248,6 +271,28 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
                                              eval_key, seed, config.engine.eval_chunk_size))
     return evaluation.summarize(per_client, bench.info.get('client_groups'))
 
+  return RunSetup(fields, bench, algorithm, round_device, round_host, evaluate, train_key,
+                  upload, checkpointer, start_round, server_state, client_states, elapsed,
+                  writer)
+
+
+def _train_loop(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
+                seed: int, setup: RunSetup, log_state, clock: 'CompileClock'
+                ) -> Dict[str, object]:
+  """``setup``'s rounds up to ``config.rounds`` with evaluation, checkpoints and
+  progress; writes results.json."""
+  (round_device, round_host, evaluate, train_key, checkpointer, start_round, server_state,
+   client_states, elapsed, writer) = (
+       setup.round_device, setup.round_host, setup.evaluate, setup.train_key,
+       setup.checkpointer, setup.start_round, setup.server_state, setup.client_states,
+       setup.elapsed, setup.writer)
+  train = setup.bench.splits['train']
+  round_config = _round_config(config)
+  host_store = None
+  if config.data.store == 'host':
+    host_store = HostStore(train, train_key, round_config)
+  else:
+    device_train = jax.device_put(train)
   progress = None
   if config.progress:
     from tqdm import tqdm
@@ -335,13 +380,22 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
     checkpointer.close()
   if not summary:  # resumed after the final round: evaluate the restored state
     summary = evaluate(server_state, client_states)
+  return finish_run(config, workdir, algorithm_name, seed, summary, elapsed, setup.upload,
+                    clock, server_state)
+
+
+def finish_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
+               seed: int, summary: Dict[str, float], elapsed: float, upload: int,
+               clock: 'CompileClock', server_state, **extra) -> Dict[str, object]:
+  """Writes ``workdir``/results.json (with ``extra`` fields); returns it with the
+  'server_state'."""
   # Every evaluated round's accuracies, for tables that report the test accuracy at the
   # round of best validation accuracy (FedTTA Sec. 4.1.3).
   result = {'algorithm': algorithm_name, 'seed': seed, 'metrics': summary,
             'evaluations': evaluated_rounds(workdir, config.rounds),
             'rounds': config.rounds, 'train_seconds': elapsed, 'hardware': hardware(),
             'uploaded_parameters': upload, 'compile_seconds': round(clock.seconds, 3),
-            'compilations': clock.compilations}
+            'compilations': clock.compilations, **extra}
   with open(os.path.join(workdir, 'results.json'), 'w') as f:
     json.dump(result, f, indent=1)
   return {**result, 'server_state': server_state}
