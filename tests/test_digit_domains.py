@@ -60,9 +60,13 @@ def test_covariate_benchmark_has_one_client_per_domain_and_groups_them():
   assert bench.info['client_domain'] == list(DOMAINS)
   assert bench.info['client_groups'] == {name: [k] for k, name in enumerate(DOMAINS)}
   assert set(bench.splits) == {'train', 'val', 'test', 'test_corrupted'}
-  # one corruption per client, the clean test split underneath
-  assert all(not np.allclose(bench.splits['test_corrupted'].x[k, :5],
-                             bench.splits['test'].x[k, :5]) for k in range(4))
+  # every test example corrupted, by a corruption drawn for it: both kinds per client
+  counts = bench.info['corruption_counts_per_client']
+  for k in range(4):
+    n = int(bench.splits['test'].num_examples[k])
+    assert sum(counts[k]) == n and min(counts[k]) > 0
+    corrupted, clean = bench.splits['test_corrupted'].x[k, :n], bench.splits['test'].x[k, :n]
+    assert all(not np.allclose(a, b) for a, b in zip(corrupted, clean))
 
 
 def test_per_domain_metrics_pool_only_that_domains_clients():

@@ -5,8 +5,8 @@ domain sharing its examples IID, each client's examples split train / val / test
 ``split_fractions``.
 
 Covariate shift (``held_out_domain = ''``, Tables 1 and 4): each client's test split
-under one CIFAR-10-C corruption drawn per client from ``corruptions`` at ``severity``
-('test_corrupted'). ``info['client_groups']`` names each domain's clients, so the
+with every example under a CIFAR-10-C corruption drawn for it from ``corruptions`` at
+``severity`` ('test_corrupted'). ``info['client_groups']`` names each domain's clients, so the
 federated pipeline also reports every split per domain ('test_corrupted_<domain>':
 Table 1's columns) from the same per-client sums.
 
@@ -97,14 +97,25 @@ def digit_domains_benchmark(data_config: ml_collections.ConfigDict, seed: int) -
                                    example_shape=shape)
   else:
     names = tuple(data_config.corruptions)
-    chosen = [names[i] for i in rng.integers(0, len(names), num_clients)]
     test_x, test_y = splits_xy['test']
-    corrupted = [corruptions.corrupt(x, name, data_config.severity, seed * 100_003 + k)
-                 if len(x) else x for k, (x, name) in enumerate(zip(test_x, chosen))]
+    corrupted, chosen = [], []
+    for k, x in enumerate(test_x):
+      # One corruption per test example (not per client: with one client per domain, a
+      # per-client draw would make each domain's column one corruption's accuracy).
+      per_example = rng.integers(0, len(names), len(x))
+      out = np.empty_like(x)
+      for index, name in enumerate(names):
+        where = per_example == index
+        if where.any():
+          out[where] = corruptions.corrupt(x[where], name, data_config.severity,
+                                           seed * 100_003 + k)
+      corrupted.append(out)
+      chosen.append(np.bincount(per_example, minlength=len(names)).tolist())
     splits['test_corrupted'] = stack_clients(corrupted, test_y, example_shape=shape)
     # Per-domain metrics ('<split>_<domain>', Table 1's columns) from each domain's clients.
     info['client_groups'] = {name: [k for k in range(num_clients) if client_domain[k] == name]
                              for name in domains}
-    info['corruption_per_client'] = chosen
+    info['corruptions'] = names
+    info['corruption_counts_per_client'] = chosen
     info['severity'] = data_config.severity
   return Benchmark(splits, 10, shape, info)
