@@ -87,6 +87,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.engine.backend = 'auto'         # 'vmap': one compiled round; 'loop': Python loop of jitted
                                     # clients; 'auto': loop for conv models on CPU, else vmap
   c.engine.rounds_per_call = 1      # R rounds per compiled call (a lax.scan); metrics per round
+  c.engine.vmap_seeds = False       # every seed of a method in lockstep, the round vmapped over
+                                    # seeds (one call per round; needs equal shapes: data.pad_to)
   c.engine.client_chunk = 0         # 0: vmap the whole cohort; c: vmap chunks of c clients
   c.engine.num_devices = 0          # shard the cohort over this many devices (0 = one)
   c.engine.donate = False           # donate server/client buffers (GPU/TPU)

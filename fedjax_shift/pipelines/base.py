@@ -191,6 +191,24 @@ def check_run_loop(config: ml_collections.ConfigDict) -> None:
   base.check_training(config)
 
 
+def check_vmap_seeds(config: ml_collections.ConfigDict) -> None:
+  """The engine options vmapped seeds cannot combine with, each naming its field."""
+  if not config.engine.vmap_seeds:
+    return
+  require(config.pipeline == 'federated', 'engine.vmap_seeds',
+          f'only the federated pipeline vmaps its seeds; config.pipeline='
+          f'{config.pipeline!r} runs them one by one (leave it False)')
+  why = 'config.engine.vmap_seeds=True stacks every seed\'s data on the device'
+  require(config.data.store == 'device', 'data.store', f'must be "device": {why}')
+  require(config.engine.rounds_per_call == 1, 'engine.rounds_per_call',
+          'must be 1 with engine.vmap_seeds (one vmapped round per call)')
+  require(not config.engine.num_devices, 'engine.num_devices',
+          'must be 0 with engine.vmap_seeds (the seeds share one device)')
+  require(round_backend(config) == 'vmap', 'engine.backend',
+          f'engine.vmap_seeds vmaps the compiled round; the {round_backend(config)!r} '
+          f'backend is a Python loop over clients (set engine.backend="vmap")')
+
+
 def check_run(config: ml_collections.ConfigDict) -> None:
   """The fields every federated run reads: methods and their sections, model,
   benchmark (its own ``config.data`` check), rounds, cohort, engine, evaluation,
@@ -243,6 +261,7 @@ def check_run(config: ml_collections.ConfigDict) -> None:
     require(round_backend(config) == 'vmap', 'engine.rounds_per_call',
             f"> 1 scans the compiled round: it needs engine.backend='vmap' (here "
             f"'{engine.backend}' runs the {round_backend(config)} backend)")
+  check_vmap_seeds(config)
   chunk = engine.client_chunk
   require(chunk >= 0 and (chunk == 0 or config.cohort_size % chunk == 0), 'engine.client_chunk',
           f'must be 0 or divide cohort_size={config.cohort_size}, got {chunk}')

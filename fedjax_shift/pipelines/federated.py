@@ -442,11 +442,161 @@ def train_or_diverged(train: Callable[[], Dict], config: ml_collections.ConfigDi
     if config.on_divergence != 'continue':
       raise
     log.warning('%s; config.on_divergence=continue: going on with the other runs', err)
-    record = {'algorithm': name, 'seed': seed, 'metrics': {}, 'diverged': str(err),
-              'rounds': config.rounds, 'train_seconds': float('nan')}
-    with open(os.path.join(run_dir, 'results.json'), 'w') as f:
-      json.dump(record, f, indent=1)
-    return record
+    return diverged_record(config, run_dir, name, seed, err)
+
+
+def diverged_record(config: ml_collections.ConfigDict, run_dir: str, name: str, seed: int,
+                    error: DivergenceError) -> Dict:
+  """The record of a diverged run, also written to ``run_dir``/results.json."""
+  record = {'algorithm': name, 'seed': seed, 'metrics': {}, 'diverged': str(error),
+            'rounds': config.rounds, 'train_seconds': float('nan')}
+  with open(os.path.join(run_dir, 'results.json'), 'w') as f:
+    json.dump(record, f, indent=1)
+  return record
+
+
+
+# Seeds as one program (``config.engine.vmap_seeds=True``, issue 12): every seed of a
+# method trains in lockstep, the compiled round ``vmap``ped over a leading seed axis of
+# the stacked server states, client states, training data and round keys, so S seeds are
+# one XLA call per round instead of S.
+#
+# Each seed keeps what a sequential run has: its own data (built from its seed), init,
+# round keys, run directory, checkpoints, metrics.jsonl and results.json; evaluation runs
+# per seed on its slice of the stacked state, through the same compiled evaluation. The
+# results equal the sequential runs' (tests/test_vmap_seeds.py).
+#
+# What it needs: every seed's data of one shape (``config.data.pad_to`` makes Dirichlet
+# seeds shape-equal), the device store, one round per call, the vmapped round (not the
+# loop backend), one device, and every seed at the same round when resuming. Each
+# refusal names the field. A seed whose loss turns non-finite stops the run naming the
+# seed and round, or, with ``on_divergence='continue'``, is recorded as diverged and
+# leaves the other seeds running.
+def stack_seeds(trees):
+  """One pytree whose leaves are the trees' leaves stacked on a new leading axis."""
+  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def take_seed(tree, index: int):
+  return jax.tree.map(lambda leaf: leaf[index], tree)
+
+
+def train_seeds(config: ml_collections.ConfigDict, workdir: str, name: str,
+                programs: Dict) -> List[Dict]:
+  """Trains method ``name`` over every seed of ``config.seeds`` as one program; returns
+  the per-seed results (as ``train_and_evaluate`` / ``train_or_diverged`` do). The
+  ``programs`` of ``run`` let the seeds share one built method and round."""
+  seeds = tuple(config.seeds)
+  run_dirs = [os.path.join(workdir, name, f'seed_{seed}') for seed in seeds]
+  with CompileClock() as clock:
+    setups = [setup_run(config, run_dir, name, seed, programs=programs)
+              for seed, run_dir in zip(seeds, run_dirs)]
+    try:
+      return _train_seeds(config, name, seeds, run_dirs, setups, clock)
+    finally:
+      for setup in setups:
+        setup.checkpointer.close()
+
+
+def _check_lockstep(setups, seeds) -> int:
+  """The common start round; raises when the seeds cannot share one program."""
+  first = setups[0]
+  shape = first.bench.splits['train'].x.shape
+  for seed, setup in zip(seeds[1:], setups[1:]):
+    other = setup.bench.splits['train'].x.shape
+    if setup.round_device is not first.round_device:
+      raise ValueError(
+          f'config.engine.vmap_seeds: seeds {seeds[0]} and {seed} need different programs '
+          f'(training data {shape} and {other}); set config.data.pad_to to a bound on every '
+          f'client of every seed so that they share one shape')
+  rounds = {seed: setup.start_round for seed, setup in zip(seeds, setups)}
+  if len(set(rounds.values())) > 1:
+    raise ValueError(f'config.engine.vmap_seeds: the seeds\' checkpoints are at different '
+                     f'rounds {rounds}; finish them without engine.vmap_seeds, or use a '
+                     f'new workdir')
+  return first.start_round
+
+
+def _train_seeds(config, name: str, seeds, run_dirs, setups, clock: CompileClock
+                 ) -> List[Dict]:
+  completed = _check_lockstep(setups, seeds)
+  count = len(seeds)
+  round_fn = jax.jit(jax.vmap(setups[0].round_device))
+  server = stack_seeds([s.server_state for s in setups])
+  clients = stack_seeds([s.client_states for s in setups])
+  data = jax.device_put(stack_seeds([jax.tree.map(np.asarray, s.bench.splits['train'])
+                               for s in setups]))
+  elapsed = [s.elapsed for s in setups]
+  summaries: List[Dict] = [{} for _ in seeds]
+  diverged: Dict[int, Dict] = {}
+  progress = None
+  if config.progress:
+    from tqdm import tqdm
+    progress = tqdm(total=config.rounds, initial=completed, unit='round',
+                    desc=f'{name} seeds {seeds} (vmapped)', leave=False)
+  try:
+    while completed < config.rounds:
+      tick = time.perf_counter()
+      keys = jnp.stack([round_key(s.train_key, completed) for s in setups])
+      out = round_fn(server, clients, data, keys)
+      losses = np.asarray(out.metrics['loss'])
+      steps = np.asarray(out.metrics['num_steps'])
+      seconds = time.perf_counter() - tick
+      server, clients = out.server_state, out.client_states
+      completed += 1
+      evaluate_now = completed % config.eval_every == 0 or completed == config.rounds
+      save_now = completed % config.checkpoint_every == 0 or completed == config.rounds
+      for i, (seed, setup) in enumerate(zip(seeds, setups)):
+        if i in diverged:
+          continue
+        if not np.isfinite(losses[i]):
+          kept = setup.checkpointer.latest_round()
+          error = DivergenceError(
+              f'{name} seed {seed}: non-finite training loss ({losses[i]}) in round '
+              f'{completed} (vmapped seeds); ' +
+              (f'the last good checkpoint (round {kept}) is kept in {run_dirs[i]}'
+               if kept is not None else 'no checkpoint was saved before it'))
+          if config.on_divergence != 'continue':
+            raise error
+          log.warning('%s; config.on_divergence=continue: the other seeds go on', error)
+          diverged[i] = diverged_record(config, run_dirs[i], name, seed, error)
+          continue
+        elapsed[i] += seconds / count
+        record = {'round': completed, 'loss': float(losses[i]),
+                  'round_seconds': seconds / count, 'num_steps': float(steps[i])}
+        if evaluate_now or save_now:
+          own_server, own_clients = take_seed(server, i), take_seed(clients, i)
+        if evaluate_now:
+          summaries[i] = setup.evaluate(own_server, own_clients)
+          record.update(summaries[i])
+        setup.writer.write(record)
+        if save_now:
+          setup.checkpointer.save(completed, (own_server, own_clients,
+                                              jnp.float32(elapsed[i])), force=True)
+      if progress is not None:
+        progress.update(1)
+        progress.set_postfix(loss=f'{np.nanmean(losses):.3f}')
+  except KeyboardInterrupt:
+    for i, setup in enumerate(setups):
+      if i not in diverged and completed > setup.start_round:
+        setup.checkpointer.save(completed, (take_seed(server, i), take_seed(clients, i),
+                                            jnp.float32(elapsed[i])), force=True)
+    log.warning('interrupted: saved round %d of every seed', completed)
+    raise
+  finally:
+    if progress is not None:
+      progress.close()
+  results = []
+  for i, (seed, setup) in enumerate(zip(seeds, setups)):
+    if i in diverged:
+      results.append(diverged[i])
+      continue
+    own_server = take_seed(server, i)
+    if not summaries[i]:   # resumed after the final round: evaluate the restored state
+      summaries[i] = setup.evaluate(own_server, take_seed(clients, i))
+    results.append(finish_run(config, run_dirs[i], name, seed, summaries[i], elapsed[i],
+                              setup.upload, clock, own_server, vmapped_seeds=list(seeds)))
+  return results
 
 
 def run_dirs(config: ml_collections.ConfigDict, workdir: str):
@@ -465,11 +615,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   run_dirs: Dict[str, List[str]] = {}
   programs: Dict = {}  # compiled once per method and data shapes, reused across seeds
   for name in algorithm_names(config):
+    if config.engine.vmap_seeds:
+      results.extend(train_seeds(config, workdir, name, programs))
     for seed in config.seeds:
       run_dir = os.path.join(workdir, name, f'seed_{seed}')
-      results.append(train_or_diverged(
-          lambda: train_and_evaluate(config, run_dir, name, seed, programs=programs),
-          config, run_dir, name, seed))
+      if not config.engine.vmap_seeds:
+        results.append(train_or_diverged(
+            lambda: train_and_evaluate(config, run_dir, name, seed, programs=programs),
+            config, run_dir, name, seed))
       run_dirs.setdefault(name, []).append(run_dir)
   table = report.results_table(results)
   preamble = (f"Benchmark {config.data.benchmark}: {config.data.source}, "

@@ -90,6 +90,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
                  ('sampling', config.sampling, 'uniform'),
                  ('straggler_prob', config.straggler_prob, 0.0),
                  ('engine.rounds_per_call', config.engine.rounds_per_call, 1),
+                 ('engine.vmap_seeds', config.engine.vmap_seeds, False),
                  ('engine.num_devices', config.engine.num_devices, 0),
                  ('engine.client_chunk', config.engine.client_chunk, 0),
                  ('eval_adapters', tuple(config.eval_adapters), ()))

@@ -1,0 +1,101 @@
+"""Seeds as one program (config.engine.vmap_seeds, issue 12): the seeds of a method train
+in lockstep through the round vmapped over seeds, with the sequential runs' results."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from fedjax_shift import pipelines
+from fedjax_shift.metrics import read_metrics
+from fedjax_shift.pipelines.federated import DivergenceError, build_data
+from tests.helpers import tiny_config
+
+
+def config_for(**fields):
+  config = tiny_config(**{'seeds': (0, 1, 2), 'rounds': 4, 'eval_every': 2,
+                          'checkpoint_every': 2, **fields})
+  # one bound on every seed's clients, so the seeds share shapes
+  bound = max(int(max(split.num_examples.max() for split in build_data(config, seed)
+                      .splits.values())) for seed in config.seeds)
+  config.data.pad_to = bound
+  return config
+
+
+def run(config, workdir):
+  out = pipelines.run(config, str(workdir))
+  return {(r['algorithm'], r['seed']): r for r in out.records['results']}
+
+
+@pytest.mark.parametrize('algorithm', ['fedavg', 'fedrep'])
+def test_vmapped_seeds_equal_sequential_seeds(tmp_path, algorithm):
+  sequential = config_for(algorithms=(algorithm,))
+  vmapped = config_for(algorithms=(algorithm,))
+  vmapped.engine.vmap_seeds = True
+  a = run(sequential, tmp_path / 'sequential')
+  b = run(vmapped, tmp_path / 'vmapped')
+  assert a.keys() == b.keys()
+  for key in a:
+    assert b[key]['vmapped_seeds'] == [0, 1, 2]
+    assert a[key]['metrics'].keys() == b[key]['metrics'].keys()
+    for metric, value in a[key]['metrics'].items():
+      np.testing.assert_allclose(b[key]['metrics'][metric], value, rtol=1e-5, atol=1e-6,
+                                 err_msg=f'{key} {metric}')
+    runs = [read_metrics(os.path.join(tmp_path / which, algorithm, f'seed_{key[1]}',
+                                      'metrics.jsonl')) for which in ('sequential', 'vmapped')]
+    np.testing.assert_allclose([r['loss'] for r in runs[1]], [r['loss'] for r in runs[0]],
+                               rtol=1e-5)
+  # checkpoints per seed: a re-run resumes every seed at the final round
+  again = run(vmapped, tmp_path / 'vmapped')
+  column = ('global' if algorithm == 'fedavg' else 'personalized') + '/test/accuracy'
+  for key in a:
+    assert again[key]['metrics'][column] == b[key]['metrics'][column]
+
+
+def test_seeds_of_different_shapes_are_refused_naming_pad_to(tmp_path):
+  config = tiny_config(**{'seeds': (0, 1), 'rounds': 1})
+  shapes = {build_data(config, seed).splits['train'].x.shape for seed in config.seeds}
+  assert len(shapes) == 2   # Dirichlet seeds with different largest clients
+  config.engine.vmap_seeds = True
+  with pytest.raises(ValueError, match='data.pad_to'):
+    pipelines.run(config, str(tmp_path))
+
+
+@pytest.mark.parametrize('field,value,named', [
+    ('data.store', 'host', 'data.store'),
+    ('engine.rounds_per_call', 2, 'engine.rounds_per_call'),
+    ('engine.backend', 'loop', 'engine.backend'),
+    ('pipeline', 'test_time', 'engine.vmap_seeds'),
+])
+def test_unsupported_combinations_name_the_field(tmp_path, field, value, named):
+  config = tiny_config(**{'engine.vmap_seeds': True})
+  if field == 'pipeline':
+    import importlib
+    config = importlib.import_module('configs.atp').get_config('tiny')
+    config.engine.vmap_seeds = True
+  else:
+    section, leaf = field.split('.')
+    config[section][leaf] = value
+  with pytest.raises(ValueError, match=named.replace('.', r'\.')):
+    pipelines.run(config, str(tmp_path))
+
+
+def test_a_diverging_seed_is_named_or_recorded_and_the_others_go_on(tmp_path):
+  config = config_for(**{'client.learning_rate': 1e8, 'engine.vmap_seeds': True})
+  with pytest.raises(DivergenceError, match=r'seed 0: non-finite training loss .* round 1'):
+    pipelines.run(config, str(tmp_path / 'stop'))
+  config.on_divergence = 'continue'
+  vmapped = run(config, tmp_path / 'continue')
+  config.engine.vmap_seeds = False
+  sequential = run(config, tmp_path / 'sequential')
+  # the same seeds diverge (seeds 0 and 1 at this rate) and the others match
+  assert {k for k, r in vmapped.items() if 'diverged' in r} == {
+      k for k, r in sequential.items() if 'diverged' in r} == {('fedavg', 0), ('fedavg', 1)}
+  for key, record in vmapped.items():
+    if 'diverged' in record:
+      assert f'seed {key[1]}' in record['diverged']
+      with open(tmp_path / 'continue' / 'fedavg' / f'seed_{key[1]}' / 'results.json') as f:
+        assert json.load(f)['diverged'] == record['diverged']
+    else:
+      np.testing.assert_allclose(record['metrics']['global/test/accuracy'],
+                                 sequential[key]['metrics']['global/test/accuracy'], rtol=1e-5)
