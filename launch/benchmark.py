@@ -25,6 +25,8 @@ B, FedAvg with SGD):
   algorithm:<name>  the compiled round of any registered method (its registered
               defaults, one epoch) on the same cohort, next to (a) (opt-in; e.g.
               --cases=round,algorithm:scaffold,algorithm:afl)
+  seeds_vmap / seeds_loop  --seeds seeds of the FedAvg round on the same cohort: one
+              call vmapped over seeds (engine.vmap_seeds) vs one call per seed (opt-in)
   hetero_fedtta / hetero_fedtta_medium  HeteroFedTTA's grouped round (core/groups.py):
               the C clients dealt to small / medium / big MLPs (or all medium, one
               group), 10 Eq. 14 digest steps on a 500-image public set, one epoch of
@@ -65,6 +67,7 @@ flags.DEFINE_integer('repeats', 5, 'Timed repeats after one warm-up (median repo
 flags.DEFINE_string('unroll', 'true', "lax.scan unroll of local steps: 'true', 'false' or an int.")
 flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a).')
 flags.DEFINE_integer('rounds_per_call', 5, 'R of the rounds_calls / rounds_scan cases.')
+flags.DEFINE_integer('seeds', 3, 'Seeds S of the seeds_vmap / seeds_loop cases.')
 flags.DEFINE_enum('conv', 'auto', ['auto', 'lax', 'patches', 'lax_patch_grad'],
                   'config.model.conv: how convolutions are computed (auto: patches on '
                   'GPU/TPU, lax_patch_grad on CPU).')
@@ -179,6 +182,36 @@ def case_round(backend='vmap', kind='fedavg'):
     jax.block_until_ready(compiled(server, clients, device_data, ids, key))
   compile_s = time.perf_counter() - tick
   run = lambda: jax.block_until_ready(compiled(server, clients, device_data, ids, key))
+  median, times = timed(run, FLAGS.repeats)
+  return {'seconds': median, 'times': times, 'compile_s': compile_s}
+
+
+def case_seeds(vmapped: bool):
+  """FLAGS.seeds seeds of the FedAvg round on the same cohort (each its own init and
+  keys): one call of the round vmapped over seeds (engine.vmap_seeds), or one call per
+  seed. Seconds per round of all seeds."""
+  import jax
+  import jax.numpy as jnp
+  from fedjax_shift.core.round import RoundConfig, build_round, round_key, stack_client_states
+  config, _, algorithm, data, _ = setup_algorithm(FLAGS.clients)
+  seeds = range(FLAGS.seeds)
+  servers = [algorithm.init(jax.random.key(s), jnp.asarray(data.x[0, :1])) for s in seeds]
+  clients = [stack_client_states(algorithm, server, FLAGS.clients) for server in servers]
+  round_device, _ = build_round(algorithm, RoundConfig(cohort_size=FLAGS.clients))
+  device_data = jax.device_put(data)
+  keys = [round_key(jax.random.key(s), 0) for s in seeds]
+  if vmapped:
+    stack = lambda trees: jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+    round_all = jax.jit(jax.vmap(round_device))
+    args = (stack(servers), stack(clients), stack([device_data] * FLAGS.seeds),
+            jnp.stack(keys))
+    run = lambda: jax.block_until_ready(round_all(*args))
+  else:
+    run = lambda: jax.block_until_ready([round_device(servers[s], clients[s], device_data,
+                                                      keys[s]) for s in seeds])
+  tick = time.perf_counter()
+  run()
+  compile_s = time.perf_counter() - tick
   median, times = timed(run, FLAGS.repeats)
   return {'seconds': median, 'times': times, 'compile_s': compile_s}
 
@@ -559,6 +592,8 @@ def run_case(name):
               'fedevolve': lambda: case_round(kind='fedevolve'),
               'fedtta': lambda: case_round(kind='fedtta'),
               'hetero_fedtta': lambda: case_hetero(('small', 'medium', 'big')),
+              'seeds_vmap': lambda: case_seeds(True),
+              'seeds_loop': lambda: case_seeds(False),
               'hetero_fedtta_medium': lambda: case_hetero(('medium',)),
               'alpha_round': lambda: case_round(kind='alpha'),
               'fedtta_e50': lambda: case_fedtta_test_time('scan', 0),
@@ -572,7 +607,7 @@ def spawn(name):
   argv = [sys.executable, os.path.abspath(__file__), f'--case={name}']
   argv += [f'--{f}={FLAGS[f].serialize().split("=", 1)[1]}' for f in
            ('model', 'clients', 'examples', 'batch_size', 'repeats', 'unroll', 'client_chunk',
-            'sweep_repeats', 'tta_adapter', 'conv', 'rounds_per_call')]
+            'sweep_repeats', 'tta_adapter', 'conv', 'rounds_per_call', 'seeds')]
   proc = subprocess.run(argv, capture_output=True, text=True)
   if proc.returncode:
     return {'error': proc.stderr.strip().splitlines()[-1] if proc.stderr else 'failed'}
@@ -618,6 +653,10 @@ def main(argv):
             'hetero_fedtta': 'HeteroFedTTA grouped round, 3 architectures (digest + 1 epoch '
                              '+ public logits)',
             'hetero_fedtta_medium': 'HeteroFedTTA round, all clients medium (one group)',
+            'seeds_vmap': f'{FLAGS.seeds} seeds of the FedAvg round, vmapped over seeds '
+                          f'(engine.vmap_seeds), all seeds',
+            'seeds_loop': f'{FLAGS.seeds} seeds of the FedAvg round, one call per seed, '
+                          f'all seeds',
             'alpha_round': 'ATP α round, 1 α step',
             'fedtta_e50': 'FedTTA test time, fixed E = 50 steps (scan)',
             'fedtta_pp_scan': 'FedTTA++ test time, E ≤ 50, patience 1, masked scan',
@@ -641,6 +680,9 @@ def main(argv):
   if all('seconds' in results.get(n, {}) for n in ('tta_vmap', 'tta_loop')):
     lines.append(f"\ntta vmapped / tta loop = "
                  f"{results['tta_vmap']['seconds'] / results['tta_loop']['seconds']:.2f}")
+  if all('seconds' in results.get(n, {}) for n in ('seeds_vmap', 'seeds_loop')):
+    lines.append(f"\nseeds vmapped / seeds one by one = "
+                 f"{results['seeds_vmap']['seconds'] / results['seeds_loop']['seconds']:.2f}")
   if all('seconds' in results.get(n, {}) for n in ('alpha_round', 'fedavg_1step')):
     lines.append(f"\nα round / FedAvg 1-step round = "
                  f"{results['alpha_round']['seconds'] / results['fedavg_1step']['seconds']:.2f}")
