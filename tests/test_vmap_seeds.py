@@ -3,6 +3,7 @@ in lockstep through the round vmapped over seeds, with the sequential runs' resu
 import json
 import os
 
+import chex
 import numpy as np
 import pytest
 
@@ -37,6 +38,8 @@ def test_vmapped_seeds_equal_sequential_seeds(tmp_path, algorithm):
   assert a.keys() == b.keys()
   for key in a:
     assert b[key]['vmapped_seeds'] == [0, 1, 2]
+    chex.assert_trees_all_close(b[key]['server_state'], a[key]['server_state'], rtol=1e-5,
+                                atol=1e-6)
     assert a[key]['metrics'].keys() == b[key]['metrics'].keys()
     for metric, value in a[key]['metrics'].items():
       np.testing.assert_allclose(b[key]['metrics'][metric], value, rtol=1e-5, atol=1e-6,
