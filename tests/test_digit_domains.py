@@ -97,3 +97,20 @@ def test_bad_domains_name_the_field():
     build(held_out_domain='svhn')
   with pytest.raises(ValueError, match=r'data\.domains'):
     build(domains=('mnist',))
+
+
+def test_a_user_folder_is_a_domain(tmp_path):
+  from PIL import Image
+  rng = np.random.default_rng(0)
+  for digit in range(10):
+    (tmp_path / 'usps' / str(digit)).mkdir(parents=True)
+    for i in range(3):
+      pixels = (rng.random((16, 16)) * 255).astype(np.uint8)
+      Image.fromarray(pixels).save(tmp_path / 'usps' / str(digit) / f'{i}.png')
+  src = digit_domains.domain('folder:usps', 20, np.random.default_rng(1), str(tmp_path))
+  assert src.x.shape == (20, 28, 28, 3) and 0 <= src.x.min() and src.x.max() <= 1
+  assert set(src.y) <= set(range(10))
+  bench = build(domains=('mnist', 'folder:usps'), data_dir=str(tmp_path))
+  assert bench.info['client_domain'] == ['mnist', 'folder:usps']
+  with pytest.raises(FileNotFoundError, match='config.data.domains: folder:mnistm_real'):
+    digit_domains.domain('folder:mnistm_real', 5, rng, str(tmp_path))

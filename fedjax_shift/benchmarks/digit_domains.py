@@ -1,6 +1,6 @@
 """A Digit-5-style multi-domain benchmark from offline data (FedICON Sec. 5.1, Tables 1,
 2 and 4): every client holds one digit domain (data/digit_domains.py: mnist, uci,
-mnistm, synth, and svhn where TFDS has it prepared), ``clients_per_domain`` clients per
+mnistm, synth, svhn where TFDS has it prepared, and folder:<name> for a user's images), ``clients_per_domain`` clients per
 domain sharing its examples IID, each client's examples split train / val / test by
 ``split_fractions``.
 
@@ -33,9 +33,10 @@ def check(data_config: ml_collections.ConfigDict) -> None:
   require(len(domains) >= 2 and len(set(domains)) == len(domains), 'data.domains',
           f'need at least two distinct domains, got {domains}')
   for name in domains:
-    require(name in digit_domains.DOMAINS, 'data.domains',
-            f'unknown digit domain {name!r}; choose from {list(digit_domains.DOMAINS)} '
-            f'(USPS and the real MNIST-M are not available offline)')
+    require(name in digit_domains.DOMAINS or name.startswith('folder:'), 'data.domains',
+            f'unknown digit domain {name!r}; choose from {list(digit_domains.DOMAINS)} or '
+            f'folder:<name> (a user folder <data_dir>/<name>/<digit>/: USPS and the real '
+            f'MNIST-M are not on PyPI or in TFDS)')
   require(data_config.domain_examples >= 10, 'data.domain_examples',
           f'must be >= 10, got {data_config.domain_examples}')
   require(data_config.clients_per_domain >= 1, 'data.clients_per_domain',

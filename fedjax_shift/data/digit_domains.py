@@ -10,9 +10,9 @@ Tables 1, 2 and 4): every domain is 10 digit classes as [N, 28, 28, 3] float32 i
           (DejaVu Sans / Serif / Mono, STIX, Computer Modern; 21 faces) with random
           scale, rotation, offset, stroke and background colours, blur and noise
   svhn    real SVHN (TFDS 'svhn_cropped', only where prepared offline)
-
-USPS and the real MNIST-M are not on PyPI or in TFDS; the names above are what can be
-made here. ``domain(name, count, rng)`` returns one domain; the generated ones follow
+  folder:<name>  a user's images in ``<data_dir>/<name>/<digit>/*.png|jpg`` (class
+          folders named 0–9), e.g. USPS or the real MNIST-M: neither is on PyPI or in
+          TFDS, so they come from a folder when the user has them ``domain(name, count, rng)`` returns one domain; the generated ones follow
 ``rng``.
 """
 from __future__ import annotations
@@ -141,7 +141,39 @@ def domain(name: str, count: int, rng: np.random.Generator,
   if name == 'synth':
     labels = balanced_labels(count, rng)
     return sources.Source(synth(labels, rng), labels, 10)
+  if name.startswith('folder:'):
+    return folder_domain(name[len('folder:'):], count, rng, data_dir)
   if name == 'svhn':
     src = sources.tfds_source('svhn_cropped', 'train', data_dir, count)
     return sources.Source(sources.resize_images(src.x, SIZE, SIZE), src.y, 10)
-  raise ValueError(f'unknown digit domain {name!r}; choose from {list(DOMAINS)}')
+  raise ValueError(f'unknown digit domain {name!r}; choose from {list(DOMAINS)} or '
+                   f'folder:<name>')
+
+
+def folder_domain(name: str, count: int, rng: np.random.Generator,
+                  data_dir: Optional[str]) -> sources.Source:
+  """``count`` images of ``<data_dir>/<name>/<digit>/``, resized to 28×28 RGB."""
+  from PIL import Image
+  root = os.path.join(data_dir or '', name)
+  if not data_dir or not os.path.isdir(root):
+    raise FileNotFoundError(f'config.data.domains: folder:{name} reads {root!r}, which does '
+                            f'not exist; set config.data.data_dir to the folder holding '
+                            f'{name}/0 … {name}/9')
+  files, labels = [], []
+  for digit in range(10):
+    folder = os.path.join(root, str(digit))
+    if os.path.isdir(folder):
+      for file in sorted(os.listdir(folder)):
+        if file.lower().endswith(sources.IMAGE_EXTENSIONS):
+          files.append(os.path.join(folder, file))
+          labels.append(digit)
+  if not files:
+    raise FileNotFoundError(f'config.data.domains: no images in the digit folders '
+                            f'{root}/0 … {root}/9')
+  order = rng.permutation(len(files))[:count]
+  images = []
+  for index in order:
+    with Image.open(files[index]) as image:
+      image = image.convert('RGB').resize((SIZE, SIZE), Image.BILINEAR)
+      images.append(np.asarray(image, np.float32) / 255.0)
+  return sources.Source(np.stack(images), np.asarray(labels, np.int32)[order], 10)
