@@ -24,7 +24,9 @@ client per digit domain of benchmarks/digit_domains.py — MNIST, UCI, MNIST-M-s
 SynthDigits-style — with corrupted test sets; columns per domain), lodo_<domain>
 (Table 2: that domain held out as every client's test set, e.g. lodo_synth), quick,
 tiny (shared) — and the label-skew ones (e.g. mnist_dir1.0 for FedTHE's Dirichlet 1.0).
-Combine with commas: digit5,online or lodo_uci,paper.
+ablation (Table 5: FedICON without local invariance extraction, without global invariance
+sharing, without both; each with and without test-time adaptation), cnn (the ATP CNN).
+Combine with commas: digit5,online, lodo_uci,paper or digit5,ablation.
 """
 import ml_collections
 
@@ -59,7 +61,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                                        # sample selection without its Fisher regulariser
   c.paper_tables = 'fedicon'
   return apply_variant(c, arg, VARIANTS,
-                       SOURCE_VARIANTS_HELP + ', online, paper, digit5, lodo_<domain>, cnn')
+                       SOURCE_VARIANTS_HELP + ', online, paper, digit5, lodo_<domain>, cnn, ablation')
 
 
 def _online(c: ml_collections.ConfigDict, match=None) -> None:
@@ -86,6 +88,15 @@ def _lodo(c: ml_collections.ConfigDict, match) -> None:
   c.cohort_size = (len(c.data.domains) - 1) * c.data.clients_per_domain
 
 
+def _ablation(c: ml_collections.ConfigDict, match=None) -> None:
+  """Table 5: FedICON without local invariance extraction (CE), without global
+  invariance sharing (no averaging), without both; each with and without test-time
+  adaptation."""
+  c.algorithms = ('fedicon_ce_no_sharing', 'fedicon_ce', 'fedicon_no_sharing', 'fedicon')
+  c.eval_adapters = ('fedicon:episodic',)
+  c.eval_adapter_algorithms = c.algorithms
+
+
 def _cnn(c: ml_collections.ConfigDict, match=None) -> None:
   """The ATP CNN (3 conv + BatchNorm, 64 features) in place of the MLP: colour digit
   domains (mnistm, synth) need convolutions."""
@@ -106,4 +117,5 @@ def _tiny(c: ml_collections.ConfigDict, match=None) -> None:
 
 VARIANTS = SOURCE_VARIANTS[:-1] + (('online', _online), ('paper', _paper), ('digit5', _digit5),
                                    (r'lodo_(?P<domain>\w+)', _lodo), ('cnn', _cnn),
+                                   ('ablation', _ablation),
                                    ('tiny', _tiny))

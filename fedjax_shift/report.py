@@ -385,12 +385,41 @@ def fedicon_table(results: List[Dict], online: bool = False,
   return _markdown(['Method'] + [label for _, label in columns] + ['seeds'], rows)
 
 
+# FedICON Table 5: (method, local invariance extraction, global invariance sharing); each
+# with and without test-time adaptation ('personalized+fedicon' / 'personalized').
+FEDICON_ABLATION = (('fedicon_ce_no_sharing', False, False), ('fedicon_ce', False, True),
+                    ('fedicon_no_sharing', True, False), ('fedicon', True, True))
+
+
+def fedicon_ablation_table(results: List[Dict], split: str = 'test_corrupted') -> str:
+  """FedICON Table 5 layout: one row per component combination that was run, accuracy
+  (%) on ``split`` (the covariate-shift test sets), mean ± std over seeds."""
+  mark = lambda on: '✓' if on else ''
+  rows = []
+  for method, extraction, sharing in FEDICON_ABLATION:
+    runs = [r for r in results if r['algorithm'] == method]
+    if not runs:
+      continue
+    for tta, model in ((False, 'personalized'), (True, 'personalized+fedicon')):
+      values = [r['metrics'].get(f'{model}/{split}/accuracy') for r in runs]
+      if any(v is not None for v in values):
+        rows.append([mark(extraction), mark(sharing), mark(tta), mean_std(values)])
+  return _markdown(['Local invariance extraction', 'Global invariance sharing',
+                    'Test-time adaptation', f'Accuracy ({split})'], rows)
+
+
 def fedicon_tables(config, results: List[Dict]) -> str:
-  """What launch/train.py prints for a configs/fedicon.py run."""
-  return ('FedICON layout (the rows of its Tables 1–4): accuracy (%) on each client\'s test '
+  """What launch/train.py prints for a configs/fedicon.py run (and Table 5's layout when
+  it ran the ablations)."""
+  text = ('FedICON layout (the rows of its Tables 1–4): accuracy (%) on each client\'s test '
           'sets (all examples pooled), mean ± std over seeds; last round\n\n' +
           fedicon_table(results, online='fedicon:online' in tuple(config.eval_adapters),
                         columns=fedicon_columns(config.data)))
+  ablations = {method for method, _, _ in FEDICON_ABLATION} - {'fedicon'}
+  if any(r['algorithm'] in ablations for r in results):
+    text += ('\n\nFedICON Table 5 layout: the components (test-time adaptation = the '
+             'fedicon adapter on the personalised model)\n\n' + fedicon_ablation_table(results))
+  return text
 
 
 def fedicon_lodo_table(runs_by_domain: Dict[str, List[Dict]]) -> str:

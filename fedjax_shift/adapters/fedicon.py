@@ -16,7 +16,8 @@ variant's (tests/test_fedicon.py).
 Each batch takes ``steps`` SGD steps (lr 0.005, the paper's contrastive rate) on the
 encoder and projection, in batch-statistics mode, then predicts with the personal head
 in eval mode ('after'; 'before' predicts with the model it started the batch with).
-Only models with FedICON's projection (fedicon, fedicon_us) can be adapted.
+Only models with FedICON's projection (fedicon, fedicon_us and the Table 5 ablations)
+can be adapted.
 """
 from __future__ import annotations
 
@@ -129,7 +130,8 @@ def fedicon_tta(module, temperature: float = 0.1,
     'steps': 1,                       # SGD steps per test batch (our choice)
     'memory_size': 128,               # online variant: test features kept as negatives
     'augmentations': ('random_resized_crop', 'colour_jitter', 'grayscale', 'gaussian_blur'),
-    'predict': 'after'}, trained_by=('fedicon', 'fedicon_us'))
+    'predict': 'after'}, trained_by=('fedicon', 'fedicon_us', 'fedicon_no_sharing', 'fedicon_ce',
+                                     'fedicon_ce_no_sharing'))
 def build_fedicon(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.fedicon``."""
   return fedicon_tta(module, hparams.temperature,

@@ -151,8 +151,18 @@ DEFAULTS = {
 }
 
 
+OBJECTIVES = ('supcon', 'simclr', 'ce')
+
+
 def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildContext,
-                      supervised: bool) -> FederatedAlgorithm:
+                      objective: str = 'supcon', share: bool = True) -> FederatedAlgorithm:
+  """FedICON (``objective='supcon'``), FedICON-us ('simclr': instance labels) and the
+  Table 5 ablations: 'ce' trains the encoder by cross-entropy through the client's head
+  instead of Eq. 4 (no local invariance extraction); ``share=False`` keeps every
+  client's encoder and projection on the client, nothing is averaged (no global
+  invariance sharing; the client state is then (head, own variables))."""
+  if objective not in OBJECTIVES:
+    raise ValueError(f'FedICON objective must be one of {OBJECTIVES}, got {objective!r}')
   if context.schedule.batch_size < MIN_BATCH:
     raise ValueError(f'config.client.batch_size={context.schedule.batch_size}: FedICON\'s '
                      f'contrastive loss needs at least {MIN_BATCH} examples per batch')
@@ -161,7 +171,8 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
   sgd = lambda rate: optax.chain(optax.add_decayed_weights(hparams.weight_decay),
                                  optax.sgd(rate))
   head_context = context._replace(client_optimizer=sgd(hparams.head_learning_rate))
-  contrastive_optimizer = sgd(hparams.learning_rate)
+  body_optimizer = sgd(hparams.learning_rate if objective != 'ce'
+                       else hparams.head_learning_rate)
 
   def init(rng, example_x):
     model_key, projection_key = jax.random.split(rng)
@@ -175,26 +186,47 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
   def train_head(variables, data, rng):
     return train_part(head_context, variables, 'head', hparams.head_epochs, data, rng)
 
-  def client_update(server_state, head, data, rng):
-    start = with_head(server_state.variables, head)
+  def body_loss(head):
+    if objective != 'ce':
+      return contrastive_loss(module, projection, head, names, temperature,
+                              supervised=objective == 'supcon')
+    cross_entropy = base.cross_entropy_loss(module)
+    return lambda body, *rest: cross_entropy({**body, 'head': head}, *rest)
+
+  def train(start, data, rng):
+    """Head epochs, then E epochs of the body (encoder + projection) on ``start``."""
     variables, _ = train_head(start, data, jax.random.fold_in(rng, 0))
     head = variables['params']['head']
     params, model_state = base.split_variables(variables)
     body = {k: v for k, v in params.items() if k != 'head'}
-    loss_fn = contrastive_loss(module, projection, head, names, temperature, supervised)
-    body, model_state, _, metrics = local_train(loss_fn, contrastive_optimizer, body,
+    body, model_state, _, metrics = local_train(body_loss(head), body_optimizer, body,
                                                 model_state, data, jax.random.fold_in(rng, 1),
                                                 context.schedule)
-    variables = {'params': {**body, 'head': head}, **model_state}
+    return {'params': {**body, 'head': head}, **model_state}, metrics
+
+  def shared_update(server_state, head, data, rng):
+    variables, metrics = train(with_head(server_state.variables, head), data, rng)
+    head = variables['params']['head']
     delta = base.tree_sub(variables, with_head(server_state.variables, head))
     return ClientOutput(body_only(delta), metrics), head
 
-  def personalize(server_state, head, data, rng):
+  def shared_personalize(server_state, head, data, rng):
     return train_head(with_head(server_state.variables, head), data, rng)[0]
 
+  def own_update(server_state, own_variables, data, rng):
+    del server_state   # Table 5 without global invariance sharing: nothing is sent
+    variables, metrics = train(own_variables, data, rng)
+    return ClientOutput({}, metrics), variables
+
+  def own_personalize(server_state, own_variables, data, rng):
+    return train_head(own_variables, data, rng)[0]
+
+  client_update, personalize = ((shared_update, shared_personalize) if share
+                                else (own_update, own_personalize))
   return FederatedAlgorithm(
       init=init,
-      init_client_state=lambda server_state: server_state.variables['params']['head'],
+      init_client_state=(lambda server_state: server_state.variables['params']['head'])
+      if share else (lambda server_state: server_state.variables),
       client_update=client_update,
       server_update=base.partial_server_update(context.server_optimizer),
       personalize=personalize, global_model=None)
@@ -202,11 +234,36 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
 
 @base.ALGORITHMS.register('fedicon', defaults=DEFAULTS, check=check('fedicon'))
 def fedicon(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
-  return fedicon_algorithm(hparams, context, supervised=True)
+  return fedicon_algorithm(hparams, context, 'supcon')
 
 
 @base.ALGORITHMS.register('fedicon_us', defaults=DEFAULTS, check=check('fedicon_us'))
 def fedicon_us(hparams: ml_collections.ConfigDict, context: base.BuildContext
                ) -> FederatedAlgorithm:
   """FedICON-us (Table 4): the encoder learns without labels."""
-  return fedicon_algorithm(hparams, context, supervised=False)
+  return fedicon_algorithm(hparams, context, 'simclr')
+
+
+# Table 5's variants without a component (the third, test-time adaptation, is the
+# 'personalized' column next to 'personalized+fedicon' of every variant).
+@base.ALGORITHMS.register('fedicon_no_sharing', defaults=DEFAULTS,
+                          check=check('fedicon_no_sharing'))
+def fedicon_no_sharing(hparams: ml_collections.ConfigDict, context: base.BuildContext
+                       ) -> FederatedAlgorithm:
+  """FedICON without global invariance sharing: SupCon on each client's own encoder."""
+  return fedicon_algorithm(hparams, context, 'supcon', share=False)
+
+
+@base.ALGORITHMS.register('fedicon_ce', defaults=DEFAULTS, check=check('fedicon_ce'))
+def fedicon_ce(hparams: ml_collections.ConfigDict, context: base.BuildContext
+               ) -> FederatedAlgorithm:
+  """FedICON without local invariance extraction: the encoder learns by CE, averaged."""
+  return fedicon_algorithm(hparams, context, 'ce')
+
+
+@base.ALGORITHMS.register('fedicon_ce_no_sharing', defaults=DEFAULTS,
+                          check=check('fedicon_ce_no_sharing'))
+def fedicon_ce_no_sharing(hparams: ml_collections.ConfigDict, context: base.BuildContext
+                          ) -> FederatedAlgorithm:
+  """Neither component: each client trains its own encoder by CE (Local with a head)."""
+  return fedicon_algorithm(hparams, context, 'ce', share=False)
