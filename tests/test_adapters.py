@@ -37,6 +37,9 @@ ADAPTER_CONFIGS = {
     'surgical': {'block': 'first', 'learning_rate': 0.05, 'predict': 'after'},
     'atp': {},
     'fedtta_pp': {'max_steps': 3},
+    'fedicon': {'memory_size': 8},
+    'fedthe': {'steps': 3},
+    'fedthe_plus': {'steps': 3, 'tune_steps': 1, 'num_augmentations': 2},
 }
 
 
@@ -69,6 +72,18 @@ def variables_for(name, variables):
     template = odpfl_hn.target_template(setup('mlp')[0], jnp.zeros((1, 4, 4, 1)))
     omega = odpfl_hn.init_parameters(jax.random.key(7), template, (4, 4, 1), 5, 6, 2)
     return {**variables, odpfl_hn.HYPERNETWORK: omega}
+  if 'fedicon' in ADAPTERS.meta(name).get('trained_by', ()):
+    from fedjax_shift.algorithms.fedicon import Projection
+    features = models.features(setup()[0], variables, jnp.zeros((1, 4, 4, 1)))
+    projection = Projection(5).init(jax.random.key(7), features)['params']
+    return {**variables, 'params': {**variables['params'], 'projection': projection}}
+  if 'fedthe' in ADAPTERS.meta(name).get('trained_by', ()):
+    from fedjax_shift.algorithms.fedthe import EXTRA
+    head = variables['params']['head']
+    other = jax.tree.map(lambda leaf: leaf + 0.5, head)
+    width = head['kernel'].shape[0]
+    return {**variables, EXTRA: {'global_head': other, 'local_feature': jnp.full((width,), 0.2),
+                                 'global_feature': jnp.full((width,), -0.1)}}
   if 'fedtta' in ADAPTERS.meta(name).get('trained_by', ()):
     from fedjax_shift.algorithms.fedtta import ADAPTATION
     g = models.AdaptationMLP((4,))
