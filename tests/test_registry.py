@@ -111,7 +111,8 @@ def test_every_method_section_holds_its_registered_defaults():
     ('pipeline', 'nope', r"config.pipeline: unknown pipeline 'nope'; choose from "
                          r"\['federated', 'hetero', 'test_time'\]"),
     ('data.benchmark', 'nope', r"config.data.benchmark: unknown benchmark 'nope'; choose from "
-                               r"\['atp_shift', 'circle', 'label_skew_corrupted'"),
+                               r"\['atp_shift', 'circle', 'digit_domains', "
+                               r"'label_skew_corrupted'"),
     ('data.benchmark', 'atp_shift', r"config.data.benchmark: 'atp_shift' feeds the "
                                     r"\['test_time'\] pipeline"),
     ('fedprox.nu', 0.1, r"config.fedprox.nu: unknown field; config.fedprox has \['mu'\]"),
