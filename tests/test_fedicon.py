@@ -143,15 +143,19 @@ def test_personal_heads_never_reach_the_server(name):
   assert not np.allclose(jax.tree.leaves(heads_a)[0], jax.tree.leaves(heads_b)[0])
 
 
+def first_client_update(algorithm, server, data):
+  """Client 0's ClientOutput for one round from the server's state (no step limit)."""
+  state = jax.tree.map(lambda a: a[0], stack_client_states(algorithm, server, 1))
+  one = jax.tree.map(lambda a: jnp.asarray(a[0]), data)
+  return algorithm.client_update(
+      server, state, ClientData(one.x, one.y, one.mask, one.num_examples, jnp.int32(10 ** 6)),
+      jax.random.key(1))[0]
+
+
 def test_fedicon_uploads_encoder_and_projection_not_head():
   data, _, _ = toy_clients([6, 5], num_classes=NUM_CLASSES)
   _, _, algorithm, server = build('fedicon', data)
-  states = stack_client_states(algorithm, server, 2)
-  one = jax.tree.map(lambda a: jnp.asarray(a[0]), data)
-  output, _ = algorithm.client_update(
-      server, jax.tree.map(lambda a: a[0], states),
-      ClientData(one.x, one.y, one.mask, one.num_examples, jnp.int32(10 ** 6)),
-      jax.random.key(1))
+  output = first_client_update(algorithm, server, data)
   sent = {path[1] for path in output.update}
   assert sent == {'encoder', 'projection'}
 
@@ -407,12 +411,7 @@ def test_without_sharing_nothing_is_sent_and_each_client_keeps_its_encoder():
 def test_cross_entropy_ablation_leaves_the_projection_untrained():
   data, _, _ = toy_clients([6, 5], num_classes=NUM_CLASSES)
   _, _, algorithm, server = build('fedicon_ce', data, **{'fedicon_ce.weight_decay': 0.0})
-  states = stack_client_states(algorithm, server, 2)
-  one = jax.tree.map(lambda a: jnp.asarray(a[0]), data)
-  output, _ = algorithm.client_update(
-      server, jax.tree.map(lambda a: a[0], states),
-      ClientData(one.x, one.y, one.mask, one.num_examples, jnp.int32(10 ** 6)),
-      jax.random.key(1))
+  output = first_client_update(algorithm, server, data)
   projection = {p: v for p, v in output.update.items() if p[1] == 'projection'}
   encoder = {p: v for p, v in output.update.items() if p[1] == 'encoder'}
   assert projection and all(float(jnp.abs(v).max()) == 0.0 for v in projection.values())

@@ -232,38 +232,26 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
       personalize=personalize, global_model=None)
 
 
-@base.ALGORITHMS.register('fedicon', defaults=DEFAULTS, check=check('fedicon'))
-def fedicon(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
-  return fedicon_algorithm(hparams, context, 'supcon')
+# name -> (objective, share): FedICON, FedICON-us (Table 4) and Table 5's variants
+# without a component (the third, test-time adaptation, is the 'personalized' column next
+# to 'personalized+fedicon' of every variant).
+VARIANTS = {
+    'fedicon': ('supcon', True),
+    'fedicon_us': ('simclr', True),              # Table 4: the encoder learns without labels
+    'fedicon_no_sharing': ('supcon', False),     # no global invariance sharing
+    'fedicon_ce': ('ce', True),                  # no local invariance extraction
+    'fedicon_ce_no_sharing': ('ce', False),      # neither (Local with a personal head)
+}
 
 
-@base.ALGORITHMS.register('fedicon_us', defaults=DEFAULTS, check=check('fedicon_us'))
-def fedicon_us(hparams: ml_collections.ConfigDict, context: base.BuildContext
-               ) -> FederatedAlgorithm:
-  """FedICON-us (Table 4): the encoder learns without labels."""
-  return fedicon_algorithm(hparams, context, 'simclr')
+def _register(name: str, objective: str, share: bool) -> None:
+  def builder(hparams: ml_collections.ConfigDict, context: base.BuildContext
+              ) -> FederatedAlgorithm:
+    return fedicon_algorithm(hparams, context, objective, share)
+  builder.__name__ = builder.__qualname__ = name
+  builder.__doc__ = f'FedICON variant {name!r}: objective {objective!r}, shared encoder {share}.'
+  base.ALGORITHMS.register(name, defaults=DEFAULTS, check=check(name))(builder)
 
 
-# Table 5's variants without a component (the third, test-time adaptation, is the
-# 'personalized' column next to 'personalized+fedicon' of every variant).
-@base.ALGORITHMS.register('fedicon_no_sharing', defaults=DEFAULTS,
-                          check=check('fedicon_no_sharing'))
-def fedicon_no_sharing(hparams: ml_collections.ConfigDict, context: base.BuildContext
-                       ) -> FederatedAlgorithm:
-  """FedICON without global invariance sharing: SupCon on each client's own encoder."""
-  return fedicon_algorithm(hparams, context, 'supcon', share=False)
-
-
-@base.ALGORITHMS.register('fedicon_ce', defaults=DEFAULTS, check=check('fedicon_ce'))
-def fedicon_ce(hparams: ml_collections.ConfigDict, context: base.BuildContext
-               ) -> FederatedAlgorithm:
-  """FedICON without local invariance extraction: the encoder learns by CE, averaged."""
-  return fedicon_algorithm(hparams, context, 'ce')
-
-
-@base.ALGORITHMS.register('fedicon_ce_no_sharing', defaults=DEFAULTS,
-                          check=check('fedicon_ce_no_sharing'))
-def fedicon_ce_no_sharing(hparams: ml_collections.ConfigDict, context: base.BuildContext
-                          ) -> FederatedAlgorithm:
-  """Neither component: each client trains its own encoder by CE (Local with a head)."""
-  return fedicon_algorithm(hparams, context, 'ce', share=False)
+for _name, (_objective, _share) in VARIANTS.items():
+  _register(_name, _objective, _share)
