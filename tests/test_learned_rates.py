@@ -77,3 +77,35 @@ def test_a_model_without_batch_norm_has_no_rates_to_learn():
   variables = models.init(module, jax.random.key(0), jnp.zeros((1, 4, 4, 1)))
   with pytest.raises(ValueError, match='BatchNorm'):
     learned_rates.init_log_rates(variables, 1e-3)
+
+
+def test_a_federated_round_of_rates_equals_the_mean_of_each_clients_sgd_step():
+  # Reference: each client's gradient of its own K-step objective (its stream drawn with
+  # its engine key, core/round.py: fold_in(fold_in(round key, 1), client id)), one SGD
+  # step, the unweighted mean over the cohort.
+  from fedjax_shift.core.round import RoundConfig, build_round
+  module, variables, data = setup()
+  log_rates = learned_rates.init_log_rates(variables, 0.05)
+  make = lambda rates: learned_rates.rated_tent(module, rates, predict='after')
+  algorithm = learned_rates.rates_training(make, log_rates, variables, BATCH, num_batches=2,
+                                           learning_rate=0.5)
+  state = algorithm.init(None, None)
+  key = jax.random.key(4)
+  out = build_round(algorithm, RoundConfig(cohort_size=2, weighting='uniform'))[1](
+      state, (), data, jnp.arange(2), key)
+  deltas = []
+  for k in range(2):
+    one = jax.tree.map(lambda a: jnp.asarray(a[k]), data)
+    rng = jax.random.fold_in(jax.random.fold_in(key, 1), k)
+    indices, count = learned_rates.client_stream(one.x, one.mask, one.num_examples, 2, BATCH,
+                                                 jax.random.fold_in(rng, 0))
+    grad = jax.grad(lambda r: learned_rates.k_step_loss(
+        make(r), BATCH, variables, one.x[indices], one.y[indices], count,
+        jax.random.fold_in(jax.random.fold_in(rng, 0), 1)))(log_rates)
+    deltas.append({layer: -0.5 * g for layer, g in grad.items()})
+  for layer in log_rates:
+    expected = log_rates[layer] + (deltas[0][layer] + deltas[1][layer]) / 2
+    np.testing.assert_allclose(out.server_state.rates[layer], expected, rtol=1e-5)
+    assert abs(float(out.server_state.rates[layer] - log_rates[layer])) > 1e-6
+  with pytest.raises(ValueError, match='K must be >= 1'):
+    learned_rates.rates_training(make, log_rates, variables, BATCH, 0, 0.5)

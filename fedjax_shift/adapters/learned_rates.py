@@ -13,12 +13,14 @@ the rates runs backward through all K steps. ``remat=True`` wraps the adapter st
 ``jax.checkpoint`` so the backward pass recomputes each step's activations instead of
 storing them (same gradient).
 
-Not yet in the registry or a pipeline: training the rates federatedly, the other
-adapters' rates and ATP-online through K batches are still to build.
+``rates_training`` trains rates federatedly on source clients' held-out data, one
+compiled call per round through the engine. Not yet in the registry or a pipeline: the
+learned-rates rows of the test-time pipeline, the other adapters' rates and ATP-online
+through K batches are still to build.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,8 @@ from flax import traverse_util
 
 from fedjax_shift import models
 from fedjax_shift.adapters.tent import tent
+from fedjax_shift.algorithms import base
+from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.test_time import Adapter, client_runner
 
 LogRates = Dict[str, jax.Array]   # BatchNorm layer path 'encoder/BatchNorm_0' -> [] log-rate
@@ -70,3 +74,57 @@ def k_step_loss(adapter: Adapter, batch_size: int, variables, x: jax.Array, y: j
     adapter = Adapter(adapter.init, jax.checkpoint(adapter.step))
   sums = client_runner(adapter, batch_size, 'online')(variables, x, y, num_examples, rng)
   return sums['loss'] / jnp.maximum(sums['count'], 1.0)
+
+
+def client_stream(x: jax.Array, mask: jax.Array, num_examples: jax.Array, num_batches: int,
+                  batch_size: int, rng: jax.Array):
+  """K = ``num_batches`` consecutive test batches from one client's labelled held-out
+  data x [N, ...]: its real examples in a random order (``rng``), wrapped when it has
+  fewer than K·B. Returns (indices [K·B], scored count [])."""
+  order = jnp.argsort(jnp.where(mask, jax.random.uniform(rng, mask.shape), 2.0))
+  length = num_batches * batch_size
+  positions = jnp.arange(length) % jnp.maximum(num_examples, 1)
+  return order[positions], jnp.minimum(num_examples, length)
+
+
+def rates_training(make_adapter, init_rates, variables, batch_size: int, num_batches: int,
+                   learning_rate: float, local_steps: int = 1, remat: bool = False):
+  """The federated training of an adapter's rates (ATP's α training generalised):
+  client i takes ``local_steps`` SGD steps on the K-step objective of streams drawn from
+  its held-out data, rates ← rates − η ∇ k_step_loss; the server takes the round's
+  weighted mean of the rates (``config.weighting='uniform'``: the unweighted mean).
+  ``make_adapter(rates) -> Adapter``; ``variables`` (the trained model) stay fixed.
+  Returns a ``FederatedAlgorithm`` whose server state is ``RatesState``."""
+  if num_batches < 1:
+    raise ValueError(f'learned rates: the number of test batches K must be >= 1, got '
+                     f'{num_batches}')
+  if local_steps < 1:
+    raise ValueError(f'learned rates: local_steps must be >= 1, got {local_steps}')
+
+  def loss(rates, data, rng):
+    indices, count = client_stream(data.x, data.mask, data.num_examples, num_batches,
+                                   batch_size, rng)
+    return k_step_loss(make_adapter(rates), batch_size, variables, data.x[indices],
+                       data.y[indices], count, jax.random.fold_in(rng, 1), remat)
+
+  def client_update(state, client_state, data, rng):
+    rates = state.rates
+    for step in range(local_steps):
+      grads = jax.grad(loss)(rates, data, jax.random.fold_in(rng, step))
+      grads = jax.tree.map(lambda g: jnp.where(data.num_examples > 0, g, 0.0), grads)
+      rates = jax.tree.map(lambda r, g: r - learning_rate * g, rates, grads)
+    return ClientOutput(base.tree_sub(rates, state.rates), {}), client_state
+
+  def server_update(state, outputs, weights):
+    mean_delta = base.weighted_sum(outputs.update, weights)
+    return RatesState(jax.tree.map(jnp.add, state.rates, mean_delta), state.round + 1)
+
+  return FederatedAlgorithm(
+      init=lambda rng, example_x: RatesState(init_rates, jnp.int32(0)),
+      init_client_state=lambda state: (), client_update=client_update,
+      server_update=server_update, personalize=None, global_model=lambda state: variables)
+
+
+class RatesState(NamedTuple):
+  rates: dict          # the learned rates (e.g. Tent's per-layer log-rates)
+  round: jax.Array
