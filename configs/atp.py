@@ -10,6 +10,9 @@ Variants (``--config=configs/atp.py:<variant>[,<more>]``):
         the paper's protocol on TFDS cifar10 (+ cifar10_corrupted for the targets)
   cnn        the ATP CNN instead of the CPU-sized BN-MLP on digits
   fedprox | qffl   the pretraining algorithm of ATP Table 7
+  learned    adds the learned-rates rows (issue 18): Tent with one learned rate per BN
+             layer, BN-Adapt with a learned prior strength, ATP-online with α trained
+             through K online batches (config.learned; adapters/learned_rates.py)
   quick      one seed, 40 pretraining / 40 α rounds
   tiny       seconds: 12 source / 4 target clients, 2 rounds each (tests)
 
@@ -78,6 +81,10 @@ def _pretrain(c: ml_collections.ConfigDict, match) -> None:
   c.algorithms = (match[0],)
 
 
+def _learned(c: ml_collections.ConfigDict, match) -> None:
+  c.learned.rows = ('tent_learned', 'bn_adapt_learned', 'atp_online_k')
+
+
 def _quick(c: ml_collections.ConfigDict, match) -> None:
   c.rounds = 40
   c.atp.rounds = 40
@@ -103,5 +110,7 @@ def _tiny(c: ml_collections.ConfigDict, match) -> None:
 
 
 VARIANTS = ((r'(?P<name>digits|cifar10c)(_(?P<shift>feature|label|hybrid))?', _shift),
-            ('cnn', _cnn), ('fedprox|qffl', _pretrain), ('quick', _quick), ('tiny', _tiny))
-USAGE = 'digits[_<shift>], cifar10c[_<shift>] (shift in feature, label, hybrid), cnn, fedprox, qffl'
+            ('cnn', _cnn), ('fedprox|qffl', _pretrain), ('learned', _learned), ('quick', _quick),
+            ('tiny', _tiny))
+USAGE = ('digits[_<shift>], cifar10c[_<shift>] (shift in feature, label, hybrid), cnn, fedprox, '
+         'qffl, learned, quick, tiny')

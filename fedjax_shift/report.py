@@ -134,8 +134,10 @@ def tta_tables(table1: Dict[str, Dict[str, Dict[int, float]]],
   return text
 
 
-def plot_alpha(alpha_by_shift: Dict[str, np.ndarray], names: Sequence[str], path: str) -> str:
-  """ATP Figure 4: learned α per module, one bar group per module, one colour per shift."""
+def plot_alpha(alpha_by_shift: Dict[str, np.ndarray], names: Sequence[str], path: str,
+               ylabel: str = 'adaptation rate α') -> str:
+  """ATP Figure 4: learned α per module, one bar group per module, one colour per shift
+  (any per-module rates: the learned-rates rows' plots)."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -149,7 +151,7 @@ def plot_alpha(alpha_by_shift: Dict[str, np.ndarray], names: Sequence[str], path
            for n in names]
   ax.set_xticks(positions + 0.4 - width / 2)
   ax.set_xticklabels(short, rotation=90, fontsize=6)
-  ax.set_ylabel('adaptation rate α')
+  ax.set_ylabel(ylabel)
   ax.axhline(0, color='black', linewidth=0.5)
   ax.legend(fontsize=7)
   ax.grid(axis='y', alpha=0.3)

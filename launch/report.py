@@ -57,6 +57,7 @@ def load(workdirs):
     results = read_json(path)
     config = read_json(os.path.join(workdir, 'config.json'))
     labels.update(config['tta']['label'])
+    labels.update(results.get('labels', {}))   # with the learned-rates rows' labels
     for key, columns in results['table1'].items():
       for shift, per_seed in columns.items():
         if shift in table1.get(key, {}):

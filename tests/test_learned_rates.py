@@ -1,13 +1,25 @@
-"""Tent's per-layer rates as differentiable inputs (adapters/learned_rates.py)."""
+"""Learned adaptation rates (adapters/learned_rates.py): gradients through the K-step
+test-time scan, the federated rates training, and the test-time pipeline's rows."""
+import json
+import os
+
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
+import optax
 import pytest
 
-from fedjax_shift import models
+from configs import atp as atp_configs
+from fedjax_shift import config as config_lib
+from fedjax_shift import models, pipelines
 from fedjax_shift.adapters import learned_rates
+from fedjax_shift.adapters.bn_adapt import bn_adapt, prior_weight
 from fedjax_shift.adapters.tent import tent
-from fedjax_shift.core.test_time import build_test_time
+from fedjax_shift.core.local import example_order
+from fedjax_shift.core.round import RoundConfig, build_round
+from fedjax_shift.core.test_time import SourceContext, build_test_time
+from fedjax_shift.metrics import read_metrics
 from tests.helpers import toy_clients
 
 NUM_CLASSES = 3
@@ -22,90 +34,214 @@ def setup(dtype=jnp.float32):
   return module, variables, data
 
 
-def test_rates_frozen_at_tents_rate_give_tents_predictions():
+def context(variables):
+  return SourceContext(variables, NUM_CLASSES, BATCH)
+
+
+def hparams(adapter, **fields):
+  out = ml_collections.ConfigDict(learned_rates.ADAPTERS.defaults(adapter).to_dict())
+  out.update(fields)
+  return out
+
+
+def rated(adapter, module, variables, rates, **fields):
+  return learned_rates.rated_adapter(adapter, module, hparams(adapter, **fields),
+                                     context(variables), rates)
+
+
+@pytest.mark.parametrize('predict', ['before', 'after'])
+def test_tent_rates_frozen_at_initialisation_give_fixed_tents_predictions(predict):
   module, variables, data = setup()
-  log_rates = learned_rates.init_log_rates(variables, 1e-3)
-  assert sorted(log_rates) == ['encoder/BatchNorm_0', 'encoder/BatchNorm_1']
-  for predict in ('before', 'after'):
-    fixed = build_test_time(tent(module, 1e-3, predict), BATCH, 'online')(
-        variables, data, jax.random.key(1))
-    learned = build_test_time(learned_rates.rated_tent(module, log_rates, predict), BATCH,
-                              'online')(variables, data, jax.random.key(1))
-    np.testing.assert_array_equal(learned['predictions'], fixed['predictions'])
-    np.testing.assert_allclose(learned['loss'], fixed['loss'], rtol=1e-6)
+  rates = learned_rates.init_rates('tent', ('learning_rate',), hparams('tent'), variables)
+  assert sorted(rates['learning_rate']) == ['encoder/BatchNorm_0', 'encoder/BatchNorm_1']
+  fixed = build_test_time(tent(module, 1e-3, predict), BATCH, 'online')(
+      variables, data, jax.random.key(1))
+  learned = build_test_time(rated('tent', module, variables, rates, predict=predict), BATCH,
+                            'online')(variables, data, jax.random.key(1))
+  np.testing.assert_array_equal(learned['predictions'], fixed['predictions'])
+  np.testing.assert_allclose(learned['loss'], fixed['loss'], rtol=1e-6)
 
 
-def objective(module, variables, data, remat=False):
+def test_bn_adapt_prior_frozen_at_initialisation_gives_fixed_bn_adapt():
+  module, variables, data = setup()
+  rates = learned_rates.init_rates('bn_adapt', ('prior_strength',), hparams('bn_adapt'),
+                                   variables)
+  fixed = build_test_time(bn_adapt(module, prior_weight(16.0, BATCH)), BATCH, 'episodic')(
+      variables, data, jax.random.key(1))
+  learned = build_test_time(rated('bn_adapt', module, variables, rates), BATCH, 'episodic')(
+      variables, data, jax.random.key(1))
+  np.testing.assert_array_equal(learned['predictions'], fixed['predictions'])
+  np.testing.assert_allclose(learned['loss'], fixed['loss'], rtol=1e-6)
+
+
+def objective(module, variables, data, adapter, mode='online', remat=False, **fields):
   x, y, n = (jnp.asarray(a[0]) for a in (data.x, data.y, data.num_examples))
 
-  def loss(log_rates):
-    adapter = learned_rates.rated_tent(module, log_rates, predict='after')
-    return learned_rates.k_step_loss(adapter, BATCH, variables, x, y, n, jax.random.key(2),
-                                     remat)
+  def loss(rates):
+    return learned_rates.k_step_loss(rated(adapter, module, variables, rates, **fields), BATCH,
+                                     variables, x, y, n, jax.random.key(2), mode, remat)
   return loss
 
 
-def test_k_step_gradient_equals_central_finite_difference_in_float64():
-  # The gradient through K = 3 online Tent steps (Adam, per-layer rates) against a
-  # central difference of the same objective, both in float64.
+def starting_rates(adapter, variables):
+  """Rates away from their defaults so every one of them moves the objective."""
+  name = next(iter(learned_rates.learnable(adapter)))
+  rates = learned_rates.init_rates(adapter, (name,), hparams(adapter), variables)
+  if adapter == 'atp':   # α = 0.3 on every module (0 would leave BN statistics in place)
+    return jax.tree.map(lambda a: a + 0.3, rates)
+  return jax.tree.map(lambda u: jnp.log(jnp.asarray(0.05, u.dtype)), rates)
+
+
+@pytest.mark.parametrize('adapter', ['tent', 'atp'])
+def test_k_step_gradient_equals_central_finite_difference_in_float64(adapter):
+  # K = 3 online batches of 4 (client 0 has 12 examples). Tent: per-layer log-rates of
+  # Adam, predicting after its update; ATP-online: α through the running mean of h.
   with jax.enable_x64(True):
     module, variables, data = setup(jnp.float64)
-    loss = objective(module, variables, data)
-    log_rates = {k: jnp.asarray(v, jnp.float64) for k, v in
-                 learned_rates.init_log_rates(variables, 0.05).items()}
-    grad = jax.grad(loss)(log_rates)
+    loss = objective(module, variables, data, adapter,
+                     **({'predict': 'after'} if adapter == 'tent' else {}))
+    rates = jax.tree.map(lambda r: jnp.asarray(r, jnp.float64), starting_rates(adapter, variables))
+    grad = jax.grad(loss)(rates)
+    leaves, tree = jax.tree.flatten(rates)
+    grad_leaves = jax.tree.leaves(grad)
     step = 1e-5
-    for layer in log_rates:
-      up = {**log_rates, layer: log_rates[layer] + step}
-      down = {**log_rates, layer: log_rates[layer] - step}
+    moved = 0
+    for i in range(len(leaves)):
+      up = jax.tree.unflatten(tree, [v + step * (j == i) for j, v in enumerate(leaves)])
+      down = jax.tree.unflatten(tree, [v - step * (j == i) for j, v in enumerate(leaves)])
       numeric = (loss(up) - loss(down)) / (2 * step)
-      assert abs(float(grad[layer])) > 1e-6          # the rate matters
-      np.testing.assert_allclose(float(grad[layer]), float(numeric), rtol=1e-5, atol=1e-9)
+      np.testing.assert_allclose(float(grad_leaves[i]), float(numeric), rtol=1e-5, atol=1e-9)
+      moved += abs(float(grad_leaves[i])) > 1e-6
+    assert moved >= 2                          # the rates matter
 
 
-def test_remat_gives_the_same_gradient():
+@pytest.mark.parametrize('adapter', ['tent', 'atp'])
+def test_remat_gives_the_same_gradient(adapter):
   module, variables, data = setup()
-  log_rates = learned_rates.init_log_rates(variables, 0.05)
-  plain = jax.grad(objective(module, variables, data))(log_rates)
-  remat = jax.grad(objective(module, variables, data, remat=True))(log_rates)
-  for layer in log_rates:
-    np.testing.assert_allclose(remat[layer], plain[layer], rtol=1e-5, atol=1e-8)
+  rates = starting_rates(adapter, variables)
+  plain = jax.grad(objective(module, variables, data, adapter))(rates)
+  remat = jax.grad(objective(module, variables, data, adapter, remat=True))(rates)
+  for a, b in zip(jax.tree.leaves(remat), jax.tree.leaves(plain)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
 
 
-def test_a_model_without_batch_norm_has_no_rates_to_learn():
-  module = models.MODELS.get('mlp')(NUM_CLASSES, hidden=(4,))
-  variables = models.init(module, jax.random.key(0), jnp.zeros((1, 4, 4, 1)))
-  with pytest.raises(ValueError, match='BatchNorm'):
-    learned_rates.init_log_rates(variables, 1e-3)
-
-
-def test_a_federated_round_of_rates_equals_the_mean_of_each_clients_sgd_step():
-  # Reference: each client's gradient of its own K-step objective (its stream drawn with
-  # its engine key, core/round.py: fold_in(fold_in(round key, 1), client id)), one SGD
-  # step, the unweighted mean over the cohort.
-  from fedjax_shift.core.round import RoundConfig, build_round
+def test_k1_episodic_atp_rates_training_equals_atps_alpha_training():
+  # The learned-rates training of ATP's α with K = 1 in the episodic mode is ATP's
+  # Algorithm 1: same batches (the engine's schedule), same loss, same scaled SGD.
+  from fedjax_shift.algorithms.atp import atp_training
+  from fedjax_shift.pipelines import test_time
   module, variables, data = setup()
-  log_rates = learned_rates.init_log_rates(variables, 0.05)
-  make = lambda rates: learned_rates.rated_tent(module, rates, predict='after')
-  algorithm = learned_rates.rates_training(make, log_rates, variables, BATCH, num_batches=2,
-                                           learning_rate=0.5)
-  state = algorithm.init(None, None)
+  config = atp_configs.get_config('digits_hybrid,tiny,learned')
+  config.atp.batch_size = BATCH
+  config.tta.batch_size = BATCH
+  config.atp.local_steps = 2
+  config.learned.local_steps = 2
+  atp = atp_training(config.atp, module, data.x.shape[1], variables)
+  learned = learned_rates.rates_training(
+      lambda rates: rated('atp', module, variables, rates),
+      learned_rates.init_rates('atp', ('alpha',), {}, variables), variables,
+      test_time.rates_optimizer(config, ('alpha',), variables), BATCH, 1, 'episodic', 2,
+      data.x.shape[1])
+  key = jax.random.key(4)
+  round_config = RoundConfig(cohort_size=2, weighting='uniform')
+  expected = build_round(atp, round_config)[1](atp.init(None, None), (), data, jnp.arange(2),
+                                               key).server_state.alpha
+  got = build_round(learned, round_config)[1](learned.init(None, None), (), data,
+                                              jnp.arange(2), key).server_state.rates['alpha']
+  assert max(abs(float(a)) for a in jax.tree.leaves(expected)) > 1e-4
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_a_round_of_rates_equals_the_mean_of_each_clients_sgd_step_on_its_stream():
+  # Reference: client k's stream is its examples in the engine's random order
+  # (core/local.py: example_order of fold_in(client key, 0)), cycled to K·B = 8; one
+  # SGD step on the gradient of its K-step objective; the server's unweighted mean.
+  module, variables, data = setup()
+  rates = starting_rates('tent', variables)
+  make = lambda r: rated('tent', module, variables, r, predict='after')
+  algorithm = learned_rates.rates_training(make, rates, variables, optax.sgd(0.5), BATCH, 2,
+                                           'online', 1, data.x.shape[1])
   key = jax.random.key(4)
   out = build_round(algorithm, RoundConfig(cohort_size=2, weighting='uniform'))[1](
-      state, (), data, jnp.arange(2), key)
+      algorithm.init(None, None), (), data, jnp.arange(2), key)
   deltas = []
   for k in range(2):
     one = jax.tree.map(lambda a: jnp.asarray(a[k]), data)
-    rng = jax.random.fold_in(jax.random.fold_in(key, 1), k)
-    indices, count = learned_rates.client_stream(one.x, one.mask, one.num_examples, 2, BATCH,
-                                                 jax.random.fold_in(rng, 0))
+    client_key = jax.random.fold_in(jax.random.fold_in(key, 1), k)
+    order = example_order(jax.random.fold_in(client_key, 0), one.mask)
+    stream = order[jnp.arange(2 * BATCH) % one.num_examples]
+    step_key = jax.random.fold_in(jax.random.fold_in(client_key, 1), 0)
     grad = jax.grad(lambda r: learned_rates.k_step_loss(
-        make(r), BATCH, variables, one.x[indices], one.y[indices], count,
-        jax.random.fold_in(jax.random.fold_in(rng, 0), 1)))(log_rates)
-    deltas.append({layer: -0.5 * g for layer, g in grad.items()})
-  for layer in log_rates:
-    expected = log_rates[layer] + (deltas[0][layer] + deltas[1][layer]) / 2
-    np.testing.assert_allclose(out.server_state.rates[layer], expected, rtol=1e-5)
-    assert abs(float(out.server_state.rates[layer] - log_rates[layer])) > 1e-6
-  with pytest.raises(ValueError, match='K must be >= 1'):
-    learned_rates.rates_training(make, log_rates, variables, BATCH, 0, 0.5)
+        make(r), BATCH, variables, one.x[stream], one.y[stream], jnp.int32(2 * BATCH),
+        step_key))(rates)
+    deltas.append(jax.tree.map(lambda g: -0.5 * g, grad))
+  expected = jax.tree.map(lambda r, a, b: r + (a + b) / 2, rates, *deltas)
+  for a, b, r in zip(jax.tree.leaves(out.server_state.rates), jax.tree.leaves(expected),
+                     jax.tree.leaves(rates)):
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+    assert abs(float(a - r)) > 1e-6
+
+
+@pytest.mark.parametrize('adapter, names, mode, k, message', [
+    ('tent', ('momentum',), 'online', 5, "tent has no learnable rate \\['momentum'\\]"),
+    ('no_adapt', ('learning_rate',), 'online', 5, 'the no_adapt adapter has nothing to learn'),
+    ('t3a', ('filter_size',), 'online', 5, 'the t3a adapter has nothing to learn'),
+    ('tent', ('learning_rate',), 'online', 0, 'K, the number of test batches'),
+    ('tent', ('learning_rate',), 'online', 1, 'use the online mode with K >= 2'),
+    ('tent', ('learning_rate',), 'episodic', 5, 'use the online mode with K >= 2'),
+    ('tent', (), 'online', 5, 'name at least one'),
+])
+def test_bad_learned_rates_are_errors_naming_the_field(adapter, names, mode, k, message):
+  with pytest.raises(ValueError, match=message) as error:
+    learned_rates.check_learned(adapter, names, hparams(adapter), mode, k,
+                                'config.learned.rates.row')
+  assert 'config.learned.rates.row' in str(error.value)
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('learned.rates.tent_learned', ('beta',), 'config.learned.rates.tent_learned'),
+    ('learned.num_batches.atp_online_k', 0, 'config.learned.num_batches.atp_online_k'),
+    ('learned.base.tent_learned', 'no_adapt', 'the no_adapt adapter has nothing to learn'),
+    ('learned.base.bn_adapt_learned', 'tent3', 'config.learned.base.bn_adapt_learned'),
+    ('learned.local_steps', 0, 'config.learned.local_steps'),
+    ('learned.optimizer', 'lbfgs', 'config.learned.optimizer'),
+])
+def test_pipeline_learned_config_errors_name_the_field(field, value, message, tmp_path):
+  config = atp_configs.get_config('digits_hybrid,tiny,learned')
+  *path, leaf = field.split('.')
+  target = config
+  for part in path:
+    target = target[part]
+  target[leaf] = value
+  with pytest.raises(ValueError, match=message):
+    config_lib.validate(config, str(tmp_path))
+
+
+def test_pipeline_learned_rows_train_save_plot_and_resume(tmp_path):
+  config = atp_configs.get_config('digits_hybrid,tiny,learned')
+  config.tta.rows = ('no_adapt', 'bn_adapt', 'tent', 'atp_online')
+  config.learned.learning_rate = 0.5     # move the rates visibly in two tiny rounds
+  workdir = str(tmp_path)
+  out = pipelines.run(config, workdir)
+  table1 = out.records['table1']
+  assert list(table1) == ['no_adapt', 'bn_adapt', 'bn_adapt_learned', 'tent', 'tent_learned',
+                          'atp_online', 'atp_online_k']
+  assert 'ATP-online (trained online, K=5)' in out.records['markdown']
+  run_dir = os.path.join(workdir, 'hybrid', 'seed_0')
+  with open(os.path.join(run_dir, 'learned_rates.json')) as f:
+    saved = json.load(f)
+  assert sorted(saved['tent_learned']) == ['learning_rate/encoder/BatchNorm_0']
+  assert not np.isclose(saved['tent_learned']['learning_rate/encoder/BatchNorm_0'], 1e-3)
+  assert not np.isclose(saved['bn_adapt_learned']['prior_strength'], 16.0)
+  assert len(saved['atp_online_k']) == 8
+  records = read_metrics(os.path.join(run_dir, 'learned_tent_learned', 'metrics.jsonl'))
+  assert [r['round'] for r in records] == [1, 2]
+  assert np.isclose(records[-1]['rates/learning_rate/encoder/BatchNorm_0'],
+                    saved['tent_learned']['learning_rate/encoder/BatchNorm_0'])
+  for key in config.learned.rows:
+    assert os.path.exists(os.path.join(workdir, f'rates_{key}.png'))
+  with open(os.path.join(workdir, 'results.json')) as f:
+    assert 'Tent (learned rates)' in json.load(f)['labels'].values()
+  again = pipelines.run(config, workdir)           # resumes from the checkpoints
+  assert again.records['table1'] == table1

@@ -158,7 +158,7 @@ def atp(module, alpha: Alpha) -> Adapter:
   return Adapter(init, step)
 
 
-@ADAPTERS.register('atp', defaults={})
+@ADAPTERS.register('atp', defaults={}, learnable={'alpha': 'alpha'})
 def build_atp(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.atp``."""
   if context.alpha is None:

@@ -15,15 +15,16 @@ from fedjax_shift.adapters import common
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 
 
-def prior_weight(prior_strength: float, batch_size: int) -> float:
-  """p = N / (N + B); N = inf gives 1."""
-  if prior_strength == float('inf'):
+def prior_weight(prior_strength, batch_size: int):
+  """p = N / (N + B); N = inf gives 1. N may be traced (a learned prior strength)."""
+  if isinstance(prior_strength, (int, float)) and prior_strength == float('inf'):
     return 1.0
   return prior_strength / (prior_strength + batch_size)
 
 
-def bn_adapt(module, prior: float) -> Adapter:
-  if not 0.0 <= prior <= 1.0:
+def bn_adapt(module, prior) -> Adapter:
+  """``prior`` p: a float in [0, 1], or traced (a learned prior strength's weight)."""
+  if isinstance(prior, (int, float)) and not 0.0 <= prior <= 1.0:
     raise ValueError(f'bn_adapt prior must be in [0, 1], got {prior}')
 
   check = common.require_batch_norm('bn_adapt')
@@ -43,7 +44,8 @@ def bn_adapt(module, prior: float) -> Adapter:
   return Adapter(init, step)
 
 
-@ADAPTERS.register('bn_adapt', defaults={'prior_strength': 16.0})  # ATP code: p = N/(N+B), N = 16
+@ADAPTERS.register('bn_adapt', defaults={'prior_strength': 16.0},  # ATP code: p = N/(N+B), N = 16
+                   learnable={'prior_strength': 'log'})
 def build_bn_adapt(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.bn_adapt``."""
   return bn_adapt(module, prior_weight(hparams.prior_strength, context.batch_size))

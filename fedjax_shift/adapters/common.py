@@ -2,7 +2,7 @@
 and the one-optimizer-step-per-batch adapter."""
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,22 @@ def split_params(params, is_selected: Callable[[Tuple[str, ...]], bool], field: 
 
 def join_params(selected, rest):
   return traverse_util.unflatten_dict({**rest, **selected})
+
+
+def layer_of(path) -> str:
+  """The layer a flat parameter path belongs to ('encoder/BatchNorm_0')."""
+  return '/'.join(str(part) for part in path[:-1])
+
+
+def per_layer_rates(direction: optax.GradientTransformation, rates: Dict[str, jax.Array]
+                    ) -> optax.GradientTransformation:
+  """``direction`` (e.g. ``optax.scale_by_adam()``) scaled by −rate of each parameter's
+  layer: ``rates`` {layer: []}; updates are the flat {path: leaf} dicts of
+  ``gradient_adapter``. With every rate η it is the optimizer of rate η."""
+  def scale(updates, params=None):
+    del params
+    return {path: -rates[layer_of(path)].astype(u.dtype) * u for path, u in updates.items()}
+  return optax.chain(direction, optax.stateless(scale))
 
 
 def check_predict(name: str, predict: str) -> None:

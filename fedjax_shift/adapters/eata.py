@@ -103,7 +103,8 @@ def eata(module, num_classes: int, fisher=None, learning_rate: float = 0.005,
     'redundancy_epsilon': 0.05,                # EATA: ε = 0.05
     'fisher_weight': 2000.0,                   # EATA: β = 2000
     'fisher_samples': 2000,                    # EATA: 2000 source samples
-    'predict': 'before'})
+    'predict': 'before'},
+    learnable={'learning_rate': 'log'})
 def build_eata(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.eata``."""
   if hparams.fisher_weight and context.source_x is None:

@@ -1,130 +1,223 @@
-"""Adaptation rates as differentiable inputs (issue 18, first part): an adapter built
-from traced rates, and the K-step test-time objective differentiated through the
-``lax.scan`` of ``core.test_time.client_runner``.
+"""Learned adaptation rates (issue 18): any registered adapter's rates trained by
+gradient through its test-time ``lax.scan``, federatedly, like ATP's α.
 
-Tent with one learning rate per BatchNorm layer (scale and bias of a layer share it),
-parameterised in log space so every rate stays positive: rate_l = exp(log_rate_l). Its
-step is Adam's direction times −rate_l, so with every log-rate at log(η) it is Tent with
-Adam(η) (tests/test_learned_rates.py).
+An adapter declares what it can learn when it registers,
+``ADAPTERS.register(..., learnable={'learning_rate': 'log_per_bn_layer'})``, one
+parameterisation per hyperparameter, so a learned rate stays in range:
 
-The objective of a client's K consecutive test batches (online: the adapted state carries
-over) is the mean cross-entropy of the adapter's predictions; ``jax.grad`` of it w.r.t.
-the rates runs backward through all K steps. ``remat=True`` wraps the adapter step in
-``jax.checkpoint`` so the backward pass recomputes each step's activations instead of
-storing them (same gradient).
+  'log'               one positive scalar r = exp(u); u starts at log(configured value)
+                      (step sizes: EATA, SHOT, MEMO; BN-Adapt's prior strength N)
+  'log_per_bn_layer'  one positive scalar per BatchNorm layer, r_l = exp(u_l) (Tent's
+                      Adam rate: a layer's scale and bias share it)
+  'alpha'             ATP's per-module α, unconstrained, starting at 0 (Algorithm 1)
 
-``rates_training`` trains rates federatedly on source clients' held-out data, one
-compiled call per round through the engine. Not yet in the registry or a pipeline: the
-learned-rates rows of the test-time pipeline, the other adapters' rates and ATP-online
-through K batches are still to build.
+The objective of one source client (``k_step_loss``): a stream of K consecutive test
+batches of B drawn from its labelled held-out data, the adapter run over them by
+``core.test_time.client_runner`` (online: the adapted state carries over; episodic:
+each batch from the source model), the mean cross-entropy of the adapter's
+predictions; ``jax.grad`` runs backward through all K steps. ``remat=True`` wraps the
+adapter step in ``jax.checkpoint``: the backward pass recomputes each step's
+activations instead of storing K steps of them (same gradient).
+
+``rates_training`` is the federated training (ATP Algorithm 1 generalised): per round a
+client takes ``local_steps`` steps on streams drawn from its held-out data (its
+examples in a random order, cycled: a stream of K·B may revisit examples, all of them
+scored), the server takes the unweighted mean of the clients' rates. With ATP's α,
+K = 1 and the episodic mode it is ATP's α training (tests/test_learned_rates.py).
 """
 from __future__ import annotations
 
-from typing import Dict, NamedTuple
+from typing import Any, Callable, Dict, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_collections
+import numpy as np
 import optax
 from flax import traverse_util
 
 from fedjax_shift import models
-from fedjax_shift.adapters.tent import tent
+from fedjax_shift.adapters import atp as atp_lib
+from fedjax_shift.adapters.common import layer_of
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
-from fedjax_shift.core.test_time import Adapter, client_runner
+from fedjax_shift.core.local import LocalSchedule, local_train
+from fedjax_shift.core.test_time import ADAPTERS, MODES, Adapter, SourceContext, client_runner
 
-LogRates = Dict[str, jax.Array]   # BatchNorm layer path 'encoder/BatchNorm_0' -> [] log-rate
-
-
-def layer_of(path) -> str:
-  """The BatchNorm layer a flat parameter path belongs to ('encoder/BatchNorm_0')."""
-  return '/'.join(str(part) for part in path[:-1])
+KINDS = ('log', 'log_per_bn_layer', 'alpha')
+Rates = Dict[str, Any]     # learned hyperparameter name -> its unconstrained tree
 
 
-def init_log_rates(variables, learning_rate: float) -> LogRates:
-  """log(``learning_rate``) for every BatchNorm layer of ``variables``."""
+class HParams(dict):
+  """An adapter's hyperparameters with some replaced by traced rates: attribute access
+  like the ``config.adapters.<name>`` ConfigDict the builders read."""
+
+  def __getattr__(self, name):
+    try:
+      return self[name]
+    except KeyError:
+      raise AttributeError(name) from None
+
+
+def learnable(adapter: str) -> Dict[str, str]:
+  """{hyperparameter: parameterisation} the adapter registered as learnable."""
+  return dict(ADAPTERS.meta(adapter).get('learnable', {}))
+
+
+def check_learned(adapter: str, names: Sequence[str], hparams, mode: str, num_batches: int,
+                  field: str) -> None:
+  """Raises ValueError naming ``field`` (e.g. 'config.learned.rates.tent_learned') when
+  ``names`` cannot be learned for this adapter, mode and K."""
+  ADAPTERS.get(adapter, field)
+  available = learnable(adapter)
+  if not available:
+    with_rates = [n for n in ADAPTERS.names() if learnable(n)]
+    raise ValueError(f'{field}: the {adapter} adapter has nothing to learn; adapters with '
+                     f'learnable rates: {with_rates}')
+  if not names:
+    raise ValueError(f'{field}: name at least one of {adapter}\'s learnable rates '
+                     f'{sorted(available)}')
+  unknown = [n for n in names if n not in available]
+  if unknown:
+    raise ValueError(f'{field}: {adapter} has no learnable rate {unknown}; it has '
+                     f'{sorted(available)}')
+  if 'alpha' in names and len(names) > 1:
+    raise ValueError(f'{field}: ATP\'s α is trained with config.atp\'s optimizer; learn it '
+                     f'alone, got {list(names)}')
+  if num_batches < 1:
+    raise ValueError(f'{field} (K, the number of test batches): must be >= 1, got '
+                     f'{num_batches}')
+  if mode not in MODES:
+    raise ValueError(f'{field}: unknown test-time mode {mode!r}; choose from {list(MODES)}')
+  step_sizes = [n for n in names if available[n] != 'alpha']
+  if step_sizes and hparams.get('predict') == 'before' and (mode == 'episodic' or
+                                                             num_batches < 2):
+    raise ValueError(f'{field}: {adapter} predicts before its update (predict=\'before\'), '
+                     f'so its {step_sizes} change predictions only from the second online '
+                     f'batch on; use the online mode with K >= 2 (got {mode}, K = '
+                     f'{num_batches})')
+
+
+def batch_norm_layers(variables) -> list:
+  """The BatchNorm layers of ``variables`` ('encoder/BatchNorm_0', …)."""
   flat = traverse_util.flatten_dict(variables['params'])
-  layers = sorted({layer_of(p) for p in flat if models.is_batch_norm_path(p)})
-  if not layers:
-    raise ValueError('learned Tent rates need a model with BatchNorm; this model has none')
-  return {layer: jnp.log(jnp.asarray(learning_rate, jnp.float32)) for layer in layers}
+  return sorted({layer_of(p) for p in flat if models.is_batch_norm_path(p)})
 
 
-def per_layer_adam(log_rates: LogRates) -> optax.GradientTransformation:
-  """Adam's direction scaled by −exp(log_rate) of each parameter's layer; updates are
-  the flat {path: leaf} dicts of ``common.gradient_adapter``."""
-  def scale(updates, params=None):
-    del params
-    return {path: -jnp.exp(log_rates[layer_of(path)]).astype(u.dtype) * u
-            for path, u in updates.items()}
-  return optax.chain(optax.scale_by_adam(), optax.stateless(scale))
+def init_rates(adapter: str, names: Sequence[str], hparams, variables) -> Rates:
+  """The unconstrained starting point of each learned name: the configured value
+  (log space) or α = 0."""
+  out = {}
+  for name in names:
+    kind = learnable(adapter)[name]
+    if kind == 'alpha':
+      out[name] = atp_lib.init_alpha(variables)
+      continue
+    value = float(hparams[name])
+    if not value > 0:
+      raise ValueError(f'config.adapters.{adapter}.{name}: a learned rate starts from its '
+                       f'configured value in log space, which must be > 0; got {value}')
+    start = jnp.log(jnp.float32(value))
+    if kind == 'log':
+      out[name] = start
+    else:
+      layers = batch_norm_layers(variables)
+      if not layers:
+        raise ValueError(f'learned {adapter}.{name}: one rate per BatchNorm layer needs a '
+                         f'model with BatchNorm; this model has none')
+      out[name] = {layer: start for layer in layers}
+  return out
 
 
-def rated_tent(module, log_rates: LogRates, predict: str = 'before') -> Adapter:
-  """Tent whose BatchNorm layers adapt at the rates exp(``log_rates``)."""
-  return tent(module, predict=predict, optimizer=per_layer_adam(log_rates))
+def constrained(adapter: str, rates: Rates) -> Rates:
+  """The rates themselves: exp of the log-space ones, α as it is."""
+  kinds = learnable(adapter)
+  return {name: tree if kinds[name] == 'alpha' else jax.tree.map(jnp.exp, tree)
+          for name, tree in rates.items()}
+
+
+def flat_values(adapter: str, rates: Rates) -> Dict[str, float]:
+  """{'learning_rate/encoder/BatchNorm_0': 0.0012, 'alpha/params/…': …} for json and plots."""
+  out = {}
+  for name, tree in constrained(adapter, rates).items():
+    if learnable(adapter)[name] == 'alpha':
+      items = zip(atp_lib.module_names(tree), jax.tree.leaves(tree))
+    elif isinstance(tree, dict):
+      items = sorted(tree.items())
+    else:
+      items = [('', tree)]
+    for module, value in items:
+      out[f'{name}/{module}' if module else name] = float(np.asarray(value))
+  return out
+
+
+def rated_adapter(adapter: str, module, hparams: ml_collections.ConfigDict,
+                  context: SourceContext, rates: Rates) -> Adapter:
+  """The registered ``adapter`` built with its learned hyperparameters replaced by
+  ``rates`` (traced or concrete); α goes to the context as ATP reads it."""
+  fields = HParams(hparams.to_dict() if hasattr(hparams, 'to_dict') else hparams)
+  for name, value in constrained(adapter, rates).items():
+    if name == 'alpha':
+      context = context._replace(alpha=value)
+    else:
+      fields[name] = value
+  return ADAPTERS.get(adapter)(module, fields, context)
 
 
 def k_step_loss(adapter: Adapter, batch_size: int, variables, x: jax.Array, y: jax.Array,
-                num_examples: jax.Array, rng: jax.Array, remat: bool = False) -> jax.Array:
-  """Mean cross-entropy of ``adapter``'s predictions over one client's test stream x
-  [N, ...] (K = ceil(N / B) online batches), differentiable in whatever the adapter was
-  built from. ``remat``: recompute each step in the backward pass."""
+                num_examples: jax.Array, rng: jax.Array, mode: str = 'online',
+                remat: bool = False) -> jax.Array:
+  """Mean cross-entropy of ``adapter``'s predictions over one client's test stream
+  x [N, ...] (K = ceil(N / B) batches in ``mode``), differentiable in whatever the
+  adapter was built from. ``remat``: recompute each step in the backward pass."""
   if remat:
     adapter = Adapter(adapter.init, jax.checkpoint(adapter.step))
-  sums = client_runner(adapter, batch_size, 'online')(variables, x, y, num_examples, rng)
+  sums = client_runner(adapter, batch_size, mode)(variables, x, y, num_examples, rng)
   return sums['loss'] / jnp.maximum(sums['count'], 1.0)
 
 
-def client_stream(x: jax.Array, mask: jax.Array, num_examples: jax.Array, num_batches: int,
-                  batch_size: int, rng: jax.Array):
-  """K = ``num_batches`` consecutive test batches from one client's labelled held-out
-  data x [N, ...]: its real examples in a random order (``rng``), wrapped when it has
-  fewer than K·B. Returns (indices [K·B], scored count [])."""
-  order = jnp.argsort(jnp.where(mask, jax.random.uniform(rng, mask.shape), 2.0))
-  length = num_batches * batch_size
-  positions = jnp.arange(length) % jnp.maximum(num_examples, 1)
-  return order[positions], jnp.minimum(num_examples, length)
+class RatesState(NamedTuple):
+  rates: Any           # the learned rates, unconstrained (log space / α)
+  opt_state: Any       # server optimizer: plain averaging (SGD lr 1 on the mean delta)
+  round: jax.Array
 
 
-def rates_training(make_adapter, init_rates, variables, batch_size: int, num_batches: int,
-                   learning_rate: float, local_steps: int = 1, remat: bool = False):
-  """The federated training of an adapter's rates (ATP's α training generalised):
-  client i takes ``local_steps`` SGD steps on the K-step objective of streams drawn from
-  its held-out data, rates ← rates − η ∇ k_step_loss; the server takes the round's
-  weighted mean of the rates (``config.weighting='uniform'``: the unweighted mean).
-  ``make_adapter(rates) -> Adapter``; ``variables`` (the trained model) stay fixed.
-  Returns a ``FederatedAlgorithm`` whose server state is ``RatesState``."""
+def rates_training(make_adapter: Callable[[Rates], Adapter], initial: Rates, variables,
+                   optimizer: optax.GradientTransformation, batch_size: int, num_batches: int,
+                   mode: str, local_steps: int, max_examples: int, remat: bool = False,
+                   unroll: Any = 1) -> FederatedAlgorithm:
+  """The federated training of an adapter's rates. Client i: ``local_steps`` steps of
+  ``optimizer`` on the K-step objective of streams of K·B from its held-out data (the
+  engine's local schedule with batch K·B, fixed steps: its examples in a random order,
+  cycled); server: the unweighted mean of the clients' rates (run it with
+  ``config.weighting='uniform'``). ``make_adapter(rates) -> Adapter``; ``variables``
+  (the trained model) stay fixed. Server state: ``RatesState``."""
   if num_batches < 1:
     raise ValueError(f'learned rates: the number of test batches K must be >= 1, got '
                      f'{num_batches}')
   if local_steps < 1:
     raise ValueError(f'learned rates: local_steps must be >= 1, got {local_steps}')
+  schedule = LocalSchedule(batch_size=num_batches * batch_size, num_epochs=1,
+                           num_steps=local_steps, max_examples=max_examples, unroll=unroll)
+  server_opt = optax.sgd(1.0)
 
-  def loss(rates, data, rng):
-    indices, count = client_stream(data.x, data.mask, data.num_examples, num_batches,
-                                   batch_size, rng)
-    return k_step_loss(make_adapter(rates), batch_size, variables, data.x[indices],
-                       data.y[indices], count, jax.random.fold_in(rng, 1), remat)
+  def loss_fn(rates, model_state, x, y, weight, rng):
+    del weight   # fixed steps: every example of the stream is scored
+    loss = k_step_loss(make_adapter(rates), batch_size, variables, x, y,
+                       jnp.int32(x.shape[0]), rng, mode, remat)
+    return loss, model_state
 
   def client_update(state, client_state, data, rng):
-    rates = state.rates
-    for step in range(local_steps):
-      grads = jax.grad(loss)(rates, data, jax.random.fold_in(rng, step))
-      grads = jax.tree.map(lambda g: jnp.where(data.num_examples > 0, g, 0.0), grads)
-      rates = jax.tree.map(lambda r, g: r - learning_rate * g, rates, grads)
-    return ClientOutput(base.tree_sub(rates, state.rates), {}), client_state
+    rates, _, _, metrics = local_train(loss_fn, optimizer, state.rates, (), data, rng, schedule)
+    return ClientOutput(base.tree_sub(rates, state.rates), metrics), client_state
 
   def server_update(state, outputs, weights):
     mean_delta = base.weighted_sum(outputs.update, weights)
-    return RatesState(jax.tree.map(jnp.add, state.rates, mean_delta), state.round + 1)
+    updates, opt_state = server_opt.update(jax.tree.map(jnp.negative, mean_delta),
+                                           state.opt_state, state.rates)
+    return RatesState(optax.apply_updates(state.rates, updates), opt_state, state.round + 1)
 
   return FederatedAlgorithm(
-      init=lambda rng, example_x: RatesState(init_rates, jnp.int32(0)),
+      init=lambda rng, example_x: RatesState(initial, server_opt.init(initial), jnp.int32(0)),
       init_client_state=lambda state: (), client_update=client_update,
       server_update=server_update, personalize=None, global_model=lambda state: variables)
-
-
-class RatesState(NamedTuple):
-  rates: dict          # the learned rates (e.g. Tent's per-layer log-rates)
-  round: jax.Array

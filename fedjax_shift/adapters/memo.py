@@ -61,7 +61,8 @@ def memo(module, num_augmentations: int = 32, learning_rate: float = 0.005,
 @ADAPTERS.register('memo', defaults={
     'num_augmentations': 32,          # MEMO: 32 augmentations
     'learning_rate': 0.005,           # MEMO: lr 0.005
-    'num_steps': 1})                  # MEMO: one step per test point
+    'num_steps': 1},                  # MEMO: one step per test point
+    learnable={'learning_rate': 'log'})
 def build_memo(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.memo``."""
   return memo(module, hparams.num_augmentations, hparams.learning_rate,

@@ -71,7 +71,8 @@ def shot(module, learning_rate: float = 1e-3, pseudo_label_weight: float = 0.3,
 @ADAPTERS.register('shot', defaults={
     'learning_rate': 1e-3,            # Tent's optimizer
     'pseudo_label_weight': 0.3,       # SHOT: β = 0.3
-    'predict': 'before'})             # ATP code: logits before the update
+    'predict': 'before'},             # ATP code: logits before the update
+    learnable={'learning_rate': 'log'})
 def build_shot(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.shot``."""
   return shot(module, hparams.learning_rate, hparams.pseudo_label_weight, hparams.predict)

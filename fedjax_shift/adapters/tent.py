@@ -4,8 +4,13 @@ batch w.r.t. the BatchNorm affine parameters only (scale γ, shift β), with Bat
 normalising by the test batch's statistics; one optimizer step per batch (Adam 1e-3
 for CIFAR). ``predict='before'`` returns the logits computed before the batch's
 update (the ATP authors' baseline code), 'after' re-runs the model after it.
+
+``learning_rate`` may be one rate per BatchNorm layer ({'encoder/BatchNorm_0': η_0, …}:
+Adam's direction times each layer's rate), the form ``learned_rates`` trains.
 """
 from __future__ import annotations
+
+from typing import Any, Dict, Union
 
 import optax
 
@@ -14,8 +19,12 @@ from fedjax_shift.adapters import common
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 
 
-def tent(module, learning_rate: float = 1e-3, predict: str = 'before',
+def tent(module, learning_rate: Union[float, Dict[str, Any]] = 1e-3, predict: str = 'before',
          optimizer: optax.GradientTransformation | None = None) -> Adapter:
+  if optimizer is None:
+    optimizer = (common.per_layer_rates(optax.scale_by_adam(), learning_rate)
+                 if isinstance(learning_rate, dict) else optax.adam(learning_rate))
+
   def forward(variables, x):
     return models.apply(module, variables, x, 'batch_stats')[0]
 
@@ -25,13 +34,14 @@ def tent(module, learning_rate: float = 1e-3, predict: str = 'before',
 
   return common.gradient_adapter(
       'tent', models.is_batch_norm_path, 'tent (BatchNorm affine parameters)', loss_fn,
-      forward, optimizer or optax.adam(learning_rate), predict,
+      forward, optimizer, predict,
       check=common.require_batch_norm('tent'))
 
 
 @ADAPTERS.register('tent', defaults={
     'learning_rate': 1e-3,            # Tent: Adam 1e-3 (CIFAR)
-    'predict': 'before'})             # ATP code: logits before the update
+    'predict': 'before'},             # ATP code: logits before the update
+    learnable={'learning_rate': 'log_per_bn_layer'})
 def build_tent(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.tent``."""
   return tent(module, hparams.learning_rate, hparams.predict)

@@ -35,10 +35,13 @@ class ATPServerState(NamedTuple):
   round: jax.Array
 
 
-def alpha_optimizer(atp_config: ml_collections.ConfigDict, variables
+def alpha_optimizer(atp_config: ml_collections.ConfigDict, variables, key: str = ''
                     ) -> optax.GradientTransformation:
-  """The client's α optimizer: per-module gradient scaling, then SGD/Adam."""
+  """The client's α optimizer: per-module gradient scaling, then SGD/Adam. ``key``:
+  α sits under it in the optimized tree ({key: α}, as learned_rates holds it)."""
   scale = atp_adapter.gradient_scale(variables, atp_config.scaling)
+  if key:
+    scale = {key: scale}
   scale_tx = optax.stateless(lambda updates, params: jax.tree.map(jnp.multiply, updates, scale))
   if atp_config.optimizer == 'sgd':
     inner = optax.sgd(atp_config.learning_rate)

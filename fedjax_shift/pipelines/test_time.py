@@ -8,8 +8,15 @@ Workdir layout::
     <workdir>/<shift>/seed_<s>/pretrain/   a federated run (checkpoints, metrics.jsonl)
     <workdir>/<shift>/seed_<s>/alpha/      α training (checkpoints; α per round in metrics)
     <workdir>/<shift>/seed_<s>/alpha.json  the learned α per module
+    <workdir>/<shift>/seed_<s>/learned_<row>/  a learned-rates row's training (rates per round)
+    <workdir>/<shift>/seed_<s>/learned_rates.json  the learned rates of every such row
     <workdir>/<shift>/seed_<s>/test_time.json  accuracy per row (+ per client), seconds
-    <workdir>/results.md, results.json, alpha.png
+    <workdir>/results.md, results.json, alpha.png, rates_<row>.png
+
+Learned-rates rows (``config.learned``, issue 18): a Table 1 row's adapter with some of its
+hyperparameters (Tent's per-layer rates, BN-Adapt's prior strength, ATP's α, …) trained
+on the source clients' held-out data by gradient through K test-time steps
+(``adapters/learned_rates.py``), federated like α, then run on the targets.
 
 Re-running the command resumes pretraining and α training from their checkpoints.
 Every adapter runs through one compiled function per (adapter, mode, hyperparameters)
@@ -27,10 +34,12 @@ from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 import jax
 import ml_collections
 import numpy as np
+import optax
 
 from fedjax_shift import models, report
 from fedjax_shift.adapters import atp as atp_lib
-from fedjax_shift.algorithms.atp import OPTIMIZERS, atp_training
+from fedjax_shift.adapters import learned_rates
+from fedjax_shift.algorithms.atp import OPTIMIZERS, alpha_optimizer, atp_training
 from fedjax_shift.benchmarks import Benchmark
 from fedjax_shift.benchmarks.atp_shift import SHIFTS, ShiftData, atp_protocol
 from fedjax_shift.core import evaluation
@@ -79,7 +88,27 @@ SECTIONS = {
         # 'straight_through' as the authors' code, or 'zero' (this library before issue 17).
         'variance_clamp': 'straight_through',
     },
+    # Learned-rates rows (adapters/learned_rates.py): a Table 1 row (``base``) whose
+    # adapter's ``rates`` are trained through K = ``num_batches`` test batches of
+    # tta.batch_size in that row's mode, with config.atp's rounds and cohort. Empty by
+    # default; configs/atp.py:learned adds the three below.
+    'learned': {
+        'rows': (),
+        'base': {'tent_learned': 'tent', 'bn_adapt_learned': 'bn_adapt',
+                 'atp_online_k': 'atp_online'},
+        'rates': {'tent_learned': ('learning_rate',), 'bn_adapt_learned': ('prior_strength',),
+                  'atp_online_k': ('alpha',)},
+        'label': {'tent_learned': 'Tent (learned rates)',
+                  'bn_adapt_learned': 'BN-Adapt (learned prior)',
+                  'atp_online_k': 'ATP-online (trained online, K={K})'},
+        'num_batches': {'tent_learned': 5, 'bn_adapt_learned': 1, 'atp_online_k': 5},
+        'local_steps': 2,             # steps per round (ATP: 2 α steps of 20 on 40 samples)
+        'optimizer': 'adam',          # log-space rates (α: config.atp's optimizer)
+        'learning_rate': 0.02,
+        'remat': True,                # jax.checkpoint each test-time step (same gradient)
+    },
 }
+LEARNED_OPTIMIZERS = ('sgd', 'adam')
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -105,6 +134,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     require(tta.mode[key] in MODES, f'tta.mode.{key}',
             f'unknown {tta.mode[key]!r}; choose from {list(MODES)}')
     require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
+  validate_learned(config)
   atp = config.atp
   require(atp.scaling in atp_lib.SCALINGS, 'atp.scaling',
           f'unknown {atp.scaling!r}; choose from {list(atp_lib.SCALINGS)}')
@@ -117,6 +147,47 @@ def validate(config: ml_collections.ConfigDict) -> None:
   require(atp.batch_size >= 1, 'atp.batch_size', f'must be >= 1, got {atp.batch_size}')
   require(1 <= atp.cohort_size <= config.data.num_clients, 'atp.cohort_size',
           f'must be in [1, data.num_clients={config.data.num_clients}], got {atp.cohort_size}')
+
+
+def validate_learned(config: ml_collections.ConfigDict) -> None:
+  """The learned-rates rows: each names a Table 1 row, learnable rates of its adapter
+  and K >= 1 (errors name the field)."""
+  learned = config.learned
+  require(learned.local_steps >= 1, 'learned.local_steps',
+          f'must be >= 1, got {learned.local_steps}')
+  require(learned.optimizer in LEARNED_OPTIMIZERS, 'learned.optimizer',
+          f'unknown {learned.optimizer!r}; choose from {list(LEARNED_OPTIMIZERS)}')
+  require(learned.learning_rate > 0, 'learned.learning_rate',
+          f'must be > 0, got {learned.learning_rate}')
+  for key in learned.rows:
+    for field in ('base', 'rates', 'label', 'num_batches'):
+      require(key in learned[field], f'learned.{field}', f'has no entry for row {key!r}')
+    require(key not in config.tta.rows, 'learned.rows',
+            f'{key!r} is also a Table 1 row (config.tta.rows); name it differently')
+    base = learned.base[key]
+    require(base in config.tta.adapter, f'learned.base.{key}',
+            f'{base!r} is not a Table 1 row; choose from {sorted(config.tta.adapter)}')
+    require(learned.num_batches[key] >= 1, f'learned.num_batches.{key}',
+            f'K (test batches the rates are trained through) must be >= 1, got '
+            f'{learned.num_batches[key]}')
+    adapter = config.tta.adapter[base]
+    require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
+    learned_rates.check_learned(adapter, tuple(learned.rates[key]), config.adapters[adapter],
+                                config.tta.mode[base], learned.num_batches[key],
+                                f'config.learned.rates.{key}')
+
+
+def table_order(config: ml_collections.ConfigDict) -> List[str]:
+  """Table 1's rows, each learned-rates row right after the row it learns."""
+  learned = config.learned
+  order = []
+  for key in config.tta.rows:
+    order += [key] + [k for k in learned.rows if learned.base[k] == key]
+  return order + [k for k in learned.rows if k not in order]
+
+
+def learned_label(config: ml_collections.ConfigDict, key: str) -> str:
+  return config.learned.label[key].replace('{K}', str(config.learned.num_batches[key]))
 
 
 def for_shift(config: ml_collections.ConfigDict, shift: str) -> ml_collections.ConfigDict:
@@ -137,6 +208,8 @@ def run_dirs(config: ml_collections.ConfigDict, workdir: str):
       out.append((os.path.join(run_dir, 'pretrain'), shift_config,
                   algorithm_names(config)[0]))
       out.append((os.path.join(run_dir, 'alpha'), alpha_config(shift_config), 'atp'))
+      out.extend((os.path.join(run_dir, f'learned_{key}'), alpha_config(shift_config), 'atp')
+                 for key in config.learned.rows)
   return out
 
 
@@ -164,22 +237,27 @@ def source_examples(data: federated.FederatedData) -> Tuple[np.ndarray, np.ndarr
 
 
 class AdapterInputs(NamedTuple):
-  """The arrays of a ``SourceContext``: arguments of the compiled adapter evaluation."""
+  """The arrays of a ``SourceContext``: arguments of the compiled adapter evaluation
+  (``rates``: a learned-rates row's rates, None otherwise)."""
   variables: Any
   source_x: Any
   source_y: Any
   alpha: Any
+  rates: Any = None
 
 
-def adapter_evaluator(build: Callable[..., Adapter], module, hparams: ml_collections.ConfigDict,
-                      num_classes: int, batch_size: int, mode: str):
+def adapter_evaluator(name: str, module, hparams: ml_collections.ConfigDict,
+                      num_classes: int, batch_size: int, mode: str, learned: bool = False):
   """The compiled ``evaluation.build_adapter_evaluate`` of a registered adapter: its
-  first argument is an ``AdapterInputs``, so one compilation serves every α, model
-  and source set of the same shapes."""
+  first argument is an ``AdapterInputs``, so one compilation serves every α, learned
+  rates, model and source set of the same shapes. ``learned``: the adapter is built
+  from ``inputs.rates`` (``learned_rates.rated_adapter``)."""
   def make_adapter(inputs: AdapterInputs) -> Adapter:
-    return build(module, hparams, SourceContext(inputs.variables, num_classes, batch_size,
-                                                inputs.source_x, inputs.source_y,
-                                                inputs.alpha))
+    context = SourceContext(inputs.variables, num_classes, batch_size, inputs.source_x,
+                            inputs.source_y, inputs.alpha)
+    if learned:
+      return learned_rates.rated_adapter(name, module, hparams, context, inputs.rates)
+    return ADAPTERS.get(name)(module, hparams, context)
   return evaluation.build_adapter_evaluate(make_adapter, batch_size, mode)
 
 
@@ -207,11 +285,12 @@ class Evaluators:
     self.config, self.module, self.num_classes = config, module, num_classes
     self.compiled: Dict[Tuple[str, str, str], Any] = {}
 
-  def get(self, name: str, mode: str, hparams: ml_collections.ConfigDict):
-    key = (name, mode, hparams.to_json(sort_keys=True))
+  def get(self, name: str, mode: str, hparams: ml_collections.ConfigDict,
+          learned: Tuple[str, ...] = ()):
+    key = (name, mode, hparams.to_json(sort_keys=True), learned)
     if key not in self.compiled:
-      self.compiled[key] = adapter_evaluator(ADAPTERS.get(name), self.module, hparams,
-                                             self.num_classes, self.config.tta.batch_size, mode)
+      self.compiled[key] = adapter_evaluator(name, self.module, hparams, self.num_classes,
+                                             self.config.tta.batch_size, mode, bool(learned))
     return self.compiled[key]
 
 
@@ -225,22 +304,66 @@ def adapter_section(config: ml_collections.ConfigDict, name: str, shift: str
 
 
 def test_time(config, evaluators: Evaluators, inputs: AdapterInputs, data: ShiftData, rows,
-              seed: int, shift: str) -> Dict[str, Dict]:
-  """Every row's adapter on the target clients: {row: {'accuracy', 'per_client', 'seconds'}}."""
+              seed: int, shift: str, learned: Dict[str, Any] = None) -> Dict[str, Dict]:
+  """Every row's adapter on the target clients: {row: {'accuracy', 'per_client',
+  'seconds'}}; ``learned``: {learned row: its trained rates}, run after ``rows``."""
   rng = jax.random.fold_in(jax.random.key(seed), 7)
   out = {}
-  for key in rows:
-    name = config.tta.adapter[key]
+  learned = learned or {}
+  for key in (*rows, *learned):
+    base = config.learned.base[key] if key in learned else key
+    name, mode = config.tta.adapter[base], config.tta.mode[base]
+    names = tuple(config.learned.rates[key]) if key in learned else ()
     tick = time.perf_counter()
-    evaluate_chunk = evaluators.get(name, config.tta.mode[key],
-                                    adapter_section(config, name, shift))
-    per_client = adapter_accuracy(evaluate_chunk, inputs, inputs.variables, data.target, rng,
-                                  config.tta.client_chunk)
+    evaluate_chunk = evaluators.get(name, mode, adapter_section(config, name, shift), names)
+    row_inputs = inputs._replace(rates=learned[key]) if key in learned else inputs
+    per_client = adapter_accuracy(evaluate_chunk, row_inputs, inputs.variables, data.target,
+                                  rng, config.tta.client_chunk)
     out[key] = {'accuracy': float(np.nanmean(per_client)), 'per_client': per_client.tolist(),
                 'seconds': time.perf_counter() - tick}
-    log.info('%s seed %d  %-14s %.2f%%  (%.1f s)', shift, seed, config.tta.label[key],
+    label = learned_label(config, key) if key in learned else config.tta.label[key]
+    log.info('%s seed %d  %-14s %.2f%%  (%.1f s)', shift, seed, label,
              100 * out[key]['accuracy'], out[key]['seconds'])
   return out
+
+
+def rates_optimizer(config: ml_collections.ConfigDict, names: Tuple[str, ...], variables
+                    ) -> optax.GradientTransformation:
+  """ATP's α: config.atp's α optimizer (its per-module scaling); log-space rates:
+  ``config.learned``'s optimizer."""
+  if names == ('alpha',):
+    return alpha_optimizer(config.atp, variables, key='alpha')
+  learned = config.learned
+  return {'sgd': optax.sgd, 'adam': optax.adam}[learned.optimizer](learned.learning_rate)
+
+
+def train_learned_rates(config, shift_config, workdir: str, key: str, module, variables,
+                        val: federated.FederatedData, data: ShiftData, seed: int, shift: str):
+  """One learned-rates row's federated training on the source held-out split
+  (``<workdir>/learned_<key>``, resumable). Returns the trained (unconstrained) rates."""
+  learned = config.learned
+  base = learned.base[key]
+  name, mode = config.tta.adapter[base], config.tta.mode[base]
+  names = tuple(learned.rates[key])
+  hparams = adapter_section(config, name, shift)
+  source_x, source_y = source_examples(val)
+  context = SourceContext(variables, data.source.num_classes, config.tta.batch_size, source_x,
+                          source_y, None)
+  initial = learned_rates.init_rates(name, names, hparams, variables)
+  algorithm = learned_rates.rates_training(
+      lambda rates: learned_rates.rated_adapter(name, module, hparams, context, rates),
+      initial, variables, rates_optimizer(config, names, variables), config.tta.batch_size,
+      learned.num_batches[key], mode, learned.local_steps, val.max_examples, learned.remat,
+      config.engine.unroll)
+  flat_names = list(learned_rates.flat_values(name, initial))
+  record = lambda state: {f'rates/{n}': v for n, v in zip(
+      flat_names, learned_rates.flat_values(name, state.rates).values())}
+  trained = train_and_evaluate(alpha_config(shift_config), os.path.join(workdir, f'learned_{key}'),
+                               'atp', seed,
+                               bench=Benchmark({'train': val}, data.source.num_classes,
+                                               data.source.example_shape, data.info),
+                               algorithm=algorithm, log_state=record)
+  return trained['server_state'].rates
 
 
 def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callable):
@@ -277,13 +400,20 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
   alpha = trained['server_state'].alpha
   with open(os.path.join(workdir, 'alpha.json'), 'w') as f:
     json.dump(dict(zip(names, map(float, jax.tree.leaves(alpha)))), f, indent=1)
+  learned = {key: train_learned_rates(config, shift_config, workdir, key, module, variables,
+                                     val, data, seed, shift) for key in config.learned.rows}
+  learned_values = {key: learned_rates.flat_values(
+      config.tta.adapter[config.learned.base[key]], rates) for key, rates in learned.items()}
+  if learned:
+    with open(os.path.join(workdir, 'learned_rates.json'), 'w') as f:
+      json.dump(learned_values, f, indent=1)
   source_x, source_y = source_examples(val)
   inputs = jax.device_put(AdapterInputs(variables, source_x, source_y, alpha))
-  rows = test_time(config, evaluators, inputs, data, config.tta.rows, seed, shift)
+  rows = test_time(config, evaluators, inputs, data, config.tta.rows, seed, shift, learned)
   with open(os.path.join(workdir, 'test_time.json'), 'w') as f:
     json.dump({'rows': rows, 'pretrain': pre['metrics'], 'pretrain_seconds': pre['train_seconds'],
                'alpha_seconds': trained['train_seconds']}, f, indent=1)
-  return rows, alpha, inputs, data, names
+  return rows, alpha, inputs, data, names, learned_values
 
 
 @PIPELINES.register('test_time', defaults=SECTIONS, check=validate, run_dirs=run_dirs)
@@ -296,6 +426,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   runs = {}
   names: List[str] = []
   shared: Dict[str, Evaluators] = {}
+  learned_values: Dict[str, Dict[str, List[Dict[str, float]]]] = {}
 
   def evaluators_for(module, num_classes: int) -> Evaluators:
     if 'evaluators' not in shared:  # one model and label set per config
@@ -307,15 +438,20 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
     for seed in config.seeds:
       run_dir = os.path.join(workdir, shift, f'seed_{seed}')
       os.makedirs(run_dir, exist_ok=True)
-      rows, alpha, inputs, data, names = run_one(config, run_dir, shift, seed, evaluators_for)
+      rows, alpha, inputs, data, names, learned = run_one(config, run_dir, shift, seed,
+                                                          evaluators_for)
       for key, result in rows.items():
         table1.setdefault(key, {}).setdefault(shift, {})[seed] = result['accuracy']
+      for key, values in learned.items():
+        learned_values.setdefault(key, {}).setdefault(shift, []).append(values)
       alphas[(shift, seed)] = alpha
       runs[(shift, seed)] = (inputs, data)
   table3 = (cross_shift(config, shared['evaluators'], alphas, runs)
             if len(config.tta.shifts) > 1 else {})
   seconds = time.perf_counter() - tick
   labels = {key: config.tta.label[key] for key in config.tta.rows}
+  labels.update({key: learned_label(config, key) for key in config.learned.rows})
+  table1 = {key: table1[key] for key in table_order(config) if key in table1}
   markdown = report.tta_tables(table1, table3, labels, tuple(config.tta.shifts),
                                tuple(config.seeds))
   preamble = (f"ATP protocol on {config.data.source}: {config.data.num_clients} source + "
@@ -328,12 +464,25 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
                                  for s in config.seeds], axis=0)
                  for shift in config.tta.shifts}
   alpha_png = report.plot_alpha(alpha_means, names, os.path.join(workdir, 'alpha.png'))
+  # Each learned-rates row's rates per module, mean over seeds, plotted like alpha.png.
+  rates_means, rate_pngs = {}, []
+  for key, by_shift in learned_values.items():
+    rate_names = list(next(iter(by_shift.values()))[0])
+    rates_means[key] = {shift: np.mean([[v[n] for n in rate_names] for v in seeds], axis=0)
+                        for shift, seeds in by_shift.items()}
+    rate_pngs.append(report.plot_alpha(rates_means[key], rate_names,
+                                       os.path.join(workdir, f'rates_{key}.png'),
+                                       ylabel=f'learned rate: {labels[key]}'))
   results_json = os.path.join(workdir, 'results.json')
   with open(results_json, 'w') as f:
     json.dump({'table1': table1, 'table3': {f'{a}->{b}': v for (a, b), v in table3.items()},
+               'labels': labels,
                'alpha': {s: dict(zip(names, v.tolist())) for s, v in alpha_means.items()},
+               'learned_rates': {key: {s: dict(zip(next(iter(learned_values[key].values()))[0],
+                                                   v.tolist())) for s, v in means.items()}
+                                 for key, means in rates_means.items()},
                'seconds': seconds, 'hardware': info}, f, indent=1)
-  return Results(preamble, (markdown,), (results_json, alpha_png),
+  return Results(preamble, (markdown,), (results_json, alpha_png, *rate_pngs),
                  {'table1': table1, 'table3': table3, 'markdown': markdown})
 
 
