@@ -34,6 +34,11 @@ B, FedAvg with SGD):
   fedtta_e50 / fedtta_pp_scan / fedtta_pp_while  FedTTA's test-time adaptation of C
               new clients (episodic batches of B): 50 inner steps, vs FedTTA++'s entropy
               early stop (patience 1) as a masked scan and as a while_loop (opt-in)
+  rates:<K>:<remat|plain>  the learned-rates round (adapters/learned_rates.py) of
+              --tta_adapter (atp: α online; tent: per-BN-layer rates) through K online
+              test batches of B, one step, with or without jax.checkpoint on each
+              test-time step; next to alpha_round (opt-in; e.g. --cases=alpha_round,
+              rates:1:plain,rates:5:plain,rates:5:remat,rates:10:plain,rates:10:remat)
   fedavg_1step / alpha_round  the compiled FedAvg round with ONE local step of batch
               B vs ATP's α-training round with one α step of batch B on the same
               cohort (entropy forward/backward for h, then CE forward/backward
@@ -153,6 +158,9 @@ def setup_algorithm(num_clients_data, kind='fedavg'):
   algorithm = algorithms.build(name, config, module, FLAGS.examples, info,
                                num_clients=num_clients_data, example_shape=data.x.shape[2:])
   server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
+  if kind.startswith('rates:'):   # rates:<K>:<remat|plain>, one step on K·B examples
+    algorithm = rates_algorithm(config, module, server.variables, kind)
+    server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   if kind == 'alpha':
     config.atp.local_steps = 1
     config.atp.batch_size = FLAGS.batch_size
@@ -160,6 +168,26 @@ def setup_algorithm(num_clients_data, kind='fedavg'):
                              config.engine.unroll)
     server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   return config, module, algorithm, data, server
+
+
+def rates_algorithm(config, module, variables, kind: str):
+  """The learned-rates round (adapters/learned_rates.py) of --tta_adapter (ATP's α
+  online, or Tent's per-layer rates online) through K test batches of B, one local
+  step, ``remat`` on or off."""
+  from fedjax_shift.adapters import learned_rates
+  from fedjax_shift.core.test_time import SourceContext
+  from fedjax_shift.pipelines.test_time import rates_optimizer
+  _, k, remat = kind.split(':')
+  adapter = 'tent' if FLAGS.tta_adapter == 'tent' else 'atp'
+  names = ('learning_rate',) if adapter == 'tent' else ('alpha',)
+  config.learned.optimizer = 'sgd'
+  hparams = config.adapters[adapter]
+  context = SourceContext(variables, 10, FLAGS.batch_size)
+  return learned_rates.rates_training(
+      lambda rates: learned_rates.rated_adapter(adapter, module, hparams, context, rates),
+      learned_rates.init_rates(adapter, names, hparams, variables), variables,
+      rates_optimizer(config, names, variables), FLAGS.batch_size, int(k), 'online', 1,
+      FLAGS.examples, remat == 'remat', config.engine.unroll)
 
 
 def case_round(backend='vmap', kind='fedavg'):
@@ -579,7 +607,7 @@ def case_sweep(population):
 def run_case(name):
   if name.startswith('sweep:'):
     result = case_sweep(int(name.split(':')[1]))
-  elif name.startswith('algorithm:'):
+  elif name.startswith(('algorithm:', 'rates:')):
     result = case_round(kind=name)
   else:
     result = {'round': case_round, 'loop': case_loop, 'fused': case_fused,
@@ -661,8 +689,14 @@ def main(argv):
             'fedtta_e50': 'FedTTA test time, fixed E = 50 steps (scan)',
             'fedtta_pp_scan': 'FedTTA++ test time, E ≤ 50, patience 1, masked scan',
             'fedtta_pp_while': 'FedTTA++ test time, E ≤ 50, patience 1, while_loop'}
-  label = lambda name: (labels[name] if name in labels else
-                        f"{name.split(':', 1)[1]} round, 1 epoch (registered defaults)")
+  def label(name):
+    if name in labels:
+      return labels[name]
+    if name.startswith('rates:'):
+      _, k, remat = name.split(':')
+      return (f"learned-rates round ({FLAGS.tta_adapter if FLAGS.tta_adapter == 'tent' else 'atp'}"
+              f"-online), K = {k}, remat {'on' if remat == 'remat' else 'off'}, 1 step")
+    return f"{name.split(':', 1)[1]} round, 1 epoch (registered defaults)"
   base = results.get('fused', {}).get('seconds')
   lines = ['| case | s/round | compile s | peak RSS GB | vs (c) fused |', '|---|---|---|---|---|']
   for name, result in results.items():

@@ -245,3 +245,42 @@ def test_pipeline_learned_rows_train_save_plot_and_resume(tmp_path):
     assert 'Tent (learned rates)' in json.load(f)['labels'].values()
   again = pipelines.run(config, workdir)           # resumes from the checkpoints
   assert again.records['table1'] == table1
+
+
+LEARNABLE = [(name, rate) for name in learned_rates.ADAPTERS.names()
+             for rate in learned_rates.learnable(name)]
+# EATA: margin ln C, so the toy model's near-uniform predictions count as reliable and
+# adapt (with 0.4 ln C none would, and its rate could not matter).
+SMALL = {'eata': {'fisher_weight': 0.0, 'entropy_margin': 1.0}, 'memo': {'num_augmentations': 2}}
+
+
+def test_the_learnable_rates_are_the_issues_list():
+  assert LEARNABLE == [('atp', 'alpha'), ('bn_adapt', 'prior_strength'), ('eata', 'learning_rate'),
+                       ('memo', 'learning_rate'), ('shot', 'learning_rate'),
+                       ('tent', 'learning_rate')]
+
+
+@pytest.mark.parametrize('adapter, rate', LEARNABLE)
+def test_every_learnable_rate_frozen_gives_the_fixed_adapter_and_has_a_gradient(adapter, rate):
+  # Frozen at their configured values (α: at a nonzero value given to both), the rates
+  # reproduce the registered adapter's predictions; the K-step objective (K = 3 online,
+  # or episodic for the adapters that do not predict before their update) has a finite,
+  # nonzero gradient with respect to them.
+  module, variables, data = setup()
+  fields = hparams(adapter, **SMALL.get(adapter, {}))
+  rates = learned_rates.init_rates(adapter, (rate,), fields, variables)
+  if adapter == 'atp':
+    rates = jax.tree.map(lambda a: a + 0.3, rates)
+  ctx = context(variables)._replace(alpha=rates.get('alpha'))
+  fixed = learned_rates.ADAPTERS.get(adapter)(module, fields, ctx)
+  mode = 'online' if fields.get('predict', 'after') == 'before' or adapter == 'atp' else 'episodic'
+  run = lambda a: build_test_time(a, BATCH, mode)(variables, data, jax.random.key(1))
+  learned = learned_rates.rated_adapter(adapter, module, fields, context(variables), rates)
+  np.testing.assert_array_equal(run(learned)['predictions'], run(fixed)['predictions'])
+  np.testing.assert_allclose(run(learned)['loss'], run(fixed)['loss'], rtol=1e-5)
+  x, y, n = (jnp.asarray(a[0]) for a in (data.x, data.y, data.num_examples))
+  grad = jax.grad(lambda r: learned_rates.k_step_loss(
+      learned_rates.rated_adapter(adapter, module, fields, context(variables), r), BATCH,
+      variables, x, y, n, jax.random.key(2), mode))(rates)
+  leaves = np.asarray([float(g) for g in jax.tree.leaves(grad)])
+  assert np.all(np.isfinite(leaves)) and np.any(np.abs(leaves) > 1e-9), leaves

@@ -228,7 +228,7 @@ def test_adapter_evaluation_compiles_once_and_takes_alpha_as_an_argument():
   module = models.MODELS.get('bn_mlp')(3, hidden=(8,))
   variables = models.init(module, jax.random.key(0), jnp.zeros((1, 4, 4, 1)))
   data, _, _ = toy_clients([6, 4, 5], num_classes=3, pad_to=6)
-  evaluate_chunk = adapter_evaluator(ADAPTERS.get('atp'), module, ml_collections.ConfigDict(),
+  evaluate_chunk = adapter_evaluator('atp', module, ml_collections.ConfigDict(),
                                      3, 4, 'online')
   from fedjax_shift.pipelines.test_time import AdapterInputs
   rng = jax.random.key(3)
