@@ -20,7 +20,7 @@ from fedjax_shift.core.local import example_order
 from fedjax_shift.core.round import RoundConfig, build_round
 from fedjax_shift.core.test_time import SourceContext, build_test_time
 from fedjax_shift.metrics import read_metrics
-from tests.helpers import toy_clients
+from tests.helpers import override, toy_clients
 
 NUM_CLASSES = 3
 BATCH = 4
@@ -208,12 +208,7 @@ def test_bad_learned_rates_are_errors_naming_the_field(adapter, names, mode, k, 
     ('learned.optimizer', 'lbfgs', 'config.learned.optimizer'),
 ])
 def test_pipeline_learned_config_errors_name_the_field(field, value, message, tmp_path):
-  config = atp_configs.get_config('digits_hybrid,tiny,learned')
-  *path, leaf = field.split('.')
-  target = config
-  for part in path:
-    target = target[part]
-  target[leaf] = value
+  config = override(atp_configs.get_config('digits_hybrid,tiny,learned'), **{field: value})
   with pytest.raises(ValueError, match=message):
     config_lib.validate(config, str(tmp_path))
 

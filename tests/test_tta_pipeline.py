@@ -12,6 +12,7 @@ from fedjax_shift import pipelines
 from fedjax_shift.benchmarks.atp_shift import atp_protocol, class_counts
 from fedjax_shift.data import corruptions
 from fedjax_shift.metrics import read_metrics
+from tests.helpers import override
 
 
 def tiny(*parts):
@@ -82,12 +83,7 @@ def test_cifar10c_protocol_reads_tfds_mock_data():
     ('algorithms', ('fedbn',), 'config.algorithms'),
 ])
 def test_pipeline_config_errors_name_the_field(field, value, message, tmp_path):
-  config = tiny()
-  *path, leaf = field.split('.')
-  target = config
-  for part in path:
-    target = target[part]
-  target[leaf] = value
+  config = override(tiny(), **{field: value})
   with pytest.raises(ValueError, match=message):
     config_lib.validate(config, str(tmp_path))
 
