@@ -1,0 +1,208 @@
+"""A Vision Transformer with SSF (scale-and-shift of deep features; Lian et al. 2022,
+used by FedIns, fedins.txt Sec. 3.2), groundwork for issue 16 (not yet in the models
+registry: FedIns itself is not built).
+
+SSF re-modulates a feature after an operation, y ← γ ⊙ y + β (γ, β of the feature's
+width), at these points: the patch embedding, and in each block after LayerNorm 1, the
+query / key / value projections, the attention output projection, LayerNorm 2, the two
+MLP linears; and after the final LayerNorm. The backbone stays frozen; the SSF factors
+are an argument of the forward (``ssf``: {point: (scale, shift)}, each [D] for one SSF
+or [B, D] for one per instance), so a pool of them can be mixed per instance without a
+per-example loop. ``fold_ssf`` merges one SSF into the weights (re-parameterisation:
+a linear y = Wx + b becomes (W·diag γ)x + (γ⊙b + β), a LayerNorm's scale and bias
+γ⊙g, γ⊙c + β), so inference costs what the plain ViT costs.
+
+Parameter names follow the common ViT-B/16 ``.npz`` layout (embedding, cls,
+Transformer/posembed_input, Transformer/encoderblock_<i>/{LayerNorm_0,
+MultiHeadDotProductAttention_1/{query,key,value,out}, LayerNorm_2,
+MlpBlock_3/{Dense_0,Dense_1}}, Transformer/encoder_norm): ``load_npz`` reads a user's
+checkpoint in it (shapes checked against the config), ``save_npz`` writes one.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+SSF = Dict[str, Tuple[jax.Array, jax.Array]]   # point -> (scale, shift), [D] or [B, D]
+
+
+def ssf_apply(ssf: Optional[SSF], point: str, y: jax.Array) -> jax.Array:
+  """γ ⊙ y + β over the last axis of y [B, ..., D] (identity without an SSF there)."""
+  if ssf is None or point not in ssf:
+    return y
+  scale, shift = ssf[point]
+  if scale.ndim == 2:   # one SSF per instance [B, D]: broadcast over the token axes
+    middle = (1,) * (y.ndim - 2)
+    scale = scale.reshape(scale.shape[:1] + middle + scale.shape[1:])
+    shift = shift.reshape(shift.shape[:1] + middle + shift.shape[1:])
+  return y * scale + shift
+
+
+class Block(nn.Module):
+  width: int
+  heads: int
+  mlp_dim: int
+  name_prefix: str
+
+  @nn.compact
+  def __call__(self, x, ssf=None):
+    p = self.name_prefix
+    head_dim = self.width // self.heads
+    y = ssf_apply(ssf, f'{p}/LayerNorm_0', nn.LayerNorm(name='LayerNorm_0')(x))
+    attention = {}
+    for proj in ('query', 'key', 'value'):
+      out = nn.DenseGeneral((self.heads, head_dim), name=f'MultiHeadDotProductAttention_1_{proj}')(y)
+      flat = out.reshape(out.shape[:-2] + (self.width,))
+      attention[proj] = ssf_apply(ssf, f'{p}/{proj}', flat).reshape(out.shape)
+    logits = jnp.einsum('bqhd,bkhd->bhqk', attention['query'], attention['key']) / jnp.sqrt(
+        head_dim).astype(x.dtype)
+    weights = jax.nn.softmax(logits, axis=-1)
+    mixed = jnp.einsum('bhqk,bkhd->bqhd', weights, attention['value'])
+    y = nn.DenseGeneral(self.width, axis=(-2, -1), name='MultiHeadDotProductAttention_1_out')(mixed)
+    x = x + ssf_apply(ssf, f'{p}/out', y)
+    y = ssf_apply(ssf, f'{p}/LayerNorm_2', nn.LayerNorm(name='LayerNorm_2')(x))
+    y = ssf_apply(ssf, f'{p}/Dense_0', nn.Dense(self.mlp_dim, name='MlpBlock_3_Dense_0')(y))
+    y = nn.gelu(y)
+    y = ssf_apply(ssf, f'{p}/Dense_1', nn.Dense(self.width, name='MlpBlock_3_Dense_1')(y))
+    return x + y
+
+
+class ViTEncoder(nn.Module):
+  """x [B, H, W, C] -> the final CLS feature [B, width]."""
+  patch_size: int = 4
+  width: int = 64
+  depth: int = 2
+  heads: int = 4
+  mlp_dim: int = 128
+
+  @nn.compact
+  def __call__(self, x, ssf: Optional[SSF] = None, train: bool = False):
+    del train
+    height, width_px = x.shape[1:3]
+    if height % self.patch_size or width_px % self.patch_size:
+      raise ValueError(f'vit: image size {height}×{width_px} is not divisible by the patch '
+                       f'size {self.patch_size}')
+    if self.width % self.heads:
+      raise ValueError(f'vit: width {self.width} is not divisible by heads {self.heads}')
+    y = nn.Conv(self.width, (self.patch_size,) * 2, strides=(self.patch_size,) * 2,
+                padding='VALID', name='embedding')(x)
+    y = y.reshape(y.shape[0], -1, self.width)
+    y = ssf_apply(ssf, 'embedding', y)
+    cls = self.param('cls', nn.initializers.zeros, (1, 1, self.width), y.dtype)
+    y = jnp.concatenate([jnp.broadcast_to(cls, (y.shape[0], 1, self.width)), y], axis=1)
+    pos = self.param('posembed_input', nn.initializers.normal(0.02), (1,) + y.shape[1:],
+                     y.dtype)
+    y = y + pos
+    for i in range(self.depth):
+      y = Block(self.width, self.heads, self.mlp_dim, f'encoderblock_{i}',
+                name=f'encoderblock_{i}')(y, ssf)
+    y = ssf_apply(ssf, 'encoder_norm', nn.LayerNorm(name='encoder_norm')(y))
+    return y[:, 0]
+
+
+def ssf_points(encoder: ViTEncoder) -> Dict[str, int]:
+  """{SSF point: its feature width}, in forward order."""
+  points = {'embedding': encoder.width}
+  for i in range(encoder.depth):
+    p = f'encoderblock_{i}'
+    points.update({f'{p}/LayerNorm_0': encoder.width, f'{p}/query': encoder.width,
+                   f'{p}/key': encoder.width, f'{p}/value': encoder.width,
+                   f'{p}/out': encoder.width, f'{p}/LayerNorm_2': encoder.width,
+                   f'{p}/Dense_0': encoder.mlp_dim, f'{p}/Dense_1': encoder.width})
+  points['encoder_norm'] = encoder.width
+  return points
+
+
+def init_ssf(encoder: ViTEncoder, dtype=jnp.float32) -> SSF:
+  """The identity SSF (scale 1, shift 0) at every point."""
+  return {point: (jnp.ones((width,), dtype), jnp.zeros((width,), dtype))
+          for point, width in ssf_points(encoder).items()}
+
+
+def _fold_dense(layer: dict, scale: jax.Array, shift: jax.Array) -> dict:
+  """A Dense / DenseGeneral / Conv whose output (last kernel axes) is scaled then shifted."""
+  kernel, bias = layer['kernel'], layer['bias']
+  out_shape = bias.shape
+  return {'kernel': kernel * scale.reshape(out_shape),
+          'bias': bias * scale.reshape(out_shape) + shift.reshape(out_shape)}
+
+
+def _fold_norm(layer: dict, scale: jax.Array, shift: jax.Array) -> dict:
+  return {'scale': layer['scale'] * scale, 'bias': layer['bias'] * scale + shift}
+
+
+def fold_ssf(params: dict, ssf: SSF) -> dict:
+  """Encoder params with one SSF ([D] factors) merged into the weights: the plain
+  forward of the result equals the SSF forward of ``params``."""
+  out = dict(params)
+  for point, (scale, shift) in ssf.items():
+    if scale.ndim != 1:
+      raise ValueError(f'fold_ssf: the SSF at {point!r} is per instance (shape '
+                       f'{scale.shape}); fold one SSF of shape [D]')
+    if point == 'embedding':
+      out['embedding'] = _fold_dense(out['embedding'], scale, shift)
+    elif point == 'encoder_norm':
+      out['encoder_norm'] = _fold_norm(out['encoder_norm'], scale, shift)
+    else:
+      block, op = point.split('/')
+      layer = {'LayerNorm_0': 'LayerNorm_0', 'LayerNorm_2': 'LayerNorm_2',
+               'query': 'MultiHeadDotProductAttention_1_query',
+               'key': 'MultiHeadDotProductAttention_1_key',
+               'value': 'MultiHeadDotProductAttention_1_value',
+               'out': 'MultiHeadDotProductAttention_1_out',
+               'Dense_0': 'MlpBlock_3_Dense_0', 'Dense_1': 'MlpBlock_3_Dense_1'}[op]
+      fold = _fold_norm if op.startswith('LayerNorm') else _fold_dense
+      out[block] = {**out[block], layer: fold(out[block][layer], scale, shift)}
+  return out
+
+
+def npz_name(path: Tuple[str, ...]) -> str:
+  """Our flat parameter path -> its name in the ViT-B/16 ``.npz`` layout."""
+  parts = []
+  for part in path:
+    if part.startswith('MultiHeadDotProductAttention_1_'):
+      parts += ['MultiHeadDotProductAttention_1', part.rsplit('_', 1)[1]]
+    elif part.startswith('MlpBlock_3_'):
+      parts += ['MlpBlock_3', part[len('MlpBlock_3_'):]]
+    else:
+      parts.append(part)
+  if parts[0].startswith('encoderblock_') or parts[0] in ('encoder_norm', 'posembed_input'):
+    parts = ['Transformer'] + parts
+  if parts[-1] == 'posembed_input':
+    parts.append('pos_embedding')
+  return '/'.join(parts)
+
+
+def save_npz(path: str, params: dict) -> None:
+  """Encoder params as a ``.npz`` in the ViT-B/16 layout."""
+  import numpy as np
+  from flax import traverse_util
+  flat = traverse_util.flatten_dict(params)
+  np.savez(path, **{npz_name(p): np.asarray(v) for p, v in flat.items()})
+
+
+def load_npz(path: str, encoder: ViTEncoder, example_x: jax.Array) -> dict:
+  """Encoder params from a ``.npz`` in the ViT-B/16 layout, checked against the shapes
+  ``encoder`` has for ``example_x``: a missing or wrong-shaped parameter is an error
+  naming it (a head or other extra arrays in the file are ignored)."""
+  import numpy as np
+  from flax import traverse_util
+  expected = traverse_util.flatten_dict(
+      jax.eval_shape(encoder.init, jax.random.key(0), example_x)['params'])
+  with np.load(path) as stored:
+    out = {}
+    for key, spec in expected.items():
+      name = npz_name(key)
+      if name not in stored:
+        raise ValueError(f'{path}: no parameter {name!r} (this ViT: depth {encoder.depth}, '
+                         f'width {encoder.width})')
+      value = stored[name]
+      if value.shape != spec.shape:
+        raise ValueError(f'{path}: parameter {name!r} has shape {value.shape}, this ViT '
+                         f'(patch {encoder.patch_size}, width {encoder.width}, heads '
+                         f'{encoder.heads}, mlp {encoder.mlp_dim}) needs {spec.shape}')
+      out[key] = jnp.asarray(value, spec.dtype)
+  return traverse_util.unflatten_dict(out)
