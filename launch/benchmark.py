@@ -172,22 +172,19 @@ def setup_algorithm(num_clients_data, kind='fedavg'):
 
 def rates_algorithm(config, module, variables, kind: str):
   """The learned-rates round (adapters/learned_rates.py) of --tta_adapter (ATP's α
-  online, or Tent's per-layer rates online) through K test batches of B, one local
-  step, ``remat`` on or off."""
-  from fedjax_shift.adapters import learned_rates
+  online: the pipeline's row atp_online_k, or Tent's per-layer rates online:
+  tent_learned) through K test batches of B, one local SGD step, ``remat`` on or off."""
   from fedjax_shift.core.test_time import SourceContext
-  from fedjax_shift.pipelines.test_time import rates_optimizer
+  from fedjax_shift.pipelines.test_time import build_rates_training, learned_row
   _, k, remat = kind.split(':')
-  adapter = 'tent' if FLAGS.tta_adapter == 'tent' else 'atp'
-  names = ('learning_rate',) if adapter == 'tent' else ('alpha',)
+  key = 'tent_learned' if FLAGS.tta_adapter == 'tent' else 'atp_online_k'
+  config.learned.num_batches[key] = int(k)
+  config.learned.remat = remat == 'remat'
+  config.learned.local_steps = 1
   config.learned.optimizer = 'sgd'
-  hparams = config.adapters[adapter]
+  hparams = config.adapters[learned_row(config, key)[0]]
   context = SourceContext(variables, 10, FLAGS.batch_size)
-  return learned_rates.rates_training(
-      lambda rates: learned_rates.rated_adapter(adapter, module, hparams, context, rates),
-      learned_rates.init_rates(adapter, names, hparams, variables), variables,
-      rates_optimizer(config, names, variables), FLAGS.batch_size, int(k), 'online', 1,
-      FLAGS.examples, remat == 'remat', config.engine.unroll)
+  return build_rates_training(config, key, module, hparams, context, FLAGS.examples)[0]
 
 
 def case_round(backend='vmap', kind='fedavg'):

@@ -44,7 +44,6 @@ from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import LocalSchedule, local_train
 from fedjax_shift.core.test_time import ADAPTERS, MODES, Adapter, SourceContext, client_runner
 
-KINDS = ('log', 'log_per_bn_layer', 'alpha')
 Rates = Dict[str, Any]     # learned hyperparameter name -> its unconstrained tree
 
 

@@ -41,33 +41,41 @@ def ssf_apply(ssf: Optional[SSF], point: str, y: jax.Array) -> jax.Array:
   return y * scale + shift
 
 
+# A block's SSF points in forward order -> the layer whose output each re-modulates.
+BLOCK_POINTS = {'LayerNorm_0': 'LayerNorm_0',
+                'query': 'MultiHeadDotProductAttention_1_query',
+                'key': 'MultiHeadDotProductAttention_1_key',
+                'value': 'MultiHeadDotProductAttention_1_value',
+                'out': 'MultiHeadDotProductAttention_1_out',
+                'LayerNorm_2': 'LayerNorm_2',
+                'Dense_0': 'MlpBlock_3_Dense_0', 'Dense_1': 'MlpBlock_3_Dense_1'}
+
+
 class Block(nn.Module):
+  """One pre-norm encoder block; its SSF points are '<block name>/<BLOCK_POINTS key>'."""
   width: int
   heads: int
   mlp_dim: int
-  name_prefix: str
 
   @nn.compact
   def __call__(self, x, ssf=None):
-    p = self.name_prefix
+    layer = lambda op, module: lambda y: ssf_apply(ssf, f'{self.name}/{op}', module(
+        name=BLOCK_POINTS[op])(y))
     head_dim = self.width // self.heads
-    y = ssf_apply(ssf, f'{p}/LayerNorm_0', nn.LayerNorm(name='LayerNorm_0')(x))
+    y = layer('LayerNorm_0', nn.LayerNorm)(x)
     attention = {}
     for proj in ('query', 'key', 'value'):
-      out = nn.DenseGeneral((self.heads, head_dim), name=f'MultiHeadDotProductAttention_1_{proj}')(y)
+      out = nn.DenseGeneral((self.heads, head_dim), name=BLOCK_POINTS[proj])(y)
       flat = out.reshape(out.shape[:-2] + (self.width,))
-      attention[proj] = ssf_apply(ssf, f'{p}/{proj}', flat).reshape(out.shape)
+      attention[proj] = ssf_apply(ssf, f'{self.name}/{proj}', flat).reshape(out.shape)
     logits = jnp.einsum('bqhd,bkhd->bhqk', attention['query'], attention['key']) / jnp.sqrt(
         head_dim).astype(x.dtype)
     weights = jax.nn.softmax(logits, axis=-1)
     mixed = jnp.einsum('bhqk,bkhd->bqhd', weights, attention['value'])
-    y = nn.DenseGeneral(self.width, axis=(-2, -1), name='MultiHeadDotProductAttention_1_out')(mixed)
-    x = x + ssf_apply(ssf, f'{p}/out', y)
-    y = ssf_apply(ssf, f'{p}/LayerNorm_2', nn.LayerNorm(name='LayerNorm_2')(x))
-    y = ssf_apply(ssf, f'{p}/Dense_0', nn.Dense(self.mlp_dim, name='MlpBlock_3_Dense_0')(y))
-    y = nn.gelu(y)
-    y = ssf_apply(ssf, f'{p}/Dense_1', nn.Dense(self.width, name='MlpBlock_3_Dense_1')(y))
-    return x + y
+    x = x + layer('out', lambda name: nn.DenseGeneral(self.width, axis=(-2, -1), name=name))(mixed)
+    y = layer('LayerNorm_2', nn.LayerNorm)(x)
+    y = nn.gelu(layer('Dense_0', lambda name: nn.Dense(self.mlp_dim, name=name))(y))
+    return x + layer('Dense_1', lambda name: nn.Dense(self.width, name=name))(y)
 
 
 class ViTEncoder(nn.Module):
@@ -97,8 +105,7 @@ class ViTEncoder(nn.Module):
                      y.dtype)
     y = y + pos
     for i in range(self.depth):
-      y = Block(self.width, self.heads, self.mlp_dim, f'encoderblock_{i}',
-                name=f'encoderblock_{i}')(y, ssf)
+      y = Block(self.width, self.heads, self.mlp_dim, name=f'encoderblock_{i}')(y, ssf)
     y = ssf_apply(ssf, 'encoder_norm', nn.LayerNorm(name='encoder_norm')(y))
     return y[:, 0]
 
@@ -107,11 +114,8 @@ def ssf_points(encoder: ViTEncoder) -> Dict[str, int]:
   """{SSF point: its feature width}, in forward order."""
   points = {'embedding': encoder.width}
   for i in range(encoder.depth):
-    p = f'encoderblock_{i}'
-    points.update({f'{p}/LayerNorm_0': encoder.width, f'{p}/query': encoder.width,
-                   f'{p}/key': encoder.width, f'{p}/value': encoder.width,
-                   f'{p}/out': encoder.width, f'{p}/LayerNorm_2': encoder.width,
-                   f'{p}/Dense_0': encoder.mlp_dim, f'{p}/Dense_1': encoder.width})
+    points.update({f'encoderblock_{i}/{op}': encoder.mlp_dim if op == 'Dense_0' else encoder.width
+                   for op in BLOCK_POINTS})
   points['encoder_norm'] = encoder.width
   return points
 
@@ -148,12 +152,7 @@ def fold_ssf(params: dict, ssf: SSF) -> dict:
       out['encoder_norm'] = _fold_norm(out['encoder_norm'], scale, shift)
     else:
       block, op = point.split('/')
-      layer = {'LayerNorm_0': 'LayerNorm_0', 'LayerNorm_2': 'LayerNorm_2',
-               'query': 'MultiHeadDotProductAttention_1_query',
-               'key': 'MultiHeadDotProductAttention_1_key',
-               'value': 'MultiHeadDotProductAttention_1_value',
-               'out': 'MultiHeadDotProductAttention_1_out',
-               'Dense_0': 'MlpBlock_3_Dense_0', 'Dense_1': 'MlpBlock_3_Dense_1'}[op]
+      layer = BLOCK_POINTS[op]
       fold = _fold_norm if op.startswith('LayerNorm') else _fold_dense
       out[block] = {**out[block], layer: fold(out[block][layer], scale, shift)}
   return out

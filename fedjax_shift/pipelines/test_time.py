@@ -170,11 +170,10 @@ def validate_learned(config: ml_collections.ConfigDict) -> None:
     require(learned.num_batches[key] >= 1, f'learned.num_batches.{key}',
             f'K (test batches the rates are trained through) must be >= 1, got '
             f'{learned.num_batches[key]}')
-    adapter = config.tta.adapter[base]
+    adapter, mode, names = learned_row(config, key)
     require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
-    learned_rates.check_learned(adapter, tuple(learned.rates[key]), config.adapters[adapter],
-                                config.tta.mode[base], learned.num_batches[key],
-                                f'config.learned.rates.{key}')
+    learned_rates.check_learned(adapter, names, config.adapters[adapter], mode,
+                                learned.num_batches[key], f'config.learned.rates.{key}')
 
 
 def table_order(config: ml_collections.ConfigDict) -> List[str]:
@@ -184,6 +183,12 @@ def table_order(config: ml_collections.ConfigDict) -> List[str]:
   for key in config.tta.rows:
     order += [key] + [k for k in learned.rows if learned.base[k] == key]
   return order + [k for k in learned.rows if k not in order]
+
+
+def learned_row(config: ml_collections.ConfigDict, key: str) -> Tuple[str, str, Tuple[str, ...]]:
+  """(adapter, test-time mode, learned rate names) of learned-rates row ``key``."""
+  base = config.learned.base[key]
+  return config.tta.adapter[base], config.tta.mode[base], tuple(config.learned.rates[key])
 
 
 def learned_label(config: ml_collections.ConfigDict, key: str) -> str:
@@ -311,9 +316,8 @@ def test_time(config, evaluators: Evaluators, inputs: AdapterInputs, data: Shift
   out = {}
   learned = learned or {}
   for key in (*rows, *learned):
-    base = config.learned.base[key] if key in learned else key
-    name, mode = config.tta.adapter[base], config.tta.mode[base]
-    names = tuple(config.learned.rates[key]) if key in learned else ()
+    name, mode, names = (learned_row(config, key) if key in learned else
+                         (config.tta.adapter[key], config.tta.mode[key], ()))
     tick = time.perf_counter()
     evaluate_chunk = evaluators.get(name, mode, adapter_section(config, name, shift), names)
     row_inputs = inputs._replace(rates=learned[key]) if key in learned else inputs
@@ -337,24 +341,31 @@ def rates_optimizer(config: ml_collections.ConfigDict, names: Tuple[str, ...], v
   return {'sgd': optax.sgd, 'adam': optax.adam}[learned.optimizer](learned.learning_rate)
 
 
-def train_learned_rates(config, shift_config, workdir: str, key: str, module, variables,
-                        val: federated.FederatedData, data: ShiftData, seed: int, shift: str):
-  """One learned-rates row's federated training on the source held-out split
-  (``<workdir>/learned_<key>``, resumable). Returns the trained (unconstrained) rates."""
+def build_rates_training(config: ml_collections.ConfigDict, key: str, module, hparams,
+                         context: SourceContext, max_examples: int):
+  """The ``learned_rates.rates_training`` of learned-rates row ``key`` (its adapter,
+  mode, rates and K; config.learned's steps and remat), around ``context.variables``.
+  Returns (algorithm, initial rates)."""
+  name, mode, names = learned_row(config, key)
   learned = config.learned
-  base = learned.base[key]
-  name, mode = config.tta.adapter[base], config.tta.mode[base]
-  names = tuple(learned.rates[key])
-  hparams = adapter_section(config, name, shift)
-  source_x, source_y = source_examples(val)
-  context = SourceContext(variables, data.source.num_classes, config.tta.batch_size, source_x,
-                          source_y, None)
-  initial = learned_rates.init_rates(name, names, hparams, variables)
+  initial = learned_rates.init_rates(name, names, hparams, context.variables)
   algorithm = learned_rates.rates_training(
       lambda rates: learned_rates.rated_adapter(name, module, hparams, context, rates),
-      initial, variables, rates_optimizer(config, names, variables), config.tta.batch_size,
-      learned.num_batches[key], mode, learned.local_steps, val.max_examples, learned.remat,
-      config.engine.unroll)
+      initial, context.variables, rates_optimizer(config, names, context.variables),
+      context.batch_size, learned.num_batches[key], mode, learned.local_steps, max_examples,
+      learned.remat, config.engine.unroll)
+  return algorithm, initial
+
+
+def train_learned_rates(config, shift_config, workdir: str, key: str, module,
+                        context: SourceContext, val: federated.FederatedData, data: ShiftData,
+                        seed: int, shift: str):
+  """One learned-rates row's federated training on the source held-out split
+  (``<workdir>/learned_<key>``, resumable). Returns the trained (unconstrained) rates."""
+  name = learned_row(config, key)[0]
+  algorithm, initial = build_rates_training(config, key, module,
+                                            adapter_section(config, name, shift), context,
+                                            val.max_examples)
   flat_names = list(learned_rates.flat_values(name, initial))
   record = lambda state: {f'rates/{n}': v for n, v in zip(
       flat_names, learned_rates.flat_values(name, state.rates).values())}
@@ -400,14 +411,16 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
   alpha = trained['server_state'].alpha
   with open(os.path.join(workdir, 'alpha.json'), 'w') as f:
     json.dump(dict(zip(names, map(float, jax.tree.leaves(alpha)))), f, indent=1)
-  learned = {key: train_learned_rates(config, shift_config, workdir, key, module, variables,
-                                     val, data, seed, shift) for key in config.learned.rows}
-  learned_values = {key: learned_rates.flat_values(
-      config.tta.adapter[config.learned.base[key]], rates) for key, rates in learned.items()}
+  source_x, source_y = source_examples(val)
+  context = SourceContext(variables, data.source.num_classes, config.tta.batch_size, source_x,
+                          source_y, None)
+  learned = {key: train_learned_rates(config, shift_config, workdir, key, module, context, val,
+                                      data, seed, shift) for key in config.learned.rows}
+  learned_values = {key: learned_rates.flat_values(learned_row(config, key)[0], rates)
+                    for key, rates in learned.items()}
   if learned:
     with open(os.path.join(workdir, 'learned_rates.json'), 'w') as f:
       json.dump(learned_values, f, indent=1)
-  source_x, source_y = source_examples(val)
   inputs = jax.device_put(AdapterInputs(variables, source_x, source_y, alpha))
   rows = test_time(config, evaluators, inputs, data, config.tta.rows, seed, shift, learned)
   with open(os.path.join(workdir, 'test_time.json'), 'w') as f:
@@ -465,22 +478,22 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
                  for shift in config.tta.shifts}
   alpha_png = report.plot_alpha(alpha_means, names, os.path.join(workdir, 'alpha.png'))
   # Each learned-rates row's rates per module, mean over seeds, plotted like alpha.png.
-  rates_means, rate_pngs = {}, []
+  rates_means, rate_pngs = {}, []   # {row: {shift: {rate name: mean}}}
   for key, by_shift in learned_values.items():
     rate_names = list(next(iter(by_shift.values()))[0])
-    rates_means[key] = {shift: np.mean([[v[n] for n in rate_names] for v in seeds], axis=0)
+    rates_means[key] = {shift: dict(zip(rate_names, np.mean(
+        [[v[n] for n in rate_names] for v in seeds], axis=0).tolist()))
                         for shift, seeds in by_shift.items()}
-    rate_pngs.append(report.plot_alpha(rates_means[key], rate_names,
-                                       os.path.join(workdir, f'rates_{key}.png'),
-                                       ylabel=f'learned rate: {labels[key]}'))
+    rate_pngs.append(report.plot_alpha(
+        {shift: np.asarray(list(means.values())) for shift, means in rates_means[key].items()},
+        rate_names, os.path.join(workdir, f'rates_{key}.png'),
+        ylabel=f'learned rate: {labels[key]}'))
   results_json = os.path.join(workdir, 'results.json')
   with open(results_json, 'w') as f:
     json.dump({'table1': table1, 'table3': {f'{a}->{b}': v for (a, b), v in table3.items()},
                'labels': labels,
                'alpha': {s: dict(zip(names, v.tolist())) for s, v in alpha_means.items()},
-               'learned_rates': {key: {s: dict(zip(next(iter(learned_values[key].values()))[0],
-                                                   v.tolist())) for s, v in means.items()}
-                                 for key, means in rates_means.items()},
+               'learned_rates': rates_means,
                'seconds': seconds, 'hardware': info}, f, indent=1)
   return Results(preamble, (markdown,), (results_json, alpha_png, *rate_pngs),
                  {'table1': table1, 'table3': table3, 'markdown': markdown})
