@@ -101,7 +101,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_adapter_algorithms = ()    # ... applied to these algorithms' models
   c.eval_adapter_batch_size = 32    # their test batch size
   c.eval_adapter_splits = ('test',) # ... run on the evaluation splits named with these prefixes
-  c.paper_tables = ''               # '' | 'fedevolve' | 'fedtta' | 'fedicon': also print its tables
+  c.paper_tables = ''               # '' | 'fedevolve' | 'fedtta' | 'fedicon' | 'fedins': also print its tables
   c.checkpoint_every = 5
   c.keep_checkpoints = 2            # >= 1: the final checkpoint is what a re-run resumes from
   c.resume = ''                     # '' | 'extend': continue finished runs to a larger rounds

@@ -440,3 +440,51 @@ def fedicon_lodo_table(runs_by_domain: Dict[str, List[Dict]]) -> str:
     if found:
       rows.append([label] + cells)
   return _markdown(['Method'] + [f'Held out: {d}' for d in domains], rows)
+
+
+# FedIns Table 1 rows (fedins.txt): (label, method, model). SOLO and FedBN are scored with
+# each client's own model; FedBN on a ViT keeps its LayerNorms local (fedbn.local_norms).
+FEDINS_ROWS = (
+    ('SOLO', 'local', 'personalized'),
+    ('FedAvg (w.Full)', 'fedavg', 'global'),
+    ('FedProx', 'fedprox', 'global'),
+    ('SCAFFOLD', 'scaffold', 'global'),
+    ('FedBN', 'fedbn', 'personalized'),
+    ('MOON', 'moon', 'global'),
+    ('FedDC', 'feddc', 'global'),
+    ('Federated SSF (Table 2: SSF)', 'fedins_ssf', 'global'),
+    ('FedIns (SSF pool, batch query)', 'fedins_batch_query', 'global'),
+    ('FedIns', 'fedins', 'global'),
+)
+
+
+def parameters_cell(count: int) -> str:
+  """Parameters in the paper's unit: '85.80 M', '5.35 M'; small counts in full."""
+  return f'{count / 1e6:.2f} M' if count >= 1e5 else f'{count:,}'
+
+
+def fedins_table(results: List[Dict], domains: Sequence[str] = ()) -> str:
+  """FedIns Table 1 layout: rows = FEDINS_ROWS that were run; '# Com.cost' = the
+  parameters a client uploads per round (from the update pytrees); accuracy (%) on the
+  clients' test sets (all examples pooled) and per domain ('test_<domain>'), mean ± std
+  over seeds; last round."""
+  columns = [('test', 'Test (all domains)')] + [(f'test_{d}', d) for d in domains]
+  rows = []
+  for label, method, model in FEDINS_ROWS:
+    runs = [r for r in results if r['algorithm'] == method]
+    if not runs:
+      continue
+    uploads = {r.get('uploaded_parameters', 0) for r in runs}
+    cost = '—' if uploads == {0} else ' / '.join(parameters_cell(u) for u in sorted(uploads))
+    rows.append([label, cost] + [mean_std([r['metrics'].get(f'{model}/{split}/accuracy')
+                                           for r in runs]) for split, _ in columns] +
+                [seeds_cell(runs)])
+  return _markdown(['Method', '# Com.cost'] + [label for _, label in columns] + ['seeds'], rows)
+
+
+def fedins_tables(config, results: List[Dict]) -> str:
+  """What launch/train.py prints for a configs/fedins.py run."""
+  domains = tuple(config.data.domains) if config.data.benchmark == 'mixed_domains' else ()
+  return ('FedIns Table 1 layout: accuracy (%) on the clients\' test sets (pooled; then per '
+          'domain), mean ± std over seeds, last round; # Com.cost = parameters a client '
+          'uploads per round\n\n' + fedins_table(results, domains))

@@ -63,8 +63,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-flags.DEFINE_enum('model', 'atp_cnn', ['atp_cnn', 'mlp', 'bn_mlp', 'evolve_cnn'],
-                  'Model to benchmark.')
+flags.DEFINE_enum('model', 'atp_cnn', ['atp_cnn', 'mlp', 'bn_mlp', 'evolve_cnn', 'vit'],
+                  'Model to benchmark (vit: the registered defaults, configs/fedins.py).')
 flags.DEFINE_integer('clients', 60, 'Cohort size C.')
 flags.DEFINE_integer('examples', 200, 'Examples per client N.')
 flags.DEFINE_integer('batch_size', 20, 'Local batch size B.')
@@ -89,7 +89,7 @@ flags.DEFINE_string('out', '', 'Write the markdown table here.')
 FLAGS = flags.FLAGS
 
 SHAPES = {'atp_cnn': (32, 32, 3), 'mlp': (28, 28, 1), 'bn_mlp': (28, 28, 1),
-          'evolve_cnn': (28, 28, 1)}
+          'evolve_cnn': (28, 28, 1), 'vit': (28, 28, 3)}
 
 
 def peak_rss_gb() -> float:
@@ -106,6 +106,9 @@ def make_config():
   config = base_config()
   config.model.name = FLAGS.model
   config.model.conv = FLAGS.conv
+  if FLAGS.model == 'vit':   # configs/fedins.py's ViT (no convolution choice)
+    from configs.fedins import vit_model
+    config.model = vit_model()
   config.client.batch_size = FLAGS.batch_size
   config.client.learning_rate = 0.01
   config.client.local_epochs = 1
@@ -208,7 +211,9 @@ def case_round(backend='vmap', kind='fedavg'):
   compile_s = time.perf_counter() - tick
   run = lambda: jax.block_until_ready(compiled(server, clients, device_data, ids, key))
   median, times = timed(run, FLAGS.repeats)
-  return {'seconds': median, 'times': times, 'compile_s': compile_s}
+  from fedjax_shift.pipelines.federated import uploaded_parameters
+  return {'seconds': median, 'times': times, 'compile_s': compile_s,
+          'uploaded_parameters': uploaded_parameters(algorithm, server, clients, data)}
 
 
 def case_seeds(vmapped: bool):
@@ -695,14 +700,16 @@ def main(argv):
               f"-online), K = {k}, remat {'on' if remat == 'remat' else 'off'}, 1 step")
     return f"{name.split(':', 1)[1]} round, 1 epoch (registered defaults)"
   base = results.get('fused', {}).get('seconds')
-  lines = ['| case | s/round | compile s | peak RSS GB | vs (c) fused |', '|---|---|---|---|---|']
+  lines = ['| case | s/round | compile s | peak RSS GB | vs (c) fused | parameters sent per '
+           'client |', '|---|---|---|---|---|---|']
   for name, result in results.items():
     if 'seconds' not in result:
-      lines.append(f"| {label(name)} | {result.get('skipped') or result.get('error')} | | | |")
+      lines.append(f"| {label(name)} | {result.get('skipped') or result.get('error')} | | | | |")
       continue
     ratio = f"{result['seconds'] / base:.2f}×" if base else ''
+    sent = f"{result['uploaded_parameters']:,}" if 'uploaded_parameters' in result else ''
     lines.append(f"| {label(name)} | {result['seconds']:.3f} | {result['compile_s']:.1f} | "
-                 f"{result['peak_rss_gb']:.2f} | {ratio} |")
+                 f"{result['peak_rss_gb']:.2f} | {ratio} | {sent} |")
   if 'round' in results and 'seconds' in results['round']:
     a = results['round']['seconds']
     for other, letter in (('loop', 'b'), ('torch', 'd'), ('torch_vmap', 'e')):

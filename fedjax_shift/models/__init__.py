@@ -26,6 +26,7 @@ from fedjax_shift.models.classifiers import (BN_MOMENTUM, CONV_IMPLS, Adaptation
                                              Classifier,
                                              EvolveCNNEncoder, MLPEncoder, ResNet18Encoder,
                                              WideResNetEncoder)
+from fedjax_shift.models.vit import ViTClassifier, ViTEncoder
 from fedjax_shift.registry import Registry
 
 Variables = Any
@@ -62,6 +63,15 @@ def resnet18(num_classes: int, conv: str = 'lax') -> nn.Module:
 def wide_resnet(num_classes: int, depth: int = 16, widen: int = 4, conv: str = 'lax'
                 ) -> nn.Module:
   return Classifier(WideResNetEncoder(depth, widen, conv=conv), num_classes)
+
+
+@MODELS.register('vit')
+def vit_model(num_classes: int, patch_size: int = 4, width: int = 64, depth: int = 4, heads: int = 4,
+        mlp_dim: int = 128) -> nn.Module:
+  """A ViT with SSF points (models/vit.py). Defaults: a CPU-sized ViT for 28×28 digits
+  (7×7 patches of 4); ViT-B/16 is patch_size 16, width 768, depth 12, heads 12,
+  mlp_dim 3072 (configs/fedins.py:vit_b16)."""
+  return ViTClassifier(ViTEncoder(patch_size, width, depth, heads, mlp_dim), num_classes)
 
 
 def conv_impl(choice: str) -> str:

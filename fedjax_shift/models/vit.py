@@ -1,6 +1,5 @@
 """A Vision Transformer with SSF (scale-and-shift of deep features; Lian et al. 2022,
-used by FedIns, fedins.txt Sec. 3.2), groundwork for issue 16 (not yet in the models
-registry: FedIns itself is not built).
+used by FedIns, fedins.txt Sec. 3.2), registered as the model 'vit'.
 
 SSF re-modulates a feature after an operation, y ← γ ⊙ y + β (γ, β of the feature's
 width), at these points: the patch embedding, and in each block after LayerNorm 1, the
@@ -11,6 +10,21 @@ or [B, D] for one per instance), so a pool of them can be mixed per instance wit
 per-example loop. ``fold_ssf`` merges one SSF into the weights (re-parameterisation:
 a linear y = Wx + b becomes (W·diag γ)x + (γ⊙b + β), a LayerNorm's scale and bias
 γ⊙g, γ⊙c + β), so inference costs what the plain ViT costs.
+
+``ViTClassifier`` (encoder / head, as every classifier of the library) reads its SSF
+from its variables, so every caller of ``models.apply`` runs the adapted model:
+
+  variables['ssf']       {'scale': tree, 'shift': tree}: one SSF (federated SSF, Sec. 3.2)
+  variables['ssf_pool']  {'scale': tree [M, D], 'shift': tree [M, D], 'keys': [M, F],
+                          'top_c': [] int, 'per_instance': [] bool}: FedIns' pool (Sec.
+                          3.3-3.4); each instance's query (the frozen encoder's CLS
+                          feature, no SSF) picks the ``top_c`` keys of highest cosine
+                          similarity and the mean of their SSFs (Eq. 9) adapts that
+                          instance; per_instance False: one pick per batch from the
+                          batch's mean query (the ablation without an instance query)
+
+(a "tree" is the SSF points nested by '/': {'embedding': [D], 'encoderblock_0':
+{'query': [D], ...}, ...}, so checkpoints never see a '/' in a key.)
 
 Parameter names follow the common ViT-B/16 ``.npz`` layout (embedding, cls,
 Transformer/posembed_input, Transformer/encoderblock_<i>/{LayerNorm_0,
@@ -25,6 +39,7 @@ from typing import Dict, Optional, Tuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 
 SSF = Dict[str, Tuple[jax.Array, jax.Array]]   # point -> (scale, shift), [D] or [B, D]
 
@@ -205,3 +220,78 @@ def load_npz(path: str, encoder: ViTEncoder, example_x: jax.Array) -> dict:
                          f'{encoder.heads}, mlp {encoder.mlp_dim}) needs {spec.shape}')
       out[key] = jnp.asarray(value, spec.dtype)
   return traverse_util.unflatten_dict(out)
+
+
+def ssf_tree(ssf: SSF) -> dict:
+  """{point: (scale, shift)} -> {'scale': tree, 'shift': tree} nested by '/'."""
+  return {name: traverse_util.unflatten_dict(
+      {tuple(point.split('/')): pair[i] for point, pair in ssf.items()})
+      for i, name in enumerate(('scale', 'shift'))}
+
+
+def tree_ssf(tree: dict) -> SSF:
+  """The inverse of ``ssf_tree``."""
+  scale = traverse_util.flatten_dict(tree['scale'], sep='/')
+  shift = traverse_util.flatten_dict(tree['shift'], sep='/')
+  return {point: (scale[point], shift[point]) for point in scale}
+
+
+def cosine_similarity(queries: jax.Array, keys: jax.Array) -> jax.Array:
+  """[B, F] × [M, F] -> [B, M] cosine similarities."""
+  normalise = lambda v: v / jnp.maximum(jnp.linalg.norm(v, axis=-1, keepdims=True), 1e-12)
+  return normalise(queries) @ normalise(keys).T
+
+
+def top_c_weights(similarity: jax.Array, top_c: jax.Array) -> jax.Array:
+  """[B, M] similarities -> [B, M] weights 1/C on each row's C largest (ties to the
+  lower index), 0 elsewhere. C may be traced: the ranks come from a stable sort."""
+  ranks = jnp.argsort(jnp.argsort(-similarity, axis=-1, stable=True), axis=-1, stable=True)
+  chosen = (ranks < top_c).astype(similarity.dtype)
+  return chosen / jnp.maximum(top_c, 1).astype(similarity.dtype)
+
+
+def select_ssf(pool: dict, queries: jax.Array) -> Tuple[SSF, jax.Array]:
+  """FedIns' instance-adaptive SSF (Sec. 3.4, Eq. 9): queries [B, F] -> ({point:
+  (scale, shift) [B, D]}, match [B] = Σ of the cosine similarities of the chosen keys,
+  the term of the key loss 1 − Σ cos)."""
+  similarity = cosine_similarity(queries, pool['keys'])
+  per_batch = jnp.broadcast_to(cosine_similarity(queries.mean(0, keepdims=True), pool['keys']),
+                               similarity.shape)
+  similarity = jnp.where(pool['per_instance'], similarity, per_batch)
+  weights = top_c_weights(jax.lax.stop_gradient(similarity), pool['top_c'])
+  match = jnp.sum(similarity * (weights > 0), axis=-1)
+  mixed = {point: (weights @ scale, weights @ shift)
+           for point, (scale, shift) in tree_ssf(pool).items()}
+  return mixed, match
+
+
+class ViTClassifier(nn.Module):
+  """``head(encoder(x, ssf))`` with the SSF of the variables (module docstring)."""
+  encoder: ViTEncoder
+  num_classes: int
+
+  def setup(self):
+    self.head = nn.Dense(self.num_classes)
+
+  def __call__(self, x, train: bool = False):
+    return self.head(self.features(x, train))
+
+  def features(self, x, train: bool = False):
+    return self.features_and_match(x, train)[0]
+
+  def logits_and_match(self, x, train: bool = False):
+    """(logits [B, C], match [B]: Σ cos of the chosen keys, 0 without a pool)."""
+    features, match = self.features_and_match(x, train)
+    return self.head(features), match
+
+  def features_and_match(self, x, train: bool = False):
+    if self.has_variable('ssf_pool', 'keys'):
+      pool = {name: self.get_variable('ssf_pool', name)
+              for name in ('scale', 'shift', 'keys', 'top_c', 'per_instance')}
+      query = jax.lax.stop_gradient(self.encoder(x, None, train))   # frozen, no SSF
+      ssf, match = select_ssf(pool, query)
+      return self.encoder(x, ssf, train), match
+    ssf = None
+    if self.has_variable('ssf', 'scale'):
+      ssf = tree_ssf({name: self.get_variable('ssf', name) for name in ('scale', 'shift')})
+    return self.encoder(x, ssf, train), jnp.zeros(x.shape[:1], x.dtype)

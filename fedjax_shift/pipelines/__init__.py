@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from fedjax_shift.pipelines import federated, hetero, test_time  # noqa: F401
+from fedjax_shift.pipelines import federated, hetero, pretrain, test_time  # noqa: F401
 from fedjax_shift.pipelines.base import (PIPELINES, Results, format_results,  # noqa: F401
                                          prologue, validate, write_results)
 from fedjax_shift.pipelines.workdir import (RunMismatchError, WorkdirBusyError,  # noqa: F401

@@ -151,7 +151,7 @@ def check_finite(config: ml_collections.ConfigDict, prefix: str = '') -> None:
               f'must be a finite number, got {value}')
 
 
-PAPER_TABLES = ('', 'fedevolve', 'fedtta', 'fedicon')   # config.paper_tables (federated pipeline)
+PAPER_TABLES = ('', 'fedevolve', 'fedtta', 'fedicon', 'fedins')   # config.paper_tables (federated pipeline)
 
 
 def adapts(adapter: str, algorithm: str) -> bool:
@@ -219,10 +219,13 @@ def check_run(config: ml_collections.ConfigDict) -> None:
           f'names a method twice ({list(names)}): each (method, seed) is one run')
   check_run_loop(config)
   check_sections(config)
+  models.MODELS.get(config.model.name, 'config.model.name')
   for name in names:
     ALGORITHMS.get(name, 'config.algorithms')
     ALGORITHMS.check(name, config[name], f'config.{name}')
-  models.MODELS.get(config.model.name, 'config.model.name')
+    needs = ALGORITHMS.meta(name).get('models')
+    require(not needs or config.model.name in needs, 'model.name',
+            f'{name} needs a model of {list(needs or ())}, got {config.model.name!r}')
   benchmark = config.data.benchmark
   BENCHMARKS.get(benchmark, 'config.data.benchmark')
   feeds = BENCHMARKS.meta(benchmark).get('pipelines', ())
@@ -321,7 +324,9 @@ def other_benchmark_fields(benchmark: str) -> set:
 def run_fields(config: ml_collections.ConfigDict, section: str) -> dict:
   """The fingerprinted fields of a run trained by ``section``'s method (not those of
   other methods' sections, nor the data fields of other benchmarks)."""
-  fields = workdir_lib.state_fields(config, method_sections(), (section,))
+  # The pretrained backbone (pipelines/pretrain.py) belongs to a run that starts from it.
+  own = (section,) + (('backbone',) if 'backbone' in config and config.backbone.weights else ())
+  fields = workdir_lib.state_fields(config, method_sections(), own)
   unused = other_benchmark_fields(config.data.benchmark)
   return {path: value for path, value in fields.items() if path not in unused}
 

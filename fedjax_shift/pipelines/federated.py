@@ -32,6 +32,7 @@ from fedjax_shift.core.round import (NO_STEP_LIMIT, HostStore, RoundConfig, buil
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
 from fedjax_shift.metrics import read_metrics
+from fedjax_shift.pipelines import pretrain
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, adapts,
                                          algorithm_names, check_run, check_run_dir,
                                          eval_adapter_specs, hardware, open_run, round_backend)
@@ -123,7 +124,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
                        seed: int, bench: Optional[Benchmark] = None,
                        algorithm: Optional[FederatedAlgorithm] = None,
                        log_state: Optional[Callable[[object], Dict[str, float]]] = None,
-                       programs: Optional[Dict] = None) -> Dict[str, object]:
+                       programs: Optional[Dict] = None,
+                       backbone: Optional[dict] = None) -> Dict[str, object]:
   """``_train_and_evaluate`` with the seconds spent compiling written to results.json
   ('compile_seconds': tracing, lowering and XLA compilation of every function the run
   compiled; 'compilations': how many XLA compilations it ran).
@@ -134,7 +136,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   their compilations instead of compiling again."""
   with CompileClock() as clock:
     result = _train_and_evaluate(config, workdir, algorithm_name, seed, bench, algorithm,
-                                 log_state, clock, programs)
+                                 log_state, clock, programs, backbone)
   return result
 
 
@@ -158,8 +160,8 @@ class RunSetup(NamedTuple):
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
                         seed: int, bench: Optional[Benchmark], algorithm, log_state,
-                        clock: 'CompileClock', programs: Optional[Dict]
-                        ) -> Dict[str, object]:
+                        clock: 'CompileClock', programs: Optional[Dict],
+                        backbone: Optional[dict] = None) -> Dict[str, object]:
   """Trains one method with one seed in ``workdir`` (resuming if it holds a
   checkpoint); returns {'algorithm', 'seed', 'metrics', 'rounds', 'train_seconds',
   'server_state'} ('server_state' is not written to results.json).
@@ -174,16 +176,17 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
   re-run whose fields differ, or that raises ``rounds`` without
   ``config.resume='extend'``, is refused before anything is touched (pipelines/workdir.py).
   """
-  setup = setup_run(config, workdir, algorithm_name, seed, bench, algorithm, programs)
+  setup = setup_run(config, workdir, algorithm_name, seed, bench, algorithm, programs, backbone)
   return _train_loop(config, workdir, algorithm_name, seed, setup, log_state, clock)
 
 
 def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str, seed: int,
               bench: Optional[Benchmark] = None, algorithm=None,
-              programs: Optional[Dict] = None) -> RunSetup:
+              programs: Optional[Dict] = None, backbone: Optional[dict] = None) -> RunSetup:
   """Opens one (method, seed) run: checks ``workdir``, builds the data (unless given),
   writes partition.json, builds (or reuses from ``programs``) the method, its compiled
-  round and evaluation, initialises the state and restores it from the latest
+  round and evaluation, initialises the state (from the pretrained encoder
+  ``backbone`` when given: pipelines/pretrain.py) and restores it from the latest
   checkpoint."""
   fields = check_run_dir(workdir, config, algorithm_name, config.resume)
   os.makedirs(workdir, exist_ok=True)
@@ -245,6 +248,8 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
   seed_key = jax.random.key(seed)
   init_key, train_key, eval_key = (jax.random.fold_in(seed_key, i) for i in range(3))
   server_state = algorithm.init(init_key, jnp.asarray(train.x[0, :1]))
+  if backbone is not None:
+    server_state = pretrain.with_backbone(server_state, backbone, algorithm_name)
   client_states = stack_client_states(algorithm, server_state, train.num_clients)
   upload = uploaded_parameters(algorithm, server_state, client_states, train)
 
@@ -482,14 +487,14 @@ def take_seed(tree, index: int):
 
 
 def train_seeds(config: ml_collections.ConfigDict, workdir: str, name: str,
-                programs: Dict) -> List[Dict]:
+                programs: Dict, backbone: Optional[dict] = None) -> List[Dict]:
   """Trains method ``name`` over every seed of ``config.seeds`` as one program; returns
   the per-seed results (as ``train_and_evaluate`` / ``train_or_diverged`` do). The
   ``programs`` of ``run`` let the seeds share one built method and round."""
   seeds = tuple(config.seeds)
   run_dirs = [os.path.join(workdir, name, f'seed_{seed}') for seed in seeds]
   with CompileClock() as clock:
-    setups = [setup_run(config, run_dir, name, seed, programs=programs)
+    setups = [setup_run(config, run_dir, name, seed, programs=programs, backbone=backbone)
               for seed, run_dir in zip(seeds, run_dirs)]
     try:
       return _train_seeds(config, name, seeds, run_dirs, setups, clock)
@@ -605,7 +610,23 @@ def run_dirs(config: ml_collections.ConfigDict, workdir: str):
           for name in algorithm_names(config) for seed in config.seeds]
 
 
-@PIPELINES.register('federated', check=check_run, run_dirs=run_dirs)
+def check(config: ml_collections.ConfigDict) -> None:
+  check_run(config)
+  pretrain.check(config)
+
+
+def backbone_for(config: ml_collections.ConfigDict, workdir: str) -> Optional[dict]:
+  """The pretrained encoder of ``config.backbone`` for this run's model and data
+  (None without one); pretrains it in ``<workdir>/backbone`` first if asked."""
+  if not config.backbone.weights:
+    return None
+  bench = build_data(config, config.seeds[0])
+  module = models.create(config.model, bench.num_classes)
+  return pretrain.backbone_encoder(config, workdir, module,
+                                   jnp.asarray(bench.splits['train'].x[0, :1]))
+
+
+@PIPELINES.register('federated', check=check, run_dirs=run_dirs)
 def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   """Every method × seed of ``config`` (validated by ``pipelines.run``); writes
   results.csv and curves.png. ``records``: 'results' (one dict per run), 'table'
@@ -614,14 +635,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   results: List[Dict] = []
   run_dirs: Dict[str, List[str]] = {}
   programs: Dict = {}  # compiled once per method and data shapes, reused across seeds
+  backbone = backbone_for(config, workdir)
   for name in algorithm_names(config):
     if config.engine.vmap_seeds:
-      results.extend(train_seeds(config, workdir, name, programs))
+      results.extend(train_seeds(config, workdir, name, programs, backbone))
     for seed in config.seeds:
       run_dir = os.path.join(workdir, name, f'seed_{seed}')
       if not config.engine.vmap_seeds:
         results.append(train_or_diverged(
-            lambda: train_and_evaluate(config, run_dir, name, seed, programs=programs),
+            lambda: train_and_evaluate(config, run_dir, name, seed, programs=programs,
+                                       backbone=backbone),
             config, run_dir, name, seed))
       run_dirs.setdefault(name, []).append(run_dir)
   table = report.results_table(results)
@@ -638,6 +661,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
     paper_tables = report.fedtta_tables(config, results)
   elif config.paper_tables == 'fedicon':
     paper_tables = report.fedicon_tables(config, results)
+  elif config.paper_tables == 'fedins':
+    paper_tables = report.fedins_tables(config, results)
   files = (report.write_csv(table, os.path.join(workdir, 'results.csv')),
            report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png')))
   tables = (table['markdown'],) + ((paper_tables,) if paper_tables else ())

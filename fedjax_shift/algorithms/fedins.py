@@ -1,0 +1,157 @@
+"""FedIns: Instance-adaptive inference for federated learning (fedins.txt, Algorithm 1).
+
+A frozen pretrained ViT θ; each client trains FI = {K, Δ}: a pool Δ = {δ¹ … δᴹ} of SSF
+sets (scale γ and shift β at every SSF point, models/vit.py) with keys K = {k¹ … kᴹ},
+and the classification head h (Sec. 3.2: δ = {γ, β, h}; one head shared by the pool, as
+the paper's parameter counts imply: 25 SSF sets of ViT-B/16 are 5.15 M, Table 2's
+5.16 M new parameters, and 5.35 M sent with keys and head).
+
+  instance x:  q(x) = frozen CLS feature;  top-C keys by cos(q(x), k)      (Sec. 3.4)
+               δ(x) = (1/C) Σ_c δ^{m_c}                                       (Eq. 9)
+  client k:    FI_k ← FI_k − η ∇ℓ_k,  ℓ = (1 − λ)·CE + λ·(1 − Σ_c cos(q, k^{m_c}))
+               (Eq. 7; λ = 0.1 from the authors' code, REFERENCE.md)
+  server:      FI_g ← Σ_k |D_k|/|D| FI_k                                     (Eq. 8)
+
+The selection is batched: similarities [B, M], one stable sort for the ranks, and the
+chosen SSFs mixed with a [B, M] weight matrix (no per-example loop); the keys learn only
+through the key loss (the choice is not differentiable). Only FI and h are trained and
+sent; the backbone stays bit-identical. Evaluation runs the model with the pool in its
+variables (``ViTClassifier``): every instance is adapted, and ``vit.fold_ssf`` merges an
+instance's δ(x) into θ for plain-ViT inference.
+
+Ablations of Table 2 (registered): ``fedins_ssf`` (federated SSF, Sec. 3.2: one SSF set,
+no keys, CE only) and ``fedins_batch_query`` (the SSF pool without the instance query:
+one top-C choice per batch, from the batch's mean query).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from fedjax_shift.algorithms import base
+from fedjax_shift import models
+from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
+from fedjax_shift.core.local import local_train, masked_mean
+from fedjax_shift.models import vit
+from fedjax_shift.registry import require
+
+PyTree = Any
+QUERIES = ('instance', 'batch')
+DEFAULTS = {
+    'pool_size': 25,          # M (Sec. 4.1)
+    'top_c': 3,               # C (Sec. 4.1)
+    'key_loss_weight': 0.1,   # λ: 0.9·CE + 0.1·(1 − Σ cos) (authors' code)
+    'query': 'instance',      # 'instance' | 'batch' (ablation: no instance query)
+    'init_std': 0.02,         # γ ~ N(1, σ), β ~ N(0, σ) (SSF's initialisation)
+}
+
+
+def check(section: str):
+  def run(hparams: ml_collections.ConfigDict) -> None:
+    require(hparams.pool_size >= 1, f'{section}.pool_size',
+            f'must be >= 1, got {hparams.pool_size}')
+    require(1 <= hparams.top_c <= hparams.pool_size, f'{section}.top_c',
+            f'must be between 1 and pool_size={hparams.pool_size} (C ≤ M), got {hparams.top_c}')
+    require(0.0 <= hparams.key_loss_weight < 1.0, f'{section}.key_loss_weight',
+            f'must be in [0, 1), got {hparams.key_loss_weight}')
+    require(hparams.query in QUERIES, f'{section}.query',
+            f'unknown {hparams.query!r}; choose from {list(QUERIES)}')
+    require(hparams.init_std >= 0.0, f'{section}.init_std',
+            f'must be >= 0, got {hparams.init_std}')
+  return run
+
+
+def init_pool(encoder: vit.ViTEncoder, hparams: ml_collections.ConfigDict,
+              rng: jax.Array) -> dict:
+  """The ``ssf_pool`` collection: γ [M, D] ~ N(1, σ), β [M, D] ~ N(0, σ) at every SSF
+  point, keys [M, width] ~ U(−1, 1) (L2P's key initialisation), C and the query mode."""
+  size, std = hparams.pool_size, hparams.init_std
+  ssf = {}
+  for i, (point, width) in enumerate(vit.ssf_points(encoder).items()):
+    scale_key, shift_key = jax.random.split(jax.random.fold_in(rng, i))
+    ssf[point] = (1.0 + std * jax.random.normal(scale_key, (size, width)),
+                  std * jax.random.normal(shift_key, (size, width)))
+  keys = jax.random.uniform(jax.random.fold_in(rng, len(ssf)), (size, encoder.width),
+                            minval=-1.0, maxval=1.0)
+  return {**vit.ssf_tree(ssf), 'keys': keys, 'top_c': jnp.int32(hparams.top_c),
+          'per_instance': jnp.bool_(hparams.query == 'instance')}
+
+
+def trainable(variables) -> dict:
+  """FI and h: {'head': ..., 'ssf_pool': {'scale', 'shift', 'keys'}}."""
+  pool = variables['ssf_pool']
+  return {'head': variables['params']['head'],
+          'ssf_pool': {name: pool[name] for name in ('scale', 'shift', 'keys')}}
+
+
+def frozen(variables) -> dict:
+  """Everything else: the backbone θ and the pool's C and query mode."""
+  pool = variables['ssf_pool']
+  return {'encoder': variables['params']['encoder'],
+          'selection': {name: pool[name] for name in ('top_c', 'per_instance')}}
+
+
+def merge(train: dict, fixed: dict) -> dict:
+  return {'params': {'encoder': fixed['encoder'], 'head': train['head']},
+          'ssf_pool': {**train['ssf_pool'], **fixed['selection']}}
+
+
+def fedins_loss(module, key_loss_weight: float):
+  """core.local's LossFn over FI and h: (1 − λ)·CE + λ·(1 − Σ_c cos), masked means."""
+
+  def loss_fn(params, model_state, x, y, weight, rng):
+    del rng
+    logits, match = module.apply(merge(params, model_state), x, method='logits_and_match')
+    ce = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), weight)
+    key_loss = masked_mean(1.0 - match, weight)
+    return (1.0 - key_loss_weight) * ce + key_loss_weight * key_loss, model_state
+
+  return loss_fn
+
+
+def build(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  module, server_opt = context.module, context.server_optimizer
+  require(isinstance(module, vit.ViTClassifier), 'model.name',
+          f'FedIns trains SSF sets of a ViT: set config.model.name = "vit" (got '
+          f'{type(module).__name__})')
+  loss_fn = fedins_loss(module, hparams.key_loss_weight)
+
+  def init(rng, example_x):
+    model_key, pool_key = jax.random.split(rng)
+    variables = models.init(module, model_key, example_x)
+    variables = {**variables, 'ssf_pool': init_pool(module.encoder, hparams, pool_key)}
+    return base.ServerState(variables, server_opt.init(trainable(variables)), jnp.int32(0))
+
+  def client_update(server_state, client_state, data, rng):
+    start = trainable(server_state.variables)
+    params, _, _, metrics = local_train(loss_fn, context.client_optimizer, start,
+                                        frozen(server_state.variables), data, rng,
+                                        context.schedule)
+    return ClientOutput(base.tree_sub(params, start), metrics), client_state
+
+  def server_update(state: base.ServerState, outputs: ClientOutput, weights) -> base.ServerState:
+    # Eq. 8 with config.server's optimizer (SGD lr 1: the weighted mean of the FI_k).
+    current = trainable(state.variables)
+    pseudo_grad = jax.tree.map(jnp.negative, base.weighted_sum(outputs.update, weights))
+    updates, opt_state = server_opt.update(pseudo_grad, state.opt_state, current)
+    variables = merge(optax.apply_updates(current, updates), frozen(state.variables))
+    return base.ServerState(variables, opt_state, state.round + 1)
+
+  return FederatedAlgorithm(
+      init=init, init_client_state=lambda server_state: (), client_update=client_update,
+      server_update=server_update, personalize=None,
+      global_model=lambda server_state: server_state.variables)
+
+
+def _register(name: str, **overrides) -> None:
+  base.ALGORITHMS.register(name, defaults={**DEFAULTS, **overrides}, check=check(name),
+                           models=('vit',))(build)
+
+
+_register('fedins')
+_register('fedins_ssf', pool_size=1, top_c=1, key_loss_weight=0.0)   # Table 2: SSF
+_register('fedins_batch_query', query='batch')                        # pool, no instance query

@@ -1,0 +1,270 @@
+"""A pretrained backbone for the methods that fine-tune one (FedIns: a frozen ViT,
+fedins.txt Sec. 3.2 and 4.1), from ``config.backbone``:
+
+  weights = ''          no pretraining: every method starts from a random model
+  weights = 'pretrain'  trained here, centrally, on ``backbone.domains`` (digit domains,
+                        data/digit_domains.py; ``examples`` each, drawn with
+                        ``backbone.seed``, 10 % held out to report source accuracy) with
+                        Adam, and saved with orbax in ``<workdir>/backbone/`` (reused by
+                        a later run of the same config; another config's is refused)
+  weights = <path>      a user's weights: a ``.npz`` in the ViT-B/16 layout
+                        (models/vit.py ``load_npz``) or a directory this module saved
+
+No weights can be downloaded here, so 'pretrain' stands in for ImageNet-21K: the
+default pretrains on generated SynthDigits-style renders (fonts), and the clients of
+benchmarks/mixed_domains.py hold real and textured digits besides (their synth
+examples are other renders). Every method of a federated run starts from the same
+encoder (``with_backbone``); its head is new, as a pretrained ViT's classifier is
+replaced for a downstream task. The pipeline ``pretrain`` only pretrains.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Dict, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import traverse_util
+
+from fedjax_shift import models
+from fedjax_shift.data import digit_domains
+from fedjax_shift.models import vit
+from fedjax_shift.pipelines.base import PIPELINES, Results, check_sections, hardware
+from fedjax_shift.registry import check_fields, require
+
+log = logging.getLogger('fedjax_shift')
+HELD_OUT = 0.1
+SECTIONS = {'backbone': {
+    'weights': '',              # '' | 'pretrain' | a .npz or a directory saved here
+    'domains': ('synth',),      # digit domains pretrained on (data/digit_domains.py)
+    'examples': 30000,          # per domain
+    'epochs': 10,
+    'batch_size': 64,
+    'learning_rate': 3e-3,      # Adam's peak (warm-up 1 epoch, cosine decay)
+    'seed': 0,
+}}
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+  """``config.backbone`` (every pipeline that starts methods from it)."""
+  check_fields(config.backbone, SECTIONS['backbone'], 'config.backbone')
+  b = config.backbone
+  if b.weights == 'pretrain':
+    require(len(tuple(b.domains)) >= 1, 'backbone.domains', 'need at least one domain')
+    for name in b.domains:
+      require(name in digit_domains.DOMAINS or name.startswith('folder:'), 'backbone.domains',
+              f'unknown digit domain {name!r}; choose from {list(digit_domains.DOMAINS)}')
+    require(b.examples >= 20, 'backbone.examples', f'must be >= 20, got {b.examples}')
+    require(b.epochs >= 1, 'backbone.epochs', f'must be >= 1, got {b.epochs}')
+    require(b.batch_size >= 1, 'backbone.batch_size', f'must be >= 1, got {b.batch_size}')
+    require(b.learning_rate > 0, 'backbone.learning_rate',
+            f'must be > 0, got {b.learning_rate}')
+  elif b.weights:
+    require(os.path.exists(b.weights), 'backbone.weights',
+            f"{b.weights!r} does not exist (use '', 'pretrain', a .npz file or a directory "
+            f"saved by the pretrain pipeline)")
+
+
+def fingerprint(config: ml_collections.ConfigDict) -> dict:
+  """What determines pretrained weights: the model and the backbone section."""
+  return {'model': config.model.to_dict(), 'backbone': config.backbone.to_dict()}
+
+
+def source_data(config: ml_collections.ConfigDict):
+  """(train, held-out) pairs of (x [N, 28, 28, 3], y [N]) from ``backbone.domains``."""
+  b = config.backbone
+  rng = np.random.default_rng([b.seed, 91])
+  parts = [digit_domains.domain(name, b.examples, rng, config.data.data_dir or None)
+           for name in b.domains]
+  x = np.concatenate([p.x for p in parts])
+  y = np.concatenate([p.y for p in parts])
+  order = rng.permutation(len(y))
+  cut = int(round(len(y) * (1 - HELD_OUT)))
+  return (x[order[:cut]], y[order[:cut]]), (x[order[cut:]], y[order[cut:]])
+
+
+def train_backbone(config: ml_collections.ConfigDict) -> tuple:
+  """Central training of ``config.model`` on the source domains; returns (params,
+  {'source_accuracy', 'train_examples', 'epochs'})."""
+  b = config.backbone
+  (train_x, train_y), (held_x, held_y) = source_data(config)
+  module = models.create(config.model, 10)
+  key = jax.random.key(b.seed)
+  params = models.init(module, key, jnp.asarray(train_x[:1]))['params']
+  batch = min(b.batch_size, len(train_y))
+  steps = len(train_y) // batch
+  # Adam with a linear warm-up over the first epoch (none for a one-epoch run) and
+  # cosine decay: ViTs' usual recipe.
+  schedule = optax.warmup_cosine_decay_schedule(0.0, b.learning_rate,
+                                                steps if b.epochs > 1 else 0, steps * b.epochs)
+  optimizer = optax.adam(schedule)
+  opt_state = optimizer.init(params)
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    def loss_fn(p):
+      logits = module.apply({'params': p}, x, train=True)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  @jax.jit
+  def correct(params, x, y):
+    return jnp.sum(jnp.argmax(module.apply({'params': params}, x), -1) == y)
+
+  for epoch in range(b.epochs):
+    order = np.random.default_rng([b.seed, 92, epoch]).permutation(len(train_y))
+    losses = []
+    for s in range(steps):
+      index = order[s * batch:(s + 1) * batch]
+      params, opt_state, loss = step(params, opt_state, jnp.asarray(train_x[index]),
+                                     jnp.asarray(train_y[index]))
+      losses.append(loss)
+    log.info('backbone pretraining: epoch %d/%d, loss %.4f', epoch + 1, b.epochs,
+             float(jnp.mean(jnp.stack(losses))))
+  hits = sum(int(correct(params, jnp.asarray(held_x[i:i + 256]), jnp.asarray(held_y[i:i + 256])))
+             for i in range(0, len(held_y), 256))
+  return params, {'source_accuracy': 100.0 * hits / max(len(held_y), 1),
+                  'train_examples': int(len(train_y)), 'epochs': int(b.epochs)}
+
+
+def save(directory: str, params, record: dict) -> None:
+  """``params`` as a flat {'a/b/c': array} orbax checkpoint in ``directory/params`` and
+  ``record`` (fingerprint, source accuracy) in ``directory/backbone.json``."""
+  os.makedirs(directory, exist_ok=True)
+  flat = {'/'.join(path): np.asarray(leaf)
+          for path, leaf in traverse_util.flatten_dict(params).items()}
+  checkpointer = ocp.PyTreeCheckpointer()
+  checkpointer.save(os.path.join(os.path.abspath(directory), 'params'), flat, force=True)
+  with open(os.path.join(directory, 'backbone.json'), 'w') as f:
+    json.dump(record, f, indent=1, sort_keys=True)
+
+
+def load_encoder(path: str, module, example_x: jax.Array) -> dict:
+  """The encoder parameters of ``module`` from ``path`` (a .npz in the ViT-B/16 layout or
+  a directory ``save`` wrote), checked against the shapes ``module`` has for
+  ``example_x``: a missing or wrong-shaped parameter is an error naming it."""
+  if path.endswith('.npz'):
+    require(isinstance(module, vit.ViTClassifier), 'backbone.weights',
+            f'{path}: a .npz in the ViT-B/16 layout needs config.model.name = "vit"')
+    return vit.load_npz(path, module.encoder, example_x)
+  expected = traverse_util.flatten_dict(
+      jax.eval_shape(lambda: models.init(module, jax.random.key(0), example_x))['params'])
+  stored = ocp.PyTreeCheckpointer().restore(os.path.join(os.path.abspath(path), 'params'))
+  out = {}
+  for key, spec in expected.items():
+    if key[0] != 'encoder':
+      continue
+    name = '/'.join(key)
+    if name not in stored:
+      raise ValueError(f'config.backbone.weights: {path} has no parameter {name!r} '
+                       f'(config.model: {config_summary(module)})')
+    value = np.asarray(stored[name])
+    if value.shape != spec.shape:
+      raise ValueError(f'config.backbone.weights: {path}: parameter {name!r} has shape '
+                       f'{value.shape}, config.model ({config_summary(module)}) needs '
+                       f'{spec.shape}')
+    out[key[1:]] = jnp.asarray(value, spec.dtype)
+  return traverse_util.unflatten_dict(out)
+
+
+def config_summary(module) -> str:
+  encoder = getattr(module, 'encoder', None)
+  if isinstance(encoder, vit.ViTEncoder):
+    return (f'vit patch {encoder.patch_size}, width {encoder.width}, depth {encoder.depth}, '
+            f'heads {encoder.heads}, mlp {encoder.mlp_dim}')
+  return type(module).__name__
+
+
+def backbone_directory(workdir: str) -> str:
+  return os.path.join(workdir, 'backbone')
+
+
+def pretrained(config: ml_collections.ConfigDict, workdir: str) -> Optional[dict]:
+  """The record of ``<workdir>/backbone`` after pretraining it there if it is not yet
+  (None unless ``backbone.weights == 'pretrain'``). A backbone of another config is
+  an error, never reused."""
+  if config.backbone.weights != 'pretrain':
+    return None
+  directory = backbone_directory(workdir)
+  record_path = os.path.join(directory, 'backbone.json')
+  if os.path.exists(record_path):
+    with open(record_path) as f:
+      record = json.load(f)
+    if record['fingerprint'] != json.loads(json.dumps(fingerprint(config))):
+      raise ValueError(f'{directory} holds a backbone pretrained with another config.model / '
+                       f'config.backbone ({record["fingerprint"]}); use a new --workdir')
+    log.info('backbone: reusing %s (source accuracy %.2f %%)', directory,
+             record['source_accuracy'])
+    return record
+  params, stats = train_backbone(config)
+  record = {'fingerprint': fingerprint(config), **stats}
+  save(directory, params, record)
+  log.info('backbone: pretrained on %s, source accuracy %.2f %%, saved to %s',
+           tuple(config.backbone.domains), stats['source_accuracy'], directory)
+  return record
+
+
+def backbone_encoder(config: ml_collections.ConfigDict, workdir: str, module,
+                     example_x: jax.Array) -> Optional[dict]:
+  """The encoder parameters every method of a run starts from (None: random init)."""
+  weights = config.backbone.weights
+  if not weights:
+    return None
+  if weights == 'pretrain':
+    pretrained(config, workdir)
+    weights = backbone_directory(workdir)
+  return load_encoder(weights, module, example_x)
+
+
+def with_backbone(state, encoder: dict, method: str):
+  """``state`` (a method's initial server state) with ``state.variables['params']
+  ['encoder']`` replaced by ``encoder`` (shapes checked)."""
+  variables = getattr(state, 'variables', None)
+  if not isinstance(variables, dict) or 'encoder' not in variables.get('params', {}):
+    raise ValueError(f'config.backbone.weights: method {method!r} keeps no model '
+                     f'variables with an encoder in its server state; it cannot start '
+                     f'from a pretrained backbone')
+  current = variables['params']['encoder']
+  if jax.tree.structure(current) != jax.tree.structure(encoder) or any(
+      a.shape != b.shape for a, b in zip(jax.tree.leaves(current), jax.tree.leaves(encoder))):
+    raise ValueError(f'config.backbone.weights: the pretrained encoder does not match '
+                     f'method {method!r}\'s model')
+  return state._replace(variables={**variables, 'params': {**variables['params'],
+                                                             'encoder': encoder}})
+
+
+def run_dirs(config: ml_collections.ConfigDict, workdir: str):
+  return []
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  check_sections(config)
+  require(config.backbone.weights == 'pretrain', 'backbone.weights',
+          f"the pretrain pipeline trains a backbone: set it to 'pretrain', got "
+          f"{config.backbone.weights!r}")
+  check(config)
+
+
+@PIPELINES.register('pretrain', defaults=SECTIONS, check=validate, run_dirs=run_dirs)
+def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
+  """Pretrains (or finds) ``<workdir>/backbone``; a federated run with
+  ``backbone.weights=<workdir>/backbone`` then starts from it."""
+  record = pretrained(config, workdir)
+  info = hardware()
+  table = ('| Backbone | Source domains | Train examples | Epochs | Source accuracy (%) |\n'
+           '|---|---|---|---|---|\n'
+           f"| {config_summary(models.create(config.model, 10))} | "
+           f"{', '.join(config.backbone.domains)} | {record['train_examples']} | "
+           f"{record['epochs']} | {record['source_accuracy']:.2f} |")
+  preamble = (f'Backbone pretrained in {backbone_directory(workdir)}; hardware: '
+              f"{info['device_kind']} ({info['backend']}).")
+  return Results(preamble, (table,), (os.path.join(backbone_directory(workdir),
+                                                   'backbone.json'),), {'backbone': record})

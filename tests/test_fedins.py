@@ -1,0 +1,317 @@
+"""FedIns (algorithms/fedins.py), its ViT classifier, the pretrained backbone
+(pipelines/pretrain.py) and the intra-client heterogeneity benchmark."""
+import json
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from fedjax_shift import algorithms, models, pipelines
+from fedjax_shift.algorithms import fedins
+from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.core.algorithm import ClientData
+from fedjax_shift.core.local import local_train, masked_mean
+from fedjax_shift.core.round import NO_STEP_LIMIT, RoundConfig, build_round, stack_client_states
+from fedjax_shift.models import vit
+from fedjax_shift.pipelines import pretrain
+from fedjax_shift.pipelines.federated import uploaded_parameters
+from configs import fedins as fedins_config
+from tests.helpers import data_config, override, tiny_config, toy_clients
+
+NUM_CLASSES = 3
+
+
+def small_vit_config(**fields):
+  config = tiny_config(**{'client.batch_size': 3, **fields})
+  config.model = ml_collections.ConfigDict({'name': 'vit', 'patch_size': 2, 'width': 16,
+                                            'depth': 1, 'heads': 4, 'mlp_dim': 24})
+  return config
+
+
+def make(name, config, data):
+  module = models.create(config.model, NUM_CLASSES)
+  algorithm = algorithms.build(name, config, module, data.max_examples,
+                               num_clients=data.num_clients, example_shape=data.x.shape[2:])
+  server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
+  return module, algorithm, server, stack_client_states(algorithm, server, data.num_clients)
+
+
+def test_top_c_weights_pick_the_c_most_similar_keys():
+  # Row 0 ranks keys 2 > 0 > 1 > 3, row 1 ranks 3 > 1 > 2 > 0: C = 2 keeps {2, 0}, {3, 1}.
+  similarity = jnp.array([[0.5, 0.1, 0.9, -0.2], [-0.3, 0.4, 0.2, 0.8]])
+  np.testing.assert_allclose(vit.top_c_weights(similarity, jnp.int32(2)),
+                             [[0.5, 0, 0.5, 0], [0, 0.5, 0, 0.5]])
+  # Ties go to the lower index; C = M averages the whole pool.
+  np.testing.assert_allclose(vit.top_c_weights(jnp.zeros((1, 3)), jnp.int32(1)), [[1, 0, 0]])
+  np.testing.assert_allclose(vit.top_c_weights(similarity, jnp.int32(4)), np.full((2, 4), 0.25))
+
+
+def test_instance_adaptive_forward_equals_each_instance_with_its_folded_ssf():
+  # Sec. 3.4: query = frozen CLS feature, top-C keys by cosine, δ(x) = mean of their SSFs
+  # (Eq. 9), merged into θ (re-parameterisation). Written out per instance in numpy.
+  config = small_vit_config()
+  config.fedins.pool_size, config.fedins.top_c = 5, 2
+  config.fedins.init_std = 0.3                     # pool members far apart
+  data, _, _ = toy_clients([6], shape=(4, 4, 3), num_classes=NUM_CLASSES)
+  module, _, server, _ = make('fedins', config, data)
+  variables = server.variables
+  x = jnp.asarray(data.x[0])
+  logits = models.apply(module, variables, x)[0]
+  params, pool = variables['params'], variables['ssf_pool']
+  queries = np.asarray(module.encoder.apply({'params': params['encoder']}, x))
+  keys = np.asarray(pool['keys'])
+  cosine = (queries / np.linalg.norm(queries, axis=1, keepdims=True)) @ (
+      keys / np.linalg.norm(keys, axis=1, keepdims=True)).T
+  members = vit.tree_ssf(pool)
+  chosen_sets = set()
+  for b in range(x.shape[0]):
+    chosen = np.argsort(-cosine[b], kind='stable')[:2]
+    chosen_sets.add(tuple(sorted(chosen)))
+    ssf = {p: (scale[chosen].mean(0), shift[chosen].mean(0)) for p, (scale, shift) in members.items()}
+    folded = {'params': {'encoder': vit.fold_ssf(params['encoder'], ssf), 'head': params['head']}}
+    np.testing.assert_allclose(logits[b], models.apply(module, folded, x[b:b + 1])[0][0],
+                               rtol=2e-4, atol=2e-4)
+  assert len(chosen_sets) > 1   # the instances did not all pick the same SSFs
+
+
+def test_batch_query_picks_one_set_for_the_whole_batch():
+  config = small_vit_config()
+  config.fedins_batch_query.pool_size, config.fedins_batch_query.top_c = 5, 2
+  config.fedins_batch_query.init_std = 0.3
+  data, _, _ = toy_clients([6], shape=(4, 4, 3), num_classes=NUM_CLASSES)
+  module, _, server, _ = make('fedins_batch_query', config, data)
+  pool = server.variables['ssf_pool']
+  assert not bool(pool['per_instance'])
+  x = jnp.asarray(data.x[0])
+  queries = module.encoder.apply({'params': server.variables['params']['encoder']}, x)
+  ssf, _ = vit.select_ssf(pool, queries)
+  scale = np.asarray(ssf['embedding'][0])
+  np.testing.assert_allclose(scale, np.broadcast_to(scale[:1], scale.shape))
+
+
+@pytest.mark.parametrize('key_loss_weight', [0.0, 0.1])
+def test_pool_of_one_with_c_one_equals_single_ssf_fine_tuning(key_loss_weight):
+  # M = 1, C = 1: every instance takes the one SSF set, so FedIns' client update is
+  # federated SSF's (Sec. 3.2) on (1 − λ)·CE; the key loss only moves the key. The
+  # reference fine-tunes one SSF set held in the model's 'ssf' collection on the same
+  # batches (same local_train key).
+  config = small_vit_config()
+  config.fedins.pool_size, config.fedins.top_c = 1, 1
+  config.fedins.key_loss_weight = key_loss_weight
+  data, _, _ = toy_clients([7, 5], shape=(4, 4, 3), num_classes=NUM_CLASSES)
+  module, algorithm, server, _ = make('fedins', config, data)
+  pool = server.variables['ssf_pool']
+  single = {name: jax.tree.map(lambda a: a[0], pool[name]) for name in ('scale', 'shift')}
+  encoder = server.variables['params']['encoder']
+  context = algorithms.base.build_context(config, module, data.max_examples)
+
+  def loss_fn(params, state, x, y, weight, rng):
+    logits = module.apply({'params': {'encoder': encoder, 'head': params['head']},
+                           'ssf': params['ssf']}, x)
+    ce = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), weight)
+    return (1.0 - key_loss_weight) * ce, state
+
+  start = {'head': server.variables['params']['head'], 'ssf': single}
+  for client in (0, 1):
+    one = ClientData(jnp.asarray(data.x[client]), jnp.asarray(data.y[client]),
+                     jnp.asarray(data.mask[client]), jnp.asarray(data.num_examples[client]),
+                     jnp.int32(NO_STEP_LIMIT))
+    rng = jax.random.key(11 + client)
+    delta = algorithm.client_update(server, (), one, rng)[0].update
+    params = local_train(loss_fn, context.client_optimizer, start, {}, one, rng,
+                         context.schedule)[0]
+    chex.assert_trees_all_close(delta['head'], jax.tree.map(jnp.subtract, params['head'],
+                                                            start['head']), rtol=1e-4, atol=1e-6)
+    for name in ('scale', 'shift'):
+      chex.assert_trees_all_close(
+          jax.tree.map(lambda a: a[0], delta['ssf_pool'][name]),
+          jax.tree.map(jnp.subtract, params['ssf'][name], single[name]), rtol=1e-4, atol=1e-6)
+    key_moved = float(jnp.abs(delta['ssf_pool']['keys']).max())
+    assert (key_moved > 0) == (key_loss_weight > 0)
+
+
+def test_round_trains_only_pool_keys_and_head_and_leaves_the_backbone_bit_identical():
+  config = small_vit_config()
+  config.fedins.pool_size = 4
+  data, _, _ = toy_clients([7, 5, 6], shape=(4, 4, 3), num_classes=NUM_CLASSES)
+  _, algorithm, server, clients = make('fedins', config, data)
+  round_fn = build_round(algorithm, RoundConfig(cohort_size=2))[0]
+  state = server
+  for r in range(3):
+    out = round_fn(state, clients, data, jax.random.key(r))
+    state, clients = out.server_state, out.client_states
+  before, after = server.variables, state.variables
+  for a, b in zip(jax.tree.leaves(before['params']['encoder']),
+                  jax.tree.leaves(after['params']['encoder'])):
+    np.testing.assert_array_equal(a, b)
+  assert not np.allclose(before['params']['head']['kernel'], after['params']['head']['kernel'])
+  assert not np.allclose(before['ssf_pool']['keys'], after['ssf_pool']['keys'])
+  assert int(after['ssf_pool']['top_c']) == config.fedins.top_c
+  # Uploads: pool (γ, β at every point), keys and head; nothing of the backbone.
+  module = models.create(config.model, NUM_CLASSES)
+  per_set = 2 * sum(vit.ssf_points(module.encoder).values())
+  head = 16 * NUM_CLASSES + NUM_CLASSES
+  assert uploaded_parameters(algorithm, server, clients, data) == 4 * (per_set + 16) + head
+
+
+def test_vit_b16_communication_matches_the_paper():
+  # ViT-B/16 (patch 16, width 768, depth 12, MLP 3072) at 224×224: one SSF set is
+  # 2·(768 + 12·(7·768 + 3072) + 768) = 205,824 numbers, 25 sets 5,145,600 (Table 2:
+  # 5.16 M new parameters); with 25 keys of 768 and a 100-class head FedIns sends
+  # 5,241,700 (Table 1: 5.35 M), FedAvg the whole 85.9 M model (Table 1: 85.80 M).
+  config = tiny_config()
+  config.model = fedins_config.get_config('vit_b16').model
+  data, _, _ = toy_clients([1], shape=(224, 224, 3), num_classes=100)
+  module = models.create(config.model, 100)
+  sent = {}
+  for name in ('fedins', 'fedavg'):
+    algorithm = algorithms.build(name, config, module, 1, num_clients=1,
+                                 example_shape=(224, 224, 3))
+    server = jax.eval_shape(algorithm.init, jax.random.key(0), jnp.zeros((1, 224, 224, 3)))
+    clients = jax.eval_shape(lambda s: stack_client_states(algorithm, s, 1), server)
+    sent[name] = uploaded_parameters(algorithm, server, clients, data)
+  assert sent['fedins'] == 25 * 205_824 + 25 * 768 + 768 * 100 + 100
+  assert sent['fedavg'] == 85_798_656 + 768 * 100 + 100   # ViT-B/16 without its head
+  assert sent['fedins'] / sent['fedavg'] < 0.062
+
+
+@pytest.mark.parametrize('fields, pattern', [
+    ({'fedins.top_c': 4, 'fedins.pool_size': 3}, r'config.fedins.top_c: .*C ≤ M'),
+    ({'fedins.pool_size': 0}, r'config.fedins.pool_size: must be >= 1'),
+    ({'fedins.query': 'client'}, r"config.fedins.query: unknown 'client'"),
+    ({'fedins.key_loss_weight': 1.0}, r'config.fedins.key_loss_weight: must be in \[0, 1\)'),
+])
+def test_bad_hyperparameters_name_the_field(fields, pattern):
+  config = override(small_vit_config(), **fields)
+  data, _, _ = toy_clients([4], shape=(4, 4, 3), num_classes=NUM_CLASSES)
+  with pytest.raises(ValueError, match=pattern):
+    make('fedins', config, data)
+
+
+def test_fedins_needs_a_vit():
+  config = tiny_config(**{'algorithms': ('fedins',)})
+  with pytest.raises(ValueError, match=r"config.model.name: fedins needs a model of \['vit'\]"):
+    pipelines.validate(config)
+  data, _, _ = toy_clients([4], num_classes=NUM_CLASSES)
+  with pytest.raises(ValueError, match='config.model.name: FedIns trains SSF sets of a ViT'):
+    make('fedins', config, data)
+
+
+def test_fedbn_with_local_norms_keeps_layer_norms_on_the_client():
+  config = small_vit_config(**{'fedbn.local_norms': 'all'})
+  data, _, _ = toy_clients([5, 4], shape=(4, 4, 3), num_classes=NUM_CLASSES)
+  module, algorithm, server, clients = make('fedbn', config, data)
+  norms = sum(leaf.size for path, leaf in
+              jax.tree_util.tree_flatten_with_path(server.variables)[0]
+              if 'LayerNorm' in jax.tree_util.keystr(path) or 'encoder_norm' in
+              jax.tree_util.keystr(path))
+  total = models.num_parameters(server.variables)
+  assert norms > 0
+  assert uploaded_parameters(algorithm, server, clients, data) == total - norms
+  with pytest.raises(ValueError, match='config.fedbn.local_norms: unknown'):
+    make('fedbn', override(config, **{'fedbn.local_norms': 'layer'}), data)
+
+
+def test_mixed_domains_clients_hold_disjoint_mixtures():
+  config = data_config(benchmark='mixed_domains', domain_examples=80, client_sizes=(20, 30, 25),
+                       test_examples=10, domain_alpha=0.5)
+  bench = BENCHMARKS.get('mixed_domains')(config, 0)
+  train, test = bench.splits['train'], bench.splits['test']
+  np.testing.assert_array_equal(train.num_examples, [20, 30, 25])
+  np.testing.assert_array_equal(test.num_examples, [10, 10, 10])
+  # The per-domain test splits partition each client's test set.
+  per_domain = sum(bench.splits[f'test_{d}'].num_examples for d in config.domains)
+  np.testing.assert_array_equal(per_domain, test.num_examples)
+  assert np.sum(bench.info['client_domain_counts'], axis=1).tolist() == [20, 30, 25]
+  # No image is in two clients or two splits.
+  seen = []
+  for split in (train, test):
+    for k in range(3):
+      seen += [x.tobytes() for x in split.x[k][:split.num_examples[k]]]
+  assert len(set(seen)) == len(seen)
+  assert any(len([c for c in counts if c > 0]) > 1 for counts in
+             bench.info['client_domain_counts'])   # intra-client heterogeneity
+  with pytest.raises(ValueError, match='config.data.domain_examples'):
+    BENCHMARKS.get('mixed_domains')(data_config(benchmark='mixed_domains', domain_examples=10,
+                                                client_sizes=(60,)), 0)
+
+
+def tiny_pretrain_config():
+  config = fedins_config.get_config('tiny')
+  config.algorithms = ('fedavg', 'fedins')
+  return config
+
+
+def test_loader_round_trips_a_saved_backbone_and_names_a_wrong_shape(tmp_path):
+  config = tiny_pretrain_config()
+  module = models.create(config.model, 10)
+  example = jnp.zeros((1, 28, 28, 3))
+  params = models.init(module, jax.random.key(4), example)['params']
+  pretrain.save(str(tmp_path / 'bb'), params, {'fingerprint': {}})
+  loaded = pretrain.load_encoder(str(tmp_path / 'bb'), module, example)
+  for a, b in zip(jax.tree.leaves(params['encoder']), jax.tree.leaves(loaded)):
+    np.testing.assert_array_equal(a, b)
+    assert a.dtype == b.dtype
+  wider = models.create(override(config, **{'model.width': 32, 'model.mlp_dim': 24}).model, 10)
+  with pytest.raises(ValueError, match=r"parameter 'encoder/cls' has shape \(1, 1, 16\), "
+                                       r"config.model \(vit patch 7, width 32"):
+    pretrain.load_encoder(str(tmp_path / 'bb'), wider, example)
+  deeper = models.create(override(config, **{'model.width': 16, 'model.depth': 2}).model, 10)
+  with pytest.raises(ValueError, match=r"no parameter 'encoder/encoderblock_1/LayerNorm_0/bias'"):
+    pretrain.load_encoder(str(tmp_path / 'bb'), deeper, example)
+  # A .npz in the ViT-B/16 layout loads into the same encoder.
+  vit.save_npz(str(tmp_path / 'bb.npz'), params['encoder'])
+  from_npz = pretrain.load_encoder(str(tmp_path / 'bb.npz'), module, example)
+  chex.assert_trees_all_equal(from_npz, loaded)
+
+
+def test_pipeline_pretrains_once_starts_every_method_from_it_and_prints_table_1(tmp_path):
+  config = tiny_pretrain_config()
+  workdir = str(tmp_path / 'run')
+  out = pipelines.run(config, workdir)
+  record = json.load(open(os.path.join(workdir, 'backbone', 'backbone.json')))
+  assert 0.0 <= record['source_accuracy'] <= 100.0
+  module = models.create(config.model, 10)
+  encoder = pretrain.load_encoder(os.path.join(workdir, 'backbone'), module,
+                                  jnp.zeros((1, 28, 28, 3)))
+  results = {r['algorithm']: r for r in out.records['results']}
+  # FedIns never moves the backbone: its final encoder is the pretrained one, bit for bit.
+  for a, b in zip(jax.tree.leaves(encoder),
+                  jax.tree.leaves(results['fedins']['server_state'].variables['params']['encoder'])):
+    np.testing.assert_array_equal(a, b)
+  # FedAvg fine-tunes it all, from the same start.
+  assert not all(np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(encoder),
+      jax.tree.leaves(results['fedavg']['server_state'].variables['params']['encoder'])))
+  assert results['fedins']['uploaded_parameters'] < results['fedavg']['uploaded_parameters'] * 2
+  table = out.records['paper_tables']
+  assert '# Com.cost' in table and '| FedIns |' in table and '| FedAvg (w.Full) |' in table
+  for domain in config.data.domains:
+    assert f'| {domain} ' in table.splitlines()[2] or domain in table
+  # A second run reuses the backbone; another backbone config is refused, by the runs'
+  # fingerprints and by the backbone's own record (the pretrain pipeline).
+  again = pipelines.run(config, workdir)
+  assert again.records['paper_tables'] == table
+  changed = override(tiny_pretrain_config(), **{'backbone.epochs': 2})
+  with pytest.raises(ValueError, match=r'backbone.epochs: 1 → 2'):
+    pipelines.run(changed, workdir)
+  with pytest.raises(ValueError, match='pretrained with another config'):
+    pipelines.run(override(changed, pipeline='pretrain'), workdir)
+  assert 'Source accuracy' in pipelines.run(override(config, pipeline='pretrain'),
+                                            workdir).tables[0]
+
+
+def test_backbone_errors_name_the_field(tmp_path):
+  config = override(tiny_pretrain_config(), **{'backbone.weights': str(tmp_path / 'none')})
+  with pytest.raises(ValueError, match=r"config.backbone.weights: .* does not exist"):
+    pipelines.validate(config)
+  config = override(tiny_pretrain_config(), **{'backbone.examples': 5})
+  with pytest.raises(ValueError, match='config.backbone.examples: must be >= 20'):
+    pipelines.validate(config)
+  with pytest.raises(ValueError, match='keeps no model variables with an encoder'):
+    pretrain.with_backbone(algorithms.base.ServerState({'params': {}}, (), 0), {}, 'toy')
