@@ -4,8 +4,8 @@
     python launch/train.py --config=configs/fedins.py:quick --workdir=/tmp/fedins_quick
 
 Rows (report.FEDINS_ROWS): SOLO (= local), FedAvg full fine-tuning, FedProx (μ = 0.001),
-SCAFFOLD, FedBN (LayerNorms local), Federated SSF (Table 2's "SSF": one SSF set),
-FedIns. Columns: '# Com.cost' (parameters a client uploads per round, read off the
+SCAFFOLD, FedBN (LayerNorms local), MOON (μ = 1), FedDC (α = 0.01), Federated SSF
+(Table 2's "SSF": one SSF set), FedIns. Columns: '# Com.cost' (parameters a client uploads per round, read off the
 update pytrees) and accuracy on each client's test set, pooled and per domain.
 
 Protocol: benchmarks/mixed_domains.py — 5 clients with FedIns' CIFAR-100 client sizes
@@ -25,6 +25,9 @@ ratio of the paper (5.35 M of 85.80 M) holds for ViT-B/16 (variant vit_b16; the
 parameter count is a test), not for this ViT.
 
 Variants: quick (one seed, 10 rounds), paper (300 rounds, 10 local epochs), vit_b16,
+domainnet (six DomainNet domains from TFDS, 26 images per client, nearly one domain each:
+Dir(0.1); needs the prepared dataset in --config.data.data_dir), cifar100 (label shift:
+TFDS CIFAR-100 dealt to the five clients of 123–278 images, Dir(0.5) over classes),
 ablation (Table 2's rows we have: SSF; SSF pool without the instance query; SSF pool),
 pool_<M> (pool size M), top_<C> (C chosen SSFs), alpha_<a> (domain Dirichlet α), tiny.
 """
@@ -41,7 +44,8 @@ def vit_model() -> ml_collections.ConfigDict:
 
 def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c = base_config()
-  c.algorithms = ('local', 'fedavg', 'fedprox', 'scaffold', 'fedbn', 'fedins_ssf', 'fedins')
+  c.algorithms = ('local', 'fedavg', 'fedprox', 'scaffold', 'fedbn', 'moon', 'feddc',
+                  'fedins_ssf', 'fedins')
   c.data.benchmark = 'mixed_domains'
   c.model = vit_model()
   c.backbone.weights = 'pretrain'
@@ -54,9 +58,12 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.client.local_epochs = 2
   c.fedprox.mu = 0.001                # Sec. 4.2: FedProx μ = 0.001
   c.fedbn.local_norms = 'all'         # no BatchNorm in a ViT: its LayerNorms stay local
+  c.moon.mu = 1.0                     # Sec. 4.2: MOON μ = 1
+  c.feddc.alpha = 0.01                # Sec. 4.2: FedDC α = 0.01
   c.paper_tables = 'fedins'
   return apply_variant(c, arg, VARIANTS,
-                       'quick, paper, vit_b16, ablation, pool_<M>, top_<C>, alpha_<a>, tiny')
+                       'quick, paper, vit_b16, domainnet, cifar100, ablation, pool_<M>, '
+                       'top_<C>, alpha_<a>, tiny')
 
 
 def _quick(c: ml_collections.ConfigDict, match=None) -> None:
@@ -75,6 +82,26 @@ def _vit_b16(c: ml_collections.ConfigDict, match=None) -> None:
   benchmark resized to 224 (no such data is offline here)."""
   c.model = ml_collections.ConfigDict({'name': 'vit', 'patch_size': 16, 'width': 768,
                                        'depth': 12, 'heads': 12, 'mlp_dim': 3072})
+
+
+def _domainnet(c: ml_collections.ConfigDict, match=None) -> None:
+  """Feature shift (Table 1, DomainNet): six clients of 26 images, each mostly one domain."""
+  c.data.domains = tuple(f'tfds:domainnet/{d}' for d in ('clipart', 'infograph', 'painting',
+                                                         'quickdraw', 'real', 'sketch'))
+  c.data.domain_alpha = 0.1
+  c.data.client_sizes = (26,) * 6
+  c.data.domain_examples = 500
+  c.data.image_size = 32
+  c.cohort_size = 6
+  c.model.patch_size = 4
+
+
+def _cifar100(c: ml_collections.ConfigDict, match=None) -> None:
+  """Label shift (Table 1, CIFAR-100): five clients of 123–278 images."""
+  c.data.benchmark = 'small_clients'
+  c.data.source = 'tfds:cifar100'
+  c.data.dirichlet_alpha = 0.5
+  c.model.patch_size = 4
 
 
 def _ablation(c: ml_collections.ConfigDict, match=None) -> None:
@@ -120,6 +147,7 @@ def _tiny(c: ml_collections.ConfigDict, match=None) -> None:
 
 
 VARIANTS = (('quick', _quick), ('paper', _paper), ('vit_b16', _vit_b16),
+            ('domainnet', _domainnet), ('cifar100', _cifar100),
             ('ablation', _ablation), (r'pool_(?P<size>\d+)', _pool),
             (r'top_(?P<count>\d+)', _top), (r'alpha_(?P<alpha>[\d.]+)', _alpha),
             ('tiny', _tiny))

@@ -484,7 +484,9 @@ def fedins_table(results: List[Dict], domains: Sequence[str] = ()) -> str:
 
 def fedins_tables(config, results: List[Dict]) -> str:
   """What launch/train.py prints for a configs/fedins.py run."""
-  domains = tuple(config.data.domains) if config.data.benchmark == 'mixed_domains' else ()
+  from fedjax_shift.benchmarks.mixed_domains import domain_label
+  domains = (tuple(domain_label(d) for d in config.data.domains)
+             if config.data.benchmark == 'mixed_domains' else ())
   return ('FedIns Table 1 layout: accuracy (%) on the clients\' test sets (pooled; then per '
           'domain), mean ± std over seeds, last round; # Com.cost = parameters a client '
           'uploads per round\n\n' + fedins_table(results, domains))

@@ -153,10 +153,16 @@ def test_qffl_q_zero_equals_uniform_fedavg_and_q_one_matches_formula():
 def test_padding_does_not_change_update(name):
   # BatchNorm where the method supports it (FedSR's probabilistic head, FedTTA's step
   # through the model on unlabelled data and ODPFL-HN's generated weights do not).
+  # The methods that need a ViT (FedIns) get a one-block ViT on 4×4×3 inputs.
   model = 'mlp' if name in ('fedadg', 'fedsr', 'fedtta', 'fedtta_prox', 'odpfl_hn') else 'bn_mlp'
   config = tiny_config(**{'model.name': model, 'client.batch_size': 3})
-  tight, _, _ = toy_clients([5, 8], num_classes=NUM_CLASSES)
-  padded, _, _ = toy_clients([5, 8], num_classes=NUM_CLASSES, pad_to=20)
+  shape = (4, 4, 1)
+  if ALGORITHMS.meta(name).get('models'):
+    config.model = ml_collections.ConfigDict({'name': 'vit', 'patch_size': 2, 'width': 8,
+                                              'depth': 1, 'heads': 2, 'mlp_dim': 8})
+    shape = (4, 4, 3)
+  tight, _, _ = toy_clients([5, 8], shape=shape, num_classes=NUM_CLASSES)
+  padded, _, _ = toy_clients([5, 8], shape=shape, num_classes=NUM_CLASSES, pad_to=20)
   _, algorithm, server, clients = make(name, config, tight)
   _, algorithm_padded, _, _ = make(name, config, padded)
   ids = jnp.array([0, 1])

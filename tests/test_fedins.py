@@ -21,7 +21,7 @@ from fedjax_shift.models import vit
 from fedjax_shift.pipelines import pretrain
 from fedjax_shift.pipelines.federated import uploaded_parameters
 from configs import fedins as fedins_config
-from tests.helpers import data_config, override, tiny_config, toy_clients
+from helpers import data_config, override, tiny_config, toy_clients
 
 NUM_CLASSES = 3
 
@@ -315,3 +315,45 @@ def test_backbone_errors_name_the_field(tmp_path):
     pipelines.validate(config)
   with pytest.raises(ValueError, match='keeps no model variables with an encoder'):
     pretrain.with_backbone(algorithms.base.ServerState({'params': {}}, (), 0), {}, 'toy')
+
+
+def test_mixed_domains_reads_domainnet_domains_from_tfds():
+  # DomainNet's domains through TFDS (mock data here: images of varying sizes), resized
+  # to data.image_size; 345 classes; per-domain columns named by the domain.
+  import tensorflow_datasets as tfds
+  config = data_config(benchmark='mixed_domains', domains=('tfds:domainnet/clipart',
+                                                           'tfds:domainnet/sketch'),
+                       domain_examples=30, client_sizes=(6, 8), test_examples=4, image_size=16)
+  BENCHMARKS.check('mixed_domains', config, 'config.data', known_fields_only=False)
+  with tfds.testing.mock_data(num_examples=30):
+    bench = BENCHMARKS.get('mixed_domains')(config, 0)
+  assert bench.num_classes == 345 and bench.example_shape == (16, 16, 3)
+  assert set(bench.splits) == {'train', 'test', 'test_clipart', 'test_sketch'}
+  np.testing.assert_array_equal(bench.splits['train'].num_examples, [6, 8])
+  with pytest.raises(ValueError, match='different label spaces'):
+    BENCHMARKS.check('mixed_domains', override(config, domains=('mnist', 'tfds:domainnet/real')),
+                     'config.data', known_fields_only=False)
+
+
+def test_small_clients_deal_the_papers_client_sizes_with_label_shift():
+  config = data_config(benchmark='small_clients', source='mnist_embedded', client_sizes=(30, 50),
+                       test_examples=20, dirichlet_alpha=0.1)
+  bench = BENCHMARKS.get('small_clients')(config, 0)
+  np.testing.assert_array_equal(bench.splits['train'].num_examples, [30, 50])
+  np.testing.assert_array_equal(bench.splits['test'].num_examples, [20, 20])
+  counts = np.asarray(bench.info['client_class_counts'])
+  assert counts.sum(1).tolist() == [30, 50] and (counts.max(1) > 10).all()   # Dir(0.1): skewed
+  import tensorflow_datasets as tfds
+  with tfds.testing.mock_data(num_examples=2000):
+    cifar = BENCHMARKS.get('small_clients')(override(config, source='tfds:cifar100',
+                                                     dirichlet_alpha=100.0), 0)
+  assert cifar.num_classes == 100 and cifar.example_shape == (32, 32, 3)
+
+
+@pytest.mark.parametrize('variant', ['domainnet', 'cifar100', 'ablation', 'pool_5,top_2',
+                                     'alpha_0.3', 'paper', 'vit_b16'])
+def test_config_variants_validate(variant):
+  config = fedins_config.get_config(variant)
+  BENCHMARKS.check(config.data.benchmark, config.data, 'config.data', known_fields_only=False)
+  from fedjax_shift.pipelines.base import check_run
+  check_run(config)

@@ -8,7 +8,7 @@ where ``hparams`` is the method's section ``config.<name>`` and ``context`` a
 Adding a method: one file plus one import line here.
 """
 from fedjax_shift.algorithms import (afl, apfl, ditto, fedadg, fedavg, fedavg_ft,  # noqa: F401
-                                     fedbn, fedevolve, fedevp, fedicon, fedins, fedprox, fedrep, fedrod,
-                                     fedsr, fedthe, fedtta, gma, hetero_fedtta, local, odpfl_hn,
-                                     qffl, scaffold)
+                                     fedbn, feddc, fedevolve, fedevp, fedicon, fedins, fedprox,
+                                     fedrep, fedrod, fedsr, fedthe, fedtta, gma, hetero_fedtta,
+                                     local, moon, odpfl_hn, qffl, scaffold)
 from fedjax_shift.algorithms.base import ALGORITHMS, BuildContext, build  # noqa: F401

@@ -1,7 +1,10 @@
 """Intra-client heterogeneity from offline digit domains (FedIns Sec. 4.1, Table 1).
 
 Every client holds a mixture of domains (data/digit_domains.py: mnist, uci, mnistm,
-synth, and svhn / folder:<name> where the user has them): client k's domain
+synth, and svhn / folder:<name> where the user has them; or TFDS domains such as
+DomainNet's, ``tfds:domainnet/real``, ``tfds:domainnet/clipart`` …, read from
+``data.data_dir`` and resized to ``data.image_size``; every domain must share one label
+space: digits and DomainNet do not mix): client k's domain
 proportions are drawn from Dirichlet(``domain_alpha``) over ``data.domains`` (small α:
 a few dominant domains; large α: an even mix), then ``client_sizes[k]`` training and
 ``test_examples`` test examples are drawn from those domains' pools without
@@ -20,7 +23,7 @@ import numpy as np
 
 from fedjax_shift.benchmarks.base import BENCHMARKS, Benchmark
 from fedjax_shift.benchmarks.digit_domains import load_domains
-from fedjax_shift.data import digit_domains
+from fedjax_shift.data import digit_domains, sources
 from fedjax_shift.data.federated import stack_clients
 from fedjax_shift.registry import require
 
@@ -30,9 +33,18 @@ def check(data_config: ml_collections.ConfigDict) -> None:
   require(len(domains) >= 2 and len(set(domains)) == len(domains), 'data.domains',
           f'need at least two distinct domains, got {domains}')
   for name in domains:
-    require(name in digit_domains.DOMAINS or name.startswith('folder:'), 'data.domains',
-            f'unknown digit domain {name!r}; choose from {list(digit_domains.DOMAINS)} or '
-            f'folder:<name>')
+    require(name in digit_domains.DOMAINS or name.startswith('folder:') or (
+        name.startswith('tfds:') and name[5:].split('/')[0] in sources.TFDS_DATASETS),
+            'data.domains',
+            f'unknown domain {name!r}; choose from {list(digit_domains.DOMAINS)}, '
+            f'folder:<name> or tfds:<name> with <name> in {sorted(sources.TFDS_DATASETS)} '
+            f'(e.g. tfds:domainnet/clipart)')
+  labels = [domain_label(name) for name in domains]
+  require(len(set(labels)) == len(labels), 'data.domains',
+          f'two domains share the column name: {labels}')
+  tfds = [name for name in domains if name.startswith('tfds:')]
+  require(not tfds or len(tfds) == len(domains), 'data.domains',
+          f'digit domains and TFDS domains have different label spaces: got {domains}')
   sizes = tuple(data_config.client_sizes)
   require(len(sizes) >= 1 and all(int(s) >= 1 for s in sizes), 'data.client_sizes',
           f'need one or more positive client sizes, got {sizes}')
@@ -42,9 +54,54 @@ def check(data_config: ml_collections.ConfigDict) -> None:
           f'must be >= 1, got {data_config.test_examples}')
 
 
-def draw_counts(proportions: np.ndarray, total: int, rng: np.random.Generator) -> np.ndarray:
-  """Multinomial counts of ``total`` examples over the domains."""
-  return rng.multinomial(total, proportions)
+def draw_clients(groups, proportions: np.ndarray, sizes, test_examples: int,
+                 rng: np.random.Generator, field: str):
+  """Clients drawn from ``groups`` (one array of example indices per group: a domain or
+  a class) without replacement: client k takes ``sizes[k]`` train and ``test_examples``
+  test indices, multinomial over the groups with ``proportions[k]``. Returns
+  {split: [K arrays of indices]}, {split: [K arrays of group ids]}, train counts [K][G].
+  Too few examples in a group is an error naming ``field``."""
+  pools = [list(rng.permutation(g)) for g in groups]
+  indices = {'train': [], 'test': []}
+  group_ids = {'train': [], 'test': []}
+  counts_per_client = []
+  for k, size in enumerate(sizes):
+    for split, total in (('train', int(size)), ('test', int(test_examples))):
+      counts = rng.multinomial(total, proportions[k])
+      if split == 'train':
+        counts_per_client.append(counts.tolist())
+      taken, ids = [], []
+      for g, count in enumerate(counts):
+        if count > len(pools[g]):
+          raise ValueError(f'config.{field}: group {g} has too few examples left for client '
+                           f'{k}\'s {split} draw ({count} needed, {len(pools[g])} left); '
+                           f'raise it or lower data.client_sizes / data.test_examples')
+        taken += [pools[g].pop() for _ in range(count)]
+        ids += [g] * int(count)
+      indices[split].append(np.asarray(taken, np.int64))
+      group_ids[split].append(np.asarray(ids, np.int64))
+  return indices, group_ids, counts_per_client
+
+
+def domain_label(name: str) -> str:
+  """A domain's name in split and column names: 'tfds:domainnet/clipart' -> 'clipart',
+  'folder:usps' -> 'usps', 'mnist' -> 'mnist'."""
+  return name.split(':', 1)[-1].split('/')[-1]
+
+
+def load_mixed(data_config: ml_collections.ConfigDict, seed: int):
+  """{domain: Source}: digit domains (``load_domains``) or TFDS domains (``domain_examples``
+  each from ``data.tfds_split``), all at ``data.image_size`` (0: 28, the digits' size)."""
+  size = data_config.image_size or digit_domains.SIZE
+  if not any(name.startswith('tfds:') for name in data_config.domains):
+    out = load_domains(data_config, seed)
+  else:
+    out = {name: sources.tfds_source(name[5:], data_config.tfds_split,
+                                     data_config.data_dir or None,
+                                     data_config.domain_examples, image_size=size)
+           for name in data_config.domains}
+  return {name: src._replace(x=sources.to_channels(sources.resize_images(src.x, size, size), 3))
+          for name, src in out.items()}
 
 
 @BENCHMARKS.register('mixed_domains', defaults={
@@ -57,39 +114,27 @@ def draw_counts(proportions: np.ndarray, total: int, rng: np.random.Generator) -
 def mixed_domains(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """See the module docstring. ``info['client_domain_counts']``: [K][domain] train counts."""
   rng = np.random.default_rng([seed, 0])
-  domains = load_domains(data_config, seed)
+  domains = load_mixed(data_config, seed)
   names = list(domains)
-  sizes = [int(s) for s in data_config.client_sizes]
-  orders = {name: list(rng.permutation(len(src.y))) for name, src in domains.items()}
+  x = np.concatenate([domains[name].x for name in names])
+  y = np.concatenate([domains[name].y for name in names])
+  offsets = np.cumsum([0] + [len(domains[name].y) for name in names])
+  groups = [np.arange(offsets[d], offsets[d + 1]) for d in range(len(names))]
+  sizes = tuple(data_config.client_sizes)
   proportions = rng.dirichlet(np.full(len(names), float(data_config.domain_alpha)), len(sizes))
-  splits = {'train': ([], [], []), 'test': ([], [], [])}
-  counts_per_client = []
-  for k, size in enumerate(sizes):
-    for split, total in (('train', size), ('test', int(data_config.test_examples))):
-      counts = draw_counts(proportions[k], total, rng)
-      xs, ys, ds = [], [], []
-      for d, (name, count) in enumerate(zip(names, counts)):
-        if count > len(orders[name]):
-          raise ValueError(
-              f'config.data.domain_examples: domain {name!r} has {len(domains[name].y)} '
-              f'examples, too few for the clients\' draws (client {k} {split} needs {count} '
-              f'more); raise data.domain_examples or lower data.client_sizes / test_examples')
-        take = [orders[name].pop() for _ in range(count)]
-        xs.append(domains[name].x[take])
-        ys.append(domains[name].y[take])
-        ds.append(np.full(count, d))
-      if split == 'train':
-        counts_per_client.append(counts.tolist())
-      for bucket, part in zip(splits[split], (xs, ys, ds)):
-        bucket.append(np.concatenate(part))
-  shape = (digit_domains.SIZE, digit_domains.SIZE, 3)
-  out = {split: stack_clients(xs, ys, example_shape=shape)
-         for split, (xs, ys, _) in splits.items()}
-  test_x, test_y, test_d = splits['test']
+  try:
+    indices, domain_ids, counts = draw_clients(groups, proportions, sizes,
+                                               data_config.test_examples, rng,
+                                               'data.domain_examples')
+  except ValueError as err:
+    raise ValueError(str(err).replace('group ', 'domain ')) from None
+  shape = x.shape[1:]
+  out = {split: stack_clients([x[i] for i in parts], [y[i] for i in parts], example_shape=shape)
+         for split, parts in indices.items()}
   for d, name in enumerate(names):
-    out[f'test_{name}'] = stack_clients([x[dom == d] for x, dom in zip(test_x, test_d)],
-                                        [y[dom == d] for y, dom in zip(test_y, test_d)],
+    parts = [i[ids == d] for i, ids in zip(indices['test'], domain_ids['test'])]
+    out[f'test_{domain_label(name)}'] = stack_clients([x[i] for i in parts], [y[i] for i in parts],
                                         pad_to=out['test'].max_examples, example_shape=shape)
-  info = {'domains': names, 'client_domain_counts': counts_per_client,
+  info = {'domains': [domain_label(name) for name in names], 'client_domain_counts': counts,
           'domain_proportions': proportions.round(4).tolist()}
-  return Benchmark(out, 10, shape, info)
+  return Benchmark(out, domains[names[0]].num_classes, shape, info)

@@ -100,17 +100,19 @@ TFDS_DATASETS = {
     'cifar10_corrupted': (10, 'image', 'label'),
     'cifar10_1': (10, 'image', 'label'),
     'cifar100': (100, 'image', 'label'),
+    'domainnet': (345, 'image', 'label'),   # domainnet/<real|painting|clipart|...>
     'svhn_cropped': (10, 'image', 'label'),
 }
 
 
 def tfds_source(name: str, split: str, data_dir: Optional[str] = None,
-                max_examples: Optional[int] = None) -> Source:
+                max_examples: Optional[int] = None, image_size: int = 0) -> Source:
   """Loads a TFDS split with ``tfds.data_source`` (array_record; no TensorFlow).
 
   ``name`` may carry a config, e.g. ``cifar10_corrupted/gaussian_noise_5`` or
-  ``emnist/letters``. Raises FileNotFoundError with instructions when the prepared
-  dataset is not in ``data_dir``.
+  ``emnist/letters``. ``image_size`` > 0 resizes every image to that square as it is
+  read (needed for datasets of varying image sizes, e.g. DomainNet). Raises
+  FileNotFoundError with instructions when the prepared dataset is not in ``data_dir``.
   """
   import tensorflow_datasets as tfds
   base = name.split('/')[0].split(':')[0]
@@ -134,8 +136,16 @@ def tfds_source(name: str, split: str, data_dir: Optional[str] = None,
   images, labels = [], []
   for i in range(count):
     element = source[i]
-    images.append(np.asarray(element[image_key]))
+    image = np.asarray(element[image_key])
+    if image_size:
+      image = image[..., None] if image.ndim == 2 else image
+      scaled = image.astype(np.float32) / (255.0 if image.dtype == np.uint8 else 1.0)
+      image = resize_images(scaled[None], image_size, image_size)[0]
+    images.append(image)
     labels.append(int(element[label_key]))
+  if len({im.shape for im in images}) > 1:
+    raise ValueError(f'TFDS dataset {name!r} has images of several sizes; set '
+                     f'config.data.image_size to read them resized to one square')
   x = np.stack(images).astype(np.float32)
   if x.ndim == 3:
     x = x[..., None]
