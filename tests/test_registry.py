@@ -109,7 +109,7 @@ def test_every_method_section_holds_its_registered_defaults():
 
 @pytest.mark.parametrize('field, value, pattern', [
     ('pipeline', 'nope', r"config.pipeline: unknown pipeline 'nope'; choose from "
-                         r"\['federated', 'hetero', 'test_time'\]"),
+                         r"\['federated', 'hetero', 'pretrain', 'test_time'\]"),
     ('data.benchmark', 'nope', r"config.data.benchmark: unknown benchmark 'nope'; choose from "
                                r"\['atp_shift', 'circle', 'digit_domains', "
                                r"'label_skew_corrupted'"),
