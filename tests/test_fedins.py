@@ -12,7 +12,6 @@ import optax
 import pytest
 
 from fedjax_shift import algorithms, models, pipelines
-from fedjax_shift.algorithms import fedins
 from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.core.algorithm import ClientData
 from fedjax_shift.core.local import local_train, masked_mean

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Dict, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
