@@ -49,3 +49,16 @@ def toy_clients(sizes, shape=(4, 4, 1), num_classes=3, seed=0, pad_to=None):
   xs = [rng.random((n,) + shape).astype(np.float32) for n in sizes]
   ys = [rng.integers(0, num_classes, n).astype(np.int32) for n in sizes]
   return stack_clients(xs, ys, pad_to=pad_to, example_shape=shape), xs, ys
+
+
+def build_method(name, config, data, num_classes=3):
+  """(module, algorithm, server state, stacked client states) of method ``name`` built
+  from ``config`` for the clients of ``data``."""
+  import jax.numpy as jnp
+  from fedjax_shift import algorithms, models
+  from fedjax_shift.core.round import stack_client_states
+  module = models.create(config.model, num_classes)
+  algorithm = algorithms.build(name, config, module, data.max_examples,
+                               num_clients=data.num_clients, example_shape=data.x.shape[2:])
+  server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
+  return module, algorithm, server, stack_client_states(algorithm, server, data.num_clients)

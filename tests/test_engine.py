@@ -8,25 +8,19 @@ import optax
 import pytest
 
 from fedjax_shift import models
-from fedjax_shift import algorithms
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.core import algorithm as alg
 from fedjax_shift.core import local
 from fedjax_shift.core.round import (HostStore, RoundConfig, aggregation_weights, build_round,
                                      round_key, sample_cohort, stack_client_states)
 from fedjax_shift.data.federated import FederatedData
-from helpers import backend_tolerance, tiny_config, toy_clients
+from helpers import backend_tolerance, build_method, tiny_config, toy_clients
 
 NUM_CLASSES = 3
 
 
 def make(name, config, data):
-  module = models.create(config.model, NUM_CLASSES)
-  algorithm = algorithms.build(name, config, module, data.max_examples,
-                               num_clients=data.num_clients, example_shape=data.x.shape[2:])
-  server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
-  clients = stack_client_states(algorithm, server, data.num_clients)
-  return module, algorithm, server, clients
+  return build_method(name, config, data, NUM_CLASSES)
 
 
 def test_toy_algorithm_from_docstring():

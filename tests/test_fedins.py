@@ -20,7 +20,7 @@ from fedjax_shift.models import vit
 from fedjax_shift.pipelines import pretrain
 from fedjax_shift.pipelines.federated import uploaded_parameters
 from configs import fedins as fedins_config
-from helpers import data_config, override, tiny_config, toy_clients
+from helpers import build_method, data_config, override, tiny_config, toy_clients
 
 NUM_CLASSES = 3
 
@@ -33,11 +33,7 @@ def small_vit_config(**fields):
 
 
 def make(name, config, data):
-  module = models.create(config.model, NUM_CLASSES)
-  algorithm = algorithms.build(name, config, module, data.max_examples,
-                               num_clients=data.num_clients, example_shape=data.x.shape[2:])
-  server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
-  return module, algorithm, server, stack_client_states(algorithm, server, data.num_clients)
+  return build_method(name, config, data, NUM_CLASSES)
 
 
 def test_top_c_weights_pick_the_c_most_similar_keys():

@@ -5,20 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_shift import algorithms, models
 from fedjax_shift.algorithms import moon
-from fedjax_shift.core.round import RoundConfig, build_round, stack_client_states
-from helpers import override, tiny_config, toy_clients
+from fedjax_shift.core.round import RoundConfig, build_round
+from helpers import build_method, override, tiny_config, toy_clients
 
 NUM_CLASSES = 3
 
 
 def make(name, config, data):
-  module = models.create(config.model, NUM_CLASSES)
-  algorithm = algorithms.build(name, config, module, data.max_examples,
-                               num_clients=data.num_clients, example_shape=data.x.shape[2:])
-  server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
-  return algorithm, server, stack_client_states(algorithm, server, data.num_clients)
+  return build_method(name, config, data, NUM_CLASSES)[1:]
 
 
 def one_round(name, config, data, server=None, clients=None):

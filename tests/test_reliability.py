@@ -343,3 +343,21 @@ def test_kill_corrupt_resume_matches_an_uninterrupted_run(trial, uninterrupted, 
 def test_kill_corrupt_resume_twenty_trials(trial, uninterrupted, tmp_path):
   kill_after, kind, metrics = kill_corrupt_resume(str(tmp_path), trial)
   assert metrics == uninterrupted, f'trial {trial}: kill after {kill_after}, {kind}'
+
+
+def test_resuming_on_rebuilt_data_that_differs_is_refused(tmp_path):
+  # A run directory records a digest of its data; when the same config builds other data
+  # (a changed benchmark or source), its checkpoints belong to other clients.
+  config = config_lib.apply_variant(config_lib.base_config(), 'tiny')
+  config.algorithms = ('fedavg',)
+  workdir = str(tmp_path / 'run')
+  first = pipelines.run(config, workdir)
+  path = os.path.join(workdir, 'fedavg', 'seed_0', 'partition.json')
+  record = json.load(open(path))
+  assert len(record['data_digest']) == 64
+  again = pipelines.run(config, workdir)   # same data: resumes
+  assert again.records['results'][0]['metrics'] == first.records['results'][0]['metrics']
+  record['data_digest'] = '0' * 64
+  json.dump(record, open(path, 'w'))
+  with pytest.raises(ValueError, match='trained on other data than this config builds now'):
+    pipelines.run(config, workdir)

@@ -45,11 +45,16 @@ def check(data_config: ml_collections.ConfigDict) -> None:
   tfds = [name for name in domains if name.startswith('tfds:')]
   require(not tfds or len(tfds) == len(domains), 'data.domains',
           f'digit domains and TFDS domains have different label spaces: got {domains}')
+  check_client_sizes(data_config)
+  require(data_config.domain_alpha > 0, 'data.domain_alpha',
+          f'must be > 0, got {data_config.domain_alpha}')
+
+
+def check_client_sizes(data_config: ml_collections.ConfigDict) -> None:
+  """``data.client_sizes`` and ``data.test_examples`` (mixed_domains, small_clients)."""
   sizes = tuple(data_config.client_sizes)
   require(len(sizes) >= 1 and all(int(s) >= 1 for s in sizes), 'data.client_sizes',
           f'need one or more positive client sizes, got {sizes}')
-  require(data_config.domain_alpha > 0, 'data.domain_alpha',
-          f'must be > 0, got {data_config.domain_alpha}')
   require(data_config.test_examples >= 1, 'data.test_examples',
           f'must be >= 1, got {data_config.test_examples}')
 

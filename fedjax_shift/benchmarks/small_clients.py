@@ -13,20 +13,16 @@ import ml_collections
 import numpy as np
 
 from fedjax_shift.benchmarks.base import BENCHMARKS, Benchmark, check_source, load_source
-from fedjax_shift.benchmarks.mixed_domains import draw_clients
+from fedjax_shift.benchmarks.mixed_domains import check_client_sizes, draw_clients
 from fedjax_shift.data.federated import stack_clients
 from fedjax_shift.registry import require
 
 
 def check(data_config: ml_collections.ConfigDict) -> None:
   check_source(data_config)
-  sizes = tuple(data_config.client_sizes)
-  require(len(sizes) >= 1 and all(int(s) >= 1 for s in sizes), 'data.client_sizes',
-          f'need one or more positive client sizes, got {sizes}')
+  check_client_sizes(data_config)
   require(data_config.dirichlet_alpha > 0, 'data.dirichlet_alpha',
           f'must be > 0, got {data_config.dirichlet_alpha}')
-  require(data_config.test_examples >= 1, 'data.test_examples',
-          f'must be >= 1, got {data_config.test_examples}')
 
 
 @BENCHMARKS.register('small_clients', defaults={

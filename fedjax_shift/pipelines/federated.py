@@ -180,6 +180,37 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorit
   return _train_loop(config, workdir, algorithm_name, seed, setup, log_state, clock)
 
 
+def data_digest(bench: Benchmark) -> str:
+  """A hash of every split's labels, client sizes and per-client input sums: the same
+  config and seed must rebuild the same data for a run to be resumed."""
+  import hashlib
+  digest = hashlib.sha256()
+  for name in sorted(bench.splits):
+    split = bench.splits[name]
+    digest.update(name.encode())
+    digest.update(np.ascontiguousarray(split.y).tobytes())
+    digest.update(np.ascontiguousarray(split.num_examples).tobytes())
+    x = np.asarray(split.x)
+    sums = x.reshape(x.shape[0], -1).sum(1, dtype=np.float64)
+    digest.update(np.round(sums, 3).tobytes())
+  return digest.hexdigest()
+
+
+def check_same_data(path: str, digest: str) -> None:
+  """Refuses to reuse a run directory whose recorded data differs from the data just
+  built (a changed benchmark, source file or data_dir): its checkpoints were trained
+  on other clients."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    recorded = json.load(f).get('data_digest')
+  if recorded is not None and recorded != digest:
+    raise ValueError(f'{os.path.dirname(path)} was trained on other data than this config '
+                     f'builds now (partition.json data_digest {recorded[:12]}… vs '
+                     f'{digest[:12]}…: the benchmark code, its source files or data_dir '
+                     f'changed); use a new --workdir')
+
+
 def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str, seed: int,
               bench: Optional[Benchmark] = None, algorithm=None,
               programs: Optional[Dict] = None, backbone: Optional[dict] = None) -> RunSetup:
@@ -201,8 +232,10 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
                      f'{(train.num_examples > 0).sum()} clients that have examples')
   stats = {name: federated.partition_statistics(s, bench.num_classes)
            for name, s in bench.splits.items()}
+  digest = data_digest(bench)
+  check_same_data(os.path.join(workdir, 'partition.json'), digest)
   with open(os.path.join(workdir, 'partition.json'), 'w') as f:
-    json.dump({'statistics': stats, 'info': bench.info,
+    json.dump({'statistics': stats, 'info': bench.info, 'data_digest': digest,
                'num_examples': {n: s.num_examples.tolist() for n, s in bench.splits.items()}},
               f, indent=1)
   s = stats['train']
