@@ -28,6 +28,8 @@ Variants: quick (one seed, 10 rounds), paper (300 rounds, 10 local epochs), vit_
 domainnet (six DomainNet domains from TFDS, 26 images per client, nearly one domain each:
 Dir(0.1); needs the prepared dataset in --config.data.data_dir), cifar100 (label shift:
 TFDS CIFAR-100 dealt to the five clients of 123–278 images, Dir(0.5) over classes),
+tiny_imagenet (the same from Tiny-ImageNet's train folders under data_dir, clients of
+322–509 images),
 ablation (Table 2's rows we have: SSF; SSF pool without the instance query; SSF pool),
 pool_<M> (pool size M), top_<C> (C chosen SSFs), alpha_<a> (domain Dirichlet α), tiny.
 """
@@ -62,7 +64,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.feddc.alpha = 0.01                # Sec. 4.2: FedDC α = 0.01
   c.paper_tables = 'fedins'
   return apply_variant(c, arg, VARIANTS,
-                       'quick, paper, vit_b16, domainnet, cifar100, ablation, pool_<M>, '
+                       'quick, paper, vit_b16, domainnet, cifar100, tiny_imagenet, ablation, '
+                       'pool_<M>, '
                        'top_<C>, alpha_<a>, tiny')
 
 
@@ -100,6 +103,17 @@ def _cifar100(c: ml_collections.ConfigDict, match=None) -> None:
   """Label shift (Table 1, CIFAR-100): five clients of 123–278 images."""
   c.data.benchmark = 'small_clients'
   c.data.source = 'tfds:cifar100'
+  c.data.dirichlet_alpha = 0.5
+  c.model.patch_size = 4
+
+
+def _tiny_imagenet(c: ml_collections.ConfigDict, match=None) -> None:
+  """Label shift (Table 1, Tiny-ImageNet): five clients of 322–509 images from the
+  dataset's train folders (<data_dir>/tiny-imagenet-200/train/<wnid>/images/)."""
+  c.data.benchmark = 'small_clients'
+  c.data.source = 'folder:tiny-imagenet-200/train'
+  c.data.image_size = 32
+  c.data.client_sizes = (322, 360, 343, 466, 509)   # Sec. 4.1
   c.data.dirichlet_alpha = 0.5
   c.model.patch_size = 4
 
@@ -148,6 +162,7 @@ def _tiny(c: ml_collections.ConfigDict, match=None) -> None:
 
 VARIANTS = (('quick', _quick), ('paper', _paper), ('vit_b16', _vit_b16),
             ('domainnet', _domainnet), ('cifar100', _cifar100),
+            ('tiny_imagenet', _tiny_imagenet),
             ('ablation', _ablation), (r'pool_(?P<size>\d+)', _pool),
             (r'top_(?P<count>\d+)', _top), (r'alpha_(?P<alpha>[\d.]+)', _alpha),
             ('tiny', _tiny))

@@ -345,10 +345,32 @@ def test_small_clients_deal_the_papers_client_sizes_with_label_shift():
   assert cifar.num_classes == 100 and cifar.example_shape == (32, 32, 3)
 
 
-@pytest.mark.parametrize('variant', ['domainnet', 'cifar100', 'ablation', 'pool_5,top_2',
+@pytest.mark.parametrize('variant', ['domainnet', 'cifar100', 'tiny_imagenet', 'ablation', 'pool_5,top_2',
                                      'alpha_0.3', 'paper', 'vit_b16'])
 def test_config_variants_validate(variant):
   config = fedins_config.get_config(variant)
   BENCHMARKS.check(config.data.benchmark, config.data, 'config.data', known_fields_only=False)
   from fedjax_shift.pipelines.base import check_run
   check_run(config)
+
+
+def test_small_clients_read_class_folders_like_tiny_imagenet(tmp_path):
+  # Tiny-ImageNet's layout: train/<wnid>/images/<file>.JPEG, images of any size.
+  from PIL import Image
+  rng = np.random.default_rng(0)
+  for wnid in ('n01443537', 'n01629819'):
+    folder = tmp_path / 'tiny' / 'train' / wnid / 'images'
+    folder.mkdir(parents=True)
+    for i in range(12):
+      size = 20 + i
+      Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(
+          folder / f'{wnid}_{i}.jpeg')
+  config = data_config(benchmark='small_clients', source='folder:tiny/train',
+                       data_dir=str(tmp_path), image_size=16, client_sizes=(5, 7),
+                       test_examples=3, dirichlet_alpha=10.0)
+  BENCHMARKS.check('small_clients', config, 'config.data', known_fields_only=False)
+  bench = BENCHMARKS.get('small_clients')(config, 0)
+  assert bench.num_classes == 2 and bench.example_shape == (16, 16, 3)
+  np.testing.assert_array_equal(bench.splits['train'].num_examples, [5, 7])
+  with pytest.raises(FileNotFoundError, match='does not exist'):
+    BENCHMARKS.get('small_clients')(override(config, source='folder:nowhere'), 0)

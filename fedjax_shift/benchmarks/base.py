@@ -9,6 +9,7 @@ naming ``config.data.<field>``, and ``pipelines``: the run loops it feeds.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, NamedTuple, Optional
 
 import ml_collections
@@ -52,9 +53,11 @@ def check_source(data_config: ml_collections.ConfigDict) -> None:
   """``data.source``: an embedded source or tfds:<name> of a known TFDS dataset."""
   source = data_config.source
   require(source in EMBEDDED_SOURCES or (source.startswith('tfds:') and
-          source[5:].split('/')[0] in sources.TFDS_DATASETS),
-          'data.source', f'unknown source {source!r}; choose from {list(EMBEDDED_SOURCES)} or '
-          f'tfds:<name> with <name> in {sorted(sources.TFDS_DATASETS)}')
+          source[5:].split('/')[0] in sources.TFDS_DATASETS) or
+          (source.startswith('folder:') and len(source) > len('folder:')),
+          'data.source', f'unknown source {source!r}; choose from {list(EMBEDDED_SOURCES)}, '
+          f'tfds:<name> with <name> in {sorted(sources.TFDS_DATASETS)}, or folder:<path> '
+          f'(class folders under data.data_dir, e.g. folder:tiny-imagenet-200/train)')
 
 
 def check_dirichlet(data_config: ml_collections.ConfigDict) -> None:
@@ -90,6 +93,9 @@ def load_source(data_config: ml_collections.ConfigDict) -> sources.Source:
   elif name.startswith('tfds:'):
     src = sources.tfds_source(name[len('tfds:'):], data_config.tfds_split,
                               data_config.data_dir or None, data_config.max_examples or None)
+  elif name.startswith('folder:'):
+    src = sources.image_folder(os.path.join(data_config.data_dir, name[len('folder:'):]),
+                               data_config.image_size or 64, data_config.max_examples or None)
   x = src.x
   size = data_config.image_size
   if size and x.shape[1] != size:

@@ -1,11 +1,12 @@
 """Label shift over a few small clients (FedIns Sec. 4.1: CIFAR-100 split into five
 clients of 123, 209, 168, 222 and 278 images, Tiny-ImageNet into five of 322–509).
 
-The pooled ``data.source`` (an embedded source, or ``tfds:cifar100`` … from
-``data.data_dir``) is dealt out without replacement: client k's class proportions are
+The pooled ``data.source`` (an embedded source, ``tfds:cifar100`` … from
+``data.data_dir``, or ``folder:<path>``: class folders under ``data.data_dir`` resized to
+``data.image_size``, e.g. ``folder:tiny-imagenet-200/train``) is dealt out without replacement: client k's class proportions are
 drawn from Dirichlet(``data.dirichlet_alpha``), then ``client_sizes[k]`` training and
 ``test_examples`` test images are drawn from those classes (its test set follows its own
-label distribution). Tiny-ImageNet is not in TFDS; it is not offered here.
+label distribution). Tiny-ImageNet is not in TFDS: it comes from its folder.
 """
 from __future__ import annotations
 

@@ -235,3 +235,29 @@ def timed_image_folder(data_dir: str, timestamp: str, size: int, channels: int) 
     raise FileNotFoundError(f'no {"/".join(IMAGE_EXTENSIONS)} images in the class '
                             f'sub-folders {list(class_names)} of {data_dir!r}')
   return TimedImages(np.stack(images), np.asarray(labels, np.int32), stamps, class_names)
+
+
+def image_folder(root: str, size: int, max_examples: Optional[int] = None) -> Source:
+  """Class-folder images ``<root>/<class>/**/<file>.{png,jpg,jpeg}`` (classes = the sorted
+  sub-folder names; files found at any depth below them, so Tiny-ImageNet's
+  ``train/<wnid>/images/`` reads as is), resized to size×size RGB in [0, 1]; the first
+  ``max_examples`` of a fixed (sorted) order when given."""
+  from PIL import Image
+  if not os.path.isdir(root):
+    raise FileNotFoundError(f'config.data.source: image folder {root!r} does not exist; set '
+                            f'config.data.data_dir to the folder that holds it')
+  classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+  files, labels = [], []
+  for label, name in enumerate(classes):
+    for folder, _, names in sorted(os.walk(os.path.join(root, name))):
+      for file in sorted(names):
+        if file.lower().endswith(IMAGE_EXTENSIONS):
+          files.append(os.path.join(folder, file))
+          labels.append(label)
+  if not files:
+    raise FileNotFoundError(f'config.data.source: no images under the class folders of {root!r}')
+  files, labels = files[:max_examples or None], labels[:max_examples or None]
+  images = np.stack([np.asarray(Image.open(f).convert('RGB').resize((size, size),
+                                                                    Image.BILINEAR))
+                     for f in files]).astype(np.float32) / 255.0
+  return Source(images, np.asarray(labels, np.int32), len(classes))
