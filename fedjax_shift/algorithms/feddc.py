@@ -33,6 +33,7 @@ import ml_collections
 import optax
 
 from fedjax_shift.algorithms import base
+from fedjax_shift.algorithms.fedprox import proximal_term
 from fedjax_shift.algorithms.scaffold import add_to_gradient
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.registry import require
@@ -78,9 +79,8 @@ def feddc(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fed
     corrected = optax.chain(add_to_gradient(jax.tree.map(jnp.subtract, server_state.correction,
                                                          client.correction)),
                             context.client_optimizer)
-    anchor = jax.tree.map(jnp.subtract, w, client.drift)              # w − h_i
-    penalty = lambda params: 0.5 * alpha * sum(
-        jnp.sum((p - a) ** 2) for p, a in zip(jax.tree.leaves(params), jax.tree.leaves(anchor)))
+    # (α/2)‖θ − (w − h_i)‖²: FedProx's proximal term around w − h_i.
+    penalty = proximal_term(alpha)(jax.tree.map(jnp.subtract, w, client.drift))
     new_variables, metrics = base.train_variables(context._replace(client_optimizer=corrected),
                                                   server_state.variables, data, rng, penalty)
     delta = base.tree_sub(new_variables, server_state.variables)

@@ -60,12 +60,13 @@ def check_client_sizes(data_config: ml_collections.ConfigDict) -> None:
 
 
 def draw_clients(groups, proportions: np.ndarray, sizes, test_examples: int,
-                 rng: np.random.Generator, field: str):
+                 rng: np.random.Generator, field: str, group_name: str):
   """Clients drawn from ``groups`` (one array of example indices per group: a domain or
   a class) without replacement: client k takes ``sizes[k]`` train and ``test_examples``
   test indices, multinomial over the groups with ``proportions[k]``. Returns
   {split: [K arrays of indices]}, {split: [K arrays of group ids]}, train counts [K][G].
-  Too few examples in a group is an error naming ``field``."""
+  Too few examples in a group is an error naming ``field`` and the group (``group_name``
+  and its index)."""
   pools = [list(rng.permutation(g)) for g in groups]
   indices = {'train': [], 'test': []}
   group_ids = {'train': [], 'test': []}
@@ -78,8 +79,8 @@ def draw_clients(groups, proportions: np.ndarray, sizes, test_examples: int,
       taken, ids = [], []
       for g, count in enumerate(counts):
         if count > len(pools[g]):
-          raise ValueError(f'config.{field}: group {g} has too few examples left for client '
-                           f'{k}\'s {split} draw ({count} needed, {len(pools[g])} left); '
+          raise ValueError(f'config.{field}: {group_name} {g} has too few examples left for '
+                           f'client {k}\'s {split} draw ({count} needed, {len(pools[g])} left); '
                            f'raise it or lower data.client_sizes / data.test_examples')
         taken += [pools[g].pop() for _ in range(count)]
         ids += [g] * int(count)
@@ -127,12 +128,9 @@ def mixed_domains(data_config: ml_collections.ConfigDict, seed: int) -> Benchmar
   groups = [np.arange(offsets[d], offsets[d + 1]) for d in range(len(names))]
   sizes = tuple(data_config.client_sizes)
   proportions = rng.dirichlet(np.full(len(names), float(data_config.domain_alpha)), len(sizes))
-  try:
-    indices, domain_ids, counts = draw_clients(groups, proportions, sizes,
-                                               data_config.test_examples, rng,
-                                               'data.domain_examples')
-  except ValueError as err:
-    raise ValueError(str(err).replace('group ', 'domain ')) from None
+  indices, domain_ids, counts = draw_clients(groups, proportions, sizes,
+                                             data_config.test_examples, rng,
+                                             'data.domain_examples', 'domain')
   shape = x.shape[1:]
   out = {split: stack_clients([x[i] for i in parts], [y[i] for i in parts], example_shape=shape)
          for split, parts in indices.items()}

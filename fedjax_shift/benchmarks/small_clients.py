@@ -39,7 +39,7 @@ def small_clients(data_config: ml_collections.ConfigDict, seed: int) -> Benchmar
   proportions = rng.dirichlet(np.full(src.num_classes, float(data_config.dirichlet_alpha)),
                               len(sizes))
   indices, _, counts = draw_clients(classes, proportions, sizes, data_config.test_examples, rng,
-                                    'data.source')
+                                    'data.source', 'class')
   shape = src.x.shape[1:]
   splits = {split: stack_clients([src.x[i] for i in parts], [src.y[i] for i in parts],
                                  example_shape=shape)
