@@ -9,7 +9,10 @@ B, FedAvg with SGD):
   (c) fused   one jitted centralized step over the pooled C·B-example batches for
               the same number of steps (same FLOPs) — the limit a round can approach
   (d) torch   the per-client PyTorch loop of the papers' code (deepcopy global,
-              train, average), when torch is importable (never a dependency)
+              train, average), when torch is importable (never a dependency); on the
+              GPU when torch sees one
+  (e) torch_vmap  PyTorch torch.func: the clients' parameters stacked, one vmapped
+              gradient per local step (BatchNorm on batch statistics); GPU as (d)
   loop_backend  the engine's round with ``engine.backend='loop'`` (sampling, keys,
               stragglers, scatter included), to compare with (a) and (b)
   tta_vmap / tta_loop  an online adapter (--tta_adapter: ATP with α = 0.1, Tent, FedICON's
@@ -47,8 +50,15 @@ B, FedAvg with SGD):
 then a population sweep (host store, cohort fixed) over K clients. Each case runs in
 its own subprocess so its peak RSS is its own. Prints a markdown table; --out writes it.
 
+--clients and --conv take lists: every case runs at each cohort size with each
+convolution (the PyTorch peers once per size), one table each, then a cohort-sweep
+table of (a), (c), (d), (e) and the ratios (a)/(c), (a)/(d), (a)/(e) per row — issue
+12's GPU targets are (a)/(e) ≤ 1 at every size and (a)/(c) ≤ 2 at 240 clients.
+
     python launch/benchmark.py --model=atp_cnn --out=/tmp/bench_cnn.md
     python launch/benchmark.py --model=mlp --out=/tmp/bench_mlp.md
+    python launch/benchmark.py --model=atp_cnn --clients=60,240,1000 --conv=lax,patches \
+        --cases=round,fused,torch,torch_vmap --populations= --out=/tmp/bench_sweep.md
 """
 import json
 import os
@@ -65,7 +75,8 @@ from absl import app, flags  # noqa: E402
 
 flags.DEFINE_enum('model', 'atp_cnn', ['atp_cnn', 'mlp', 'bn_mlp', 'evolve_cnn', 'vit'],
                   'Model to benchmark (vit: the registered defaults, configs/fedins.py).')
-flags.DEFINE_integer('clients', 60, 'Cohort size C.')
+flags.DEFINE_list('clients', ['60'], 'Cohort sizes C: one, or a sweep (60,240,1000) that '
+                  'runs every case at each size and prints a table of the ratios.')
 flags.DEFINE_integer('examples', 200, 'Examples per client N.')
 flags.DEFINE_integer('batch_size', 20, 'Local batch size B.')
 flags.DEFINE_integer('repeats', 5, 'Timed repeats after one warm-up (median reported).')
@@ -73,9 +84,10 @@ flags.DEFINE_string('unroll', 'true', "lax.scan unroll of local steps: 'true', '
 flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a).')
 flags.DEFINE_integer('rounds_per_call', 5, 'R of the rounds_calls / rounds_scan cases.')
 flags.DEFINE_integer('seeds', 3, 'Seeds S of the seeds_vmap / seeds_loop cases.')
-flags.DEFINE_enum('conv', 'auto', ['auto', 'lax', 'patches', 'lax_patch_grad'],
-                  'config.model.conv: how convolutions are computed (auto: patches on '
-                  'GPU/TPU, lax_patch_grad on CPU).')
+flags.DEFINE_list('conv', ['auto'],
+                  "config.model.conv, one or several of auto, lax, patches, lax_patch_grad "
+                  "(auto: patches on GPU/TPU, lax_patch_grad on CPU); several run every JAX "
+                  "case once per choice (the PyTorch peers once per cohort size).")
 flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch', 'torch_vmap', 'loop_backend'],
                   'Cases to run (loop_backend: the engine round with backend=loop; '
                   'tta_vmap / tta_loop: test-time Tent over the clients as target clients).')
@@ -87,6 +99,39 @@ flags.DEFINE_integer('sweep_repeats', 3, 'Timed repeats per population.')
 flags.DEFINE_string('case', '', 'Internal: run one case in this process and print JSON.')
 flags.DEFINE_string('out', '', 'Write the markdown table here.')
 FLAGS = flags.FLAGS
+
+CONV_CHOICES = ('auto', 'lax', 'patches', 'lax_patch_grad')
+CONV_MODELS = ('atp_cnn', 'evolve_cnn')
+TORCH_CASES = ('torch', 'torch_vmap')   # no convolution choice: run once per cohort size
+
+
+def num_clients() -> int:
+  """The cohort size C of a case's process (spawn passes one value of --clients)."""
+  if len(FLAGS.clients) != 1:
+    raise ValueError(f'--clients: a case runs at one cohort size, got {FLAGS.clients}')
+  return int(FLAGS.clients[0])
+
+
+def conv_choice() -> str:
+  """The ``config.model.conv`` of a case's process (one value of --conv)."""
+  if len(FLAGS.conv) != 1:
+    raise ValueError(f'--conv: a case runs with one convolution, got {FLAGS.conv}')
+  return FLAGS.conv[0]
+
+
+def check_flags():
+  """Errors naming the flag for a cohort size that is not a positive integer or an
+  unknown convolution."""
+  for size in FLAGS.clients:
+    if not size.isdigit() or int(size) < 1:
+      raise app.UsageError(f'--clients: {size!r} is not a positive integer')
+  for conv in FLAGS.conv:
+    if conv not in CONV_CHOICES:
+      raise app.UsageError(f'--conv: unknown {conv!r}; choose from {", ".join(CONV_CHOICES)}')
+  for conv in FLAGS.conv:
+    if conv != 'auto' and FLAGS.model not in CONV_MODELS:
+      raise app.UsageError(f'--conv={conv}: --model={FLAGS.model} has no convolutions '
+                           f'(leave --conv at auto)')
 
 SHAPES = {'atp_cnn': (32, 32, 3), 'mlp': (28, 28, 1), 'bn_mlp': (28, 28, 1),
           'evolve_cnn': (28, 28, 1), 'vit': (28, 28, 3)}
@@ -105,7 +150,7 @@ def make_config():
   from fedjax_shift.config import base_config
   config = base_config()
   config.model.name = FLAGS.model
-  config.model.conv = FLAGS.conv
+  config.model.conv = conv_choice()
   if FLAGS.model == 'vit':   # configs/fedins.py's ViT (no convolution choice)
     from configs.fedins import vit_model
     config.model = vit_model()
@@ -194,13 +239,13 @@ def case_round(backend='vmap', kind='fedavg'):
   import jax
   import jax.numpy as jnp
   from fedjax_shift.core.round import RoundConfig, build_round, stack_client_states
-  config, _, algorithm, data, server = setup_algorithm(FLAGS.clients, kind)
-  clients = stack_client_states(algorithm, server, FLAGS.clients)
-  _, round_host = build_round(algorithm, RoundConfig(cohort_size=FLAGS.clients,
+  config, _, algorithm, data, server = setup_algorithm(num_clients(), kind)
+  clients = stack_client_states(algorithm, server, num_clients())
+  _, round_host = build_round(algorithm, RoundConfig(cohort_size=num_clients(),
                                                      client_chunk=FLAGS.client_chunk),
                               backend=backend)
   device_data = jax.device_put(data)
-  ids = jnp.arange(FLAGS.clients, dtype=jnp.int32)
+  ids = jnp.arange(num_clients(), dtype=jnp.int32)
   key = jax.random.key(0)
   tick = time.perf_counter()
   if backend == 'vmap':
@@ -223,11 +268,11 @@ def case_seeds(vmapped: bool):
   import jax
   import jax.numpy as jnp
   from fedjax_shift.core.round import RoundConfig, build_round, round_key, stack_client_states
-  config, _, algorithm, data, _ = setup_algorithm(FLAGS.clients)
+  config, _, algorithm, data, _ = setup_algorithm(num_clients())
   seeds = range(FLAGS.seeds)
   servers = [algorithm.init(jax.random.key(s), jnp.asarray(data.x[0, :1])) for s in seeds]
-  clients = [stack_client_states(algorithm, server, FLAGS.clients) for server in servers]
-  round_device, _ = build_round(algorithm, RoundConfig(cohort_size=FLAGS.clients))
+  clients = [stack_client_states(algorithm, server, num_clients()) for server in servers]
+  round_device, _ = build_round(algorithm, RoundConfig(cohort_size=num_clients()))
   device_data = jax.device_put(data)
   keys = [round_key(jax.random.key(s), 0) for s in seeds]
   if vmapped:
@@ -261,13 +306,13 @@ def case_hetero(sizes):
   config = make_config()
   hparams = config.hetero_fedtta
   hparams.sizes = sizes
-  data = cohort_data(FLAGS.clients)
+  data = cohort_data(num_clients())
   public_x = np.random.default_rng(1).random((500,) + SHAPES[FLAGS.model],
                                              dtype=np.float32)
   schedule = LocalSchedule(FLAGS.batch_size, 1, 0, FLAGS.examples, config.engine.unroll)
   algorithm = hetero_fedtta.build(hparams, 10, public_x, optax.sgd(0.01), schedule,
                                   jnp.asarray(data.x[0, :1]))
-  group_ids = [np.arange(g, FLAGS.clients, len(sizes), dtype=np.int32)
+  group_ids = [np.arange(g, num_clients(), len(sizes), dtype=np.int32)
                for g in range(len(sizes))]
   round_fn = build_grouped_round(algorithm, [len(ids) for ids in group_ids], 'uniform')
   server = algorithm.init(jax.random.key(0))
@@ -292,10 +337,10 @@ def case_rounds(scan: bool):
   import jax.numpy as jnp
   import numpy as np
   from fedjax_shift.core.round import RoundConfig, build_round, round_key, stack_client_states
-  _, _, algorithm, data, server = setup_algorithm(FLAGS.clients)
-  clients = stack_client_states(algorithm, server, FLAGS.clients)
+  _, _, algorithm, data, server = setup_algorithm(num_clients())
+  clients = stack_client_states(algorithm, server, num_clients())
   count = FLAGS.rounds_per_call
-  round_config = RoundConfig(cohort_size=FLAGS.clients, client_chunk=FLAGS.client_chunk)
+  round_config = RoundConfig(cohort_size=num_clients(), client_chunk=FLAGS.client_chunk)
   device_data = jax.device_put(data)
   seed_key = jax.random.key(0)
   if scan:
@@ -326,18 +371,18 @@ def case_loop():
   import jax.numpy as jnp
   from fedjax_shift.core.algorithm import ClientData
   from fedjax_shift.core.round import NO_STEP_LIMIT, aggregation_weights
-  _, _, algorithm, data, server = setup_algorithm(FLAGS.clients)
+  _, _, algorithm, data, server = setup_algorithm(num_clients())
   client_update = jax.jit(algorithm.client_update)
   server_update = jax.jit(algorithm.server_update)
   clients = [ClientData(jnp.asarray(data.x[k]), jnp.asarray(data.y[k]),
                         jnp.asarray(data.mask[k]), jnp.int32(FLAGS.examples),
-                        jnp.int32(NO_STEP_LIMIT)) for k in range(FLAGS.clients)]
+                        jnp.int32(NO_STEP_LIMIT)) for k in range(num_clients())]
   weights = aggregation_weights(jnp.asarray(data.num_examples), 'num_examples')
   key = jax.random.key(0)
 
   def run():
     outputs = [client_update(server, (), clients[k], jax.random.fold_in(key, k))[0]
-               for k in range(FLAGS.clients)]
+               for k in range(num_clients())]
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
     return jax.block_until_ready(server_update(server, stacked, weights))
 
@@ -353,15 +398,15 @@ def case_fused():
   import jax.numpy as jnp
   import optax
   from fedjax_shift.algorithms import base
-  config, module, _, data, server = setup_algorithm(FLAGS.clients)
+  config, module, _, data, server = setup_algorithm(num_clients())
   steps = -(-FLAGS.examples // FLAGS.batch_size)
-  pooled = FLAGS.clients * FLAGS.batch_size
+  pooled = num_clients() * FLAGS.batch_size
   # [steps, C·B, ...]: step s takes every client's s-th batch.
   x = jnp.asarray(data.x[:, :steps * FLAGS.batch_size].reshape(
-      (FLAGS.clients, steps, FLAGS.batch_size) + data.x.shape[2:]).swapaxes(0, 1).reshape(
+      (num_clients(), steps, FLAGS.batch_size) + data.x.shape[2:]).swapaxes(0, 1).reshape(
           (steps, pooled) + data.x.shape[2:]))
   y = jnp.asarray(data.y[:, :steps * FLAGS.batch_size].reshape(
-      FLAGS.clients, steps, FLAGS.batch_size).swapaxes(0, 1).reshape(steps, pooled))
+      num_clients(), steps, FLAGS.batch_size).swapaxes(0, 1).reshape(steps, pooled))
   loss_fn = base.cross_entropy_loss(module)
   optimizer = optax.sgd(config.client.learning_rate)
   params, model_state = base.split_variables(server.variables)
@@ -395,7 +440,7 @@ def torch_twin(batch_statistics_only: bool = False):
   if FLAGS.model not in ('atp_cnn', 'mlp'):
     return f'no PyTorch twin of {FLAGS.model}'
   from torch import nn
-  data = cohort_data(FLAGS.clients)
+  data = cohort_data(num_clients())
   track = not batch_statistics_only
   if FLAGS.model == 'atp_cnn':
     def block(cin, cout, pool):
@@ -415,21 +460,25 @@ def torch_twin(batch_statistics_only: bool = False):
 
 
 def case_torch():
+  """(d) the papers' loop: per client, a deep copy of the global model, local SGD, then
+  the mean of the state dicts; on the GPU when torch sees one."""
   twin = torch_twin()
   if isinstance(twin, str):
     return {'skipped': twin}
   import copy
   import torch
   model, x, y = twin
+  device = 'cuda' if torch.cuda.is_available() else 'cpu'
+  model, x, y = model.to(device), x.to(device), y.to(device)
   loss_fn = torch.nn.CrossEntropyLoss()
 
   def run():
     states = []
-    for k in range(FLAGS.clients):
+    for k in range(num_clients()):
       local = copy.deepcopy(model)
       local.train()
       opt = torch.optim.SGD(local.parameters(), lr=0.01)
-      perm = torch.randperm(FLAGS.examples)
+      perm = torch.randperm(FLAGS.examples, device=device)
       for start in range(0, FLAGS.examples, FLAGS.batch_size):
         idx = perm[start:start + FLAGS.batch_size]
         opt.zero_grad()
@@ -440,9 +489,11 @@ def case_torch():
       averaged = {name: sum(s[name].float() for s in states) / len(states)
                   for name in states[0]}
       model.load_state_dict({n: v.to(states[0][n].dtype) for n, v in averaged.items()})
+    if device == 'cuda':
+      torch.cuda.synchronize()
 
   median, times = timed(run, FLAGS.repeats)
-  return {'seconds': median, 'times': times, 'compile_s': 0.0,
+  return {'seconds': median, 'times': times, 'compile_s': 0.0, 'device': device,
           'torch': torch.__version__, 'threads': torch.get_num_threads()}
 
 
@@ -465,11 +516,11 @@ def case_torch_vmap():
     return loss_fn(functional_call(model, params, (xb,)), yb)
 
   client_grads = vmap(grad(loss))
-  clients = torch.arange(FLAGS.clients, device=device)[:, None]
+  clients = torch.arange(num_clients(), device=device)[:, None]
 
   def run():
-    params = {k: v.expand(FLAGS.clients, *v.shape).clone() for k, v in global_params.items()}
-    perms = torch.argsort(torch.rand(FLAGS.clients, FLAGS.examples, device=device), dim=1)
+    params = {k: v.expand(num_clients(), *v.shape).clone() for k, v in global_params.items()}
+    perms = torch.argsort(torch.rand(num_clients(), FLAGS.examples, device=device), dim=1)
     for start in range(0, FLAGS.examples, FLAGS.batch_size):
       idx = perms[:, start:start + FLAGS.batch_size]
       grads = client_grads(params, x[clients, idx], y[clients, idx])
@@ -496,7 +547,7 @@ def case_tta(vmapped: bool):
   from fedjax_shift.core.test_time import AdaptBatch, build_test_time
   config = make_config()
   module = models.create(config.model, 10)
-  data = cohort_data(FLAGS.clients)
+  data = cohort_data(num_clients())
   variables = models.init(module, jax.random.key(0), jnp.asarray(data.x[0, :1]))
   if FLAGS.tta_adapter == 'atp':
     alpha = jax.tree.map(lambda a: a + 0.1, atp_lib.init_alpha(variables))
@@ -505,14 +556,14 @@ def case_tta(vmapped: bool):
     adapter = tent(module)
   elif FLAGS.tta_adapter == 'fedicon':   # a FedICON model: encoder, projection, head
     from fedjax_shift.adapters.fedicon import fedicon_tta
-    _, _, _, _, server = setup_algorithm(FLAGS.clients, 'algorithm:fedicon')
+    _, _, _, _, server = setup_algorithm(num_clients(), 'algorithm:fedicon')
     variables = server.variables
     adapter = fedicon_tta(module, memory_size=8 * FLAGS.batch_size,
                           batch_size=FLAGS.batch_size)
   else:                                  # a FedTHE model: two heads and the features
     from fedjax_shift.adapters.fedthe import fedthe_adapter
     from fedjax_shift.algorithms.fedthe import PersonalState, personal_model
-    _, _, _, _, server = setup_algorithm(FLAGS.clients, 'algorithm:fedthe')
+    _, _, _, _, server = setup_algorithm(num_clients(), 'algorithm:fedthe')
     state = PersonalState(server.variables['params']['head'], server.global_feature)
     variables = personal_model(server, state, server.variables)
     adapter = fedthe_adapter(module)
@@ -526,11 +577,11 @@ def case_tta(vmapped: bool):
     batches = [[AdaptBatch(jnp.asarray(data.x[k, s:s + FLAGS.batch_size]),
                            jnp.ones(FLAGS.batch_size))
                 for s in range(0, FLAGS.examples, FLAGS.batch_size)]
-               for k in range(FLAGS.clients)]
+               for k in range(num_clients())]
 
     def run():
       out = []
-      for k in range(FLAGS.clients):
+      for k in range(num_clients()):
         state = adapter.init(variables, jax.random.fold_in(key, k))
         for batch in batches[k]:
           state, logits = step(state, batch)
@@ -552,7 +603,7 @@ def case_fedtta_test_time(loop: str, patience: int):
   import numpy as np
   from fedjax_shift.adapters.fedtta import adapt, fedtta_adapter
   from fedjax_shift.core.test_time import build_test_time
-  config, module, algorithm, data, server = setup_algorithm(FLAGS.clients, 'fedtta')
+  config, module, algorithm, data, server = setup_algorithm(num_clients(), 'fedtta')
   variables = algorithm.global_model(server)
   adapter = fedtta_adapter(module, 0.5, 50, patience, 0.1, loop)
   run_all = build_test_time(adapter, FLAGS.batch_size, 'episodic')
@@ -578,13 +629,13 @@ def case_sweep(population):
   from fedjax_shift.core.round import (HostStore, RoundConfig, build_round, round_key,
                                        stack_client_states)
   from fedjax_shift.data.federated import FederatedData
-  _, _, algorithm, base_data, server = setup_algorithm(FLAGS.clients)
+  _, _, algorithm, base_data, server = setup_algorithm(num_clients())
   # The population's examples are a broadcast view of one cohort's worth of data:
   # host memory for K clients is not allocated, only each sampled cohort is gathered.
   view = lambda a: np.broadcast_to(a[:1], (population,) + a.shape[1:])
   data = FederatedData(view(base_data.x), view(base_data.y), view(base_data.mask),
                        np.full(population, FLAGS.examples, np.int32))
-  round_config = RoundConfig(cohort_size=FLAGS.clients)
+  round_config = RoundConfig(cohort_size=num_clients())
   _, round_host = build_round(algorithm, round_config)
   clients = stack_client_states(algorithm, server, population)
   seed_key = jax.random.key(0)
@@ -633,11 +684,14 @@ def run_case(name):
   return result
 
 
-def spawn(name):
-  argv = [sys.executable, os.path.abspath(__file__), f'--case={name}']
+def spawn(name, clients: int, conv: str):
+  """Runs case ``name`` at cohort size ``clients`` with ``config.model.conv=conv`` in a
+  subprocess (its own peak RSS); returns its result dict or {'error': last stderr line}."""
+  argv = [sys.executable, os.path.abspath(__file__), f'--case={name}', f'--clients={clients}',
+          f'--conv={conv}']
   argv += [f'--{f}={FLAGS[f].serialize().split("=", 1)[1]}' for f in
-           ('model', 'clients', 'examples', 'batch_size', 'repeats', 'unroll', 'client_chunk',
-            'sweep_repeats', 'tta_adapter', 'conv', 'rounds_per_call', 'seeds')]
+           ('model', 'examples', 'batch_size', 'repeats', 'unroll', 'client_chunk',
+            'sweep_repeats', 'tta_adapter', 'rounds_per_call', 'seeds')]
   proc = subprocess.run(argv, capture_output=True, text=True)
   if proc.returncode:
     return {'error': proc.stderr.strip().splitlines()[-1] if proc.stderr else 'failed'}
@@ -651,21 +705,8 @@ def machine() -> str:
           f'{jax.default_backend()} ({device.device_kind}), jax {jax.__version__}')
 
 
-def main(argv):
-  del argv
-  if FLAGS.case:
-    print(json.dumps(run_case(FLAGS.case)))
-    return
-  steps = -(-FLAGS.examples // FLAGS.batch_size)
-  header = (f'### {FLAGS.model}, {SHAPES[FLAGS.model]} inputs, {FLAGS.clients} clients × '
-            f'{FLAGS.examples} examples, {steps} local steps of batch {FLAGS.batch_size}, '
-            f'unroll={FLAGS.unroll}, client_chunk={FLAGS.client_chunk}, conv={FLAGS.conv}\n\n'
-            f'Machine: {machine()}. Median of {FLAGS.repeats} after one warm-up.\n')
-  print(header, flush=True)
-  results = {}
-  for name in FLAGS.cases:
-    results[name] = spawn(name)
-    print(name, json.dumps(results[name]), flush=True)
+def label(name: str) -> str:
+  """The table row name of case ``name``."""
   labels = {'round': '(a) compiled vmapped round', 'loop': '(b) Python loop of jitted clients',
             'fused': '(c) fused centralized step (same FLOPs)',
             'torch': '(d) PyTorch per-client loop',
@@ -691,15 +732,23 @@ def main(argv):
             'fedtta_e50': 'FedTTA test time, fixed E = 50 steps (scan)',
             'fedtta_pp_scan': 'FedTTA++ test time, E ≤ 50, patience 1, masked scan',
             'fedtta_pp_while': 'FedTTA++ test time, E ≤ 50, patience 1, while_loop'}
-  def label(name):
-    if name in labels:
-      return labels[name]
-    if name.startswith('rates:'):
-      _, k, remat = name.split(':')
-      return (f"learned-rates round ({FLAGS.tta_adapter if FLAGS.tta_adapter == 'tent' else 'atp'}"
-              f"-online), K = {k}, remat {'on' if remat == 'remat' else 'off'}, 1 step")
-    return f"{name.split(':', 1)[1]} round, 1 epoch (registered defaults)"
-  base = results.get('fused', {}).get('seconds')
+  if name in labels:
+    return labels[name]
+  if name.startswith('rates:'):
+    _, k, remat = name.split(':')
+    return (f"learned-rates round ({FLAGS.tta_adapter if FLAGS.tta_adapter == 'tent' else 'atp'}"
+            f"-online), K = {k}, remat {'on' if remat == 'remat' else 'off'}, 1 step")
+  return f"{name.split(':', 1)[1]} round, 1 epoch (registered defaults)"
+
+
+def seconds(results: dict, name: str):
+  """Seconds of case ``name``, or None where it did not run (skipped, error, absent)."""
+  return results.get(name, {}).get('seconds')
+
+
+def case_table(results: dict) -> str:
+  """The markdown table of one cohort size and convolution, with its ratio lines."""
+  base = seconds(results, 'fused')
   lines = ['| case | s/round | compile s | peak RSS GB | vs (c) fused | parameters sent per '
            'client |', '|---|---|---|---|---|---|']
   for name, result in results.items():
@@ -710,37 +759,88 @@ def main(argv):
     sent = f"{result['uploaded_parameters']:,}" if 'uploaded_parameters' in result else ''
     lines.append(f"| {label(name)} | {result['seconds']:.3f} | {result['compile_s']:.1f} | "
                  f"{result['peak_rss_gb']:.2f} | {ratio} | {sent} |")
-  if 'round' in results and 'seconds' in results['round']:
-    a = results['round']['seconds']
-    for other, letter in (('loop', 'b'), ('torch', 'd'), ('torch_vmap', 'e')):
-      if 'seconds' in results.get(other, {}):
-        lines.append(f"\n(a)/({letter}) = {a / results[other]['seconds']:.2f}")
-  if all('seconds' in results.get(n, {}) for n in ('tta_vmap', 'tta_loop')):
-    lines.append(f"\ntta vmapped / tta loop = "
-                 f"{results['tta_vmap']['seconds'] / results['tta_loop']['seconds']:.2f}")
-  if all('seconds' in results.get(n, {}) for n in ('seeds_vmap', 'seeds_loop')):
-    lines.append(f"\nseeds vmapped / seeds one by one = "
-                 f"{results['seeds_vmap']['seconds'] / results['seeds_loop']['seconds']:.2f}")
-  if all('seconds' in results.get(n, {}) for n in ('alpha_round', 'fedavg_1step')):
-    lines.append(f"\nα round / FedAvg 1-step round = "
-                 f"{results['alpha_round']['seconds'] / results['fedavg_1step']['seconds']:.2f}")
-  table = '\n'.join(lines)
-  sweep_lines = []
+  pairs = [('round', 'loop', '(a)/(b)'), ('round', 'torch', '(a)/(d)'),
+           ('round', 'torch_vmap', '(a)/(e)'), ('tta_vmap', 'tta_loop', 'tta vmapped / tta loop'),
+           ('seeds_vmap', 'seeds_loop', 'seeds vmapped / seeds one by one'),
+           ('alpha_round', 'fedavg_1step', 'α round / FedAvg 1-step round')]
+  for top, bottom, text in pairs:
+    if seconds(results, top) and seconds(results, bottom):
+      lines.append(f'\n{text} = {seconds(results, top) / seconds(results, bottom):.2f}')
+  return '\n'.join(lines)
+
+
+def cohort_sweep_table(runs) -> str:
+  """One row per (cohort size, convolution) of ``runs`` [(clients, conv, results)]: the
+  seconds of (a), (c), (d), (e) and the ratios the GPU targets are stated in."""
+  steps = -(-FLAGS.examples // FLAGS.batch_size)
+  fmt = lambda value: '—' if value is None else f'{value:.3f}'
+  ratio = lambda top, bottom: '—' if not (top and bottom) else f'{top / bottom:.2f}'
+  lines = [f'### Cohort sweep: {FLAGS.model}, {FLAGS.examples} examples per client, {steps} '
+           f'local steps of batch {FLAGS.batch_size} (s/round, median of {FLAGS.repeats})\n',
+           '| clients | conv | (a) round | (a) compile s | (c) fused | (d) torch loop | '
+           '(e) torch.func vmap | (a)/(c) | (a)/(d) | (a)/(e) |',
+           '|---|---|---|---|---|---|---|---|---|---|']
+  for clients, conv, results in runs:
+    a = seconds(results, 'round')
+    compile_s = results.get('round', {}).get('compile_s')
+    lines.append(
+        f"| {clients} | {conv} | {fmt(a)} | {'—' if compile_s is None else f'{compile_s:.1f}'} | "
+        f"{fmt(seconds(results, 'fused'))} | {fmt(seconds(results, 'torch'))} | "
+        f"{fmt(seconds(results, 'torch_vmap'))} | {ratio(a, seconds(results, 'fused'))} | "
+        f"{ratio(a, seconds(results, 'torch'))} | {ratio(a, seconds(results, 'torch_vmap'))} |")
+  return '\n'.join(lines)
+
+
+def population_sweep(clients: int, conv: str) -> str:
+  """The host-store population sweep at cohort size ``clients`` (markdown)."""
+  lines = [f'\nPopulation sweep (host store, cohort {clients}, median of '
+           f'{FLAGS.sweep_repeats}):\n', '| population | s/round | first round s | '
+           'peak RSS GB | vs smallest |', '|---|---|---|---|---|']
+  first = None
+  for population in FLAGS.populations:
+    result = spawn(f'sweep:{population}', clients, conv)
+    print('sweep', population, json.dumps(result), flush=True)
+    if 'seconds' not in result:
+      lines.append(f"| {population} | {result.get('error')} | | | |")
+      continue
+    first = first or result['seconds']
+    lines.append(f"| {population} | {result['seconds']:.3f} | {result['compile_s']:.1f} | "
+                 f"{result['peak_rss_gb']:.2f} | {result['seconds'] / first:.2f}× |")
+  return '\n'.join(lines)
+
+
+def main(argv):
+  del argv
+  if FLAGS.case:
+    print(json.dumps(run_case(FLAGS.case)))
+    return
+  check_flags()
+  steps = -(-FLAGS.examples // FLAGS.batch_size)
+  sizes = [int(size) for size in FLAGS.clients]
+  sections, runs, torch_results = [], [], {}
+  for clients in sizes:
+    for conv in FLAGS.conv:
+      header = (f'### {FLAGS.model}, {SHAPES[FLAGS.model]} inputs, {clients} clients × '
+                f'{FLAGS.examples} examples, {steps} local steps of batch {FLAGS.batch_size}, '
+                f'unroll={FLAGS.unroll}, client_chunk={FLAGS.client_chunk}, conv={conv}\n\n'
+                f'Machine: {machine()}. Median of {FLAGS.repeats} after one warm-up.\n')
+      print(header, flush=True)
+      results = {}
+      for name in FLAGS.cases:
+        if name in TORCH_CASES and (clients, name) in torch_results:
+          results[name] = torch_results[(clients, name)]   # the same run for every conv
+          continue
+        results[name] = spawn(name, clients, conv)
+        print(name, json.dumps(results[name]), flush=True)
+        if name in TORCH_CASES:
+          torch_results[(clients, name)] = results[name]
+      sections.append(header + '\n' + case_table(results))
+      runs.append((clients, conv, results))
+  text = '\n\n'.join(sections) + '\n'
+  if len(runs) > 1:
+    text += '\n' + cohort_sweep_table(runs) + '\n'
   if FLAGS.populations and FLAGS.populations != ['']:
-    sweep_lines = [f'\nPopulation sweep (host store, cohort {FLAGS.clients}, median of '
-                   f'{FLAGS.sweep_repeats}):\n', '| population | s/round | first round s | '
-                   'peak RSS GB | vs smallest |', '|---|---|---|---|---|']
-    first = None
-    for population in FLAGS.populations:
-      result = spawn(f'sweep:{population}')
-      print('sweep', population, json.dumps(result), flush=True)
-      if 'seconds' not in result:
-        sweep_lines.append(f"| {population} | {result.get('error')} | | | |")
-        continue
-      first = first or result['seconds']
-      sweep_lines.append(f"| {population} | {result['seconds']:.3f} | {result['compile_s']:.1f} | "
-                         f"{result['peak_rss_gb']:.2f} | {result['seconds'] / first:.2f}× |")
-  text = header + '\n' + table + '\n' + '\n'.join(sweep_lines) + '\n'
+    text += population_sweep(sizes[0], FLAGS.conv[0]) + '\n'
   print('\n' + text)
   if FLAGS.out:
     with open(FLAGS.out, 'w') as f:

@@ -1,0 +1,59 @@
+"""launch/benchmark.py's cohort sweep (issue 12): every case at each --clients size and
+each --conv, the PyTorch peers once per size, and a table of the ratios the GPU
+targets are stated in. Times are not checked (that is the benchmark's job); the
+table's rows, its arithmetic and the flag errors are."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARK = os.path.join(ROOT, 'launch', 'benchmark.py')
+
+
+def _run(*flags):
+  return subprocess.run([sys.executable, BENCHMARK, *flags], capture_output=True, text=True,
+                        cwd=ROOT)
+
+
+def test_cohort_sweep_runs_each_size_and_conv_and_prints_the_ratios(tmp_path):
+  out = tmp_path / 'bench.md'
+  proc = _run('--model=atp_cnn', '--clients=2,3', '--conv=lax,patches', '--examples=4',
+              '--batch_size=4', '--repeats=1', '--cases=round,torch_vmap', '--populations=',
+              f'--out={out}')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  # One (a) per (size, conv); the PyTorch peer once per size, reused for both convs.
+  printed = [line.split(' ', 1) for line in proc.stdout.splitlines()
+             if line.startswith(('round {', 'torch_vmap {'))]
+  assert [name for name, _ in printed].count('round') == 4
+  assert [name for name, _ in printed].count('torch_vmap') == 2
+  text = out.read_text()
+  assert text.count('### atp_cnn, (32, 32, 3) inputs, 2 clients') == 2
+  assert text.count('### atp_cnn, (32, 32, 3) inputs, 3 clients') == 2
+  sweep = text[text.index('### Cohort sweep'):]
+  rows = [line.split('|')[1:-1] for line in sweep.splitlines() if re.match(r'\| \d', line)]
+  assert [(r[0].strip(), r[1].strip()) for r in rows] == [
+      ('2', 'lax'), ('2', 'patches'), ('3', 'lax'), ('3', 'patches')]
+  rounds = [json.loads(json_text) for name, json_text in printed if name == 'round']
+  peers = [json.loads(json_text) for name, json_text in printed if name == 'torch_vmap']
+  for row, result, peer in zip(rows, rounds, [peers[0], peers[0], peers[1], peers[1]]):
+    assert float(row[2]) == pytest.approx(result['seconds'], abs=1e-3)   # (a) s/round
+    if 'seconds' in peer:   # (e) ran (torch installed): (a)/(e) is their quotient
+      assert float(row[9]) == pytest.approx(result['seconds'] / peer['seconds'], abs=0.006)
+    else:
+      assert row[6].strip() == row[9].strip() == '—'
+  assert rows[0][6] == rows[1][6] and rows[2][6] == rows[3][6]   # one (e) run per size
+
+
+@pytest.mark.parametrize('flag, message', [
+    ('--clients=60,0', "--clients: '0' is not a positive integer"),
+    ('--conv=lax,grouped', "--conv: unknown 'grouped'; choose from auto, lax, patches"),
+    ('--conv=patches', '--conv=patches: --model=mlp has no convolutions'),
+])
+def test_bad_sweep_flags_are_errors_naming_the_flag(flag, message):
+  proc = _run('--model=mlp', flag, '--populations=')
+  assert proc.returncode != 0
+  assert message in proc.stderr
