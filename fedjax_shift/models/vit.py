@@ -207,19 +207,29 @@ def load_npz(path: str, encoder: ViTEncoder, example_x: jax.Array) -> dict:
   expected = traverse_util.flatten_dict(
       jax.eval_shape(encoder.init, jax.random.key(0), example_x)['params'])
   with np.load(path) as stored:
-    out = {}
-    for key, spec in expected.items():
-      name = npz_name(key)
-      if name not in stored:
-        raise ValueError(f'{path}: no parameter {name!r} (this ViT: depth {encoder.depth}, '
-                         f'width {encoder.width})')
-      value = stored[name]
-      if value.shape != spec.shape:
-        raise ValueError(f'{path}: parameter {name!r} has shape {value.shape}, this ViT '
-                         f'(patch {encoder.patch_size}, width {encoder.width}, heads '
-                         f'{encoder.heads}, mlp {encoder.mlp_dim}) needs {spec.shape}')
-      out[key] = jnp.asarray(value, spec.dtype)
-  return traverse_util.unflatten_dict(out)
+    return traverse_util.unflatten_dict(checked_params(
+        expected, stored, npz_name, path,
+        f'this ViT (patch {encoder.patch_size}, width {encoder.width}, depth '
+        f'{encoder.depth}, heads {encoder.heads}, mlp {encoder.mlp_dim})'))
+
+
+def checked_params(expected: dict, stored, name_of, source: str, model: str) -> dict:
+  """{key: array} for every key of ``expected`` (flat {path tuple: ShapeDtypeStruct}),
+  read from the mapping ``stored`` under ``name_of(key)`` and cast to the expected
+  dtype. A missing name or another shape is an error naming the parameter, ``source``
+  (the file) and ``model`` (what needs the parameter)."""
+  import numpy as np
+  out = {}
+  for key, spec in expected.items():
+    name = name_of(key)
+    if name not in stored:
+      raise ValueError(f'{source}: no parameter {name!r} ({model})')
+    value = np.asarray(stored[name])
+    if value.shape != spec.shape:
+      raise ValueError(f'{source}: parameter {name!r} has shape {value.shape}, {model} '
+                       f'needs {spec.shape}')
+    out[key] = jnp.asarray(value, spec.dtype)
+  return out
 
 
 def ssf_tree(ssf: SSF) -> dict:

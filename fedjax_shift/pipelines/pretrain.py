@@ -158,21 +158,11 @@ def load_encoder(path: str, module, example_x: jax.Array) -> dict:
   expected = traverse_util.flatten_dict(
       jax.eval_shape(lambda: models.init(module, jax.random.key(0), example_x))['params'])
   stored = ocp.PyTreeCheckpointer().restore(os.path.join(os.path.abspath(path), 'params'))
-  out = {}
-  for key, spec in expected.items():
-    if key[0] != 'encoder':
-      continue
-    name = '/'.join(key)
-    if name not in stored:
-      raise ValueError(f'config.backbone.weights: {path} has no parameter {name!r} '
-                       f'(config.model: {config_summary(module)})')
-    value = np.asarray(stored[name])
-    if value.shape != spec.shape:
-      raise ValueError(f'config.backbone.weights: {path}: parameter {name!r} has shape '
-                       f'{value.shape}, config.model ({config_summary(module)}) needs '
-                       f'{spec.shape}')
-    out[key[1:]] = jnp.asarray(value, spec.dtype)
-  return traverse_util.unflatten_dict(out)
+  encoder_specs = {key: spec for key, spec in expected.items() if key[0] == 'encoder'}
+  encoder = vit.checked_params(encoder_specs, stored, '/'.join,
+                               f'config.backbone.weights: {path}',
+                               f'config.model ({config_summary(module)})')
+  return traverse_util.unflatten_dict({key[1:]: value for key, value in encoder.items()})
 
 
 def config_summary(module) -> str:

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Issue 12's GPU checks, cut into stages that each fit one call of a lent GPU machine
+# (at most 10 minutes a command, 30 minutes of device time a session), so a session
+# that gets a GPU spends its time measuring, not setting up.
+#
+#   launch/gpu_check.sh wheels      HERE, where PyPI is reachable: the packages the GPU
+#                                   image lacks (it has jax, flax, optax, orbax, chex,
+#                                   torch, pytest-xdist) as cp312 wheels in .whl/
+#                                   (.gitignore'd: it travels only as a carried path)
+#   launch/gpu_check.sh suite       ON THE GPU: the whole test suite, pytest -n 8
+#   launch/gpu_check.sh bench       ON THE GPU: the ATP-CNN cohort sweep 60/240/1000 ×
+#                                   lax/patches with (c), (d), (e); rounds_per_call and
+#                                   vmap_seeds cases on the MLP
+#   launch/gpu_check.sh atp         ON THE GPU: configs/atp.py:digits,cnn (3 shifts × 3 seeds)
+#   launch/gpu_check.sh fedevolve   ON THE GPU: FedEvolve Table 1's RMNIST grid with the
+#                                   paper's CNN (3 Dirichlet levels × FedAvg/FedEvolve/FedEvp)
+#
+# On the device tool: run(command="bash launch/gpu_check.sh suite", carry=[".whl"]).
+# Logs and tables land in $OUT (the device tool's return folder; /tmp/gpu_check when
+# unset), at most 8 files, flat. STAGE_TIMEOUT (seconds, default 560) bounds each stage
+# so its output still comes back inside the call's 10 minutes. BENCH_CLIENTS and
+# TORCH_LOOP_CLIENTS shrink the bench stage (e.g. =2 for a dry run on a CPU).
+set -uo pipefail
+stage=${1:?usage: launch/gpu_check.sh wheels|suite|bench|atp|fedevolve}
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here" || exit 1
+out=${OUT:-/tmp/gpu_check}
+mkdir -p "$out"
+limit=${STAGE_TIMEOUT:-560}
+BENCH_CLIENTS=${BENCH_CLIENTS:-60,240,1000}        # cohort sizes of the sweep
+TORCH_LOOP_CLIENTS=${TORCH_LOOP_CLIENTS:-60,240}   # (d), the papers' loop: slow at 1,000
+
+# Packages of pyproject.toml (and their needs) that the GPU image does not hold; the
+# versions are the ones CI installs with them. Python 3.12 there.
+WHEELS="ml-collections==1.1.0 mlxtend==0.25.0 tensorflow-datasets==4.9.10 array-record==0.8.6
+dm-tree==0.1.10 immutabledict==4.3.1 simple-parsing==0.1.9 docstring-parser==0.18.0
+tensorflow-metadata==1.21.0 termcolor==3.3.0 toml==0.10.2 googleapis-common-protos==1.76.0"
+
+if [ "$stage" = wheels ]; then
+  mkdir -p .whl
+  # shellcheck disable=SC2086
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 --platform any -d .whl $WHEELS || exit
+  # tensorflow-datasets imports promise, which PyPI has as a source archive only: build
+  # its pure-Python wheel here.
+  python3 -m pip wheel --quiet --no-deps -w .whl promise==2.3 || exit
+  ls -l .whl
+  du -sh .whl
+  exit 0
+fi
+
+# On the GPU machine: the carried wheels, then one line of what this machine is.
+if ! python3 -c 'import ml_collections, mlxtend, tensorflow_datasets' 2>/dev/null; then
+  [ -d .whl ] || { echo "no .whl/: run 'launch/gpu_check.sh wheels' here and carry .whl" >&2; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit
+  export PYTHONPATH=/tmp/site:$here
+else
+  export PYTHONPATH=$here${PYTHONPATH:+:$PYTHONPATH}
+fi
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
+python3 -c 'import jax, torch; print("jax", jax.__version__, jax.devices(), "torch",
+torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$out/machine.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+  >> "$out/machine.txt" 2>&1
+
+case $stage in
+  suite)
+    # The conftest turns on XLA's deterministic GPU ops and highest matmul precision.
+    timeout "$limit" python3 -m pytest -q -n 8 -p no:cacheprovider --durations=15 \
+      2>&1 | tee "$out/suite.log" | tail -n 60
+    ;;
+  bench)
+    timeout "$limit" python3 launch/benchmark.py --model=atp_cnn --clients="$BENCH_CLIENTS" \
+      --conv=lax,patches --cases=round,fused,torch_vmap --populations= --repeats=3 \
+      --out="$out/bench_sweep.md" > "$out/bench_sweep.log" 2>&1
+    tail -n 12 "$out/bench_sweep.md"
+    timeout 120 python3 launch/benchmark.py --model=atp_cnn --clients="$TORCH_LOOP_CLIENTS" \
+      --cases=torch --populations= --repeats=3 --out="$out/bench_torch_loop.md" \
+      > "$out/bench_torch_loop.log" 2>&1
+    tail -n 6 "$out/bench_torch_loop.md"
+    timeout 150 python3 launch/benchmark.py --model=mlp --clients=60 \
+      --cases=rounds_calls,rounds_scan,seeds_vmap,seeds_loop --populations=240,1000,10000 \
+      --out="$out/bench_engine.md" > "$out/bench_engine.log" 2>&1
+    tail -n 16 "$out/bench_engine.md"
+    ;;
+  atp)
+    timeout "$limit" python3 launch/train.py --config=configs/atp.py:digits,cnn \
+      --workdir=/tmp/gpu_atp --compilation_cache="$JAX_COMPILATION_CACHE_DIR" \
+      > "$out/atp.log" 2>&1
+    cp /tmp/gpu_atp/results.md "$out/atp_results.md" && cat "$out/atp_results.md"
+    ;;
+  fedevolve)
+    MAX_PARALLEL=${MAX_PARALLEL:-9} RUN_TIMEOUT=$((limit - 40)) \
+      bash launch/sweep_evolving.sh /tmp/gpu_fedevolve \
+      "rmnist_dirinf rmnist_dir1.0 rmnist_dir0.1" "fedavg fedevolve fedevp" \
+      > "$out/fedevolve.log" 2>&1
+    cat "$out/fedevolve.log" | tail -n 80
+    ;;
+  *)
+    echo "unknown stage '$stage': wheels | suite | bench | atp | fedevolve" >&2
+    exit 2
+    ;;
+esac
