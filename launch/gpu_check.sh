@@ -9,8 +9,9 @@
 #                                   (.gitignore'd: it travels only as a carried path)
 #   launch/gpu_check.sh suite       ON THE GPU: the whole test suite, pytest -n 8
 #   launch/gpu_check.sh bench       ON THE GPU: the ATP-CNN cohort sweep 60/240/1000 ×
-#                                   lax/patches with (c), (d), (e); rounds_per_call and
-#                                   vmap_seeds cases on the MLP
+#                                   lax/patches with (c) and (e)
+#   launch/gpu_check.sh engine      ON THE GPU: (d), the papers' loop, at 60/240; the
+#                                   rounds_per_call, vmap_seeds and population cases (MLP)
 #   launch/gpu_check.sh atp         ON THE GPU: configs/atp.py:digits,cnn (3 shifts × 3 seeds)
 #   launch/gpu_check.sh fedevolve   ON THE GPU: FedEvolve Table 1's RMNIST grid with the
 #                                   paper's CNN (3 Dirichlet levels × FedAvg/FedEvolve/FedEvp)
@@ -19,9 +20,9 @@
 # Logs and tables land in $OUT (the device tool's return folder; /tmp/gpu_check when
 # unset), at most 8 files, flat. STAGE_TIMEOUT (seconds, default 560) bounds each stage
 # so its output still comes back inside the call's 10 minutes. BENCH_CLIENTS and
-# TORCH_LOOP_CLIENTS shrink the bench stage (e.g. =2 for a dry run on a CPU).
+# TORCH_LOOP_CLIENTS shrink the bench and engine stages (e.g. =2 for a dry run on a CPU).
 set -uo pipefail
-stage=${1:?usage: launch/gpu_check.sh wheels|suite|bench|atp|fedevolve}
+stage=${1:?usage: launch/gpu_check.sh wheels|suite|bench|engine|atp|fedevolve}
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here" || exit 1
 out=${OUT:-/tmp/gpu_check}
@@ -78,11 +79,13 @@ case $stage in
       --conv=lax,patches --cases=round,fused,torch_vmap --populations= --repeats=3 \
       --out="$out/bench_sweep.md" > "$out/bench_sweep.log" 2>&1
     tail -n 12 "$out/bench_sweep.md"
-    timeout 120 python3 launch/benchmark.py --model=atp_cnn --clients="$TORCH_LOOP_CLIENTS" \
+    ;;
+  engine)
+    timeout 240 python3 launch/benchmark.py --model=atp_cnn --clients="$TORCH_LOOP_CLIENTS" \
       --cases=torch --populations= --repeats=3 --out="$out/bench_torch_loop.md" \
       > "$out/bench_torch_loop.log" 2>&1
     tail -n 6 "$out/bench_torch_loop.md"
-    timeout 150 python3 launch/benchmark.py --model=mlp --clients=60 \
+    timeout 300 python3 launch/benchmark.py --model=mlp --clients=60 \
       --cases=rounds_calls,rounds_scan,seeds_vmap,seeds_loop --populations=240,1000,10000 \
       --out="$out/bench_engine.md" > "$out/bench_engine.log" 2>&1
     tail -n 16 "$out/bench_engine.md"
@@ -101,7 +104,7 @@ case $stage in
     cat "$out/fedevolve.log" | tail -n 80
     ;;
   *)
-    echo "unknown stage '$stage': wheels | suite | bench | atp | fedevolve" >&2
+    echo "unknown stage '$stage': wheels | suite | bench | engine | atp | fedevolve" >&2
     exit 2
     ;;
 esac
