@@ -31,11 +31,17 @@ limit=${STAGE_TIMEOUT:-560}
 BENCH_CLIENTS=${BENCH_CLIENTS:-60,240,1000}        # cohort sizes of the sweep
 TORCH_LOOP_CLIENTS=${TORCH_LOOP_CLIENTS:-60,240}   # (d), the papers' loop: slow at 1,000
 
-# Packages of pyproject.toml (and their needs) that the GPU image does not hold; the
-# versions are the ones CI installs with them. Python 3.12 there.
+# Packages of pyproject.toml (and their needs) that the GPU image does not hold, at the
+# versions pip resolved for `pip install -e '.[dev]'` here on 2026-11-24. Python 3.12 there.
 WHEELS="ml-collections==1.1.0 mlxtend==0.25.0 tensorflow-datasets==4.9.10 array-record==0.8.6
 dm-tree==0.1.10 immutabledict==4.3.1 simple-parsing==0.1.9 docstring-parser==0.18.0
 tensorflow-metadata==1.21.0 termcolor==3.3.0 toml==0.10.2 googleapis-common-protos==1.76.0"
+
+case $stage in
+  wheels|suite|bench|engine|atp|fedevolve) ;;
+  *) echo "unknown stage '$stage': wheels | suite | bench | engine | atp | fedevolve" >&2
+     exit 2 ;;
+esac
 
 if [ "$stage" = wheels ]; then
   mkdir -p .whl
@@ -101,10 +107,6 @@ case $stage in
       bash launch/sweep_evolving.sh /tmp/gpu_fedevolve \
       "rmnist_dirinf rmnist_dir1.0 rmnist_dir0.1" "fedavg fedevolve fedevp" \
       > "$out/fedevolve.log" 2>&1
-    cat "$out/fedevolve.log" | tail -n 80
-    ;;
-  *)
-    echo "unknown stage '$stage': wheels | suite | bench | engine | atp | fedevolve" >&2
-    exit 2
+    tail -n 80 "$out/fedevolve.log"
     ;;
 esac
