@@ -37,7 +37,8 @@ from fedjax_shift.config import apply_variant, base_config
 
 def get_config(arg: str = 'digits_hybrid') -> ml_collections.ConfigDict:
   c = base_config()
-  c.pipeline = 'test_time'
+  c.pipeline = 'atp'
+  c.paper_tables = 'atp'             # launch/train.py prints Tables 1 and 3 beside the paper's
   c.algorithms = ('fedavg',)          # the global model's training (ATP Table 7: fedprox, qffl)
   c.rounds = 200                      # ATP: FedAvg 200 rounds (CNN)
   c.cohort_size = 60                  # 25 % of 240 source clients

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import ml_collections
 
-from fedjax_shift import pipelines
+from fedjax_shift import papers, pipelines  # noqa: F401  (papers: their table layouts)
 from fedjax_shift.adapters import ADAPTERS
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS
@@ -41,7 +41,7 @@ def registered_data_defaults() -> dict:
 def base_config() -> ml_collections.ConfigDict:
   """FedAvg on the embedded MNIST digits, 20 clients, Dirichlet 0.1 (FedTHE-style)."""
   c = ml_collections.ConfigDict()
-  c.pipeline = 'federated'          # run loop: 'federated' | 'test_time' (pipelines.PIPELINES)
+  c.pipeline = 'federated'          # run loop: 'federated' | 'atp' | 'hetero' | 'pretrain'
   c.algorithms = ('fedavg',)        # methods to run, each over every seed
   c.seeds = (0, 1, 2)               # partition, sampling and training all follow the seed
   c.rounds = 30
@@ -101,7 +101,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_adapter_algorithms = ()    # ... applied to these algorithms' models
   c.eval_adapter_batch_size = 32    # their test batch size
   c.eval_adapter_splits = ('test',) # ... run on the evaluation splits named with these prefixes
-  c.paper_tables = ''               # '' | 'fedevolve' | 'fedtta' | 'fedicon' | 'fedins': also print its tables
+  c.paper_tables = ''               # a registered paper table (fedjax_shift/papers/) to print too
   c.checkpoint_every = 5
   c.keep_checkpoints = 2            # >= 1: the final checkpoint is what a re-run resumes from
   c.resume = ''                     # '' | 'extend': continue finished runs to a larger rounds

@@ -58,7 +58,11 @@ def build_method(name, config, data, num_classes=3):
   from fedjax_shift import algorithms, models
   from fedjax_shift.core.round import stack_client_states
   module = models.create(config.model, num_classes)
+  pretrained = None   # a method that trains around a pretrained model (ATP's α) gets one
+  if algorithms.ALGORITHMS.meta(name).get('pretrained_model'):
+    pretrained = models.init(module, jax.random.key(1), jnp.asarray(data.x[0, :1]))
   algorithm = algorithms.build(name, config, module, data.max_examples,
-                               num_clients=data.num_clients, example_shape=data.x.shape[2:])
+                               num_clients=data.num_clients, example_shape=data.x.shape[2:],
+                               global_variables=pretrained)
   server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   return module, algorithm, server, stack_client_states(algorithm, server, data.num_clients)

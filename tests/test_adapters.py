@@ -259,7 +259,7 @@ def test_batch_larger_than_a_client_repeats_its_examples_and_scores_each_once(na
 
 
 def test_pipeline_accuracy_skips_empty_target_clients():
-  from fedjax_shift.pipelines.test_time import run_adapter
+  from fedjax_shift.pipelines.atp import run_adapter
   module, variables, context = setup()
   data, xs, ys = toy_clients([4, 0, 6], num_classes=NUM_CLASSES, pad_to=6)
   acc = run_adapter(no_adapt(module), 'episodic', 4, variables, data, jax.random.key(0),

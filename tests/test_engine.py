@@ -145,10 +145,9 @@ def test_qffl_q_zero_equals_uniform_fedavg_and_q_one_matches_formula():
 @pytest.mark.parametrize('name', [n for n in ALGORITHMS.names()
                                   if ALGORITHMS.meta(n).get('layout') != 'domains'])
 def test_padding_does_not_change_update(name):
-  # BatchNorm where the method supports it (FedSR's probabilistic head, FedTTA's step
-  # through the model on unlabelled data and ODPFL-HN's generated weights do not).
-  # The methods that need a ViT (FedIns) get a one-block ViT on 4×4×3 inputs.
-  model = 'mlp' if name in ('fedadg', 'fedsr', 'fedtta', 'fedtta_prox', 'odpfl_hn') else 'bn_mlp'
+  # BatchNorm where the method supports it (a method registered with batch_norm=False
+  # does not). The methods that need a ViT (FedIns) get a one-block ViT on 4×4×3 inputs.
+  model = 'bn_mlp' if ALGORITHMS.meta(name).get('batch_norm', True) else 'mlp'
   config = tiny_config(**{'model.name': model, 'client.batch_size': 3})
   shape = (4, 4, 1)
   if ALGORITHMS.meta(name).get('models'):

@@ -200,18 +200,12 @@ def test_fedevolve_feature_widths_of_phi_and_psi_must_agree():
 
 
 def test_fedevolve_probe_reproduces_the_engines_server_and_client_columns(tmp_path):
-  """launch/fedevolve_probe.py recomputes FedEvolve's Server rule (stored prototypes,
+  """The FedEvolve probe (fedjax_shift/papers/fedevolve/probe.py) recomputes FedEvolve's Server rule (stored prototypes,
   ψ features) and Client rule (g = 1: the client's own S_M prototypes under the global
   φ) from the trained state with its own nearest-prototype code: both must equal the
   engine's evaluation of the same run."""
-  import importlib.util
-  import os
   from configs import fedevolve as fedevolve_config
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  spec = importlib.util.spec_from_file_location(
-      'fedevolve_probe', os.path.join(root, 'launch', 'fedevolve_probe.py'))
-  probe = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(probe)
+  from fedjax_shift.papers.fedevolve import probe
   config = fedevolve_config.get_config('rmnist_dirinf,mlp,tiny')
   config.progress = False
   config.rounds = 3
@@ -253,7 +247,7 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
     assert out.records['table']['rows'][1][header.index(column)] == 'n/a'
     assert out.records['table']['rows'][0][header.index(column)] != 'n/a'
   # The paper's Table 1 layout: FedAvg-FT gives the FedAvg-FT, MEMO(G), MEMO(P), T3A rows.
-  from fedjax_shift import report
+  from fedjax_shift.papers.fedevolve import tables as report
   table = report.evolving_table({'Dir=inf': out.records['results']})
   labels = [line.split(' | ')[0].strip('| ') for line in table.splitlines()[2:]]
   assert labels == ['MEMO(G)', 'FedAvg-FT', 'MEMO(P)', 'T3A', 'FedEvolve']

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_shift import algorithms, models, report
+from fedjax_shift import algorithms, models
+from fedjax_shift.papers.fedicon import tables as report
 from fedjax_shift.adapters import fedicon as fedicon_adapter
 from fedjax_shift.adapters import fedthe as fedthe_adapter
 from fedjax_shift.algorithms.fedicon import supcon_loss

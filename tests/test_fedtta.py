@@ -360,16 +360,10 @@ def test_upfl_degree_of_shift_and_concept_shift_splits():
 
 
 def test_fedtta_probe_reproduces_the_engines_adapted_columns(tmp_path):
-  """launch/fedtta_probe.py recomputes one step (FedTTA) and patience-1 early stopping
+  """The FedTTA probe (fedjax_shift/papers/fedtta/probe.py) recomputes one step (FedTTA) and patience-1 early stopping
   with the lowest-entropy model (FedTTA++, restore_best) from plain inner steps: both
   must equal the engine's adapter columns of the same run (one batch per client)."""
-  import importlib.util
-  import os
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  spec = importlib.util.spec_from_file_location(
-      'fedtta_probe', os.path.join(root, 'launch', 'fedtta_probe.py'))
-  probe = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(probe)
+  from fedjax_shift.papers.fedtta import probe
   config = upfl_config()
   config.progress = False
   config.rounds = 2
@@ -383,7 +377,7 @@ def test_fedtta_probe_reproduces_the_engines_adapted_columns(tmp_path):
 
 
 def test_upfl_table_rows_workdirs_and_best_validation_round():
-  from fedjax_shift import report
+  from fedjax_shift.papers.fedtta import tables as report
   evaluations = [{'round': 10, 'global/val/accuracy': 0.8, 'global/test/accuracy': 0.7},
                  {'round': 20, 'global/val/accuracy': 0.9, 'global/test/accuracy': 0.6},
                  {'round': 30, 'global/val/accuracy': 0.85, 'global/test/accuracy': 0.9}]

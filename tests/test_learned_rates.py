@@ -129,7 +129,7 @@ def test_k1_episodic_atp_rates_training_equals_atps_alpha_training():
   # The learned-rates training of ATP's α with K = 1 in the episodic mode is ATP's
   # Algorithm 1: same batches (the engine's schedule), same loss, same scaled SGD.
   from fedjax_shift.algorithms.atp import atp_training
-  from fedjax_shift.pipelines import test_time
+  from fedjax_shift.pipelines import atp as atp_pipeline
   module, variables, data = setup()
   config = atp_configs.get_config('digits_hybrid,tiny,learned')
   config.atp.batch_size = BATCH
@@ -140,7 +140,7 @@ def test_k1_episodic_atp_rates_training_equals_atps_alpha_training():
   learned = learned_rates.rates_training(
       lambda rates: rated('atp', module, variables, rates),
       learned_rates.init_rates('atp', ('alpha',), {}, variables), variables,
-      test_time.rates_optimizer(config, ('alpha',), variables), BATCH, 1, 'episodic', 2,
+      atp_pipeline.rates_optimizer(config, ('alpha',), variables), BATCH, 1, 'episodic', 2,
       data.x.shape[1])
   key = jax.random.key(4)
   round_config = RoundConfig(cohort_size=2, weighting='uniform')
@@ -249,10 +249,19 @@ LEARNABLE = [(name, rate) for name in learned_rates.ADAPTERS.names()
 SMALL = {'eata': {'fisher_weight': 0.0, 'entropy_margin': 1.0}, 'memo': {'num_augmentations': 2}}
 
 
-def test_the_learnable_rates_are_the_issues_list():
-  assert LEARNABLE == [('atp', 'alpha'), ('bn_adapt', 'prior_strength'), ('eata', 'learning_rate'),
-                       ('memo', 'learning_rate'), ('shot', 'learning_rate'),
-                       ('tent', 'learning_rate')]
+def test_every_learnable_rate_is_a_number_its_adapter_reads():
+  # Read from the registry: a rate is a numeric field of the adapter's config section,
+  # or ATP's α, which the adapter takes from its source context; every learned row of
+  # the default config trains rates its base adapter registered.
+  assert LEARNABLE
+  for adapter, rate in LEARNABLE:
+    parameterisation = learned_rates.learnable(adapter)[rate]
+    defaults = learned_rates.ADAPTERS.defaults(adapter)
+    assert parameterisation == 'alpha' or isinstance(defaults[rate], float), (adapter, rate)
+  config = config_lib.base_config()
+  for row, rates in config.learned.rates.items():
+    adapter = config.tta.adapter[config.learned.base[row]]
+    assert set(rates) <= set(learned_rates.learnable(adapter)), (row, rates)
 
 
 @pytest.mark.parametrize('adapter, rate', LEARNABLE)

@@ -2,6 +2,7 @@
 names and fields are errors, the package layering holds, and the adapter
 evaluation compiles once."""
 import ast
+import re
 import importlib.util
 import os
 
@@ -22,7 +23,7 @@ from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.core.algorithm import ClientOutput
 from fedjax_shift.core.test_time import Adapter, build_test_time
 from fedjax_shift.pipelines import PIPELINES
-from fedjax_shift.pipelines.test_time import adapter_accuracy, adapter_evaluator
+from fedjax_shift.pipelines.atp import adapter_accuracy, adapter_evaluator
 from helpers import tiny_config, toy_clients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,13 +109,19 @@ def test_every_method_section_holds_its_registered_defaults():
 
 
 @pytest.mark.parametrize('field, value, pattern', [
-    ('pipeline', 'nope', r"config.pipeline: unknown pipeline 'nope'; choose from "
-                         r"\['federated', 'hetero', 'pretrain', 'test_time'\]"),
+    ('pipeline', 'nope', re.escape(f"config.pipeline: unknown pipeline 'nope'; choose from "
+                                   f"{PIPELINES.names()}")),
+    ('pipeline', 'test_time', r"config.pipeline: 'test_time' is called 'atp' now"),
+    ('paper_tables', 'nope', r"config.paper_tables: unknown paper table 'nope'; choose from "
+                             r"\['atp', "),
+    ('paper_tables', 'atp', r"config.paper_tables: 'atp' lays out runs of the \['atp'\] "
+                            r"pipeline\(s\), not config.pipeline='federated'"),
+    ('algorithms', ('atp',), r'config.algorithms: atp trains around a pretrained global model'),
     ('data.benchmark', 'nope', r"config.data.benchmark: unknown benchmark 'nope'; choose from "
                                r"\['atp_shift', 'circle', 'digit_domains', "
                                r"'label_skew_corrupted'"),
     ('data.benchmark', 'atp_shift', r"config.data.benchmark: 'atp_shift' feeds the "
-                                    r"\['test_time'\] pipeline"),
+                                    r"\['atp'\] pipeline"),
     ('fedprox.nu', 0.1, r"config.fedprox.nu: unknown field; config.fedprox has \['mu'\]"),
     ('fedavg.mu', 0.1, r'config.fedavg.mu: unknown field; config.fedavg has no fields'),
     ('adapters.tent.lr', 0.1, r'config.adapters.tent.lr: unknown field'),
@@ -133,11 +140,12 @@ def test_registry_rejects_duplicates_and_names_choices():
     PIPELINES.get('x')
 
 
-# data → models → core → algorithms/adapters → benchmarks → pipelines → config, as stated
-# in fedjax_shift/__init__.py; registry, metrics and checkpoint are leaves anyone may use.
+# data → models → core → parts → algorithms → adapters → benchmarks → report → pipelines
+# → papers → config, as stated in fedjax_shift/__init__.py; registry, metrics and
+# checkpoint are leaves anyone may use.
 LAYERS = {'registry': 0, 'metrics': 0, 'checkpoint': 0, 'data': 1, 'models': 2, 'core': 3,
-          'algorithms': 4, 'adapters': 4, 'benchmarks': 5, 'report': 6, 'pipelines': 6,
-          'config': 7}
+          'parts': 4, 'algorithms': 5, 'adapters': 6, 'benchmarks': 7, 'report': 8,
+          'pipelines': 9, 'papers': 10, 'config': 11}
 
 
 def package_modules():
@@ -230,7 +238,7 @@ def test_adapter_evaluation_compiles_once_and_takes_alpha_as_an_argument():
   data, _, _ = toy_clients([6, 4, 5], num_classes=3, pad_to=6)
   evaluate_chunk = adapter_evaluator('atp', module, ml_collections.ConfigDict(),
                                      3, 4, 'online')
-  from fedjax_shift.pipelines.test_time import AdapterInputs
+  from fedjax_shift.pipelines.atp import AdapterInputs
   rng = jax.random.key(3)
   results = []
   for shift in (0.3, 3.0):

@@ -279,7 +279,8 @@ def test_report_errors_name_the_file_and_exit_nonzero(tmp_path):
                          text=True, cwd=ROOT)
   assert empty.returncode != 0 and 'no workdirs' in empty.stderr
   (tmp_path / 'results.json').write_text('{"table1": {')
-  cut = subprocess.run([sys.executable, report, f'--workdirs={tmp_path}'], capture_output=True,
+  cut = subprocess.run([sys.executable, report, '--kind=atp', f'--workdirs={tmp_path}'],
+                       capture_output=True,
                        text=True, cwd=ROOT)
   assert cut.returncode != 0 and str(tmp_path / 'results.json') in cut.stderr
 

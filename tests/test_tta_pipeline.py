@@ -118,11 +118,14 @@ def test_pipeline_end_to_end_tables_alpha_and_resume(tmp_path):
       'launch_report', os.path.join(os.path.dirname(__file__), '..', 'launch', 'report.py'))
   launch_report = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(launch_report)
-  table1, table3, _, shifts, seeds = launch_report.load([workdir])
+  from fedjax_shift.papers.atp import tables
+  table1, table3, _, shifts, seeds = tables.load([workdir])
   assert table1 == out.records['table1'] and table3 == out.records['table3'] and seeds == [0]
   assert shifts == ['feature', 'label']
   with pytest.raises(ValueError, match='also in an earlier workdir'):
-    launch_report.load([workdir, workdir])
+    tables.load([workdir, workdir])
+  # Without --kind it lays out the workdir's config.paper_tables, as launch/train.py did.
+  assert launch_report.build([workdir]) == out.records['markdown']
   assert len(read_metrics(os.path.join(run_dir, 'alpha', 'metrics.jsonl'))) == 2
 
 
@@ -139,7 +142,7 @@ def test_digits_hybrid_quick_protocol_runs_every_row(tmp_path):
 
 
 def test_tables_rank_ties_and_take_the_table3_diagonal_from_table1():
-  from fedjax_shift import report
+  from fedjax_shift.papers.atp import tables as report
   table1 = {'no_adapt': {'feature': {0: 0.5, 1: 0.7}, 'label': {0: 0.4, 1: 0.4}},
             'atp_batch': {'feature': {0: 0.8, 1: 0.8}, 'label': {0: 0.4, 1: 0.4}}}
   table3 = {('feature', 'label'): {'atp_batch': {0: 0.3, 1: 0.5}},

@@ -5,26 +5,14 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, NamedTuple, Tuple
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
 from fedjax_shift import models
-from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import Adapter
+from fedjax_shift.parts.losses import entropy, weighted_entropy  # noqa: F401
 
 PREDICT = ('before', 'after')
-
-
-def entropy(logits: jax.Array) -> jax.Array:
-  """Per-example prediction entropy −Σ_c ŷ_c log ŷ_c. logits [B, C] -> [B]."""
-  log_probs = jax.nn.log_softmax(logits)
-  return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
-
-
-def weighted_entropy(logits: jax.Array, weight: jax.Array) -> jax.Array:
-  """Mean prediction entropy over the examples with weight > 0."""
-  return masked_mean(entropy(logits), weight)
 
 
 def split_params(params, is_selected: Callable[[Tuple[str, ...]], bool], field: str):

@@ -29,7 +29,7 @@ import optax
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
-from fedjax_shift.algorithms.fedicon import MIN_BATCH, projection_of, representation, supcon_loss
+from fedjax_shift.parts.contrastive import MIN_BATCH, projection_of, representation, supcon_loss
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 from fedjax_shift.data import augment
 

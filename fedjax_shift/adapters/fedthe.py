@@ -34,7 +34,7 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.adapters.common import entropy
 from fedjax_shift.adapters.memo import marginal_entropy
-from fedjax_shift.algorithms.fedthe import EXTRA
+from fedjax_shift.parts.fedthe_extras import EXTRA
 from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 from fedjax_shift.data.augment import augment_many

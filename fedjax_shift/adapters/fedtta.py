@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
-from fedjax_shift.algorithms.fedtta import ADAPTATION, inner_step
+from fedjax_shift.parts.fedtta_step import ADAPTATION, inner_step
 from fedjax_shift.core.local import select
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 from fedjax_shift.registry import require

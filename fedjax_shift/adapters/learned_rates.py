@@ -37,12 +37,12 @@ import optax
 from flax import traverse_util
 
 from fedjax_shift import models
-from fedjax_shift.adapters import atp as atp_lib
 from fedjax_shift.adapters.common import layer_of
-from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import LocalSchedule, local_train
 from fedjax_shift.core.test_time import ADAPTERS, MODES, Adapter, SourceContext, client_runner
+from fedjax_shift.parts import atp_rates as atp_lib
+from fedjax_shift.parts.trees import tree_sub, weighted_sum
 
 Rates = Dict[str, Any]     # learned hyperparameter name -> its unconstrained tree
 
@@ -208,10 +208,10 @@ def rates_training(make_adapter: Callable[[Rates], Adapter], initial: Rates, var
 
   def client_update(state, client_state, data, rng):
     rates, _, _, metrics = local_train(loss_fn, optimizer, state.rates, (), data, rng, schedule)
-    return ClientOutput(base.tree_sub(rates, state.rates), metrics), client_state
+    return ClientOutput(tree_sub(rates, state.rates), metrics), client_state
 
   def server_update(state, outputs, weights):
-    mean_delta = base.weighted_sum(outputs.update, weights)
+    mean_delta = weighted_sum(outputs.update, weights)
     updates, opt_state = server_opt.update(jax.tree.map(jnp.negative, mean_delta),
                                            state.opt_state, state.rates)
     return RatesState(optax.apply_updates(state.rates, updates), opt_state, state.round + 1)

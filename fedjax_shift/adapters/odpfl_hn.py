@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_shift import models
-from fedjax_shift.algorithms.odpfl_hn import (HYPERNETWORK, client_embedding, generate,
+from fedjax_shift.parts.hypernetwork import (HYPERNETWORK, client_embedding, generate,
                                               target_template)
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 

@@ -7,7 +7,7 @@ where ``hparams`` is the method's section ``config.<name>`` and ``context`` a
 ``base.build(name, config, module, max_examples, info)`` builds one from a config.
 Adding a method: one file plus one import line here.
 """
-from fedjax_shift.algorithms import (afl, apfl, ditto, fedadg, fedavg, fedavg_ft,  # noqa: F401
+from fedjax_shift.algorithms import (afl, apfl, atp, ditto, fedadg, fedavg, fedavg_ft,  # noqa: F401
                                      fedbn, feddc, fedevolve, fedevp, fedicon, fedins, fedprox,
                                      fedrep, fedrod, fedsr, fedthe, fedtta, gma, hetero_fedtta,
                                      local, moon, odpfl_hn, qffl, scaffold)

@@ -1,5 +1,5 @@
 """ATP training: learning the per-module adaptation rates α on labelled source
-clients (atp.txt, Algorithm 1), inside the compiled round.
+clients (Bao, Wei, Wang & He, NeurIPS 2023, Algorithm 1), inside the compiled round.
 
   client i, per batch (X, Y):   h ← h(θ_G, X)                    (Eq. 4–5, unlabelled X)
                                 θ' ← θ_G − α ⊙ h
@@ -8,8 +8,11 @@ clients (atp.txt, Algorithm 1), inside the compiled round.
 
 with s = 1/sqrt(numel) per module (the authors' default; 'none', 'numel' optional)
 and η = 0.1 (SGD). The global model θ_G stays fixed; ATP trains only α. Per round a
-source client takes ``atp.local_steps`` steps (REFERENCE.md: 2 steps of batch 20,
+source client takes ``atp.local_steps`` steps (the authors' code: 2 steps of batch 20,
 one pass over its 40 held-out samples).
+
+Registered as 'atp': its builder needs the pretrained global model θ_G
+(``BuildContext.global_variables``), which the 'atp' pipeline trains first.
 """
 from __future__ import annotations
 
@@ -20,12 +23,42 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from fedjax_shift.adapters import atp as atp_adapter
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import LocalSchedule, local_train
+from fedjax_shift.parts import atp_rates as atp_adapter
+from fedjax_shift.registry import require
 
 OPTIMIZERS = ('sgd', 'adam')
+# config.atp: α training (Algorithm 1; the authors' code for what the paper leaves out).
+DEFAULTS = {
+    'rounds': 400,                # CNN: 400 rounds (ResNet-18: 200)
+    'cohort_size': 60,            # 25 % of the 240 source clients
+    'optimizer': 'sgd',
+    'learning_rate': 0.1,         # lr_α = 0.1
+    'scaling': 'sqrt',            # ∂CE/∂α_i / sqrt(numel_i) ('none', 'numel')
+    'batch_size': 20,             # batch 20
+    'local_epochs': 1,            # one pass over the client's 40 held-out samples
+    'local_steps': 0,             # > 0: fixed α steps per round instead
+    # α's gradient through the clamp of adapted variances at 0 (parts/atp_rates.py):
+    # 'straight_through' as the authors' code, or 'zero' (the clamp's own derivative).
+    'variance_clamp': 'straight_through',
+}
+
+
+def check(hparams: ml_collections.ConfigDict) -> None:
+  """config.atp's values (errors name the field)."""
+  require(hparams.scaling in atp_adapter.SCALINGS, 'atp.scaling',
+          f'unknown {hparams.scaling!r}; choose from {list(atp_adapter.SCALINGS)}')
+  require(hparams.optimizer in OPTIMIZERS, 'atp.optimizer',
+          f'unknown {hparams.optimizer!r}; choose from {list(OPTIMIZERS)}')
+  require(hparams.variance_clamp in atp_adapter.VARIANCE_CLAMPS, 'atp.variance_clamp',
+          f'unknown {hparams.variance_clamp!r}; choose from '
+          f'{list(atp_adapter.VARIANCE_CLAMPS)}')
+  require(hparams.rounds >= 1, 'atp.rounds', f'must be >= 1, got {hparams.rounds}')
+  require(hparams.learning_rate > 0, 'atp.learning_rate',
+          f'must be > 0, got {hparams.learning_rate}')
+  require(hparams.batch_size >= 1, 'atp.batch_size', f'must be >= 1, got {hparams.batch_size}')
 
 
 class ATPServerState(NamedTuple):
@@ -95,3 +128,15 @@ def atp_training(atp_config: ml_collections.ConfigDict, module, max_examples: in
       init=init, init_client_state=lambda server_state: (),
       client_update=client_update, server_update=server_update,
       personalize=None, global_model=lambda server_state: server_state.variables)
+
+
+@base.ALGORITHMS.register('atp', defaults=DEFAULTS, check=check, pretrained_model=True)
+def atp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
+  """The registry's builder: α training around ``context.global_variables``, with its
+  own schedule (``config.atp``'s batch, epochs and steps) over the padded N and unroll
+  of ``context.schedule``."""
+  if context.global_variables is None:
+    raise ValueError('atp trains the adaptation rates of a pretrained global model: run '
+                     "it in config.pipeline='atp', which pretrains that model first")
+  return atp_training(hparams, context.module, context.schedule.max_examples,
+                      context.global_variables, context.schedule.unroll)

@@ -16,6 +16,7 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.core.algorithm import ClientData, ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import LocalSchedule, local_train, masked_mean
+from fedjax_shift.parts.trees import tree_sub, weighted_sum  # noqa: F401
 from fedjax_shift.registry import Registry, require
 
 PyTree = Any
@@ -47,6 +48,8 @@ class BuildContext(NamedTuple):
       caller does not say.
     example_shape: one input's shape (ODPFL-HN's generated classifier); () when the
       caller does not say.
+    global_variables: a pretrained global model that the method trains around
+      (ATP's α); None when the caller has none.
   """
   module: Any
   client_optimizer: optax.GradientTransformation
@@ -57,11 +60,16 @@ class BuildContext(NamedTuple):
   cohort_fraction: float = 1.0
   num_clients: int = 0
   example_shape: tuple = ()
+  global_variables: Any = None
 
 
 # name -> builder(hparams: its config.<name> section, context: BuildContext)
 #           -> FederatedAlgorithm; each method file registers itself with its defaults
-# (meta layout='domains': trains on the evolving benchmarks' domain-major data).
+# Meta: layout='domains' (trains on the evolving benchmarks' domain-major data);
+# batch_norm=False (cannot take a model with BatchNorm statistics); pretrains=True (its
+# server state is one global model ``ServerState.variables`` that another stage can
+# start from); pretrained_model=True (trains around a pretrained global model,
+# ``BuildContext.global_variables``); models=(...) (the models it needs).
 ALGORITHMS: Registry = Registry('algorithm')
 
 
@@ -122,7 +130,7 @@ def build_info(info: Optional[dict]) -> dict:
 
 def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
                   info: Optional[dict] = None, num_clients: Optional[int] = None,
-                  example_shape: tuple = ()) -> BuildContext:
+                  example_shape: tuple = (), global_variables=None) -> BuildContext:
   """The engine's part of a builder's input, from ``config.client``, ``config.server``,
   ``config.engine.unroll`` and ``config.cohort_size`` over ``num_clients`` (the
   training split's K; None: a cohort fraction of 1)."""
@@ -133,18 +141,18 @@ def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
   fraction = min(1.0, config.cohort_size / num_clients) if num_clients else 1.0
   return BuildContext(module, client_optimizer(c), server_optimizer(config.server), schedule,
                       float(c.learning_rate), build_info(info), fraction, num_clients or 0,
-                      tuple(example_shape))
+                      tuple(example_shape), global_variables)
 
 
 def build(name: str, config: ml_collections.ConfigDict, module, max_examples: int,
           info: Optional[dict] = None, num_clients: Optional[int] = None,
-          example_shape: tuple = ()):
+          example_shape: tuple = (), global_variables=None):
   """The registered algorithm ``name`` with its section ``config.<name>``, checked
   first (unknown fields, the method's registered ``check``)."""
   builder = ALGORITHMS.get(name, 'config.algorithms')
   ALGORITHMS.check(name, config[name], f'config.{name}')
   return builder(config[name], build_context(config, module, max_examples, info, num_clients,
-                                             example_shape))
+                                             example_shape, global_variables))
 
 
 def epochs_schedule(schedule: LocalSchedule, epochs: int) -> LocalSchedule:
@@ -187,15 +195,6 @@ def train_variables(context: BuildContext, variables, data: ClientData, rng, ext
       cross_entropy_loss(context.module, extra_loss), context.client_optimizer, params,
       model_state, data, rng, schedule or context.schedule)
   return {'params': params, **model_state}, metrics
-
-
-def tree_sub(a, b):
-  return jax.tree.map(jnp.subtract, a, b)
-
-
-def weighted_sum(stacked, weights):
-  """Σ_c weights[c] · stacked[c] over the leading cohort axis."""
-  return jax.tree.map(lambda leaf: jnp.tensordot(weights, leaf, axes=1), stacked)
 
 
 def average_server_update(server_opt: optax.GradientTransformation, scale: float = 1.0):

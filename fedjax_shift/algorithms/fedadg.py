@@ -70,7 +70,7 @@ def check(hparams: ml_collections.ConfigDict) -> None:
     'noise_dim': 10,                  # FedTTA App. B: "dimension of the random noise 10"
     'hidden': 128,                    # G's and D's hidden width
     'adversarial_learning_rate': 0.1, # SGD for D and G (not given)
-}, check=check)
+}, check=check, batch_norm=False)
 def fedadg(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module = context.module
   num_classes = module.num_classes

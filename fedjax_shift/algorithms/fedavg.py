@@ -14,7 +14,7 @@ from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 
 
-@base.ALGORITHMS.register('fedavg')
+@base.ALGORITHMS.register('fedavg', pretrains=True)
 def fedavg(hparams: ml_collections.ConfigDict, context: base.BuildContext,
            extra_loss_fn=None) -> FederatedAlgorithm:
   """FedAvg (no hyperparameters of its own). ``extra_loss_fn(global_params)`` ->

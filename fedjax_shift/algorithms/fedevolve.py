@@ -67,7 +67,7 @@ def check(hparams: ml_collections.ConfigDict) -> None:
 # d of Eq. 4: 'euclidean' (Sec. 4.1: "we employ Euclidean distance") or
 # 'squared_euclidean' (Snell et al. 2017).
 @base.ALGORITHMS.register('fedevolve', defaults={'distance': 'euclidean'}, check=check,
-                          layout='domains')  # domain-major client data
+                          layout='domains', batch_norm=False)  # domain-major client data
 def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
               ) -> FederatedAlgorithm:
   """Local iterations τ = the schedule's epochs, batches of its batch size, from

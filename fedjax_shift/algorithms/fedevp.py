@@ -41,7 +41,7 @@ def last_layer_selector(params):
 
 
 @base.ALGORITHMS.register('fedevp', defaults={'finetune_epochs': 1},  # App. D: 1 epoch
-                          layout='domains')  # domain-major client data
+                          layout='domains', batch_norm=False)  # domain-major client data
 def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module = context.module
   layout = layout_from_info(context.info, context.schedule.max_examples, 'fedevp')

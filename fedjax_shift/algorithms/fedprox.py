@@ -32,7 +32,7 @@ def check(hparams: ml_collections.ConfigDict) -> None:
 
 
 @base.ALGORITHMS.register('fedprox', defaults={'mu': 0.01},  # μ (ATP Table 7: 0.01)
-                          check=check)
+                          check=check, pretrains=True)
 def fedprox(hparams: ml_collections.ConfigDict, context: base.BuildContext
             ) -> FederatedAlgorithm:
   return fedavg(hparams, context, extra_loss_fn=proximal_term(hparams.mu))

@@ -30,7 +30,8 @@ def gaussian_kl(mean_q, std_q, mean_p, std_p) -> jax.Array:
                  (2 * std_p ** 2) - 0.5, -1)
 
 
-@base.ALGORITHMS.register('fedsr', defaults={'l2r': 0.01, 'cmi': 0.001})  # FedEvolve App. D
+@base.ALGORITHMS.register('fedsr', defaults={'l2r': 0.01, 'cmi': 0.001},  # FedEvolve App. D
+                          batch_norm=False)  # its probabilistic head
 def fedsr(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   l2r, cmi = hparams.l2r, hparams.cmi
   module = context.module

@@ -31,7 +31,7 @@ from fedjax_shift.algorithms.fedrep import train_part, with_head
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.registry import require
 
-EXTRA = 'fedthe'   # the variables collection the adapter reads
+from fedjax_shift.parts.fedthe_extras import EXTRA  # the collection the adapter reads
 
 
 class ServerState(NamedTuple):

@@ -31,31 +31,8 @@ from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean
 from fedjax_shift.registry import require
 
-ADAPTATION = 'fedtta_adaptation'   # collection of φ in the global model's variables
-# g's hidden widths by the paper's model sizes (App., HeteroFedTTA: small / medium / big).
-ADAPTATION_SIZES = {'small': (32, 32, 32), 'medium': (64, 64, 64), 'big': (128, 128, 128)}
-
-
-def personalization_loss(adaptation_module, adaptation_params, logits: jax.Array,
-                         weight: jax.Array, norm_epsilon: float) -> jax.Array:
-  """ℓ_per = sqrt(Σ_i w_i g(z_i; φ)² + ε): Eq. 4's L2 norm over the examples with
-  weight > 0, smoothed at 0 by ε = ``norm_epsilon``. logits [B, C]."""
-  scores = adaptation_module.apply({'params': adaptation_params}, logits)[:, 0]
-  return jnp.sqrt(jnp.sum(weight * scores ** 2) + norm_epsilon)
-
-
-def inner_step(module, adaptation_module, params, adaptation_params, x: jax.Array,
-               weight: jax.Array, inner_learning_rate: float, norm_epsilon: float,
-               model_state=None):
-  """ψ̃ = ψ − η_inner ∇_ψ ‖g(f(X; ψ); φ)‖₂ (Eqs. 5 and 11); differentiable in ψ, φ.
-  ``model_state``: the model's other collections (eval mode), if any."""
-  def loss(params):
-    logits = models.apply(module, {'params': params, **(model_state or {})}, x)[0]
-    return personalization_loss(adaptation_module, adaptation_params, logits, weight,
-                                norm_epsilon)
-
-  grads = jax.grad(loss)(params)
-  return jax.tree.map(lambda p, g: p - inner_learning_rate * g, params, grads)
+from fedjax_shift.parts.fedtta_step import (  # noqa: F401
+    ADAPTATION, ADAPTATION_SIZES, inner_step, personalization_loss)
 
 
 def meta_loss(module, adaptation_module, params, x: jax.Array, y: jax.Array,
@@ -161,7 +138,7 @@ FEDTTA_DEFAULTS = {
 
 
 @base.ALGORITHMS.register('fedtta', defaults=FEDTTA_DEFAULTS,
-                          check=checker('fedtta'))
+                          check=checker('fedtta'), batch_norm=False)
 def fedtta(hparams: ml_collections.ConfigDict, context: base.BuildContext
            ) -> FederatedAlgorithm:
   return build(hparams, context)
@@ -171,7 +148,7 @@ def fedtta(hparams: ml_collections.ConfigDict, context: base.BuildContext
     **FEDTTA_DEFAULTS,
     'adapt_learning_rate': 0.001,  # η_adapt (App. table, MNIST FedTTA-Prox)
     'mu': 0.01},                   # μ (App. table, MNIST FedTTA-Prox)
-    check=checker('fedtta_prox'))
+    check=checker('fedtta_prox'), batch_norm=False)
 def fedtta_prox(hparams: ml_collections.ConfigDict, context: base.BuildContext
                 ) -> FederatedAlgorithm:
   return build(hparams, context)

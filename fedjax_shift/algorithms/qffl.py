@@ -37,7 +37,7 @@ def check(hparams: ml_collections.ConfigDict) -> None:
 
 
 @base.ALGORITHMS.register('qffl', defaults={'q': 1.0},  # q (ATP Table 7: q = 1)
-                          check=check)
+                          check=check, pretrains=True)
 def qffl(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   q = float(hparams.q)
   lipschitz = 1.0 / context.client_learning_rate

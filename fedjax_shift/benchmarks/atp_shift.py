@@ -146,7 +146,7 @@ def check(data_config: ml_collections.ConfigDict) -> None:
     'source_corruptions': corruptions.SOURCE_CORRUPTIONS,   # ATP: 15 source corruptions
     'target_corruptions': corruptions.HELDOUT_CORRUPTIONS,  # ATP: 4 held-out ones
     'severities': (1, 2, 3, 4, 5),    # one severity per client, drawn uniformly
-}, check=check, pipelines=('test_time',))
+}, check=check, pipelines=('atp',))
 def atp_protocol(data_config: ml_collections.ConfigDict, seed: int) -> ShiftData:
   """Source clients (train + held-out) and disjoint target clients under
   ``data_config.shift`` (see the module docstring)."""

@@ -1,6 +1,7 @@
 """Run loops, looked up by ``config.pipeline`` (``base.PIPELINES``), one file each:
-``federated`` (every method × seed trained and evaluated), ``test_time`` (ATP's
-pretraining → α → adapters) and ``hetero`` (HeteroFedTTA's architecture groups).
+``federated`` (every method × seed trained and evaluated), ``atp`` (ATP's protocol:
+pretraining → α → test-time adapters), ``hetero`` (HeteroFedTTA's architecture groups)
+and ``pretrain`` (a backbone only), all over the one run loop of ``loop.py``.
 Adding a pipeline: one file plus one import line here.
 
     results = pipelines.run(config, workdir)   # validate, config.json, run, results.md
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from fedjax_shift.pipelines import federated, hetero, pretrain, test_time  # noqa: F401
+from fedjax_shift.pipelines import atp, federated, hetero, pretrain  # noqa: F401
 from fedjax_shift.pipelines.base import (PIPELINES, Results, format_results,  # noqa: F401
                                          prologue, validate, write_results)
 from fedjax_shift.pipelines.workdir import (RunMismatchError, WorkdirBusyError,  # noqa: F401

@@ -20,7 +20,7 @@ from typing import Any, Dict, NamedTuple, Tuple
 import jax
 import ml_collections
 
-from fedjax_shift import checkpoint, models
+from fedjax_shift import checkpoint, models, report
 from fedjax_shift.algorithms import ALGORITHMS, base
 from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS
 from fedjax_shift.core.round import BACKENDS, SAMPLING, WEIGHTING
@@ -46,7 +46,7 @@ class Results(NamedTuple):
     tables: markdown tables in print order (results.md holds the preamble and these).
     files: paths the pipeline wrote besides results.md (csv, json, png).
     records: the per-run records, keyed by the pipeline ('results': one dict per
-      method × seed for 'federated'; 'table1', 'table3' for 'test_time').
+      method × seed for 'federated'; 'table1', 'table3' for 'atp').
   """
   preamble: str
   tables: Tuple[str, ...]
@@ -151,7 +151,16 @@ def check_finite(config: ml_collections.ConfigDict, prefix: str = '') -> None:
               f'must be a finite number, got {value}')
 
 
-PAPER_TABLES = ('', 'fedevolve', 'fedtta', 'fedicon', 'fedins')   # config.paper_tables (federated pipeline)
+def check_paper_tables(config: ml_collections.ConfigDict) -> None:
+  """``config.paper_tables``: '' or a registered paper table that reads this
+  pipeline's runs."""
+  if not config.paper_tables:
+    return
+  report.PAPER_TABLES.get(config.paper_tables, 'config.paper_tables')
+  readers = report.PAPER_TABLES.meta(config.paper_tables).get('pipelines', ())
+  require(config.pipeline in readers, 'paper_tables',
+          f'{config.paper_tables!r} lays out runs of the {list(readers)} pipeline(s), not '
+          f'config.pipeline={config.pipeline!r}')
 
 
 def adapts(adapter: str, algorithm: str) -> bool:
@@ -188,6 +197,7 @@ def check_run_loop(config: ml_collections.ConfigDict) -> None:
           f'must be >= 1, got {config.eval_adapter_batch_size}')
   require(config.on_divergence in ('stop', 'continue'), 'on_divergence',
           f"unknown {config.on_divergence!r}; choose from ['stop', 'continue']")
+  check_paper_tables(config)
   base.check_training(config)
 
 
@@ -223,6 +233,9 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   for name in names:
     ALGORITHMS.get(name, 'config.algorithms')
     ALGORITHMS.check(name, config[name], f'config.{name}')
+    require(not ALGORITHMS.meta(name).get('pretrained_model'), 'algorithms',
+            f'{name} trains around a pretrained global model; the pipeline that trains '
+            f'that model first runs it (config.pipeline=\'atp\')')
     needs = ALGORITHMS.meta(name).get('models')
     require(not needs or config.model.name in needs, 'model.name',
             f'{name} needs a model of {list(needs or ())}, got {config.model.name!r}')
@@ -239,8 +252,6 @@ def check_run(config: ml_collections.ConfigDict) -> None:
           f'must be >= 0 (0: each split\'s largest client), got {config.data.pad_to}')
   require(config.data.store in ('device', 'host'), 'data.store',
           f"unknown {config.data.store!r}; choose from ['device', 'host']")
-  require(config.paper_tables in PAPER_TABLES, 'paper_tables',
-          f'unknown {config.paper_tables!r}; choose from {list(PAPER_TABLES)}')
   require(0.0 <= config.straggler_prob <= 1.0, 'straggler_prob',
           f'must be in [0, 1], got {config.straggler_prob}')
   require(config.straggler_max_steps >= 1, 'straggler_max_steps',
@@ -373,8 +384,14 @@ def preflight(config: ml_collections.ConfigDict, workdir: str) -> None:
     check_run_dir(run_dir, run_config, section, config.resume)
 
 
+# Names a pipeline had before; a config that still uses one is told the new name.
+RENAMED = {'test_time': 'atp'}
+
+
 def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> None:
   """The selected pipeline's checks, before any data is built or function compiled."""
+  require(config.pipeline not in RENAMED, 'pipeline',
+          f'{config.pipeline!r} is called {RENAMED.get(config.pipeline)!r} now')
   PIPELINES.get(config.pipeline, 'config.pipeline')
   PIPELINES.check(config.pipeline, config, 'config', known_fields_only=False)
   if workdir is not None:

@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,16 +31,13 @@ from fedjax_shift.core.round import (NO_STEP_LIMIT, HostStore, RoundConfig, buil
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
 from fedjax_shift.metrics import read_metrics
-from fedjax_shift.pipelines import pretrain
+from fedjax_shift.pipelines import loop, pretrain
+from fedjax_shift.pipelines.loop import DivergenceError  # noqa: F401  (raised by train())
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, adapts,
                                          algorithm_names, check_run, check_run_dir,
                                          eval_adapter_specs, hardware, open_run, round_backend)
 
 log = logging.getLogger('fedjax_shift')
-
-
-class DivergenceError(FloatingPointError):
-  """Training produced a non-finite loss."""
 
 
 def build_data(config: ml_collections.ConfigDict, seed: int) -> Benchmark:
@@ -125,59 +121,77 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
                        algorithm: Optional[FederatedAlgorithm] = None,
                        log_state: Optional[Callable[[object], Dict[str, float]]] = None,
                        programs: Optional[Dict] = None,
-                       backbone: Optional[dict] = None) -> Dict[str, object]:
-  """``_train_and_evaluate`` with the seconds spent compiling written to results.json
-  ('compile_seconds': tracing, lowering and XLA compilation of every function the run
-  compiled; 'compilations': how many XLA compilations it ran).
-
-  ``programs``: a dict shared by the runs of one process (``run`` passes one): the
-  built method, its round and its evaluation functions are kept there under the
-  method's name and the data's shapes, so a later seed with the same shapes reuses
-  their compilations instead of compiling again."""
-  with CompileClock() as clock:
-    result = _train_and_evaluate(config, workdir, algorithm_name, seed, bench, algorithm,
-                                 log_state, clock, programs, backbone)
-  return result
-
-
-class RunSetup(NamedTuple):
-  """One (method, seed) run opened and ready to train (``setup_run``)."""
-  fields: dict
-  bench: Benchmark
-  algorithm: FederatedAlgorithm
-  round_device: Callable
-  round_host: Callable
-  evaluate: Callable          # (server_state, client_states) -> flat metrics
-  train_key: jax.Array
-  upload: int
-  checkpointer: Any
-  start_round: int
-  server_state: Any
-  client_states: Any
-  elapsed: float
-  writer: Any
-
-
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
-                        seed: int, bench: Optional[Benchmark], algorithm, log_state,
-                        clock: 'CompileClock', programs: Optional[Dict],
-                        backbone: Optional[dict] = None) -> Dict[str, object]:
+                       backbone: Optional[dict] = None,
+                       keep_going: bool = False) -> Dict[str, object]:
   """Trains one method with one seed in ``workdir`` (resuming if it holds a
   checkpoint); returns {'algorithm', 'seed', 'metrics', 'rounds', 'train_seconds',
-  'server_state'} ('server_state' is not written to results.json).
+  'compile_seconds', 'compilations', …, 'server_state'} ('server_state' is not written
+  to results.json). 'compile_seconds': tracing, lowering and XLA compilation of every
+  function the run compiled; 'compilations': how many XLA compilations it ran.
 
   ``bench`` (default: built from ``config.data``; validated either way) and
   ``algorithm`` (default: the registered ``algorithm_name`` with its section
   ``config.<algorithm_name>``) let pipelines train on data or with methods of their
   own (ATP's α training); ``log_state(server_state)`` adds fields to every
-  metrics.jsonl record (ATP: α per module).
+  metrics.jsonl record (ATP: α per module). ``programs``: a dict shared by the runs of
+  one process (``run`` passes one): the built method, its round and its evaluation
+  functions are kept there under a ``ProgramKey``, so a later seed with the same
+  shapes reuses their compilations instead of compiling again. ``keep_going``: a
+  non-finite loss gives a diverged record instead of raising DivergenceError.
 
   ``workdir/run.json`` records the config fields that determine the trained state; a
   re-run whose fields differ, or that raises ``rounds`` without
   ``config.resume='extend'``, is refused before anything is touched (pipelines/workdir.py).
   """
-  setup = setup_run(config, workdir, algorithm_name, seed, bench, algorithm, programs, backbone)
-  return _train_loop(config, workdir, algorithm_name, seed, setup, log_state, clock)
+  with CompileClock() as clock:
+    opened = setup_run(config, workdir, algorithm_name, seed, bench, algorithm, programs,
+                       backbone, log_state)
+    train = opened.bench.splits['train']
+    host_store = (HostStore(train, opened.train_key, _round_config(config))
+                  if config.data.store == 'host' else None)
+    try:
+      trainer = single_run_trainer(config, opened.programs, train, opened.train_key,
+                                   host_store)
+      outcome, = loop.train([opened.run], opened.state, trainer, config.rounds,
+                            config.eval_every, config.checkpoint_every, keep_going,
+                            config.progress, f'{algorithm_name} seed {seed}')
+    finally:
+      if host_store is not None:
+        host_store.close()
+      opened.run.checkpointer.close()
+  return finish_run(config, workdir, algorithm_name, seed, outcome, opened.upload, clock)
+
+
+class ProgramKey(NamedTuple):
+  """What a built method and its compiled programs depend on besides the config: runs
+  with equal keys share them (``train_and_evaluate``'s ``programs``)."""
+  algorithm: str
+  train_shape: tuple           # the training split's x shape [K, N, ...]
+  dtype: str
+  num_classes: int
+  build_info: str              # algorithms.base.build_info of the benchmark, as JSON
+  new_client_splits: tuple
+
+
+class Programs(NamedTuple):
+  """A built method and the functions compiled for it."""
+  module: Any
+  algorithm: FederatedAlgorithm
+  round_device: Callable       # core.round.build_round's, over the device store
+  round_host: Callable         # ... over a cohort gathered on the host
+  evaluate_chunk: Callable     # evaluation.build_evaluate's
+  adapted_chunk: Optional[Callable]     # config.eval_adapters on its models, or None
+  new_client_chunk: Optional[Callable]  # PFL-Sampled / -Ensemble on new clients, or None
+
+
+class OpenedRun(NamedTuple):
+  """One (method, seed) run opened and ready to train (``setup_run``)."""
+  run: loop.Run
+  bench: Benchmark
+  programs: Programs
+  train_key: jax.Array
+  upload: int                  # parameters a client uploads per round
+  state: tuple                 # (server_state, client_states), restored or initial
 
 
 def data_digest(bench: Benchmark) -> str:
@@ -213,7 +227,8 @@ def check_same_data(path: str, digest: str) -> None:
 
 def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str, seed: int,
               bench: Optional[Benchmark] = None, algorithm=None,
-              programs: Optional[Dict] = None, backbone: Optional[dict] = None) -> RunSetup:
+              programs: Optional[Dict] = None, backbone: Optional[dict] = None,
+              log_state: Optional[Callable] = None) -> OpenedRun:
   """Opens one (method, seed) run: checks ``workdir``, builds the data (unless given),
   writes partition.json, builds (or reuses from ``programs``) the method, its compiled
   round and evaluation, initialises the state (from the pretrained encoder
@@ -247,37 +262,17 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
   # Splits whose client k is a new client, not training client k (UPFL): no personalised
   # model of their own; personalised methods are scored there as PFL-Sampled/-Ensemble.
   new_client_splits = sorted(bench.info.get('new_clients', {}))
-  program_key = None
+  key = None
   if algorithm is None and programs is not None:
-    program_key = (algorithm_name, train.x.shape, train.x.dtype.str, bench.num_classes,
-                   json.dumps(algorithms.base.build_info(bench.info), sort_keys=True),
-                   tuple(new_client_splits))
-  if program_key in (programs or {}):
-    (module, algorithm, round_device, round_host, evaluate_chunk, adapted_chunk,
-     new_client_chunk) = programs[program_key]
-  else:
-    if algorithm is None:
-      algorithm = algorithms.build(algorithm_name, config, module, train.max_examples,
-                                   bench.info, train.num_clients, train.x.shape[2:])
-    round_device, round_host = build_round(algorithm, _round_config(config),
-                                           client_mesh(config.engine.num_devices)
-                                           if config.engine.num_devices else None,
-                                           donate=config.engine.donate,
-                                           backend=round_backend(config),
-                                           rounds_per_call=config.engine.rounds_per_call)
-    evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size,
-                                               new_client_splits)
-    adapted_chunk = None
-    if algorithm_name in tuple(config.eval_adapter_algorithms):
-      adapted_chunk = build_eval_adapters(config, module, bench.num_classes, algorithm,
-                                          new_client_splits, algorithm_name)
-    new_client_chunk = None
-    if new_client_splits and algorithm.personalize is not None:
-      new_client_chunk = evaluation.build_new_client_evaluate(algorithm, module,
-                                                              config.engine.eval_batch_size)
-    if program_key is not None:
-      programs[program_key] = (module, algorithm, round_device, round_host, evaluate_chunk,
-                               adapted_chunk, new_client_chunk)
+    key = ProgramKey(algorithm_name, train.x.shape, train.x.dtype.str, bench.num_classes,
+                     json.dumps(algorithms.base.build_info(bench.info), sort_keys=True),
+                     tuple(new_client_splits))
+  built = (programs or {}).get(key) if key is not None else None
+  if built is None:
+    built = build_programs(config, algorithm_name, module, bench, algorithm, new_client_splits)
+    if key is not None:
+      programs[key] = built
+  algorithm = built.algorithm
   seed_key = jax.random.key(seed)
   init_key, train_key, eval_key = (jax.random.fold_in(seed_key, i) for i in range(3))
   server_state = algorithm.init(init_key, jnp.asarray(train.x[0, :1]))
@@ -286,157 +281,115 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
   client_states = stack_client_states(algorithm, server_state, train.num_clients)
   upload = uploaded_parameters(algorithm, server_state, client_states, train)
 
-  checkpointer, start_round, (server_state, client_states, elapsed), writer = open_run(
-      workdir, config, fields, (server_state, client_states, jnp.float32(0.0)))
-  elapsed = float(elapsed)
+  opened = open_run(workdir, config, fields, (server_state, client_states, jnp.float32(0.0)))
+  server_state, client_states, elapsed = opened.state
 
-
-  def evaluate(server_state, client_states):
+  def evaluate(state) -> Dict[str, float]:
+    server_state, client_states = state
     if not eval_splits:
       return {}
     per_client = evaluation.evaluate_models(
-        evaluate_chunk, server_state, client_states, train, eval_splits, eval_key,
+        built.evaluate_chunk, server_state, client_states, train, eval_splits, eval_key,
         config.engine.eval_chunk_size)
-    if adapted_chunk is not None:
+    if built.adapted_chunk is not None:
       test_splits = {n: s for n, s in eval_splits.items()
                      if n.startswith(tuple(config.eval_adapter_splits))}
       per_client.update(evaluation.evaluate_models(
-          adapted_chunk, server_state, client_states, train, test_splits, eval_key,
+          built.adapted_chunk, server_state, client_states, train, test_splits, eval_key,
           config.engine.eval_chunk_size))
-    if new_client_chunk is not None:
-      per_client.update(evaluate_new_clients(new_client_chunk, server_state, client_states,
-                                             train, {n: eval_splits[n] for n in new_client_splits},
-                                             eval_key, seed, config.engine.eval_chunk_size))
+    if built.new_client_chunk is not None:
+      per_client.update(evaluate_new_clients(
+          built.new_client_chunk, server_state, client_states, train,
+          {n: eval_splits[n] for n in new_client_splits}, eval_key, seed,
+          config.engine.eval_chunk_size))
     return evaluation.summarize(per_client, bench.info.get('client_groups'))
 
-  return RunSetup(fields, bench, algorithm, round_device, round_host, evaluate, train_key,
-                  upload, checkpointer, start_round, server_state, client_states, elapsed,
-                  writer)
+  run = loop.Run(f'{algorithm_name} seed {seed}', workdir, opened.checkpointer, opened.writer,
+                 opened.start_round, float(elapsed), evaluate,
+                 (lambda state: log_state(state[0])) if log_state is not None else None)
+  return OpenedRun(run, bench, built, train_key, upload, (server_state, client_states))
 
 
-def _train_loop(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
-                seed: int, setup: RunSetup, log_state, clock: 'CompileClock'
-                ) -> Dict[str, object]:
-  """``setup``'s rounds up to ``config.rounds`` with evaluation, checkpoints and
-  progress; writes results.json."""
-  (round_device, round_host, evaluate, train_key, checkpointer, start_round, server_state,
-   client_states, elapsed, writer) = (
-       setup.round_device, setup.round_host, setup.evaluate, setup.train_key,
-       setup.checkpointer, setup.start_round, setup.server_state, setup.client_states,
-       setup.elapsed, setup.writer)
-  train = setup.bench.splits['train']
-  round_config = _round_config(config)
-  host_store = None
-  if config.data.store == 'host':
-    host_store = HostStore(train, train_key, round_config)
-  else:
-    device_train = jax.device_put(train)
-  progress = None
-  if config.progress:
-    from tqdm import tqdm
-    progress = tqdm(total=config.rounds, initial=start_round, unit='round',
-                    desc=f'{algorithm_name} seed {seed}', leave=False)
+def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, module,
+                   bench: Benchmark, algorithm: Optional[FederatedAlgorithm],
+                   new_client_splits: List[str]) -> Programs:
+  """The method (the registered ``algorithm_name`` unless ``algorithm`` is given), its
+  compiled round and its evaluation functions."""
+  train = bench.splits['train']
+  if algorithm is None:
+    algorithm = algorithms.build(algorithm_name, config, module, train.max_examples,
+                                 bench.info, train.num_clients, train.x.shape[2:])
+  round_device, round_host = build_round(algorithm, _round_config(config),
+                                         client_mesh(config.engine.num_devices)
+                                         if config.engine.num_devices else None,
+                                         donate=config.engine.donate,
+                                         backend=round_backend(config),
+                                         rounds_per_call=config.engine.rounds_per_call)
+  evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size,
+                                             new_client_splits)
+  adapted_chunk = None
+  if algorithm_name in tuple(config.eval_adapter_algorithms):
+    adapted_chunk = build_eval_adapters(config, module, bench.num_classes, algorithm,
+                                        new_client_splits, algorithm_name)
+  new_client_chunk = None
+  if new_client_splits and algorithm.personalize is not None:
+    new_client_chunk = evaluation.build_new_client_evaluate(algorithm, module,
+                                                            config.engine.eval_batch_size)
+  return Programs(module, algorithm, round_device, round_host, evaluate_chunk, adapted_chunk,
+                  new_client_chunk)
+
+
+def single_run_trainer(config: ml_collections.ConfigDict, programs: Programs,
+                       train: federated.FederatedData, train_key: jax.Array,
+                       host_store: Optional[HostStore]) -> loop.Trainer:
+  """The loop's Trainer of one run: the compiled round over the device store (R rounds
+  per call with ``engine.rounds_per_call``) or over cohorts gathered from
+  ``host_store``."""
   per_call = config.engine.rounds_per_call
+  device_train = jax.device_put(train) if host_store is None else None
 
-  def chunk_end(start: int) -> int:
-    """The round after which the call starting at ``start`` stops: a multiple of
-    rounds_per_call, an evaluation round or the last round, whichever comes first."""
-    if per_call == 1:
-      return start + 1
-    return min(config.rounds, (start // per_call + 1) * per_call,
-               (start // config.eval_every + 1) * config.eval_every)
-
-  def train_rounds(start: int, stop: int):
-    """Rounds start+1 … stop in one call: (RoundOutput, [(loss, num_steps)] per round)."""
+  def advance(state, start: int, stop: int):
+    server_state, client_states = state
     if per_call == 1:
       key = round_key(train_key, start)
       if host_store is not None:
         cohort, cohort_ids = host_store.cohort(start)
-        out = round_host(server_state, client_states, cohort, cohort_ids, key)
+        out = programs.round_host(server_state, client_states, cohort, cohort_ids, key)
       else:
-        out = round_device(server_state, client_states, device_train, key)
-      return out, [(float(out.metrics['loss']), float(out.metrics['num_steps']))]
+        out = programs.round_device(server_state, client_states, device_train, key)
+      metrics = {name: np.reshape(np.float32(out.metrics[name]), (1, 1))
+                 for name in ('loss', 'num_steps')}
+      return (out.server_state, out.client_states), metrics
     count = stop - start
     indices = start + jnp.minimum(jnp.arange(per_call), count - 1)
     keys = jax.vmap(lambda r: round_key(train_key, r))(indices)
-    out = round_device(server_state, client_states, device_train, keys,
-                       jnp.arange(per_call) < count)
-    losses = np.asarray(out.metrics['loss'])[:count]
-    steps = np.asarray(out.metrics['num_steps'])[:count]
-    return out, [(float(l), float(n)) for l, n in zip(losses, steps)]
+    out = programs.round_device(server_state, client_states, device_train, keys,
+                                jnp.arange(per_call) < count)
+    metrics = {name: np.asarray(out.metrics[name])[:count, None]
+               for name in ('loss', 'num_steps')}
+    return (out.server_state, out.client_states), metrics
 
-  summary: Dict[str, float] = {}
-  completed = start_round
-  try:
-    while completed < config.rounds:
-      tick = time.perf_counter()
-      stop = chunk_end(completed)
-      out, per_round = train_rounds(completed, stop)
-      seconds = time.perf_counter() - tick
-      for i, (loss, _) in enumerate(per_round):
-        if not np.isfinite(loss):
-          raise DivergenceError(
-              f'{algorithm_name} seed {seed}: non-finite training loss ({loss}) in round '
-              f'{completed + i + 1}; '
-              + (f'the last good checkpoint (round {checkpointer.latest_round()}) is kept in '
-                 f'{workdir}' if checkpointer.latest_round() is not None else
-                 'no checkpoint was saved before it'))
-      server_state, client_states = out.server_state, out.client_states
-      elapsed += seconds
-      first = completed
-      for i, (loss, num_steps) in enumerate(per_round):
-        completed = first + i + 1
-        record = {'round': completed, 'loss': loss, 'round_seconds': seconds / len(per_round),
-                  'num_steps': num_steps}
-        if completed == stop:  # the call's last round: its state is the one we hold
-          if completed % config.eval_every == 0 or completed == config.rounds:
-            summary = evaluate(server_state, client_states)
-            record.update(summary)
-          if log_state is not None:
-            record.update(log_state(server_state))
-        writer.write(record)
-      due = any(r % config.checkpoint_every == 0 for r in range(first + 1, completed + 1))
-      checkpointer.save(completed, (server_state, client_states, jnp.float32(elapsed)),
-                        force=completed == config.rounds or (per_call > 1 and due))
-      if progress is not None:
-        progress.update(len(per_round))
-        examples = (sum(n for _, n in per_round) * config.client.batch_size *
-                    config.cohort_size)
-        progress.set_postfix(loss=f'{per_round[-1][0]:.3f}',
-                             examples_per_s=f'{examples / seconds:.0f}')
-  except KeyboardInterrupt:
-    if completed > start_round:
-      checkpointer.save(completed, (server_state, client_states, jnp.float32(elapsed)),
-                        force=True)
-      log.warning('interrupted: saved round %d to %s', completed, workdir)
-    raise
-  finally:
-    if progress is not None:
-      progress.close()
-    if host_store is not None:
-      host_store.close()
-    checkpointer.close()
-  if not summary:  # resumed after the final round: evaluate the restored state
-    summary = evaluate(server_state, client_states)
-  return finish_run(config, workdir, algorithm_name, seed, summary, elapsed, setup.upload,
-                    clock, server_state)
+  return loop.Trainer(advance, loop.only_run, per_call,
+                      config.client.batch_size * config.cohort_size)
 
 
 def finish_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
-               seed: int, summary: Dict[str, float], elapsed: float, upload: int,
-               clock: 'CompileClock', server_state, **extra) -> Dict[str, object]:
+               seed: int, outcome: loop.Outcome, upload: int, clock: CompileClock,
+               **extra) -> Dict[str, object]:
   """Writes ``workdir``/results.json (with ``extra`` fields); returns it with the
-  'server_state'."""
+  'server_state' (a diverged run: its ``diverged_record``)."""
+  if outcome.diverged is not None:
+    return diverged_record(config, workdir, algorithm_name, seed, outcome.diverged)
   # Every evaluated round's accuracies, for tables that report the test accuracy at the
   # round of best validation accuracy (FedTTA Sec. 4.1.3).
-  result = {'algorithm': algorithm_name, 'seed': seed, 'metrics': summary,
+  result = {'algorithm': algorithm_name, 'seed': seed, 'metrics': outcome.summary,
             'evaluations': evaluated_rounds(workdir, config.rounds),
-            'rounds': config.rounds, 'train_seconds': elapsed, 'hardware': hardware(),
+            'rounds': config.rounds, 'train_seconds': outcome.elapsed, 'hardware': hardware(),
             'uploaded_parameters': upload, 'compile_seconds': round(clock.seconds, 3),
             'compilations': clock.compilations, **extra}
   with open(os.path.join(workdir, 'results.json'), 'w') as f:
     json.dump(result, f, indent=1)
-  return {**result, 'server_state': server_state}
+  return {**result, 'server_state': outcome.state[0]}
 
 
 def evaluate_new_clients(new_client_chunk, server_state, client_states,
@@ -469,20 +422,6 @@ def evaluated_rounds(run_dir: str, rounds: int) -> List[Dict[str, float]]:
           if any(k.endswith('/accuracy') for k in record) and record['round'] <= rounds]
 
 
-def train_or_diverged(train: Callable[[], Dict], config: ml_collections.ConfigDict,
-                      run_dir: str, name: str, seed: int) -> Dict:
-  """``train()``'s result; when it raises DivergenceError and ``config.on_divergence``
-  is 'continue', a record of the diverged run instead (also written to
-  ``run_dir``/results.json for launch/report.py), so the other runs go on."""
-  try:
-    return train()
-  except DivergenceError as err:
-    if config.on_divergence != 'continue':
-      raise
-    log.warning('%s; config.on_divergence=continue: going on with the other runs', err)
-    return diverged_record(config, run_dir, name, seed, err)
-
-
 def diverged_record(config: ml_collections.ConfigDict, run_dir: str, name: str, seed: int,
                     error: DivergenceError) -> Dict:
   """The record of a diverged run, also written to ``run_dir``/results.json."""
@@ -494,10 +433,11 @@ def diverged_record(config: ml_collections.ConfigDict, run_dir: str, name: str, 
 
 
 
-# Seeds as one program (``config.engine.vmap_seeds=True``, issue 12): every seed of a
-# method trains in lockstep, the compiled round ``vmap``ped over a leading seed axis of
-# the stacked server states, client states, training data and round keys, so S seeds are
-# one XLA call per round instead of S.
+
+# Seeds as one program (``config.engine.vmap_seeds=True``): every seed of a method trains
+# in lockstep, the compiled round ``vmap``ped over a leading run axis of the stacked
+# server states, client states, training data and round keys, so S seeds are one XLA
+# call per round instead of S.
 #
 # Each seed keeps what a sequential run has: its own data (built from its seed), init,
 # round keys, run directory, checkpoints, metrics.jsonl and results.json; evaluation runs
@@ -510,131 +450,69 @@ def diverged_record(config: ml_collections.ConfigDict, run_dir: str, name: str, 
 # refusal names the field. A seed whose loss turns non-finite stops the run naming the
 # seed and round, or, with ``on_divergence='continue'``, is recorded as diverged and
 # leaves the other seeds running.
-def stack_seeds(trees):
+def stack_runs(trees):
   """One pytree whose leaves are the trees' leaves stacked on a new leading axis."""
   return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
-def take_seed(tree, index: int):
+def take_run(tree, index: int):
+  """Run ``index``'s slice of a pytree stacked by ``stack_runs``."""
   return jax.tree.map(lambda leaf: leaf[index], tree)
 
 
 def train_seeds(config: ml_collections.ConfigDict, workdir: str, name: str,
                 programs: Dict, backbone: Optional[dict] = None) -> List[Dict]:
   """Trains method ``name`` over every seed of ``config.seeds`` as one program; returns
-  the per-seed results (as ``train_and_evaluate`` / ``train_or_diverged`` do). The
-  ``programs`` of ``run`` let the seeds share one built method and round."""
+  the per-seed results (as ``train_and_evaluate`` does). The ``programs`` of ``run``
+  let the seeds share one built method and round."""
   seeds = tuple(config.seeds)
   run_dirs = [os.path.join(workdir, name, f'seed_{seed}') for seed in seeds]
   with CompileClock() as clock:
-    setups = [setup_run(config, run_dir, name, seed, programs=programs, backbone=backbone)
+    opened = [setup_run(config, run_dir, name, seed, programs=programs, backbone=backbone)
               for seed, run_dir in zip(seeds, run_dirs)]
     try:
-      return _train_seeds(config, name, seeds, run_dirs, setups, clock)
+      check_lockstep(opened, seeds)
+      round_fn = jax.jit(jax.vmap(opened[0].programs.round_device))
+      data = jax.device_put(stack_runs([jax.tree.map(np.asarray, o.bench.splits['train'])
+                                        for o in opened]))
+      keys = [o.train_key for o in opened]
+
+      def advance(state, start: int, stop: int):
+        del stop
+        out = round_fn(*state, data, jnp.stack([round_key(key, start) for key in keys]))
+        metrics = {n: np.asarray(out.metrics[n])[None] for n in ('loss', 'num_steps')}
+        return (out.server_state, out.client_states), metrics
+
+      trainer = loop.Trainer(advance, take_run, 1,
+                             config.client.batch_size * config.cohort_size)
+      outcomes = loop.train([o.run for o in opened], stack_runs([o.state for o in opened]),
+                            trainer, config.rounds, config.eval_every,
+                            config.checkpoint_every, config.on_divergence == 'continue',
+                            config.progress, f'{name} seeds {seeds} (vmapped)')
     finally:
-      for setup in setups:
-        setup.checkpointer.close()
+      for o in opened:
+        o.run.checkpointer.close()
+  return [finish_run(config, run_dir, name, seed, outcome, o.upload, clock,
+                     vmapped_seeds=list(seeds))
+          for seed, run_dir, outcome, o in zip(seeds, run_dirs, outcomes, opened)]
 
 
-def _check_lockstep(setups, seeds) -> int:
-  """The common start round; raises when the seeds cannot share one program."""
-  first = setups[0]
+def check_lockstep(opened: Sequence[OpenedRun], seeds) -> None:
+  """Raises when the seeds cannot share one program."""
+  first = opened[0]
   shape = first.bench.splits['train'].x.shape
-  for seed, setup in zip(seeds[1:], setups[1:]):
-    other = setup.bench.splits['train'].x.shape
-    if setup.round_device is not first.round_device:
+  for seed, other in zip(seeds[1:], opened[1:]):
+    if other.programs.round_device is not first.programs.round_device:
       raise ValueError(
           f'config.engine.vmap_seeds: seeds {seeds[0]} and {seed} need different programs '
-          f'(training data {shape} and {other}); set config.data.pad_to to a bound on every '
-          f'client of every seed so that they share one shape')
-  rounds = {seed: setup.start_round for seed, setup in zip(seeds, setups)}
+          f'(training data {shape} and {other.bench.splits["train"].x.shape}); set '
+          f'config.data.pad_to to a bound on every client of every seed so that they share '
+          f'one shape')
+  rounds = {seed: o.run.start_round for seed, o in zip(seeds, opened)}
   if len(set(rounds.values())) > 1:
     raise ValueError(f'config.engine.vmap_seeds: the seeds\' checkpoints are at different '
                      f'rounds {rounds}; finish them without engine.vmap_seeds, or use a '
                      f'new workdir')
-  return first.start_round
-
-
-def _train_seeds(config, name: str, seeds, run_dirs, setups, clock: CompileClock
-                 ) -> List[Dict]:
-  completed = _check_lockstep(setups, seeds)
-  count = len(seeds)
-  round_fn = jax.jit(jax.vmap(setups[0].round_device))
-  server = stack_seeds([s.server_state for s in setups])
-  clients = stack_seeds([s.client_states for s in setups])
-  data = jax.device_put(stack_seeds([jax.tree.map(np.asarray, s.bench.splits['train'])
-                               for s in setups]))
-  elapsed = [s.elapsed for s in setups]
-  summaries: List[Dict] = [{} for _ in seeds]
-  diverged: Dict[int, Dict] = {}
-  progress = None
-  if config.progress:
-    from tqdm import tqdm
-    progress = tqdm(total=config.rounds, initial=completed, unit='round',
-                    desc=f'{name} seeds {seeds} (vmapped)', leave=False)
-  try:
-    while completed < config.rounds:
-      tick = time.perf_counter()
-      keys = jnp.stack([round_key(s.train_key, completed) for s in setups])
-      out = round_fn(server, clients, data, keys)
-      losses = np.asarray(out.metrics['loss'])
-      steps = np.asarray(out.metrics['num_steps'])
-      seconds = time.perf_counter() - tick
-      server, clients = out.server_state, out.client_states
-      completed += 1
-      evaluate_now = completed % config.eval_every == 0 or completed == config.rounds
-      save_now = completed % config.checkpoint_every == 0 or completed == config.rounds
-      for i, (seed, setup) in enumerate(zip(seeds, setups)):
-        if i in diverged:
-          continue
-        if not np.isfinite(losses[i]):
-          kept = setup.checkpointer.latest_round()
-          error = DivergenceError(
-              f'{name} seed {seed}: non-finite training loss ({losses[i]}) in round '
-              f'{completed} (vmapped seeds); ' +
-              (f'the last good checkpoint (round {kept}) is kept in {run_dirs[i]}'
-               if kept is not None else 'no checkpoint was saved before it'))
-          if config.on_divergence != 'continue':
-            raise error
-          log.warning('%s; config.on_divergence=continue: the other seeds go on', error)
-          diverged[i] = diverged_record(config, run_dirs[i], name, seed, error)
-          continue
-        elapsed[i] += seconds / count
-        record = {'round': completed, 'loss': float(losses[i]),
-                  'round_seconds': seconds / count, 'num_steps': float(steps[i])}
-        if evaluate_now or save_now:
-          own_server, own_clients = take_seed(server, i), take_seed(clients, i)
-        if evaluate_now:
-          summaries[i] = setup.evaluate(own_server, own_clients)
-          record.update(summaries[i])
-        setup.writer.write(record)
-        if save_now:
-          setup.checkpointer.save(completed, (own_server, own_clients,
-                                              jnp.float32(elapsed[i])), force=True)
-      if progress is not None:
-        progress.update(1)
-        progress.set_postfix(loss=f'{np.nanmean(losses):.3f}')
-  except KeyboardInterrupt:
-    for i, setup in enumerate(setups):
-      if i not in diverged and completed > setup.start_round:
-        setup.checkpointer.save(completed, (take_seed(server, i), take_seed(clients, i),
-                                            jnp.float32(elapsed[i])), force=True)
-    log.warning('interrupted: saved round %d of every seed', completed)
-    raise
-  finally:
-    if progress is not None:
-      progress.close()
-  results = []
-  for i, (seed, setup) in enumerate(zip(seeds, setups)):
-    if i in diverged:
-      results.append(diverged[i])
-      continue
-    own_server = take_seed(server, i)
-    if not summaries[i]:   # resumed after the final round: evaluate the restored state
-      summaries[i] = setup.evaluate(own_server, take_seed(clients, i))
-    results.append(finish_run(config, run_dirs[i], name, seed, summaries[i], elapsed[i],
-                              setup.upload, clock, own_server, vmapped_seeds=list(seeds)))
-  return results
 
 
 def run_dirs(config: ml_collections.ConfigDict, workdir: str):
@@ -675,10 +553,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
     for seed in config.seeds:
       run_dir = os.path.join(workdir, name, f'seed_{seed}')
       if not config.engine.vmap_seeds:
-        results.append(train_or_diverged(
-            lambda: train_and_evaluate(config, run_dir, name, seed, programs=programs,
-                                       backbone=backbone),
-            config, run_dir, name, seed))
+        results.append(train_and_evaluate(config, run_dir, name, seed, programs=programs,
+                                          backbone=backbone,
+                                          keep_going=config.on_divergence == 'continue'))
       run_dirs.setdefault(name, []).append(run_dir)
   table = report.results_table(results)
   preamble = (f"Benchmark {config.data.benchmark}: {config.data.source}, "
@@ -687,15 +564,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
               f"{config.rounds} rounds, cohort {config.cohort_size}; accuracy (%) mean ± std "
               f"over seeds {tuple(config.seeds)}; hardware: {info['device_kind']} "
               f"({info['backend']}).")
-  paper_tables = ''
-  if config.paper_tables == 'fedevolve':
-    paper_tables = report.fedevolve_tables(config, results)
-  elif config.paper_tables == 'fedtta':
-    paper_tables = report.fedtta_tables(config, results)
-  elif config.paper_tables == 'fedicon':
-    paper_tables = report.fedicon_tables(config, results)
-  elif config.paper_tables == 'fedins':
-    paper_tables = report.fedins_tables(config, results)
+  paper_tables = report.paper_table(config, {'results': results})
   files = (report.write_csv(table, os.path.join(workdir, 'results.csv')),
            report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png')))
   tables = (table['markdown'],) + ((paper_tables,) if paper_tables else ())

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from typing import Dict, List, NamedTuple
 
 import jax
@@ -48,11 +47,11 @@ from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.core.round import round_key
 from fedjax_shift.core.test_time import client_runner
 from fedjax_shift.data import federated
+from fedjax_shift.pipelines import loop
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
                                          check_run_dir, check_run_loop, check_sections,
                                          hardware, open_run)
-from fedjax_shift.pipelines.federated import (DivergenceError, build_data, evaluated_rounds,
-                                              train_or_diverged)
+from fedjax_shift.pipelines.federated import build_data, diverged_record, evaluated_rounds
 from fedjax_shift.registry import check_fields, require
 
 SECTIONS = {
@@ -128,9 +127,12 @@ def _sums_concat(parts: List[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, run_dir: str, seed: int
                        ) -> Dict[str, object]:
-  """One λ (``config.hetero_fedtta.kd_lambda``) and seed; resumes from ``run_dir``."""
+  """One λ (``config.hetero_fedtta.kd_lambda``) and seed; resumes from ``run_dir``. A
+  diverged run with ``config.on_divergence='continue'`` gives its diverged record."""
   with CompileClock() as clock:
     result = _train_and_evaluate(config, run_dir, seed)
+  if 'diverged' in result:
+    return result
   result['compile_seconds'] = round(clock.seconds, 3)
   result['compilations'] = clock.compilations
   with open(os.path.join(run_dir, 'results.json'), 'w') as f:
@@ -209,51 +211,28 @@ def _train_and_evaluate(config, run_dir: str, seed: int) -> Dict[str, object]:
   group_ids_device = tuple(jnp.asarray(ids) for ids in group_ids)
   evaluate = build_evaluate(config, bench.num_classes, parts, val, test, eval_key)
 
-  checkpointer, start, (server_state, group_states, elapsed), writer = open_run(
-      run_dir, config, fields, (server_state, group_states, jnp.float32(0.0)))
-  elapsed = float(elapsed)
-  progress = None
-  if config.progress:
-    from tqdm import tqdm
-    progress = tqdm(total=config.rounds, initial=start, unit='round', leave=False,
-                    desc=f'hetero_fedtta λ={hp.kd_lambda:g} seed {seed}')
-  summary: Dict[str, float] = {}
-  completed = start
+  opened = open_run(run_dir, config, fields, (server_state, group_states, jnp.float32(0.0)))
+  server_state, group_states, elapsed = opened.state
+  label = f'hetero_fedtta λ={hp.kd_lambda:g} seed {seed}'
+  run = loop.Run(label, run_dir, opened.checkpointer, opened.writer, opened.start_round,
+                 float(elapsed), lambda state: evaluate(*state)[0])
+
+  def advance(state, start: int, stop: int):
+    del stop
+    out = round_fn(*state, group_data, group_ids_device, round_key(train_key, start))
+    metrics = {n: np.reshape(np.float32(out.metrics[n]), (1, 1)) for n in ('loss', 'kd_loss')}
+    return (out.server_state, out.group_states), metrics
+
   try:
-    while completed < config.rounds:
-      tick = time.perf_counter()
-      out = round_fn(server_state, group_states, group_data, group_ids_device,
-                     round_key(train_key, completed))
-      loss = float(out.metrics['loss'])
-      seconds = time.perf_counter() - tick
-      if not np.isfinite(loss):
-        raise DivergenceError(f'hetero_fedtta λ={hp.kd_lambda:g} seed {seed}: non-finite '
-                              f'training loss ({loss}) in round {completed + 1}')
-      server_state, group_states = out.server_state, out.group_states
-      elapsed += seconds
-      completed += 1
-      record = {'round': completed, 'loss': loss, 'kd_loss': float(out.metrics['kd_loss']),
-                'round_seconds': seconds}
-      if completed % config.eval_every == 0 or completed == config.rounds:
-        summary = evaluate(server_state, group_states)[0]
-        record.update(summary)
-      writer.write(record)
-      checkpointer.save(completed, (server_state, group_states, jnp.float32(elapsed)),
-                        force=completed == config.rounds)
-      if progress is not None:
-        progress.update(1)
-        progress.set_postfix(loss=f'{loss:.3f}')
-  except KeyboardInterrupt:
-    if completed > start:
-      checkpointer.save(completed, (server_state, group_states, jnp.float32(elapsed)),
-                        force=True)
-    raise
+    outcome, = loop.train([run], (server_state, group_states),
+                          loop.Trainer(advance, loop.only_run), config.rounds,
+                          config.eval_every, config.checkpoint_every,
+                          config.on_divergence == 'continue', config.progress, label)
   finally:
-    if progress is not None:
-      progress.close()
-    checkpointer.close()
-  if not summary:
-    summary = evaluate(server_state, group_states)[0]
+    opened.checkpointer.close()
+  if outcome.diverged is not None:
+    return diverged_record(config, run_dir, run_name(hp.kd_lambda), seed, outcome.diverged)
+  summary, elapsed = outcome.summary, outcome.elapsed
   num_public = public_x.shape[0]
   return {'algorithm': run_name(hp.kd_lambda), 'kd_lambda': float(hp.kd_lambda), 'seed': seed,
           'metrics': summary, 'evaluations': evaluated_rounds(run_dir, config.rounds), 'rounds': config.rounds,
@@ -342,9 +321,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   curves: Dict[str, List[str]] = {}
   for run_dir, one_config, _ in run_dirs(config, workdir):
     seed = int(os.path.basename(run_dir).split('_')[-1])
-    results.append(train_or_diverged(
-        lambda: train_and_evaluate(one_config, run_dir, seed), config, run_dir,
-        run_name(one_config.hetero_fedtta.kd_lambda), seed))
+    results.append(train_and_evaluate(one_config, run_dir, seed))
     curves.setdefault(results[-1]['algorithm'], []).append(run_dir)
   table = report.results_table(results)
   hp = config.hetero_fedtta

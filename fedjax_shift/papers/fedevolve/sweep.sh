@@ -3,7 +3,7 @@
 # launch/train.py processes sharing one accelerator (each allocates GPU memory on
 # demand), then prints the paper-layout table of each finished variant.
 #
-#   launch/sweep_evolving.sh OUTDIR "rmnist_dirinf rmnist_dir1.0 rmnist_dir0.1" \
+#   fedjax_shift/papers/fedevolve/sweep.sh OUTDIR "rmnist_dirinf rmnist_dir1.0 rmnist_dir0.1" \
 #       "fedavg fedevolve fedevp" [--config.seeds='(0,1,2)' ...]
 #
 # Results: OUTDIR/<variant>/<algorithm>/seed_<s>/results.json, logs in
@@ -12,7 +12,7 @@
 # RUN_TIMEOUT (seconds, default none) stops each process after that long.
 set -u
 out=$1; variants=$2; algorithms=$3; shift 3
-here=$(cd "$(dirname "$0")/.." && pwd)
+here=$(cd "$(dirname "$0")/../../.." && pwd)
 mkdir -p "$out/logs"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$out/jax_cache}
@@ -28,6 +28,6 @@ done
 wait
 for variant in $variants; do
   echo "== $variant"
-  python "$here/launch/report.py" --kind=evolving --workdirs="$out/${variant//,/_}" \
+  python "$here/launch/report.py" --kind=fedevolve --workdirs="$out/${variant//,/_}" \
     --labels="${variant//,/+}" 2>&1 | tail -n 20
 done

@@ -1,7 +1,7 @@
-"""The test-time pipeline (``config.pipeline = 'test_time'``; ATP Table 1 / Table 3 /
-Figure 4): for every shift and seed, pretrain the global model on the source clients,
-train ATP's α on their held-out data, then run every configured adapter on the target
-clients.
+"""ATP's protocol as a pipeline (``config.pipeline = 'atp'``; Bao, Wei, Wang & He,
+NeurIPS 2023, Tables 1 and 3, Figure 4): for every shift and seed, pretrain the global
+model on the source clients, train ATP's α on their held-out data, then run every
+configured test-time adapter on the target clients.
 
 Workdir layout::
 
@@ -13,7 +13,7 @@ Workdir layout::
     <workdir>/<shift>/seed_<s>/test_time.json  accuracy per row (+ per client), seconds
     <workdir>/results.md, results.json, alpha.png, rates_<row>.png
 
-Learned-rates rows (``config.learned``, issue 18): a Table 1 row's adapter with some of its
+Learned-rates rows (``config.learned``): a Table 1 row's adapter with some of its
 hyperparameters (Tent's per-layer rates, BN-Adapt's prior strength, ATP's α, …) trained
 on the source clients' held-out data by gradient through K test-time steps
 (``adapters/learned_rates.py``), federated like α, then run on the targets.
@@ -36,10 +36,11 @@ import ml_collections
 import numpy as np
 import optax
 
-from fedjax_shift import models, report
-from fedjax_shift.adapters import atp as atp_lib
+from fedjax_shift import algorithms, models, report
 from fedjax_shift.adapters import learned_rates
-from fedjax_shift.algorithms.atp import OPTIMIZERS, alpha_optimizer, atp_training
+from fedjax_shift.algorithms import ALGORITHMS
+from fedjax_shift.algorithms.atp import alpha_optimizer
+from fedjax_shift.parts import atp_rates
 from fedjax_shift.benchmarks import Benchmark
 from fedjax_shift.benchmarks.atp_shift import SHIFTS, ShiftData, atp_protocol
 from fedjax_shift.core import evaluation
@@ -50,7 +51,6 @@ from fedjax_shift.pipelines.base import (PIPELINES, Results, algorithm_names, ch
 from fedjax_shift.pipelines.federated import train_and_evaluate
 
 log = logging.getLogger('fedjax_shift')
-PRETRAIN_ALGORITHMS = ('fedavg', 'fedprox', 'qffl')
 # ATP Table 1's rows in order: (key, label, adapter, test-time mode).
 ROWS = (('no_adapt', 'No adaptation', 'no_adapt', 'episodic'),
         ('bn_adapt', 'BN-Adapt', 'bn_adapt', 'episodic'),
@@ -73,20 +73,6 @@ SECTIONS = {
         'adapter': {key: adapter for key, _, adapter, _ in ROWS},
         'mode': {key: mode for key, _, _, mode in ROWS},
         'client_chunk': 0,            # target clients per compiled call (0 = all)
-    },
-    # ATP α training (atp.txt Algorithm 1; REFERENCE.md, the authors' code).
-    'atp': {
-        'rounds': 400,                # CNN: 400 rounds (ResNet-18: 200)
-        'cohort_size': 60,            # 25 % of the 240 source clients
-        'optimizer': 'sgd',
-        'learning_rate': 0.1,         # lr_α = 0.1
-        'scaling': 'sqrt',            # ∂CE/∂α_i / sqrt(numel_i) ('none', 'numel')
-        'batch_size': 20,             # batch 20
-        'local_epochs': 1,            # one pass over the client's 40 held-out samples
-        'local_steps': 0,             # > 0: fixed α steps per round instead
-        # α's gradient through the clamp of adapted variances at 0 (adapters/atp.py):
-        # 'straight_through' as the authors' code, or 'zero' (this library before issue 17).
-        'variance_clamp': 'straight_through',
     },
     # Learned-rates rows (adapters/learned_rates.py): a Table 1 row (``base``) whose
     # adapter's ``rates`` are trained through K = ``num_batches`` test batches of
@@ -115,9 +101,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """The federated checks plus the test-time ones, before any data or compilation."""
   check_run(config)
   names = algorithm_names(config)
-  require(len(names) == 1 and names[0] in PRETRAIN_ALGORITHMS, 'algorithms',
-          f'the test-time pipeline pretrains with one of {list(PRETRAIN_ALGORITHMS)}, '
-          f'got {names}')
+  pretraining = [n for n in ALGORITHMS.names() if ALGORITHMS.meta(n).get('pretrains')]
+  require(len(names) == 1 and names[0] in pretraining, 'algorithms',
+          f'the atp pipeline pretrains with one of {pretraining}, got {names}')
   require(not config.data.pad_to, 'data.pad_to',
           'the test-time pipeline builds its own client splits; leave pad_to at 0')
   tta = config.tta
@@ -135,18 +121,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
             f'unknown {tta.mode[key]!r}; choose from {list(MODES)}')
     require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
   validate_learned(config)
-  atp = config.atp
-  require(atp.scaling in atp_lib.SCALINGS, 'atp.scaling',
-          f'unknown {atp.scaling!r}; choose from {list(atp_lib.SCALINGS)}')
-  require(atp.optimizer in OPTIMIZERS, 'atp.optimizer',
-          f'unknown {atp.optimizer!r}; choose from {list(OPTIMIZERS)}')
-  require(atp.variance_clamp in atp_lib.VARIANCE_CLAMPS, 'atp.variance_clamp',
-          f'unknown {atp.variance_clamp!r}; choose from {list(atp_lib.VARIANCE_CLAMPS)}')
-  require(atp.rounds >= 1, 'atp.rounds', f'must be >= 1, got {atp.rounds}')
-  require(atp.learning_rate > 0, 'atp.learning_rate', f'must be > 0, got {atp.learning_rate}')
-  require(atp.batch_size >= 1, 'atp.batch_size', f'must be >= 1, got {atp.batch_size}')
-  require(1 <= atp.cohort_size <= config.data.num_clients, 'atp.cohort_size',
-          f'must be in [1, data.num_clients={config.data.num_clients}], got {atp.cohort_size}')
+  ALGORITHMS.check('atp', config.atp, 'config.atp')
+  require(1 <= config.atp.cohort_size <= config.data.num_clients, 'atp.cohort_size',
+          f'must be in [1, data.num_clients={config.data.num_clients}], got '
+          f'{config.atp.cohort_size}')
 
 
 def validate_learned(config: ml_collections.ConfigDict) -> None:
@@ -401,9 +379,9 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
 
   a_config = alpha_config(shift_config)
   val = data.source.splits['val']
-  algorithm = atp_training(a_config.atp, module, val.max_examples, variables,
-                           config.engine.unroll)
-  names = atp_lib.module_names(atp_lib.init_alpha(variables))
+  algorithm = algorithms.build('atp', a_config, module, val.max_examples,
+                               global_variables=variables)
+  names = atp_rates.module_names(atp_rates.init_alpha(variables))
   trained = train_and_evaluate(a_config, os.path.join(workdir, 'alpha'), 'atp', seed,
                                bench=Benchmark({'train': val}, data.source.num_classes,
                                                data.source.example_shape, data.info),
@@ -429,7 +407,7 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
   return rows, alpha, inputs, data, names, learned_values
 
 
-@PIPELINES.register('test_time', defaults=SECTIONS, check=validate, run_dirs=run_dirs)
+@PIPELINES.register('atp', defaults=SECTIONS, check=validate, run_dirs=run_dirs)
 def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   """Every shift × seed (validated by ``pipelines.run``); writes results.json and
   alpha.png. ``records``: 'table1', 'table3', 'markdown'."""
@@ -465,8 +443,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   labels = {key: config.tta.label[key] for key in config.tta.rows}
   labels.update({key: learned_label(config, key) for key in config.learned.rows})
   table1 = {key: table1[key] for key in table_order(config) if key in table1}
-  markdown = report.tta_tables(table1, table3, labels, tuple(config.tta.shifts),
-                               tuple(config.seeds))
+  records = {'table1': table1, 'table3': table3, 'labels': labels}
+  markdown = report.paper_table(config, records) or (
+      'Accuracy (%) on the target clients, mean ± std over seeds\n\n' +
+      report.grid_table(table1, labels, tuple(config.tta.shifts), tuple(config.seeds)))
   preamble = (f"ATP protocol on {config.data.source}: {config.data.num_clients} source + "
               f"{config.data.num_target_clients} target clients, model {config.model.name}, "
               f"{algorithm_names(config)[0]} {config.rounds} rounds → α "
@@ -496,7 +476,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
                'learned_rates': rates_means,
                'seconds': seconds, 'hardware': info}, f, indent=1)
   return Results(preamble, (markdown,), (results_json, alpha_png, *rate_pngs),
-                 {'table1': table1, 'table3': table3, 'markdown': markdown})
+                 {**records, 'markdown': markdown})
 
 
 def cross_shift(config, evaluators: Evaluators, alphas, runs

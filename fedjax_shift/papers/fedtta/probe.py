@@ -1,7 +1,7 @@
-"""FedTTA / FedTTA++ test-time steps on a trained run's new clients (issue 15).
+"""FedTTA / FedTTA++ test-time steps on a trained run's new clients.
 
     python launch/train.py --config=configs/fedtta.py --workdir=/tmp/fedtta
-    python launch/fedtta_probe.py --config=configs/fedtta.py --workdir=/tmp/fedtta \
+    python -m fedjax_shift.papers.fedtta.probe --config=configs/fedtta.py --workdir=/tmp/fedtta \
         --algorithm=fedtta
 
 Restores (or, if absent, trains) ``<workdir>/<algorithm>/seed_<s>`` for each seed of the
@@ -15,23 +15,20 @@ recomputed here with plain inner steps.
 """
 import json
 import os
-import sys
 from typing import Dict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from fedjax_shift import models  # noqa: E402
-from fedjax_shift.adapters.common import weighted_entropy  # noqa: E402
-from fedjax_shift.adapters.fedtta import adaptation_module_of  # noqa: E402
-from fedjax_shift.algorithms.fedtta import ADAPTATION, inner_step  # noqa: E402
-from fedjax_shift.pipelines import federated  # noqa: E402
+from fedjax_shift import models
+from fedjax_shift.adapters.common import weighted_entropy
+from fedjax_shift.adapters.fedtta import adaptation_module_of
+from fedjax_shift.algorithms.fedtta import ADAPTATION, inner_step
+from fedjax_shift.pipelines import federated
 
 REPORTED_STEPS = (0, 1, 2, 3, 5, 10, 20)
 PATIENCES = (1, 3, 5)

@@ -1,6 +1,6 @@
-"""FedEvolve's prediction rules on a trained run (issue 17's measurements).
+"""FedEvolve's prediction rules on a trained run, each measured on the same trained model.
 
-    python launch/fedevolve_probe.py --config=configs/fedevolve.py:rmnist_dirinf,cnn_cpu \
+    python -m fedjax_shift.papers.fedevolve.probe --config=configs/fedevolve.py:rmnist_dirinf,cnn_cpu \
         --workdir=/tmp/rm_cnn
 
 Restores (or, if absent, trains) ``<workdir>/fedevolve/seed_<s>`` for each seed of the
@@ -20,21 +20,18 @@ config and prints, per seed, the target-domain accuracy (%) of:
 """
 import json
 import os
-import sys
 from typing import Dict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
 
-import jax.numpy as jnp  # noqa: E402
-import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-from fedjax_shift import models  # noqa: E402
-from fedjax_shift.algorithms.fedevolve import encoder_features  # noqa: E402
-from fedjax_shift.algorithms.prototypes import class_prototypes  # noqa: E402
-from fedjax_shift.pipelines import federated  # noqa: E402
+from fedjax_shift import models
+from fedjax_shift.algorithms.fedevolve import encoder_features
+from fedjax_shift.algorithms.prototypes import class_prototypes
+from fedjax_shift.pipelines import federated
 
 GROUPS = (1, 2, 4, 10, 20)
 

@@ -1,0 +1,2 @@
+"""atp: its table layouts (tables.py), the paper's numbers (numbers.py); README.md."""
+from fedjax_shift.papers.atp import tables  # noqa: F401

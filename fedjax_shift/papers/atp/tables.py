@@ -1,0 +1,103 @@
+"""ATP's table layouts (Bao, Wei, Wang & He, "Adaptive Test-Time Personalization for
+Federated Learning", NeurIPS 2023): Table 1 (methods × shifts with the average rank)
+and Table 3 (α trained on one shift, tested on another), with the paper's numbers
+beside ours. Registered as the paper table 'atp' (records of the 'atp' pipeline).
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, Sequence
+
+import numpy as np
+
+from fedjax_shift.papers.atp import numbers
+from fedjax_shift.report import (PAPER_TABLES, PaperTable, beside_paper, markdown, mean_std,
+                                 read_result)
+
+SHIFT_ORDER = ('feature', 'label', 'hybrid')
+
+
+def tta_tables(table1: Dict[str, Dict[str, Dict[int, float]]],
+               table3: Dict[tuple, Dict[str, Dict[int, float]]], labels: Dict[str, str],
+               shifts: Sequence[str], seeds: Sequence[int], paper: bool = False) -> str:
+  """ATP Table 1 (rows = methods, columns = shifts, plus the average rank) and,
+  with several shifts, Table 3 (rows = the shift α was trained on, columns = the
+  shift tested; ATP-batch and ATP-online). Accuracies in %, mean ± std over seeds.
+  ``paper``: the paper's CIFAR-10 numbers beside ours, and its claims checked."""
+  cell = lambda per_seed: mean_std([per_seed.get(s) for s in seeds])
+  means = {key: {shift: np.nanmean([v for v in cols.get(shift, {}).values()] or [np.nan])
+                 for shift in shifts} for key, cols in table1.items()}
+  from scipy.stats import rankdata
+  keys = list(table1)
+  ranks = {key: [] for key in keys}
+  for shift in shifts:  # rank 1 = best; ties share the mean of their ranks
+    for key, rank in zip(keys, rankdata([-means[k][shift] for k in keys], method='average')):
+      ranks[key].append(float(rank))
+  header = ['Method'] + [f'{s.capitalize()} shift' for s in shifts] + ['Avg. rank']
+  rows = [[labels.get(key, key)] + [cell(table1[key].get(shift, {})) for shift in shifts] +
+          [f'{np.mean(ranks[key]):.1f}'] for key in table1]
+  source = ''
+  if paper:
+    header, rows = beside_paper(header, rows, numbers.PAPER_NUMBERS['Table 1 (CIFAR-10)'],
+                                numbers.CLAIMS)
+    source = (f"; the paper's numbers: "
+              f"{numbers.PAPER_NUMBERS['Table 1 (CIFAR-10)']['source']}")
+  text = (f'Table 1 (ATP layout): accuracy on target clients{source}\n\n' +
+          markdown(header, rows))
+  if table3:
+    for key in ('atp_batch', 'atp_online'):
+      header = ['Train \\ Test'] + [f'{s.capitalize()} shift' for s in shifts]
+      rows = [['No adaptation'] + [cell(table1.get('no_adapt', {}).get(s, {})) for s in shifts]]
+      for train in shifts:
+        row = [f'{train.capitalize()} shift']
+        for test in shifts:
+          per_seed = (table1.get(key, {}).get(test, {}) if train == test
+                      else table3.get((train, test), {}).get(key, {}))
+          row.append(cell(per_seed))
+        rows.append(row)
+      text += (f'\n\nTable 3 (ATP layout): α trained on one shift, tested on another '
+               f'({labels.get(key, key)})\n\n' + markdown(header, rows))
+  return text
+
+
+
+
+def load(workdirs: Sequence[str]):
+  """(table1, table3, labels, shifts, seeds) merged over finished 'atp' pipeline
+  workdirs' results.json (one shift per workdir, or several)."""
+  table1, table3, labels, shifts, seeds = {}, {}, {}, [], []
+  for workdir in workdirs:
+    path = os.path.join(workdir, 'results.json')
+    if not os.path.exists(path):
+      raise FileNotFoundError(f'{path} not found: is {workdir!r} a finished atp-pipeline run?')
+    results = read_result(path)
+    config = read_result(os.path.join(workdir, 'config.json'))
+    labels.update(config['tta']['label'])
+    labels.update(results.get('labels', {}))   # with the learned-rates rows' labels
+    for key, columns in results['table1'].items():
+      for shift, per_seed in columns.items():
+        if shift in table1.get(key, {}):
+          raise ValueError(f'{workdir}: row {key!r} of the {shift} shift is also in an earlier '
+                           f'workdir; pass each shift once')
+        table1.setdefault(key, {})[shift] = {int(s): v for s, v in per_seed.items()}
+        shifts += [shift] if shift not in shifts else []
+        seeds += [int(s) for s in per_seed if int(s) not in seeds]
+    for pair, rows in results['table3'].items():
+      train, test = pair.split('->')
+      table3[(train, test)] = {k: {int(s): v for s, v in r.items()} for k, r in rows.items()}
+  order = [s for s in SHIFT_ORDER if s in shifts]
+  return table1, table3, labels, order, sorted(seeds)
+
+
+def from_run(config, records) -> str:
+  return tta_tables(records['table1'], records['table3'], records['labels'],
+                    tuple(config.tta.shifts), tuple(config.seeds), paper=True)
+
+
+def from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
+  del labels
+  return tta_tables(*load(workdirs), paper=True)
+
+
+PAPER_TABLES.register('atp', pipelines=('atp',))(
+    PaperTable(from_run, from_workdirs, needs=('table1', 'table3')))

@@ -1,0 +1,133 @@
+"""FedEvolve's table layouts ("Federated Learning under Evolving Distribution Shifts",
+anonymous, under double-blind review, 2024): Tables 1–4 (a Client and a Server column
+per Dirichlet level), Table 6 (straggler ratios) and Table 7 (parameters sent), with
+the paper's numbers beside ours. Registered as the paper tables 'fedevolve' and
+'fedevolve_straggler'.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+from fedjax_shift.papers.fedevolve import numbers
+from fedjax_shift.report import (PAPER_TABLES, PaperTable, load_runs, markdown, mean_std,
+                                 paper_markdown, run_config)
+
+# The paper's table that a benchmark's run is a column of (numbers.PAPER_NUMBERS keys).
+TIMED_SOURCES = {'portraits': 'Portraits', 'caltran': 'Caltran'}
+
+
+def paper_key(config) -> str:
+  """The numbers.PAPER_NUMBERS key of the paper's table this run is a column of."""
+  data = config.data
+  if data.benchmark == 'rotated_digits':
+    return 'Table 2 (REMNIST)' if 'emnist' in data.source else 'Table 1 (RMNIST)'
+  if data.benchmark == 'circle':
+    return 'Table 3 (Circle)'
+  return f'Table 3 ({TIMED_SOURCES.get(data.source, data.source)})'
+
+
+# FedEvolve Table 1 rows: (label, method, model for Client, model for Server).
+EVOLVING_ROWS = (
+    ('FedAvg', 'fedavg', 'global', 'global'),
+    ('GMA', 'gma', 'global', 'global'),
+    ('MEMO(G)', 'fedavg_ft', 'global+memo', 'global+memo'),
+    ('FedAvg-FT', 'fedavg_ft', 'personalized', 'global'),
+    ('APFL', 'apfl', 'personalized', 'global'),
+    ('FedRep', 'fedrep', 'personalized', None),
+    ('Ditto', 'ditto', 'personalized', 'global'),
+    ('FedRoD', 'fedrod', 'personalized', 'global'),
+    ('MEMO(P)', 'fedavg_ft', 'personalized+memo', None),
+    ('T3A', 'fedavg_ft', 'personalized+t3a', None),
+    ('FedSR', 'fedsr', 'global', 'global'),
+    ('FedEvolve', 'fedevolve', 'personalized', 'global'),
+    ('FedEvp', 'fedevp', 'personalized', 'global'))
+
+
+def evolving_rows(runs_by_column: Dict[str, List[Dict]], split: str = 'test',
+                  server: bool = True):
+  """(header, rows) of ``evolving_table``."""
+  return _evolving(runs_by_column, split, server)
+
+
+def evolving_table(runs_by_column: Dict[str, List[Dict]], split: str = 'test',
+                   server: bool = True) -> str:
+  """FedEvolve Table 1 layout: per column group (e.g. a Dirichlet level) a 'Client'
+  column — the mean over clients of each client's accuracy on its target domain with
+  the model named in EVOLVING_ROWS — and a 'Server' column — the global model's
+  accuracy over every client's target data. ``runs_by_column``: label -> per
+  (method, seed) result dicts as written to results.json. ``server=False`` keeps the
+  Client columns alone (Table 6: one column per straggler ratio)."""
+  return markdown(*_evolving(runs_by_column, split, server))
+
+
+def _evolving(runs_by_column, split, server):
+  header = ['Method']
+  for label in runs_by_column:
+    header += [f'{label} Client', f'{label} Server'] if server else [label]
+  rows = []
+  for row_label, method, client_model, server_model in EVOLVING_ROWS:
+    row = [row_label]
+    for runs in runs_by_column.values():
+      mine = [r for r in runs if r['algorithm'] == method]
+      models = ((client_model, 'client_accuracy'), (server_model, 'accuracy'))
+      for model, metric in (models if server else models[:1]):
+        values = [r['metrics'].get(f'{model}/{split}/{metric}') for r in mine] if model else []
+        row.append(mean_std(values))
+    if any(cell != 'n/a' for cell in row[1:]):
+      rows.append(row)
+  return header, rows
+
+
+def parameters_table(results: List[Dict]) -> str:
+  """FedEvolve Table 7 layout: parameters each client uploads per round, per
+  method (read off the update pytrees by experiment.uploaded_parameters)."""
+  labels = {method: label for label, method, _, _ in reversed(EVOLVING_ROWS)}
+  methods = list(dict.fromkeys(r['algorithm'] for r in results))
+  header = [''] + [labels.get(m, m) for m in methods]
+  uploads = {r['algorithm']: r.get('uploaded_parameters', 0) for r in results}
+  return markdown(header, [['Parameters'] + [f'{uploads[m]:,}' for m in methods]])
+
+
+def fedevolve_tables(config, results: List[Dict]) -> str:
+  """What launch/train.py prints for a configs/fedevolve.py run: its column of the
+  paper's Table 1 (RMNIST), Table 2 (REMNIST) or Table 3 (Circle, Portraits,
+  Caltran) — labelled with the straggler ratio r when there is one — then Table 7.
+  launch/report.py merges runs into the wider tables (--kind=straggler: Table 6)."""
+  label = f'Dir={config.data.dirichlet_alpha}'
+  if config.straggler_prob:
+    label += f', r={config.straggler_prob}'
+  table = 'Table 3'
+  if config.data.benchmark == 'rotated_digits':
+    table = 'Table 2' if 'emnist' in config.data.source else 'Table 1'
+  return (f'FedEvolve {table} layout: accuracy (%) on the target domain, mean ± std over '
+          f'seeds; Client = personalised model, mean over clients; Server = global '
+          f'model over all target data\n\n' +
+          paper_markdown(*evolving_rows({label: results}),
+                         numbers.PAPER_NUMBERS.get(paper_key(config)), numbers.CLAIMS) +
+          '\n\nFedEvolve Table 7 layout: parameters uploaded per client per round\n\n' +
+          parameters_table(results))
+
+
+
+
+def from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
+  """Table 1 / 2 / 3 / 4 of finished configs/fedevolve.py runs: one Client/Server
+  column pair per workdir (labels: e.g. 'Dir=inf,Dir=1.0,Dir=0.1', which match the
+  paper's columns)."""
+  key = paper_key(run_config(workdirs[0]))
+  return (f'FedEvolve {key.split(" (")[0]} layout\n\n' +
+          paper_markdown(*evolving_rows(load_runs(workdirs, labels)),
+                         numbers.PAPER_NUMBERS.get(key), numbers.CLAIMS))
+
+
+def straggler_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
+  """Table 6: one Client column per workdir (labels: the straggler ratios, e.g.
+  '0,0.1,0.9', which match the paper's columns)."""
+  return paper_markdown(*evolving_rows(load_runs(workdirs, labels), server=False),
+                        numbers.PAPER_NUMBERS['Table 6'], numbers.CLAIMS)
+
+
+PAPER_TABLES.register('fedevolve', pipelines=('federated',))(
+    PaperTable(fedevolve_tables, from_workdirs, needs=('/client_accuracy',)))
+PAPER_TABLES.register('fedevolve_straggler', pipelines=('federated',))(
+    PaperTable(None, straggler_from_workdirs, needs=('/client_accuracy',)))

@@ -1,0 +1,167 @@
+"""FedICON's table layouts (Tan, Zhuang, Lyu, Chen, Dong & Long, "Is Heterogeneity
+Notorious? Taming Heterogeneity to Handle Test-Time Shift in Federated Learning",
+NeurIPS 2023): the rows of Tables 1–4 over FedTHE's five test sets or per-domain
+corrupted test sets, Table 2 (leave one domain out) and Table 5 (the components),
+with the paper's numbers beside ours. Registered as the paper tables 'fedicon' and
+'fedicon_lodo'.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+from fedjax_shift.papers.fedicon import numbers
+from fedjax_shift.report import (PAPER_TABLES, PaperTable, load_runs, markdown, mean_std,
+                                 paper_markdown, read_result, seeds_cell)
+
+
+def paper_key(data_config) -> str:
+  """The numbers.PAPER_NUMBERS key of the paper's table closest to ``config.data``:
+  Table 1 (Digit-5, per-domain corruption) for digit domains, Table 3 (CIFAR-10,
+  FedTHE's test sets) for the label-skew benchmark at its Dirichlet level."""
+  if data_config.benchmark == 'digit_domains':
+    return 'Table 1 (Digit-5)'
+  return f'Table 3 (CIFAR-10, Dir({data_config.dirichlet_alpha:g}))'
+
+
+# FedICON Tables 1–4 rows (Sec. 5.1): (label, method, model key). Tent, EATA
+# and T3A adapt FedAvg's global model ("we implement these TTA methods with the FedAvg
+# framework"); FedTHE / FedTHE+ ensemble FedTHE's two heads; FedICON adapts each
+# client's personalised model by Eq. 7.
+FEDICON_ROWS = (
+    ('Local', 'local', 'personalized'),
+    ('FedAvg', 'fedavg', 'global'),
+    ('FedAvg-FT', 'fedavg_ft', 'personalized'),
+    ('FedProx', 'fedprox', 'global'),
+    ('FedRep', 'fedrep', 'personalized'),
+    ('FedBN', 'fedbn', 'personalized'),
+    ('FedTHE', 'fedthe', 'personalized+fedthe'),
+    ('FedTHE+', 'fedthe', 'personalized+fedthe_plus'),
+    ('Tent', 'fedavg', 'global+tent'),
+    ('EATA', 'fedavg', 'global+eata'),
+    ('T3A', 'fedavg', 'global+t3a'),
+    ('FedICON', 'fedicon', 'personalized+fedicon'),
+    ('FedICON-us', 'fedicon_us', 'personalized+fedicon'),
+)
+# The FedTHE-style test sets (benchmarks/label_skew.py), in the papers' column order.
+FEDICON_COLUMNS = (('test', 'In-distribution'), ('test_corrupted', 'Corrupted'),
+                   ('test_ooc', 'Out-of-client'), ('test_natural', 'Natural shift'),
+                   ('test_mixture', 'Mixture'))
+
+
+def fedicon_columns(data_config) -> tuple:
+  """(split, label) columns of FedICON's table for ``config.data``: FedTHE's five test
+  sets (label_skew_corrupted); Table 1's corrupted test per domain and their average
+  (digit_domains, covariate shift); Table 2's held-out domain (leave-one-domain-out)."""
+  if data_config.benchmark != 'digit_domains':
+    return FEDICON_COLUMNS
+  if data_config.held_out_domain:
+    return (('test', f'Held-out domain: {data_config.held_out_domain}'),
+            ('test_own', 'Own domain'))
+  return tuple((f'test_corrupted_{d}', d) for d in data_config.domains) + (
+      ('test_corrupted', 'Average (corrupted)'), ('test', 'Clean'))
+
+
+def fedicon_table(results: List[Dict], online: bool = False,
+                  columns: Sequence[tuple] = FEDICON_COLUMNS) -> str:
+  """``fedicon_rows`` as markdown."""
+  return markdown(*fedicon_rows(results, online, columns))
+
+
+def fedicon_rows(results: List[Dict], online: bool = False,
+                 columns: Sequence[tuple] = FEDICON_COLUMNS):
+  """FedICON's layout: rows = FEDICON_ROWS that were run, columns = those of the
+  (split, label) ``columns`` the runs have; accuracy (%) over each test set's examples,
+  mean ± std over seeds. ``online``: FedICON's adapter ran in its online variant (the
+  rows say so)."""
+  columns = [(split, label) for split, label in columns
+             if any(f'{model}/{split}/accuracy' in r['metrics']
+                    for r in results for _, _, model in FEDICON_ROWS)]
+  rows = []
+  for label, method, model in FEDICON_ROWS:
+    runs = [r for r in results if r['algorithm'] == method]
+    if not runs or not any(k.startswith(model + '/') for r in runs for k in r['metrics']):
+      continue
+    if online and model.endswith('+fedicon'):
+      label += ' (online)'
+    rows.append([label] + [mean_std([r['metrics'].get(f'{model}/{split}/accuracy')
+                                     for r in runs]) for split, _ in columns] +
+                [seeds_cell(runs)])
+  return ['Method'] + [label for _, label in columns] + ['seeds'], rows
+
+
+# FedICON Table 5: (method, local invariance extraction, global invariance sharing); each
+# with and without test-time adaptation ('personalized+fedicon' / 'personalized').
+FEDICON_ABLATION = (('fedicon_ce_no_sharing', False, False), ('fedicon_ce', False, True),
+                    ('fedicon_no_sharing', True, False), ('fedicon', True, True))
+
+
+def fedicon_ablation_table(results: List[Dict], split: str = 'test_corrupted') -> str:
+  """FedICON Table 5 layout: one row per component combination that was run, accuracy
+  (%) on ``split`` (the covariate-shift test sets), mean ± std over seeds."""
+  mark = lambda on: '✓' if on else ''
+  rows = []
+  for method, extraction, sharing in FEDICON_ABLATION:
+    runs = [r for r in results if r['algorithm'] == method]
+    if not runs:
+      continue
+    for tta, model in ((False, 'personalized'), (True, 'personalized+fedicon')):
+      values = [r['metrics'].get(f'{model}/{split}/accuracy') for r in runs]
+      if any(v is not None for v in values):
+        rows.append([mark(extraction), mark(sharing), mark(tta), mean_std(values)])
+  return markdown(['Local invariance extraction', 'Global invariance sharing',
+                    'Test-time adaptation', f'Accuracy ({split})'], rows)
+
+
+def fedicon_tables(config, results: List[Dict]) -> str:
+  """What launch/train.py prints for a configs/fedicon.py run (and Table 5's layout when
+  it ran the ablations)."""
+  text = ('FedICON layout (the rows of its Tables 1–4): accuracy (%) on each client\'s test '
+          'sets (all examples pooled), mean ± std over seeds; last round\n\n' +
+          paper_markdown(*fedicon_rows(
+              results, online='fedicon:online' in tuple(config.eval_adapters),
+              columns=fedicon_columns(config.data)),
+              numbers.PAPER_NUMBERS.get(paper_key(config.data)), numbers.CLAIMS,
+              lambda label: label.replace(' (online)', '')))
+  ablations = {method for method, _, _ in FEDICON_ABLATION} - {'fedicon'}
+  if any(r['algorithm'] in ablations for r in results):
+    text += ('\n\nFedICON Table 5 layout: the components (test-time adaptation = the '
+             'fedicon adapter on the personalised model)\n\n' + fedicon_ablation_table(results))
+  return text
+
+
+def fedicon_lodo_table(runs_by_domain: Dict[str, List[Dict]]) -> str:
+  """FedICON Table 2 layout: one column per held-out domain (each a leave-one-domain-out
+  run of configs/fedicon.py:lodo_<domain>), its 'test' split (the held-out domain dealt
+  to the clients); rows = FEDICON_ROWS; mean ± std over seeds."""
+  domains = list(runs_by_domain)
+  rows = []
+  for label, method, model in FEDICON_ROWS:
+    cells, found = [], False
+    for domain in domains:
+      values = [r['metrics'].get(f'{model}/test/accuracy') for r in runs_by_domain[domain]
+                if r['algorithm'] == method]
+      found |= any(v is not None for v in values)
+      cells.append(mean_std(values))
+    if found:
+      rows.append([label] + cells)
+  return markdown(['Method'] + [f'Held out: {d}' for d in domains], rows)
+
+
+
+
+def lodo_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
+  """Table 2: one column per leave-one-domain-out run (configs/fedicon.py:lodo_<d>)."""
+  del labels
+  import os
+  domains = [read_result(os.path.join(w, 'config.json'))['data']['held_out_domain']
+             for w in workdirs]
+  if not all(domains):
+    raise ValueError('--kind=fedicon_lodo reads leave-one-domain-out runs '
+                     '(configs/fedicon.py:lodo_<domain>); a workdir has no held-out domain')
+  return fedicon_lodo_table(dict(zip(domains, load_runs(workdirs, domains).values())))
+
+
+PAPER_TABLES.register('fedicon', pipelines=('federated',))(
+    PaperTable(fedicon_tables, None, needs=('/accuracy',)))
+PAPER_TABLES.register('fedicon_lodo', pipelines=('federated',))(
+    PaperTable(None, lodo_from_workdirs, needs=('/test/accuracy',)))

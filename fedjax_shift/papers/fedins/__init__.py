@@ -1,0 +1,2 @@
+"""fedins: its table layouts (tables.py), the paper's numbers (numbers.py); README.md."""
+from fedjax_shift.papers.fedins import tables  # noqa: F401

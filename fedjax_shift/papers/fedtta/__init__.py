@@ -1,0 +1,2 @@
+"""fedtta: its table layouts (tables.py), the paper's numbers (numbers.py); README.md."""
+from fedjax_shift.papers.fedtta import tables  # noqa: F401

@@ -1,0 +1,37 @@
+"""FedTTA's inner step (Ye, Chen, Wang, Li & Gao, "UPFL: Unsupervised Personalized
+Federated Learning towards New Clients", arXiv 2023; Eqs. 4, 5 and 11): the training
+(algorithms/fedtta.py) differentiates through it, a new client (adapters/fedtta.py)
+takes it on its unlabelled data.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_shift import models
+
+ADAPTATION = 'fedtta_adaptation'   # collection of φ in the global model's variables
+# g's hidden widths by the paper's model sizes (App., HeteroFedTTA: small / medium / big).
+ADAPTATION_SIZES = {'small': (32, 32, 32), 'medium': (64, 64, 64), 'big': (128, 128, 128)}
+
+
+def personalization_loss(adaptation_module, adaptation_params, logits: jax.Array,
+                         weight: jax.Array, norm_epsilon: float) -> jax.Array:
+  """ℓ_per = sqrt(Σ_i w_i g(z_i; φ)² + ε): Eq. 4's L2 norm over the examples with
+  weight > 0, smoothed at 0 by ε = ``norm_epsilon``. logits [B, C]."""
+  scores = adaptation_module.apply({'params': adaptation_params}, logits)[:, 0]
+  return jnp.sqrt(jnp.sum(weight * scores ** 2) + norm_epsilon)
+
+
+def inner_step(module, adaptation_module, params, adaptation_params, x: jax.Array,
+               weight: jax.Array, inner_learning_rate: float, norm_epsilon: float,
+               model_state=None):
+  """ψ̃ = ψ − η_inner ∇_ψ ‖g(f(X; ψ); φ)‖₂ (Eqs. 5 and 11); differentiable in ψ, φ.
+  ``model_state``: the model's other collections (eval mode), if any."""
+  def loss(params):
+    logits = models.apply(module, {'params': params, **(model_state or {})}, x)[0]
+    return personalization_loss(adaptation_module, adaptation_params, logits, weight,
+                                norm_epsilon)
+
+  grads = jax.grad(loss)(params)
+  return jax.tree.map(lambda p, g: p - inner_learning_rate * g, params, grads)

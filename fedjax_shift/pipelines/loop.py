@@ -1,0 +1,197 @@
+"""The run loop every training pipeline shares: R runs of one method trained in
+lockstep, each with its own run directory, checkpoints, metrics and evaluation.
+
+The runs share one state pytree whose layout the caller chooses through a
+``Trainer``: one run holds its state as it is (``take`` is the identity); runs trained
+as one program hold theirs stacked on a leading run axis (``take`` slices run i out),
+e.g. the federated pipeline's vmapped seeds. The loop knows nothing of that axis'
+meaning (seeds today; hyperparameter values fit the same axis).
+
+The loop owns, once for every pipeline: the progress bar, the rounds per call, the
+divergence check (a non-finite loss stops the pipeline, or, when the caller keeps
+going, marks that run diverged while the others go on), the metrics.jsonl records,
+the evaluation rounds, the checkpoints (periodic, last round, Ctrl-C) and the final
+evaluation of a run resumed after its last round.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger('fedjax_shift')
+
+
+class DivergenceError(FloatingPointError):
+  """Training produced a non-finite loss."""
+
+
+class Run(NamedTuple):
+  """One run's own side of the loop.
+
+  Attributes:
+    label: names the run in messages ('fedavg seed 0').
+    run_dir: its directory (checkpoints/, metrics.jsonl).
+    checkpointer: its ``checkpoint.Checkpointer``.
+    writer: its ``metrics.MetricsWriter``; None when no round is left to train.
+    start_round: rounds already trained (restored from its checkpoint).
+    elapsed: training seconds so far.
+    evaluate: (the run's state) -> flat metrics {'<model>/<split>/<metric>': value}.
+    log_state: (the run's state) -> extra fields of every record written at the end
+      of a call (ATP: α per module); None for none.
+  """
+  label: str
+  run_dir: str
+  checkpointer: Any
+  writer: Any
+  start_round: int
+  elapsed: float
+  evaluate: Callable[[Any], Dict[str, float]]
+  log_state: Optional[Callable[[Any], Dict[str, float]]] = None
+
+
+class Trainer(NamedTuple):
+  """How the loop advances the state of every run.
+
+  Attributes:
+    advance: (state, start, stop) -> (state after round ``stop``, per-round metrics
+      {name: [stop − start, R] array}, 'loss' first); one compiled call.
+    take: (state, i) -> run i's state, a tuple that is checkpointed with its seconds.
+    rounds_per_call: rounds one call may train (it stops early at an evaluation round
+      and the last round).
+    examples_per_step: examples one client step reads times the cohort (progress only;
+      0 when the metrics have no 'num_steps').
+  """
+  advance: Callable[[Any, int, int], Tuple[Any, Dict[str, np.ndarray]]]
+  take: Callable[[Any, int], tuple]
+  rounds_per_call: int = 1
+  examples_per_step: int = 0
+
+
+def only_run(state, index: int):
+  """``Trainer.take`` of a single run: its state is the whole state."""
+  del index
+  return state
+
+
+class Outcome(NamedTuple):
+  """What the loop leaves of one run."""
+  summary: Dict[str, float]         # the last evaluation's metrics ({} when diverged)
+  elapsed: float                    # training seconds
+  state: Any                        # the run's final state (``Trainer.take``)
+  diverged: Optional[DivergenceError] = None
+
+
+def call_end(start: int, rounds: int, rounds_per_call: int, eval_every: int) -> int:
+  """The round after which the call starting at ``start`` stops: a multiple of
+  ``rounds_per_call``, an evaluation round or the last round, whichever comes first."""
+  if rounds_per_call == 1:
+    return start + 1
+  return min(rounds, (start // rounds_per_call + 1) * rounds_per_call,
+             (start // eval_every + 1) * eval_every)
+
+
+def _divergence(run: Run, loss: float, round_index: int) -> DivergenceError:
+  kept = run.checkpointer.latest_round()
+  return DivergenceError(
+      f'{run.label}: non-finite training loss ({loss}) in round {round_index}; ' +
+      (f'the last good checkpoint (round {kept}) is kept in {run.run_dir}'
+       if kept is not None else 'no checkpoint was saved before it'))
+
+
+def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every: int,
+          checkpoint_every: int, keep_going: bool = False, progress: bool = True,
+          description: str = '') -> List[Outcome]:
+  """Trains every run of ``runs`` from their common start round to ``rounds``.
+
+  ``keep_going``: a run whose loss turns non-finite is marked diverged (its Outcome
+  carries the error) and the others go on; otherwise the DivergenceError is raised.
+  Returns one Outcome per run, in order.
+  """
+  starts = {run.label: run.start_round for run in runs}
+  if len(set(starts.values())) > 1:
+    raise ValueError(f'runs trained in lockstep must start at one round; their checkpoints '
+                     f'are at {starts}')
+  count = len(runs)
+  completed = runs[0].start_round
+  elapsed = [run.elapsed for run in runs]
+  summaries: List[Dict[str, float]] = [{} for _ in runs]
+  diverged: Dict[int, DivergenceError] = {}
+  bar = None
+  if progress:
+    from tqdm import tqdm
+    bar = tqdm(total=rounds, initial=completed, unit='round', desc=description, leave=False)
+
+  def save(round_index: int, i: int) -> None:
+    runs[i].checkpointer.save(round_index, (*trainer.take(state, i), jnp.float32(elapsed[i])),
+                              force=True)
+
+  try:
+    while completed < rounds:
+      tick = time.perf_counter()
+      stop = call_end(completed, rounds, trainer.rounds_per_call, eval_every)
+      state, metrics = trainer.advance(state, completed, stop)
+      metrics = {name: np.asarray(values) for name, values in metrics.items()}
+      seconds = time.perf_counter() - tick
+      first, completed = completed, stop
+      calls = stop - first
+      losses = metrics['loss']
+      for i, run in enumerate(runs):
+        if i in diverged:
+          continue
+        bad = np.flatnonzero(~np.isfinite(losses[:, i]))
+        if bad.size:
+          error = _divergence(run, losses[bad[0], i], first + bad[0] + 1)
+          if not keep_going:
+            raise error
+          log.warning('%s; config.on_divergence=continue: the other runs go on', error)
+          diverged[i] = error
+          continue
+        elapsed[i] += seconds / count
+        evaluate_now = completed % eval_every == 0 or completed == rounds
+        for offset in range(calls):
+          record = {'round': first + offset + 1,
+                    **{name: float(values[offset, i]) for name, values in metrics.items()},
+                    'round_seconds': seconds / (calls * count)}
+          if offset == calls - 1:  # the call's last round: its state is the one we hold
+            own = trainer.take(state, i)
+            if evaluate_now:
+              summaries[i] = run.evaluate(own)
+              record.update(summaries[i])
+            if run.log_state is not None:
+              record.update(run.log_state(own))
+          run.writer.write(record)
+        if completed == rounds or any(r % checkpoint_every == 0
+                                      for r in range(first + 1, completed + 1)):
+          save(completed, i)
+      if bar is not None:
+        bar.update(calls)
+        live = [i for i in range(count) if i not in diverged]
+        postfix = {'loss': f'{np.nanmean(losses[-1, live]) if live else float("nan"):.3f}'}
+        if trainer.examples_per_step and 'num_steps' in metrics and live:
+          steps = float(np.sum(metrics['num_steps'][:, live])) / len(live)
+          postfix['examples_per_s'] = f'{steps * trainer.examples_per_step / seconds:.0f}'
+        bar.set_postfix(**postfix)
+  except KeyboardInterrupt:
+    for i, run in enumerate(runs):
+      if i not in diverged and completed > run.start_round:
+        save(completed, i)
+    log.warning('interrupted: saved round %d of %s', completed,
+                ', '.join(run.label for run in runs))
+    raise
+  finally:
+    if bar is not None:
+      bar.close()
+  outcomes = []
+  for i, run in enumerate(runs):
+    if i in diverged:
+      outcomes.append(Outcome({}, elapsed[i], None, diverged[i]))
+      continue
+    own = trainer.take(state, i)
+    if not summaries[i]:  # resumed after the final round: evaluate the restored state
+      summaries[i] = run.evaluate(own)
+    outcomes.append(Outcome(summaries[i], elapsed[i], own))
+  return outcomes
