@@ -1,4 +1,4 @@
-"""ATP (atp.txt) and the test-time baselines of its Table 1, as one pipeline:
+"""ATP (Bao et al., NeurIPS 2023) and the test-time baselines of its Table 1, as one pipeline:
 FedAvg pretraining on the source clients → α training (Algorithm 1) → every
 adapter on the target clients → Table 1 (rows × shifts), Table 3 (α trained on
 one shift, tested on another) and the learned α per module (Figure 4).
@@ -10,7 +10,7 @@ Variants (``--config=configs/atp.py:<variant>[,<more>]``):
         the paper's protocol on TFDS cifar10 (+ cifar10_corrupted for the targets)
   cnn        the ATP CNN instead of the CPU-sized BN-MLP on digits
   fedprox | qffl   the pretraining algorithm of ATP Table 7
-  learned    adds the learned-rates rows (issue 18): Tent with one learned rate per BN
+  learned    adds the learned-rates rows: Tent with one learned rate per BN
              layer, BN-Adapt with a learned prior strength, ATP-online with α trained
              through K online batches (config.learned; adapters/learned_rates.py)
   quick      one seed, 40 pretraining / 40 α rounds

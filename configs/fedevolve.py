@@ -1,4 +1,4 @@
-"""FedEvolve and FedEvp (fedevolve.txt) against FedAvg and FedAvg-FT on evolving
+"""FedEvolve and FedEvp (FedEvolve paper) against FedAvg and FedAvg-FT on evolving
 distribution shifts, in the layout of the paper's Table 1 / Table 3: "Client" is the
 personalised model on each client's target domain, "Server" the global model.
 

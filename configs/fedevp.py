@@ -1,4 +1,4 @@
-"""FedEvp alone (fedevolve.txt Sec. 4.2); variants as configs/fedevolve.py.
+"""FedEvp alone (FedEvolve paper Sec. 4.2); variants as configs/fedevolve.py.
 
     python launch/train.py --config=configs/fedevp.py:circle_dirinf --workdir=/tmp/fedevp
 """

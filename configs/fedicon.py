@@ -1,4 +1,4 @@
-"""FedICON (fedicon.txt) against its Tables 1–4 baselines on the FedTHE-style benchmark.
+"""FedICON (Tan et al., NeurIPS 2023) against its Tables 1–4 baselines on the FedTHE-style benchmark.
 
     python launch/train.py --config=configs/fedicon.py --workdir=/tmp/fedicon
     python launch/train.py --config=configs/fedicon.py:online --workdir=/tmp/fedicon_online

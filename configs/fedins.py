@@ -1,4 +1,4 @@
-"""FedIns (fedins.txt) against its Table 1 baselines, on intra-client heterogeneous digits.
+"""FedIns (Feng et al., ICCV 2023) against its Table 1 baselines, on intra-client heterogeneous digits.
 
     python launch/train.py --config=configs/fedins.py --workdir=/tmp/fedins
     python launch/train.py --config=configs/fedins.py:quick --workdir=/tmp/fedins_quick

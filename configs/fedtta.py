@@ -1,4 +1,4 @@
-"""FedTTA, FedTTA-Prox and FedTTA++ (fedtta_upfl.txt) against its Table 1 baselines on
+"""FedTTA, FedTTA-Prox and FedTTA++ (Ye et al., UPFL 2023) against its Table 1 baselines on
 new, unlabelled clients (UPFL): FedAvg, FedProx, SCAFFOLD, AFL, FedGMA, FedSR, PFL-Sampled and
 PFL-Ensemble (FedPer's personalised models given to new clients), FedADG (features aligned
 adversarially to a generated reference distribution), ODPFL-HN (a classifier

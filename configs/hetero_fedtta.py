@@ -1,4 +1,4 @@
-"""HeteroFedTTA (fedtta_upfl.txt Sec. 3.4, Algorithm 2; Sec. 4.6, Fig. 5): FedTTA across
+"""HeteroFedTTA (Ye et al., UPFL 2023 Sec. 3.4, Algorithm 2; Sec. 4.6, Fig. 5): FedTTA across
 clients of three architectures (small / medium / big MLPs and adaptation models),
 knowledge exchanged as logits on a public unlabelled set, distilled with Eq. 14.
 

@@ -4,13 +4,16 @@ Layering (each layer imports only from the layers before it; no two modules impo
 each other; tests/test_registry.py checks both with the ``ast`` module):
 
     registry, metrics, checkpoint     leaves: name tables, JSONL metrics, orbax
-    data → models → core → algorithms / adapters → benchmarks
-         → pipelines, report → config → (launch/, configs/, outside the package)
+    data → models → core → parts → algorithms → adapters → benchmarks → report
+         → pipelines → papers → config → (launch/, configs/, outside the package)
 
 ``data`` holds sources, shifts and partitions; ``models`` the Flax classifiers;
-``core`` the engine (compiled round, test-time scan, evaluation); ``algorithms`` and
-``adapters`` one file per method, each registering itself with its defaults;
-``benchmarks`` the named protocols; ``pipelines`` the run loops (``config.pipeline``);
-``config`` the base config filled from every registry, and the variants.
+``core`` the engine (compiled round, test-time scan, evaluation); ``parts`` what
+training and test-time methods share; ``algorithms`` and ``adapters`` one file per
+method, each registering itself with its defaults; ``benchmarks`` the named protocols;
+``report`` the generic tables and plots and the registry of paper tables;
+``pipelines`` the run loops (``config.pipeline``) over one loop (``pipelines/loop.py``);
+``papers`` one folder per paper (its tables, numbers, probes, README); ``config`` the
+base config filled from every registry, and the variants.
 """
 __version__ = '0.1.0'

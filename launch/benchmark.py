@@ -52,8 +52,8 @@ its own subprocess so its peak RSS is its own. Prints a markdown table; --out wr
 
 --clients and --conv take lists: every case runs at each cohort size with each
 convolution (the PyTorch peers once per size), one table each, then a cohort-sweep
-table of (a), (c), (d), (e) and the ratios (a)/(c), (a)/(d), (a)/(e) per row — issue
-12's GPU targets are (a)/(e) ≤ 1 at every size and (a)/(c) ≤ 2 at 240 clients.
+table of (a), (c), (d), (e) and the ratios (a)/(c), (a)/(d), (a)/(e) per row (the
+targets on a GPU: (a)/(e) ≤ 1 at every size and (a)/(c) ≤ 2 at 240 clients).
 
     python launch/benchmark.py --model=atp_cnn --out=/tmp/bench_cnn.md
     python launch/benchmark.py --model=mlp --out=/tmp/bench_mlp.md

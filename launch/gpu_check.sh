@@ -1,38 +1,36 @@
 #!/usr/bin/env bash
-# Issue 12's GPU checks, cut into stages that each fit one call of a lent GPU machine
-# (at most 10 minutes a command, 30 minutes of device time a session), so a session
-# that gets a GPU spends its time measuring, not setting up.
+# Accelerator checks for anyone with a CUDA machine: the test suite, the cohort sweep of
+# the compiled round against PyTorch peers, and the paper-model tables, as stages that
+# each take under 10 minutes.
 #
-#   launch/gpu_check.sh wheels      HERE, where PyPI is reachable: the packages the GPU
-#                                   image lacks (it has jax, flax, optax, orbax, chex,
-#                                   torch, pytest-xdist) as cp312 wheels in .whl/
-#                                   (.gitignore'd: it travels only as a carried path)
-#   launch/gpu_check.sh suite       ON THE GPU: the whole test suite, pytest -n 8
-#   launch/gpu_check.sh bench       ON THE GPU: the ATP-CNN cohort sweep 60/240/1000 ×
-#                                   lax/patches with (c) and (e)
-#   launch/gpu_check.sh engine      ON THE GPU: (d), the papers' loop, at 60/240; the
-#                                   rounds_per_call, vmap_seeds and population cases (MLP)
-#   launch/gpu_check.sh atp         ON THE GPU: configs/atp.py:digits,cnn (3 shifts × 3 seeds)
-#   launch/gpu_check.sh fedevolve   ON THE GPU: FedEvolve Table 1's RMNIST grid with the
-#                                   paper's CNN (3 Dirichlet levels × FedAvg/FedEvolve/FedEvp)
+#   launch/gpu_check.sh wheels [OUTDIR]     where PyPI is reachable: the packages a bare
+#                                           CUDA image with jax, flax, optax, orbax, chex,
+#                                           torch and pytest-xdist lacks, as cp312 wheels
+#                                           in .whl/ (git-ignored), for a machine offline
+#   launch/gpu_check.sh suite OUTDIR        on the GPU: the whole test suite, pytest -n 8
+#   launch/gpu_check.sh bench OUTDIR        on the GPU: the ATP-CNN cohort sweep 60/240/1000
+#                                           × lax/patches with (c) and (e)
+#   launch/gpu_check.sh engine OUTDIR       on the GPU: (d), the papers' loop, at 60/240; the
+#                                           rounds_per_call, vmap_seeds and population cases
+#   launch/gpu_check.sh atp OUTDIR          on the GPU: configs/atp.py:digits,cnn
+#   launch/gpu_check.sh fedevolve OUTDIR    on the GPU: FedEvolve Table 1's RMNIST grid with
+#                                           the paper's CNN (3 Dirichlet levels × 3 methods)
 #
-# On the device tool: run(command="bash launch/gpu_check.sh suite", carry=[".whl"]).
-# Logs and tables land in $OUT (the device tool's return folder; /tmp/gpu_check when
-# unset), at most 8 files, flat. STAGE_TIMEOUT (seconds, default 560) bounds each stage
-# so its output still comes back inside the call's 10 minutes. BENCH_CLIENTS and
+# Logs and tables land in OUTDIR (default /tmp/gpu_check), at most 8 files, flat.
+# STAGE_TIMEOUT (seconds, default 560) bounds each stage. BENCH_CLIENTS and
 # TORCH_LOOP_CLIENTS shrink the bench and engine stages (e.g. =2 for a dry run on a CPU).
 set -uo pipefail
-stage=${1:?usage: launch/gpu_check.sh wheels|suite|bench|engine|atp|fedevolve}
+stage=${1:?usage: launch/gpu_check.sh wheels|suite|bench|engine|atp|fedevolve [OUTDIR]}
+out=${2:-/tmp/gpu_check}
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here" || exit 1
-out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 limit=${STAGE_TIMEOUT:-560}
 BENCH_CLIENTS=${BENCH_CLIENTS:-60,240,1000}        # cohort sizes of the sweep
 TORCH_LOOP_CLIENTS=${TORCH_LOOP_CLIENTS:-60,240}   # (d), the papers' loop: slow at 1,000
 
-# Packages of pyproject.toml (and their needs) that the GPU image does not hold, at the
-# versions pip resolved for `pip install -e '.[dev]'` here on 2026-11-24. Python 3.12 there.
+# Packages of pyproject.toml (and their needs) that such an image does not hold, at the
+# versions pip resolved for `pip install -e '.[dev]'` on 2026-11-24, for Python 3.12.
 WHEELS="ml-collections==1.1.0 mlxtend==0.25.0 tensorflow-datasets==4.9.10 array-record==0.8.6
 dm-tree==0.1.10 immutabledict==4.3.1 simple-parsing==0.1.9 docstring-parser==0.18.0
 tensorflow-metadata==1.21.0 termcolor==3.3.0 toml==0.10.2 googleapis-common-protos==1.76.0"
@@ -104,7 +102,7 @@ case $stage in
     ;;
   fedevolve)
     MAX_PARALLEL=${MAX_PARALLEL:-9} RUN_TIMEOUT=$((limit - 40)) \
-      bash launch/sweep_evolving.sh /tmp/gpu_fedevolve \
+      bash fedjax_shift/papers/fedevolve/sweep.sh /tmp/gpu_fedevolve \
       "rmnist_dirinf rmnist_dir1.0 rmnist_dir0.1" "fedavg fedevolve fedevp" \
       > "$out/fedevolve.log" 2>&1
     tail -n 80 "$out/fedevolve.log"

@@ -13,7 +13,7 @@ ON_CPU = jax.default_backend() == 'cpu'
 def backend_tolerance(rtol: float, atol: float = 0.0) -> dict:
   """Tolerance for one computation run two ways (vmapped vs per client, scan vs loop).
   On CPU both sum the same float32 terms; on a GPU the two calls may pick different
-  convolution / matmul algorithms (an H100 missed rtol 2e-5, issue 12), so the bound
+  convolution / matmul algorithms (an H100 missed rtol 2e-5), so the bound
   there is rtol 2e-3, atol 1e-4."""
   if ON_CPU:
     return dict(rtol=rtol, atol=atol)
@@ -66,3 +66,19 @@ def build_method(name, config, data, num_classes=3):
                                global_variables=pretrained)
   server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   return module, algorithm, server, stack_client_states(algorithm, server, data.num_clients)
+
+
+def launch_module(name: str):
+  """launch/<name>.py imported once per process (its absl flags are defined once)."""
+  import importlib.util
+  import os
+  import sys
+  key = f'launch_{name}'
+  if key not in sys.modules:
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        'launch', f'{name}.py')
+    spec = importlib.util.spec_from_file_location(key, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[key] = module
+  return sys.modules[key]

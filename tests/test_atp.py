@@ -31,7 +31,7 @@ def setup(model='bn_mlp', seed=0):
 
 
 def test_module_count_matches_reference():
-  """REFERENCE.md: 23 modules for the ATP CNN, 102 for ResNet-18 (BN = 4 modules)."""
+  """the authors' code: 23 modules for the ATP CNN, 102 for ResNet-18 (BN = 4 modules)."""
   for name, expected in (('atp_cnn', 23), ('resnet18', 102)):
     module = models.MODELS.get(name)(10)
     variables = jax.eval_shape(lambda: models.init(module, jax.random.key(0),

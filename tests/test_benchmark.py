@@ -1,4 +1,4 @@
-"""launch/benchmark.py's cohort sweep (issue 12): every case at each --clients size and
+"""launch/benchmark.py's cohort sweep: every case at each --clients size and
 each --conv, the PyTorch peers once per size, and a table of the ratios the GPU
 targets are stated in. Times are not checked (that is the benchmark's job); the
 table's rows, its arithmetic and the flag errors are."""

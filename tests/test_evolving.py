@@ -386,8 +386,8 @@ def test_portraits_config_runs_end_to_end(tmp_path):
 def test_fedevolve_cnn_cpu_variant_server_not_below_fedavg(tmp_path):
   """configs/fedevolve.py:rmnist_dirinf,cnn_cpu (the paper's CNN, τ = 2, 15 rounds,
   seed 0; 9.5 minutes on 2 cores): FedEvolve's Server (global model) accuracy on the
-  165° target domain is not below FedAvg's (issue 17: with global average pooling
-  before the CNN's Linear it was 21–35 points below on an H100; README's RMNIST CNN
+  165° target domain is not below FedAvg's (with global average pooling before the
+  CNN's Linear it is 21–35 points below on an H100; the FedEvolve README's RMNIST CNN
   table has the 3-seed numbers)."""
   from configs import fedevolve as fedevolve_config
   from fedjax_shift import pipelines

@@ -222,7 +222,7 @@ def test_rounds_per_call_bad_input(field, value, pattern, tmp_path):
 
 
 def test_later_seeds_with_the_same_shapes_reuse_the_compiled_programs(tmp_path):
-  """Issue 12, compile once: seeds 0, 1, 2 of an IID partition have the same padded
+  """Compile once: seeds 0, 1, 2 of an IID partition have the same padded
   shapes, so seeds 1 and 2 run the method, round and evaluation compiled for seed 0
   (zero XLA compilations, counted from jax.monitoring) — and give exactly the
   metrics a process that runs seed 1 alone gives."""

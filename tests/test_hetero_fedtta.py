@@ -1,4 +1,4 @@
-"""HeteroFedTTA (fedtta_upfl.txt Sec. 3.4, Eq. 14, Algorithm 2) and the grouped round."""
+"""HeteroFedTTA (Ye et al., UPFL 2023 Sec. 3.4, Eq. 14, Algorithm 2) and the grouped round."""
 import json
 import os
 

@@ -10,9 +10,9 @@ from fedjax_shift import models
 
 @pytest.mark.parametrize('name,shape,modules', [
     ('mlp', (2, 28, 28, 1), 6), ('bn_mlp', (2, 28, 28, 1), 14),
-    ('atp_cnn', (2, 32, 32, 3), 23),      # REFERENCE.md: the ATP CNN has 23 modules
+    ('atp_cnn', (2, 32, 32, 3), 23),      # the authors' code: the ATP CNN has 23 modules
     ('evolve_cnn', (2, 28, 28, 1), 20),
-    ('resnet18', (2, 32, 32, 3), 102),    # REFERENCE.md: ResNet-18 has 102 modules
+    ('resnet18', (2, 32, 32, 3), 102),    # the authors' code: ResNet-18 has 102 modules
     # WRN-16-4: stem + 6 blocks × (2 conv + 2 BN × 4) + 3 projections + BN × 4 + head 2
     ('wide_resnet', (2, 32, 32, 1), 70),
 ])

@@ -32,11 +32,8 @@ PACKAGE = os.path.join(ROOT, 'fedjax_shift')
 
 def load_launcher():
   """launch/train.py as a module (it is a script, not part of the package)."""
-  spec = importlib.util.spec_from_file_location('launch_train',
-                                                os.path.join(ROOT, 'launch', 'train.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  from tests.helpers import launch_module
+  return launch_module('train')
 
 
 def scaled_fedavg(hparams, context):

@@ -113,11 +113,8 @@ def test_pipeline_end_to_end_tables_alpha_and_resume(tmp_path):
   again = pipelines.run(config, workdir)
   assert again.records['table1'] == out.records['table1']
   # launch/report.py rebuilds the same tables from the workdir.
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(
-      'launch_report', os.path.join(os.path.dirname(__file__), '..', 'launch', 'report.py'))
-  launch_report = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(launch_report)
+  from tests.helpers import launch_module
+  launch_report = launch_module('report')
   from fedjax_shift.papers.atp import tables
   table1, table3, _, shifts, seeds = tables.load([workdir])
   assert table1 == out.records['table1'] and table3 == out.records['table3'] and seeds == [0]

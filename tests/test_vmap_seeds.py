@@ -1,4 +1,4 @@
-"""Seeds as one program (config.engine.vmap_seeds, issue 12): the seeds of a method train
+"""Seeds as one program (config.engine.vmap_seeds): the seeds of a method train
 in lockstep through the round vmapped over seeds, with the sequential runs' results."""
 import json
 import os

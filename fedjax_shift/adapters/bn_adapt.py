@@ -3,7 +3,7 @@ adaptation. Schneider et al., NeurIPS 2020, Eq. 2.
 
 Each BatchNorm layer normalises with a mix of its source (running) statistics and the
 test batch's statistics,  μ = p·μ_s + (1 − p)·μ_t,  σ² = p·σ²_s + (1 − p)·σ²_t,  with
-prior p = N/(N + B) (N = 16 in the ATP authors' code, REFERENCE.md). p = 1 is no
+prior p = N/(N + B) (N = 16 in the ATP authors' code). p = 1 is no
 adaptation, p = 0 is pure test-batch statistics. Episodic by nature: nothing is kept.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""FedICON's test-time adaptation (fedicon.txt Sec. 4.2, Eq. 7): the trained encoder
+"""FedICON's test-time adaptation (Tan et al., NeurIPS 2023 Sec. 4.2, Eq. 7): the trained encoder
 (and projection) is tuned on the unlabelled test data by an unsupervised contrastive
 loss, the anchor x against its augmented view x' with every other test view in A(x):
 

@@ -1,4 +1,4 @@
-"""FedTTA's personalisation of a new client at test time (fedtta_upfl.txt Eq. 11) and
+"""FedTTA's personalisation of a new client at test time (Ye et al., UPFL 2023 Eq. 11) and
 FedTTA++'s entropy early stopping (Sec. 3.4, Algorithm 1).
 
 On each test batch X, from the global base model ψ_0 = ψ and adaptation model φ (trained

@@ -1,4 +1,4 @@
-"""Learned adaptation rates (issue 18): any registered adapter's rates trained by
+"""Learned adaptation rates: any registered adapter's rates trained by
 gradient through its test-time ``lax.scan``, federatedly, like ATP's α.
 
 An adapter declares what it can learn when it registers,

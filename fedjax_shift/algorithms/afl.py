@@ -1,6 +1,6 @@
 """AFL: Agnostic Federated Learning. Mohri et al., ICML 2019, Sec. 4 (stochastic
 mirror / projected gradient descent-ascent on min_w max_{λ∈Δ} Σ_k λ_k L_k(w)), in the
-federated form FedTTA compares against (fedtta_upfl.txt App. B: γ_w, γ_λ).
+federated form FedTTA compares against (Ye et al., UPFL 2023 App. B: γ_w, γ_λ).
 
 Every round, with λ on the simplex Δ over the N training clients:
 

@@ -1,6 +1,6 @@
 """FedADG: federated adversarial domain generalisation. Zhang et al., "Federated Learning
 with Domain Generalization", 2021 (arXiv:2111.10487); a Table 1 baseline of FedTTA
-(fedtta_upfl.txt, App. B: noise dimension 10, η_f 0.3 on MNIST).
+(Ye et al., UPFL 2023, App. B: noise dimension 10, η_f 0.3 on MNIST).
 
 Each client's features h = F(x) are aligned to a reference distribution r = G(z, y)
 that a conditional generator adapts to all clients, judged by a conditional

@@ -1,4 +1,4 @@
-"""FedEvolve: Federated Learning under Evolving Distribution Shifts (fedevolve.txt,
+"""FedEvolve: Federated Learning under Evolving Distribution Shifts (FedEvolve paper,
 Sec. 4.1 and Algorithm 1).
 
 Two representation functions: f_φ estimates, from domain S_m, the representation

@@ -1,4 +1,4 @@
-"""FedEvp: the single-encoder FedEvolve (fedevolve.txt, Sec. 4.2 and Algorithm 2).
+"""FedEvp: the single-encoder FedEvolve (FedEvolve paper, Sec. 4.2 and Algorithm 2).
 
 One encoder f_φ and classifier w. Client k, for τ local iterations, with evolving
 prototypes C_0 = 0, for m = 1 … M:

@@ -1,5 +1,5 @@
 """FedICON: Taming Inter-Client Heterogeneity for Test-Time Shift in Federated Learning
-(fedicon.txt, Sec. 4; its Algorithm 1 is in an appendix our copy lacks).
+(Tan et al., NeurIPS 2023, Sec. 4; its Algorithm 1 is in an appendix our copy lacks).
 
   client i, each round (Sec. 4.1.1):
     head_i ← ``head_epochs`` of SGD on CE (lr 0.01), encoder frozen; the head never

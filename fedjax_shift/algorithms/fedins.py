@@ -1,4 +1,4 @@
-"""FedIns: Instance-adaptive inference for federated learning (fedins.txt, Algorithm 1).
+"""FedIns: Instance-adaptive inference for federated learning (Feng et al., ICCV 2023, Algorithm 1).
 
 A frozen pretrained ViT θ; each client trains FI = {K, Δ}: a pool Δ = {δ¹ … δᴹ} of SSF
 sets (scale γ and shift β at every SSF point, models/vit.py) with keys K = {k¹ … kᴹ},
@@ -9,7 +9,7 @@ the paper's parameter counts imply: 25 SSF sets of ViT-B/16 are 5.15 M, Table 2'
   instance x:  q(x) = frozen CLS feature;  top-C keys by cos(q(x), k)      (Sec. 3.4)
                δ(x) = (1/C) Σ_c δ^{m_c}                                       (Eq. 9)
   client k:    FI_k ← FI_k − η ∇ℓ_k,  ℓ = (1 − λ)·CE + λ·(1 − Σ_c cos(q, k^{m_c}))
-               (Eq. 7; λ = 0.1 from the authors' code, REFERENCE.md)
+               (Eq. 7; λ = 0.1 from the authors' code)
   server:      FI_g ← Σ_k |D_k|/|D| FI_k                                     (Eq. 8)
 
 The selection is batched: similarities [B, M], one stable sort for the ranks, and the

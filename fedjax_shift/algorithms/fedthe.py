@@ -1,6 +1,6 @@
 """FedTHE: Test-Time Robust Personalization for Federated Learning (Jiang & Lin, ICLR
 2023), training side; its test-time head ensemble is adapters/fedthe.py. The
-benchmark FedICON compares on is FedTHE's (REFERENCE.md, "FedTHE benchmark").
+benchmark FedICON compares on is FedTHE's (FedTHE's official code).
 
   client k, each round:
     w_k ← local SGD of the global model (encoder + global head) on CE, as FedAvg

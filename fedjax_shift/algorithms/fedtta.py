@@ -1,5 +1,5 @@
 """FedTTA and FedTTA-Prox: unsupervised personalisation of new clients (UPFL).
-Rong et al., fedtta_upfl.txt, Sec. 3.2 (Eqs. 3–9, Algorithm 1) and Sec. 3.3 (Eq. 12).
+Ye et al., UPFL 2023, Sec. 3.2 (Eqs. 3–9, Algorithm 1) and Sec. 3.3 (Eq. 12).
 
 A base prediction model f(·; ψ) (the classifier) and an adaptation model g(·; φ), an
 MLP on each example's logits (C → 32 → 32 → 32 → 1, Sec. 4.1). Client i, for each

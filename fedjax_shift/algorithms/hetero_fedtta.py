@@ -1,5 +1,5 @@
 """HeteroFedTTA: FedTTA across clients of different architectures, through FedMD-style
-distillation on a public unlabelled set. Rong et al., fedtta_upfl.txt, Sec. 3.4
+distillation on a public unlabelled set. Ye et al., UPFL 2023, Sec. 3.4
 (Eq. 14, Algorithm 2) and Sec. 4.6.
 
 Each client keeps its own base model ψ_i and adaptation model φ_i, of its group's size

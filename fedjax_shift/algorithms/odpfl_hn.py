@@ -1,6 +1,6 @@
 """ODPFL-HN: a client encoder and a hypernetwork that generate a personalised model
 from a client's unlabelled data. Amosy, Eyal and Chechik 2021 ("Inference-time
-personalized federated learning"), the UPFL baseline of FedTTA (fedtta_upfl.txt Sec. 2,
+personalized federated learning"), the UPFL baseline of FedTTA (Ye et al., UPFL 2023 Sec. 2,
 App. B: client embedding size 32; rates η_local, η_encoder, η_hn).
 
 Server parameters ω = (ω_E, ω_H): a client encoder E (per-example MLP, mean-pooled)

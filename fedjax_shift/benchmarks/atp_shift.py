@@ -1,4 +1,4 @@
-"""ATP's source/target protocol (atp.txt Sec. 5; REFERENCE.md, the authors' code).
+"""ATP's source/target protocol (Bao et al., NeurIPS 2023, Sec. 5; the authors' code).
 
 Clients are split into labelled *source* clients (``data.num_clients``, ATP: 240, each 160 train + 40
 held-out examples: the global model trains on the former, α on the latter) and

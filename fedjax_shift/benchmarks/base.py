@@ -44,7 +44,7 @@ DATA_DEFAULTS = {
     'store': 'device',                # 'device' | 'host' (population larger than device memory)
     # Pad every client of every split to this many examples (0: each split's largest
     # client). A bound that holds for every seed gives every seed the same shapes, so a
-    # multi-seed run compiles once (issue 12).
+    # multi-seed run compiles once.
     'pad_to': 0,
 }
 

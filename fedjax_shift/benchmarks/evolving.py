@@ -1,4 +1,4 @@
-"""Evolving distribution shifts (FedEvolve, fedevolve.txt Sec. 5.1; REFERENCE.md).
+"""Evolving distribution shifts (FedEvolve, Sec. 5.1).
 
 A sequence of M + 1 domains S_1 … S_{M+1} whose distribution drifts in one
 direction; the first M are the source domains every client trains on, in time

@@ -1,5 +1,5 @@
 """The FedTHE-style benchmark: label-skewed clients, each with its own train / val /
-test splits and up to five test sets (FedTHE Sec. 5; REFERENCE.md "FedTHE benchmark"):
+test splits and up to five test sets (FedTHE Sec. 5 and its official code):
 
   test            in-distribution: the client's own held-out examples
   test_corrupted  the same under one CIFAR-10-C corruption per client (``corruptions``)

@@ -1,4 +1,4 @@
-"""UPFL: unsupervised personalisation of new clients (FedTTA, fedtta_upfl.txt Sec. 4.1.1).
+"""UPFL: unsupervised personalisation of new clients (FedTTA, Ye et al., UPFL 2023 Sec. 4.1.1).
 
 The source is partitioned over ``num_clients`` (the paper: 100 clients, pathological,
 at most 2 classes each); a random ``new_client_fraction`` (50 %) of them are new

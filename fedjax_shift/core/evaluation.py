@@ -94,7 +94,7 @@ def build_evaluate(algorithm: FederatedAlgorithm, module, batch_size: int = 256,
 
 
 def build_new_client_evaluate(algorithm: FederatedAlgorithm, module, batch_size: int = 256):
-  """FedTTA's PFL baselines (fedtta_upfl.txt Sec. 4.1.2): a personalised method's models
+  """FedTTA's PFL baselines (Ye et al., UPFL 2023 Sec. 4.1.2): a personalised method's models
   given to new clients, which have none of their own.
 
   Returns (``personalized_models``, ``evaluate_chunk``), both jitted:

@@ -37,7 +37,7 @@ class LocalSchedule(NamedTuple):
       cycled), e.g. ATP's fixed α steps per round.
     max_examples: N, the padded client size (bounds the static step count).
     unroll: ``lax.scan`` unroll (True/False/int). XLA:CPU runs convolutions in
-      rolled loops ~11x slower (DESIGN.md); rolled loops compile faster on GPU/TPU.
+      rolled loops ~11x slower (BENCHMARKS.md); rolled loops compile faster on GPU/TPU.
   """
   batch_size: int
   num_epochs: int

@@ -1,7 +1,7 @@
 """CIFAR-10-C style corruptions (Hendrycks & Dietterich, ICLR 2019) in numpy.
 
 All 19 corruptions of CIFAR-10-C: the 15 'source' ones and the 4 held out by ATP
-(speckle noise, gaussian blur, saturate, spatter; ../shared/REFERENCE.md). Severity
+(speckle noise, gaussian blur, saturate, spatter; the ATP authors' code). Severity
 constants follow the CIFAR-10 version of Hendrycks' make_cifar_c.py; where the
 original needs assets or ImageMagick (frost images, snow/motion blur through Wand,
 spatter's liquid layer) the texture is generated procedurally with the same blend
@@ -26,7 +26,7 @@ SOURCE_CORRUPTIONS = (
     'gaussian_noise', 'shot_noise', 'impulse_noise', 'defocus_blur', 'glass_blur',
     'motion_blur', 'zoom_blur', 'snow', 'frost', 'fog', 'brightness', 'contrast',
     'elastic_transform', 'pixelate', 'jpeg_compression')
-# Held out for target clients in ATP (REFERENCE.md, "Shifts").
+# Held out for target clients in ATP (the authors' code).
 HELDOUT_CORRUPTIONS = ('speckle_noise', 'gaussian_blur', 'saturate', 'spatter')
 ALL_CORRUPTIONS = SOURCE_CORRUPTIONS + HELDOUT_CORRUPTIONS
 

@@ -163,7 +163,7 @@ def eval_with_batch_statistics(module: nn.Module, variables: Variables, x: jax.A
   Returns (logits [B, C], stats) with ``stats`` shaped like
   ``variables['batch_stats']``: per layer {'mean', 'var'} over the batch (and the
   spatial positions for convolutions), variance unbiased (1/(n−1)) as PyTorch's
-  running-variance update uses it. This is ATP's h for BN statistics (REFERENCE.md:
+  running-variance update uses it. This is ATP's h for BN statistics (the ATP authors' code:
   "all from one forward pass that uses the source statistics"); it differs from
   ``batch_statistics``, whose layers normalise with batch statistics.
   """

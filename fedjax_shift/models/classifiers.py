@@ -25,7 +25,7 @@ def batch_norm(train: bool) -> nn.Module:
 # How a convolution is computed (same parameters, same values):
 #   'lax'      lax.conv_general_dilated. Vmapped over stacked client models it lowers to
 #              a grouped convolution (feature_group_count = clients), slow on GPUs at
-#              large cohorts (DESIGN.md: 3.03 s vs a vmapped PyTorch peer's 1.10 s at 1,000).
+#              large cohorts (BENCHMARKS.md: 3.03 s vs a vmapped PyTorch peer's 1.10 s at 1,000).
 #   'patches'  the input's patches (shared by construction, exact: an identity
 #              convolution at HIGHEST precision) times the kernel as a matrix; vmapped
 #              over clients this is a batched matmul.
@@ -118,7 +118,7 @@ def torch_linear_bias_init(fan_in: int):
 
 class AdaptationMLP(nn.Module):
   """FedTTA's adaptation model g(·; φ): per example, logits [B, C] -> a score [B, 1]
-  (ReLU hidden layers of ``hidden`` widths; fedtta_upfl.txt Sec. 4.1). Initialised as
+  (ReLU hidden layers of ``hidden`` widths; Ye et al., UPFL 2023 Sec. 4.1). Initialised as
   PyTorch's ``nn.Linear`` (kernel U(±1/√fan_in), the authors' framework): with flax's
   lecun-normal kernels and zero biases, g's gradient at initialisation is ~10× larger
   and the paper's η_inner = 0.5 inner step diverges in the first round."""
@@ -162,7 +162,7 @@ class BNMLPEncoder(nn.Module):
 
 
 class ATPCNNEncoder(nn.Module):
-  """ATP CNN trunk (REFERENCE.md): 3 conv3x3 (VALID, no bias) + BN + ReLU, two
+  """ATP CNN trunk (the authors' code): 3 conv3x3 (VALID, no bias) + BN + ReLU, two
   max-pools, then Linear 64 + BatchNorm1d + ReLU."""
   channels: Sequence[int] = (32, 64, 64)
   features: int = 64
@@ -182,12 +182,12 @@ class ATPCNNEncoder(nn.Module):
 
 
 class EvolveCNNEncoder(nn.Module):
-  """FedEvolve CNN trunk (fedevolve.txt App. D): 4 conv3x3 with GroupNorm(8) + ReLU,
+  """FedEvolve CNN trunk (FedEvolve paper App. D): 4 conv3x3 with GroupNorm(8) + ReLU,
   then the first Linear (hidden 64) + ReLU; the representation f_φ / f_ψ.
 
   ``pool``: how the last [4, 4, 64] feature map enters the Linear. 'flatten' (the
   default) keeps its spatial layout; 'mean' averages it away (global average
-  pooling, the layout before issue 17), which on rotated digits leaves FedEvolve's
+  pooling), which on rotated digits leaves FedEvolve's
   prototypes almost indistinguishable: centralised, 2,000 steps, FedEvolve reached
   38.7 % target accuracy with 'mean' and 84.9 % with 'flatten' (README, RMNIST)."""
   width: int = 64

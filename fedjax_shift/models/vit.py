@@ -1,5 +1,5 @@
 """A Vision Transformer with SSF (scale-and-shift of deep features; Lian et al. 2022,
-used by FedIns, fedins.txt Sec. 3.2), registered as the model 'vit'.
+used by FedIns, Feng et al., ICCV 2023 Sec. 3.2), registered as the model 'vit'.
 
 SSF re-modulates a feature after an operation, y ← γ ⊙ y + β (γ, β of the feature's
 width), at these points: the patch embedding, and in each block after LayerNorm 1, the

@@ -54,7 +54,7 @@ def check_alpha(alpha: Alpha, variables) -> None:
 
 
 def gradient_scale(variables, scaling: str) -> Alpha:
-  """Per-module factor on ∂CE/∂α (REFERENCE.md): 1/sqrt(numel) ('sqrt', the
+  """Per-module factor on ∂CE/∂α (the authors' code): 1/sqrt(numel) ('sqrt', the
   authors' default), 1/numel ('numel') or 1 ('none')."""
   if scaling not in SCALINGS:
     raise ValueError(f'atp.scaling must be one of {SCALINGS}, got {scaling!r}')

@@ -1,5 +1,5 @@
 """The heterogeneous-model pipeline (``config.pipeline = 'hetero'``): HeteroFedTTA
-(fedtta_upfl.txt Sec. 3.4, Algorithm 2) on the UPFL benchmark, one run per
+(Ye et al., UPFL 2023 Sec. 3.4, Algorithm 2) on the UPFL benchmark, one run per
 λ of ``config.hetero.kd_lambdas`` (Sec. 4.6 / Fig. 5; empty: ``hetero_fedtta.kd_lambda``)
 and seed, with the grouped compiled round of ``core/groups.py``.
 
@@ -325,7 +325,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
     curves.setdefault(results[-1]['algorithm'], []).append(run_dir)
   table = report.results_table(results)
   hp = config.hetero_fedtta
-  preamble = (f"HeteroFedTTA (fedtta_upfl.txt Sec. 3.4) on {config.data.benchmark}: "
+  preamble = (f"HeteroFedTTA (Ye et al., UPFL 2023 Sec. 3.4) on {config.data.benchmark}: "
               f"{config.data.source}, {config.data.num_clients} clients, architectures "
               f"{tuple(hp.sizes)}, public set {config.data.public_examples} × "
               f"{config.data.public_source}, "

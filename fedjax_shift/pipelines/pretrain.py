@@ -1,5 +1,5 @@
 """A pretrained backbone for the methods that fine-tune one (FedIns: a frozen ViT,
-fedins.txt Sec. 3.2 and 4.1), from ``config.backbone``:
+Feng et al., ICCV 2023 Sec. 3.2 and 4.1), from ``config.backbone``:
 
   weights = ''          no pretraining: every method starts from a random model
   weights = 'pretrain'  trained here, centrally, on ``backbone.domains`` (digit domains,

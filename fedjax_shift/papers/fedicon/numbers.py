@@ -26,7 +26,7 @@ PAPER_NUMBERS = {
             'FedICON': {'mnist': 89.67, 'svhn': 45.23, 'usps': 72.13, 'synth': 56.13, 'mnistm': 47.98},
         },
     },
-    # Its caption is lost in the seed text (Sec. 5.2 names it: Office-10, domain test-time shift);
+    # Its caption is lost in the paper's text (Sec. 5.2 names it: Office-10, domain test-time shift);
     # the columns are the test domain, the paper's Amazon, Caltech, DSLR, Webcam.
     # Simple CNN; Office-10, leave-one-domain-out: each client trains on one of the other domains, every client tests on the held-out one.
     'Table 2 (Office-10)': {
@@ -97,8 +97,8 @@ PAPER_NUMBERS = {
         },
     },
     # The per-domain Office-10 covariate-shift table this column summarises (Appendix B) is not in
-    # the seed text; it is not Table 2 (FedAvg there averages 45.21, here 57.55).
-    # Simple CNN; Office-10, covariate test-time shift (corrupted test sets), the setting of Appendix A.2 (not in the seed text).
+    # the paper's text; it is not Table 2 (FedAvg there averages 45.21, here 57.55).
+    # Simple CNN; Office-10, covariate test-time shift (corrupted test sets), the setting of Appendix A.2 (not in the paper's text).
     'Table 4 (Office-10)': {
         'source': 'Table 4, Office-10, simple CNN, covariate test-time shift, test accuracy (%)',
         'rows': {

@@ -2,7 +2,7 @@
 
 # layout key -> {'source': where in the paper (table number, dataset, model),
 #                'rows': {our row label: {our column label: the paper's value (%)}}}
-# From fedins.txt (its venue is not in the text; ICCV 2023 is where it appeared).
+# From Feng et al., ICCV 2023 (its venue is not in the text; ICCV 2023 is where it appeared).
 # Every method: ViT-B/16 pretrained on ImageNet-21K, 300 rounds x 10 local epochs, SGD lr
 # 0.01, batch 32; FedIns M = 25, C = 3. The paper gives one accuracy per dataset (no
 # per-domain DomainNet columns); '# Com.cost' as printed (SOLO's is '—', left out). The

@@ -1,7 +1,7 @@
 """The results that Ye et al., arXiv 2023 report, printed beside ours."""
 
 # UPFL: Unsupervised Personalized Federated Learning towards New Clients (FedTTA, FedTTA-Prox,
-# FedTTA++); the seed text (/work/shared/seeds/fedtta_upfl.txt) carries only ACM template
+# FedTTA++); the paper's text carries only ACM template
 # placeholders for its venue.
 
 # layout key -> {'source': where in the paper (table number, dataset, model),

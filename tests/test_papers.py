@@ -1,0 +1,163 @@
+"""Paper tables as registered layouts: a toy paper added from this file alone prints
+through launch/train.py and launch/report.py; bad names and missing columns are
+errors; the papers' numbers stand beside ours with their claims checked; every command
+in every README builds and validates."""
+import ast
+import glob
+import importlib.util
+import os
+import re
+import shlex
+
+import ml_collections
+import pytest
+
+from fedjax_shift import config as config_lib
+from fedjax_shift import report
+from fedjax_shift.report import PAPER_TABLES, PaperTable
+from tests.helpers import launch_module, tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def toy_from_run(config, records):
+  rows = [[r['algorithm'], f"{100 * r['metrics']['global/test/accuracy']:.2f}"]
+          for r in records['results']]
+  return 'Toy paper, Table 1\n\n' + report.paper_markdown(
+      ['Method', 'Test'], rows, {'source': 'Table 1 of the toy paper',
+                                 'rows': {'fedavg': {'Test': 99.0}}},
+      claims=(('fedavg', 'fedprox', ('Test',)),))
+
+
+def toy_from_workdirs(workdirs, labels):
+  runs = report.load_runs(workdirs, labels)
+  return 'Toy paper from workdirs: ' + ', '.join(f'{label} {len(r)} runs'
+                                                 for label, r in runs.items())
+
+
+@pytest.fixture
+def toy_paper():
+  PAPER_TABLES.register('toy_paper', pipelines=('federated',))(
+      PaperTable(toy_from_run, toy_from_workdirs, needs=('/test/accuracy',)))
+  yield
+  PAPER_TABLES.unregister('toy_paper')
+
+
+def test_a_toy_paper_table_prints_through_train_and_report(toy_paper, tmp_path, capsys):
+  config = tiny_config(paper_tables='toy_paper', algorithms=('fedavg', 'fedprox'))
+  workdir = str(tmp_path / 'run')
+  launch_module('train').train(config, workdir)
+  printed = capsys.readouterr().out
+  assert 'Toy paper, Table 1' in printed
+  assert "Paper's numbers: Table 1 of the toy paper." in printed
+  # Our column, the paper's beside it, and the claim checked on our numbers.
+  header = next(line for line in printed.splitlines() if line.startswith('| Method'))
+  assert header == "| Method | Test | paper: Test | paper's claims, on our numbers |"
+  row = [line for line in printed.splitlines() if line.startswith('| fedavg')][-1]
+  assert '| 99.00 |' in row and '> fedprox' in row
+  with open(os.path.join(workdir, 'results.md')) as f:
+    assert 'Toy paper, Table 1' in f.read()
+  build = launch_module('report').build
+  assert build([workdir]) == 'Toy paper from workdirs: run 2 runs'   # its config's table
+  assert build([workdir], 'toy_paper', ['A']) == 'Toy paper from workdirs: A 2 runs'
+
+
+def test_unknown_paper_tables_and_missing_columns_are_errors(toy_paper, tmp_path):
+  with pytest.raises(ValueError, match=r"config.paper_tables: unknown paper table 'nope'; "
+                                       r"choose from \[.*'toy_paper'"):
+    config_lib.validate(tiny_config(paper_tables='nope'))
+  with pytest.raises(ValueError, match=r"--kind: unknown paper table 'nope'; choose from"):
+    launch_module('report').build([str(tmp_path)], 'nope')
+  config = tiny_config(paper_tables='toy_paper')
+  run = {'algorithm': 'fedavg', 'seed': 0, 'metrics': {'global/val/accuracy': 0.5}}
+  with pytest.raises(ValueError, match=r"'toy_paper' needs the columns \['/test/accuracy'\], "
+                                       r"which this run lacks .*global/val/accuracy"):
+    report.paper_table(config, {'results': [run]})
+  with pytest.raises(ValueError, match=r"'table1'"):
+    report.paper_table(ml_collections.ConfigDict({'paper_tables': 'atp'}), {'results': []})
+
+
+def test_claims_are_checked_on_our_means():
+  header = ['Method', 'Test', 'Val']
+  rows = [['A', '80.00 ± 1.00', '70.00'], ['B', '75.00', '72.00'], ['C', 'n/a', '60.00']]
+  numbers = {'source': 's', 'rows': {'A': {'Test': 90.0}, 'B': {'Test': 85.5, 'Val': 1.0}}}
+  claims = (('A', 'B', ('Test',)), ('A', 'B', ()), ('A', 'C', ()), ('A', 'Z', ()))
+  new_header, new_rows = report.beside_paper(header, rows, numbers, claims)
+  assert new_header == ['Method', 'Test', 'paper: Test', 'Val', 'paper: Val',
+                        "paper's claims, on our numbers"]
+  # A > B on Test (80 > 75) holds; on every reported column (Test and Val) 1 of 2;
+  # A vs C: only Val has both (70 > 60); Z was not run: left out.
+  assert new_rows[0] == ['A', '80.00 ± 1.00', '90.00', '70.00', '—',
+                         '> B ✓; > B ✗ (1 of 2); > C ✓']
+  assert new_rows[1] == ['B', '75.00', '85.50', '72.00', '1.00', '—']
+  assert report.beside_paper(header, rows, None, claims) == (header, [list(r) for r in rows])
+
+
+@pytest.mark.parametrize('paper', ['atp', 'fedevolve', 'fedicon', 'fedins', 'fedtta'])
+def test_every_paper_folder_registers_tables_with_numbers_and_claims(paper):
+  numbers = importlib.import_module(f'fedjax_shift.papers.{paper}.numbers')
+  assert numbers.PAPER_NUMBERS and all(n['source'] and n['rows']
+                                       for n in numbers.PAPER_NUMBERS.values())
+  rows = {row for n in numbers.PAPER_NUMBERS.values() for row in n['rows']}
+  assert all(better in rows and worse in rows for better, worse, _ in numbers.CLAIMS)
+  assert os.path.exists(os.path.join(ROOT, 'fedjax_shift', 'papers', paper, 'README.md'))
+  assert [n for n in PAPER_TABLES.names() if n == paper or n.startswith(paper + '_')]
+
+
+def readme_paths():
+  return ['README.md'] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(
+      os.path.join(ROOT, 'fedjax_shift', 'papers', '*', 'README.md')))
+
+
+def bash_commands(path):
+  """Every command of the file's ```bash blocks (continued lines joined)."""
+  with open(os.path.join(ROOT, path)) as f:
+    text = f.read()
+  for block in re.findall(r'```bash\n(.*?)```', text, re.S):
+    for command in block.replace('\\\n', ' ').splitlines():
+      if command.strip() and not command.strip().startswith('#'):
+        yield command.strip()
+
+
+def config_of(argument: str, overrides) -> ml_collections.ConfigDict:
+  """configs/<file>.py[:variant] with ``--config.<field>=<value>`` overrides applied."""
+  file, _, variant = argument.partition(':')
+  spec = importlib.util.spec_from_file_location('readme_config', os.path.join(ROOT, file))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(variant or None)
+  for field, value in overrides:
+    try:
+      value = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      pass
+    *parents, last = field.split('.')
+    section = config
+    for parent in parents:
+      section = section[parent]
+    if isinstance(section[last], float) and isinstance(value, int):
+      value = float(value)
+    section[last] = value
+  return config
+
+
+@pytest.mark.parametrize('path', readme_paths())
+def test_every_readme_command_builds_and_validates(path):
+  commands = list(bash_commands(path))
+  for command in commands:
+    for part in command.split('&&'):
+      words = shlex.split(part)
+      if 'launch/train.py' in words:
+        config_flag = next(w for w in words if w.startswith('--config='))
+        overrides = [w[len('--config.'):].split('=', 1) for w in words
+                     if w.startswith('--config.')]
+        config_lib.validate(config_of(config_flag[len('--config='):], overrides))
+      elif 'launch/report.py' in words:
+        kinds = [w.split('=', 1)[1] for w in words if w.startswith('--kind=')]
+        assert all(kind in PAPER_TABLES for kind in kinds), (path, part)
+      elif words[:2] == ['python', '-m'] and words[2] != 'pytest':
+        assert importlib.util.find_spec(words[2]) is not None, (path, part)
+  # Every configs/<file>.py:<variant> the README names builds and validates.
+  with open(os.path.join(ROOT, path)) as f:
+    for argument in set(re.findall(r'configs/\w+\.py:[\w.,]+\w', f.read())):
+      config_lib.validate(config_of(argument, ()))
