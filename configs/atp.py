@@ -31,7 +31,7 @@ from fedjax_shift.benchmarks.atp_shift import SHIFTS
 from fedjax_shift.config import apply_variant, base_config
 
 # Table 1's rows, each adapter's hyperparameters (its paper's defaults) and the α
-# training settings are the registered defaults: fedjax_shift/pipelines/test_time.py
+# training settings are the registered defaults: fedjax_shift/pipelines/atp.py and algorithms/atp.py
 # (ROWS, config.tta, config.atp) and fedjax_shift/adapters/<name>.py (config.adapters).
 
 

@@ -25,12 +25,12 @@ Variants (comma-separated):
   straggler<r>                    straggler ratio r (Table 6): a straggler runs
                                   uniform 1..τ local iterations
   mlp                             the MLP encoder 784-200-200 instead of the CNN: the CPU
-                                  protocol of README's RMNIST table (the CNN trains at ~40
+                                  protocol of the FedEvolve README's RMNIST table (the CNN trains at ~40
                                   images/s on a 2-core CPU, the MLP at ~50,000)
   cnn_cpu                         the paper's CNN reduced for a 2-core CPU: τ = 2 local
                                   iterations (not 10), 15 rounds (not 50), local steps
                                   unrolled; ~13 minutes per seed for FedAvg, FedEvp and
-                                  FedEvolve (README's RMNIST CNN table, slow test)
+                                  FedEvolve (the FedEvolve README's RMNIST CNN table, slow test)
   quick                           one seed, 10 rounds, 1 local iteration
   tiny                            seconds (tests)
 

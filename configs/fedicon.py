@@ -3,7 +3,7 @@
     python launch/train.py --config=configs/fedicon.py --workdir=/tmp/fedicon
     python launch/train.py --config=configs/fedicon.py:online --workdir=/tmp/fedicon_online
 
-Rows (report.FEDICON_ROWS): Local, FedAvg, FedAvg-FT, FedProx, FedRep, FedBN, FedTHE,
+Rows (fedjax_shift/papers/fedicon/tables.py FEDICON_ROWS): Local, FedAvg, FedAvg-FT, FedProx, FedRep, FedBN, FedTHE,
 FedTHE+, Tent, EATA, T3A (the three adapting FedAvg's global model), FedICON, FedICON-us.
 Columns: each client's five test sets (benchmarks/label_skew.py): in-distribution,
 corrupted (one CIFAR-10-C corruption per client, severity 5), out-of-client (another

@@ -3,7 +3,7 @@
     python launch/train.py --config=configs/fedins.py --workdir=/tmp/fedins
     python launch/train.py --config=configs/fedins.py:quick --workdir=/tmp/fedins_quick
 
-Rows (report.FEDINS_ROWS): SOLO (= local), FedAvg full fine-tuning, FedProx (μ = 0.001),
+Rows (fedjax_shift/papers/fedins/tables.py FEDINS_ROWS): SOLO (= local), FedAvg full fine-tuning, FedProx (μ = 0.001),
 SCAFFOLD, FedBN (LayerNorms local), MOON (μ = 1), FedDC (α = 0.01), Federated SSF
 (Table 2's "SSF": one SSF set), FedIns. Columns: '# Com.cost' (parameters a client uploads per round, read off the
 update pytrees) and accuracy on each client's test set, pooled and per domain.

@@ -12,7 +12,7 @@ round, τ = 20 local iterations of batch 64; η_inner 0.5, η_outer 0.1, η_adap
 "with equal probability"). Public set: 500 of the 5,000 embedded digits, held out of every
 client before partitioning (their labels unused); `data.public_source='uci_digits'` draws
 it from the UCI digits instead (another writer population; measured: the ensemble's
-knowledge collapses there, README). Fig. 5 plots CIFAR-10 test accuracy per
+knowledge collapses there: fedjax_shift/papers/fedtta/README.md). Fig. 5 plots CIFAR-10 test accuracy per
 round for λ ∈ {0, 0.2, …, 1} (the `lambda_sweep` variant) next to heterogeneous TENT
 (not built here); results.md has one row per λ, mean ± std over seeds.
 

@@ -68,7 +68,7 @@ def test_seeds_of_different_shapes_are_refused_naming_pad_to(tmp_path):
     ('data.store', 'host', 'data.store'),
     ('engine.rounds_per_call', 2, 'engine.rounds_per_call'),
     ('engine.backend', 'loop', 'engine.backend'),
-    ('pipeline', 'test_time', 'engine.vmap_seeds'),
+    ('pipeline', 'atp', 'engine.vmap_seeds'),
 ])
 def test_unsupported_combinations_name_the_field(tmp_path, field, value, named):
   config = tiny_config(**{'engine.vmap_seeds': True})

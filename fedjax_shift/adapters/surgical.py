@@ -46,12 +46,12 @@ def surgical(module, block: str = 'first', learning_rate: float = 1e-3,
 @ADAPTERS.register('surgical', defaults={
     'learning_rate': 1e-3, 'predict': 'before',
     # Lee et al.: input-level shift → first block, label (output-level) shift → last
-    # layer; one block name, or one per ATP shift (resolved by the test_time pipeline)
+    # layer; one block name, or one per ATP shift (resolved by the 'atp' pipeline)
     'block': {'feature': 'first', 'label': 'head', 'hybrid': 'head'}})
 def build_surgical(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.surgical``."""
   block = hparams.block
   if not isinstance(block, str):
     raise ValueError(f'config.adapters.surgical.block: name one block here; a mapping per '
-                     f'shift ({dict(block)}) is resolved by the test_time pipeline')
+                     f'shift ({dict(block)}) is resolved by the atp pipeline')
   return surgical(module, block, hparams.learning_rate, hparams.predict)

@@ -56,7 +56,7 @@ DEFAULTS = {
     'norm_epsilon': 0.1,            # as config.fedtta.norm_epsilon
     'clip_norm': 10.0,              # as config.fedtta.clip_norm (not in the paper)
     # How the server combines the clients' public logits: 'logits' (Alg. 2: their mean)
-    # or 'probabilities' (log of the mean softmax; not in the paper, see README).
+    # or 'probabilities' (log of the mean softmax; not in the paper: fedjax_shift/papers/fedtta/README.md).
     'ensemble': 'logits',
 }
 ENSEMBLES = ('logits', 'probabilities')

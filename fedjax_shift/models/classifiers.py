@@ -189,7 +189,7 @@ class EvolveCNNEncoder(nn.Module):
   default) keeps its spatial layout; 'mean' averages it away (global average
   pooling), which on rotated digits leaves FedEvolve's
   prototypes almost indistinguishable: centralised, 2,000 steps, FedEvolve reached
-  38.7 % target accuracy with 'mean' and 84.9 % with 'flatten' (README, RMNIST)."""
+  38.7 % target accuracy with 'mean' and 84.9 % with 'flatten' (fedjax_shift/papers/fedevolve/README.md, RMNIST)."""
   width: int = 64
   groups: int = 8
   features: int = 64

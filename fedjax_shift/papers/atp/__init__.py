@@ -1,2 +1,4 @@
-"""atp: its table layouts (tables.py), the paper's numbers (numbers.py); README.md."""
+"""ATP (Bao, Wei, Wang & He, NeurIPS 2023): the table layouts (tables.py, registered by
+name), the paper's own numbers (numbers.py) and README.md (protocol, results,
+diagnosis)."""
 from fedjax_shift.papers.atp import tables  # noqa: F401

@@ -92,7 +92,7 @@ def fedevolve_tables(config, results: List[Dict]) -> str:
   """What launch/train.py prints for a configs/fedevolve.py run: its column of the
   paper's Table 1 (RMNIST), Table 2 (REMNIST) or Table 3 (Circle, Portraits,
   Caltran) — labelled with the straggler ratio r when there is one — then Table 7.
-  launch/report.py merges runs into the wider tables (--kind=straggler: Table 6)."""
+  launch/report.py merges runs into the wider tables (--kind=fedevolve_straggler: Table 6)."""
   label = f'Dir={config.data.dirichlet_alpha}'
   if config.straggler_prob:
     label += f', r={config.straggler_prob}'
@@ -128,6 +128,7 @@ def straggler_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ())
 
 
 PAPER_TABLES.register('fedevolve', pipelines=('federated',))(
-    PaperTable(fedevolve_tables, from_workdirs, needs=('/client_accuracy',)))
+    PaperTable(lambda config, records: fedevolve_tables(config, records['results']),
+               from_workdirs, needs=('/client_accuracy',)))
 PAPER_TABLES.register('fedevolve_straggler', pipelines=('federated',))(
     PaperTable(None, straggler_from_workdirs, needs=('/client_accuracy',)))

@@ -162,6 +162,7 @@ def lodo_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> s
 
 
 PAPER_TABLES.register('fedicon', pipelines=('federated',))(
-    PaperTable(fedicon_tables, None, needs=('/accuracy',)))
+    PaperTable(lambda config, records: fedicon_tables(config, records['results']), None,
+               needs=('/accuracy',)))
 PAPER_TABLES.register('fedicon_lodo', pipelines=('federated',))(
     PaperTable(None, lodo_from_workdirs, needs=('/test/accuracy',)))

@@ -77,4 +77,5 @@ def paper_key(data_config) -> str:
 
 
 PAPER_TABLES.register('fedins', pipelines=('federated',))(
-    PaperTable(fedins_tables, None, needs=('/test/accuracy',)))
+    PaperTable(lambda config, records: fedins_tables(config, records['results']), None,
+               needs=('/test/accuracy',)))

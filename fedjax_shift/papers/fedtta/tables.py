@@ -162,6 +162,7 @@ def shift_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> 
 
 
 PAPER_TABLES.register('fedtta', pipelines=('federated',))(
-    PaperTable(fedtta_tables, from_workdirs, needs=('/val/accuracy', '/test/accuracy')))
+    PaperTable(lambda config, records: fedtta_tables(config, records['results']),
+               from_workdirs, needs=('/val/accuracy', '/test/accuracy')))
 PAPER_TABLES.register('fedtta_shift', pipelines=('federated',))(
     PaperTable(None, shift_from_workdirs, needs=('/val/accuracy', '/test/accuracy')))
