@@ -174,8 +174,12 @@ PAPER_TABLES: Registry = Registry('paper table')
 
 def missing_columns(table: PaperTable, records: Dict[str, Any]) -> List[str]:
   """The entries of ``table.needs`` that ``records`` lack: record keys, or metric
-  columns that no run's metrics end with."""
-  columns = {key for run in records.get('results', ()) for key in run.get('metrics', {})}
+  columns that no run's metrics end with (none when every run diverged: the layout
+  then shows them as diverged)."""
+  runs = [run for run in records.get('results', ()) if 'diverged' not in run]
+  if records.get('results') and not runs:
+    return []
+  columns = {key for run in runs for key in run.get('metrics', {})}
   return [need for need in table.needs
           if need not in records and not any(c.endswith(need) for c in columns)]
 

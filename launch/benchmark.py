@@ -223,7 +223,7 @@ def rates_algorithm(config, module, variables, kind: str):
   online: the pipeline's row atp_online_k, or Tent's per-layer rates online:
   tent_learned) through K test batches of B, one local SGD step, ``remat`` on or off."""
   from fedjax_shift.core.test_time import SourceContext
-  from fedjax_shift.pipelines.test_time import build_rates_training, learned_row
+  from fedjax_shift.pipelines.atp import build_rates_training, learned_row
   _, k, remat = kind.split(':')
   key = 'tent_learned' if FLAGS.tta_adapter == 'tent' else 'atp_online_k'
   config.learned.num_batches[key] = int(k)

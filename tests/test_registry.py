@@ -3,7 +3,6 @@ names and fields are errors, the package layering holds, and the adapter
 evaluation compiles once."""
 import ast
 import re
-import importlib.util
 import os
 
 import chex

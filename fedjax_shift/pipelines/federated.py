@@ -470,6 +470,8 @@ def train_seeds(config: ml_collections.ConfigDict, workdir: str, name: str,
   with CompileClock() as clock:
     opened = [setup_run(config, run_dir, name, seed, programs=programs, backbone=backbone)
               for seed, run_dir in zip(seeds, run_dirs)]
+    opened = [o._replace(run=o.run._replace(label=o.run.label + ' (vmapped seeds)'))
+              for o in opened]
     try:
       check_lockstep(opened, seeds)
       round_fn = jax.jit(jax.vmap(opened[0].programs.round_device))
@@ -564,9 +566,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
               f"{config.rounds} rounds, cohort {config.cohort_size}; accuracy (%) mean ± std "
               f"over seeds {tuple(config.seeds)}; hardware: {info['device_kind']} "
               f"({info['backend']}).")
-  paper_tables = report.paper_table(config, {'results': results})
   files = (report.write_csv(table, os.path.join(workdir, 'results.csv')),
            report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png')))
+  paper_tables = report.paper_table(config, {'results': results})
   tables = (table['markdown'],) + ((paper_tables,) if paper_tables else ())
   return Results(preamble, tables, files,
                  {'results': results, 'table': table, 'paper_tables': paper_tables})

@@ -167,6 +167,8 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
         if completed == rounds or any(r % checkpoint_every == 0
                                       for r in range(first + 1, completed + 1)):
           save(completed, i)
+      if len(diverged) == count:   # nothing left to train
+        break
       if bar is not None:
         bar.update(calls)
         live = [i for i in range(count) if i not in diverged]
