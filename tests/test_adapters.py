@@ -220,6 +220,27 @@ def test_surgical_changes_only_its_block_and_rejects_unknown_blocks():
     surgical(module, 'encoder/Conv_9').init(variables, jax.random.key(0))
 
 
+def test_surgical_first_is_the_first_layer_the_model_defines_on_tree_mapped_variables():
+  # After a tree map the encoder's keys are sorted ('BatchNorm_0' < 'Dense_0'): the first
+  # layer is still Dense_0, read from the model's layer order, and only it moves.
+  module, variables, context = setup()
+  variables = jax.tree.map(lambda leaf: leaf, variables)
+  assert next(iter(variables['params']['encoder'])) == 'BatchNorm_0'
+  adapter = ADAPTERS.get('surgical')(module, ml_collections.ConfigDict(
+      {'block': 'first', 'learning_rate': 0.1, 'predict': 'after'}), context)
+  state = adapter.init(variables, jax.random.key(0))
+  x = jnp.asarray(np.random.default_rng(1).random((4, 4, 4, 1)), jnp.float32)
+  moved = adapter.step(state, AdaptBatch(x, jnp.ones(4)))[0].variables['params']
+  changed = {f'{layer}/{name}' for layer, leaves in moved['encoder'].items()
+             for name, leaf in leaves.items()
+             if not np.array_equal(leaf, variables['params']['encoder'][layer][name])}
+  assert changed == {'Dense_0/kernel', 'Dense_0/bias'}
+  chex.assert_trees_all_equal(moved['head'], variables['params']['head'])
+  with pytest.raises(ValueError, match=r"surgical.block: 'first' is a position in the model's "
+                                       r"layer order, which needs the input shape"):
+    surgical(module, 'first')
+
+
 def test_eata_without_reliable_examples_does_not_move():
   module, variables, _ = setup()
   from fedjax_shift.adapters.eata import eata
@@ -233,6 +254,45 @@ def test_eata_without_reliable_examples_does_not_move():
   moved, _ = adapter.step(adapter.init(variables, jax.random.key(0)), AdaptBatch(x, jnp.ones(4)))
   assert not np.allclose(moved.variables['params']['encoder']['BatchNorm_0']['scale'],
                          variables['params']['encoder']['BatchNorm_0']['scale'])
+
+
+def test_eata_batch_that_keeps_no_example_leaves_variables_and_momentum_bit_identical():
+  # As the official code: no step at all when both filters keep nothing, even with the
+  # Fisher regulariser pulling and a momentum buffer from an earlier step. The first
+  # batch keeps every example (margin 10·ln C) and steps; the same batch again is
+  # redundant (its predictions' cosine to their running mean is 1 ≥ ε): nothing kept.
+  module, variables, context = setup()
+  from fedjax_shift.adapters.eata import eata, fisher_information
+  fisher = fisher_information(module, variables, context.source_x)
+  adapter = eata(module, NUM_CLASSES, fisher, learning_rate=0.5, entropy_margin=10.0,
+                 fisher_weight=2000.0)
+  x = jnp.asarray(np.random.default_rng(1).random((4, 4, 4, 1)), jnp.float32)
+  first, _ = adapter.step(adapter.init(variables, jax.random.key(0)),
+                          AdaptBatch(x, jnp.ones(4)))
+  assert bool(first.extra.kept)
+  assert not np.array_equal(first.variables['params']['encoder']['BatchNorm_0']['bias'],
+                            variables['params']['encoder']['BatchNorm_0']['bias'])
+  second, _ = adapter.step(first, AdaptBatch(x, jnp.ones(4)))
+  assert not bool(second.extra.kept)
+  chex.assert_trees_all_equal(second.variables, first.variables)
+  chex.assert_trees_all_equal(second.opt_state, first.opt_state)
+
+
+def test_eata_rate_is_the_official_one_scaled_linearly_to_the_test_batch():
+  from fedjax_shift.adapters import eata as eata_lib
+  module, variables, context = setup('bn_mlp')
+  built = []
+  original = eata_lib.eata
+  try:
+    eata_lib.eata = lambda *args, **kwargs: built.append(args) or original(*args, **kwargs)
+    ADAPTERS.get('eata')(module, ADAPTERS.defaults('eata'), context._replace(batch_size=20))
+  finally:
+    eata_lib.eata = original
+  assert built[0][3] == pytest.approx(0.00025 * 20 / 64)   # EATA's code: 0.00025 at 64
+  for field, value in (('learning_rate', 0.0), ('fisher_weight', -1.0), ('momentum', 1.0)):
+    with pytest.raises(ValueError, match=f'config.adapters.eata.{field}'):
+      ADAPTERS.check('eata', ml_collections.ConfigDict(
+          {**ADAPTERS.defaults('eata').to_dict(), field: value}), 'config.adapters.eata')
 
 
 @pytest.mark.parametrize('name', ['tent', 'eata', 'bn_adapt'])

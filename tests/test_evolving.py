@@ -400,3 +400,31 @@ def test_fedevolve_cnn_cpu_variant_server_not_below_fedavg(tmp_path):
             for r in out.records['results']}
   assert server['fedevolve'] >= server['fedavg'], server
   assert server['fedavg'] > 0.3, server   # both really trained (chance is 10 %)
+
+
+def test_fedevp_personalises_the_last_layer_the_model_defines_on_tree_mapped_state():
+  """FedEvp fine-tunes the classifier and the encoder's last layer. On evolve_cnn the
+  encoder's keys sort as Conv_0…Conv_3, Dense_0, GroupNorm_0…GroupNorm_3 after any tree
+  map; the last layer is Dense_0 all the same (models.layer_order), and only it and
+  the head move."""
+  from fedjax_shift.benchmarks.evolving import domain_blocks
+  rng = np.random.default_rng(0)
+  domains_x = [rng.normal(size=(40, 8, 8, 1)).astype(np.float32) for _ in range(3)]
+  domains_y = [rng.integers(0, 3, 40) for _ in range(3)]
+  train, _, size = domain_blocks(domains_x, domains_y, 2, 2, float('inf'), rng)
+  config = circle_config()
+  config.model = ml_collections.ConfigDict({'name': 'evolve_cnn'})
+  module = models.create(config.model, 3)
+  algorithm = algorithms.build('fedevp', config, module, train.max_examples,
+                               {'num_domains': 2, 'domain_size': size})
+  state = algorithm.init(jax.random.key(0), jnp.asarray(train.x[0, :1]))
+  state = jax.tree.map(lambda leaf: leaf, state)
+  assert list(state.variables['params']['encoder'])[-1] == 'GroupNorm_3'
+  one = ClientData(*(jnp.asarray(a[0]) for a in train), jnp.int32(NO_STEP_LIMIT))
+  tuned = algorithm.personalize(state, (), one, jax.random.key(2))['params']
+  before = state.variables['params']
+  changed = {f'{part}/{layer}' for part in ('encoder',) for layer in tuned[part]
+             if not all(np.array_equal(a, b) for a, b in zip(
+                 jax.tree.leaves(tuned[part][layer]), jax.tree.leaves(before[part][layer])))}
+  assert changed == {'encoder/Dense_0'}
+  assert not np.array_equal(tuned['head']['kernel'], before['head']['kernel'])

@@ -1,5 +1,6 @@
 """Models: encoder/head split, ATP module counts, BatchNorm modes."""
 import chex
+import ml_collections
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,3 +121,33 @@ def test_conv_choice_auto_and_bad_values():
   import ml_collections
   with pytest.raises(ValueError, match=r"config.model.conv='patches': model 'mlp' has no"):
     models.create(ml_collections.ConfigDict({'name': 'mlp', 'conv': 'patches'}), 10)
+
+
+# Layers in the order the model defines them, read from the forward pass, on variables
+# that went through a tree map (JAX sorts dict keys: 'BatchNorm_0' < 'Conv_0' < 'Dense_0').
+@pytest.mark.parametrize('name, shape, extra, first, last, count', [
+    ('mlp', (28, 28, 1), {}, 'encoder/Dense_0', 'encoder/Dense_1', 3),
+    ('bn_mlp', (28, 28, 1), {}, 'encoder/Dense_0', 'encoder/BatchNorm_1', 5),
+    ('atp_cnn', (32, 32, 3), {}, 'encoder/Conv_0', 'encoder/BatchNorm_3', 9),
+    ('evolve_cnn', (28, 28, 1), {}, 'encoder/Conv_0', 'encoder/Dense_0', 10),
+    ('resnet18', (32, 32, 3), {}, 'encoder/Conv_0', 'encoder/ResidualBlock_7/BatchNorm_1', 41),
+    ('vit', (4, 4, 3), {'patch_size': 2, 'width': 8, 'depth': 1, 'heads': 2, 'mlp_dim': 8},
+     'encoder/embedding', 'encoder/encoder_norm', 12),
+])
+def test_layer_order_is_the_definition_order_not_dict_order(name, shape, extra, first, last,
+                                                            count):
+  from flax import traverse_util
+  module = models.create(ml_collections.ConfigDict({'name': name, **extra}), 10)
+  order = models.layer_order(module, shape)
+  assert len(order) == count and order[-1] == 'head'
+  variables = models.init(module, jax.random.key(0), jnp.zeros((1, *shape)))
+  mapped = jax.tree.map(lambda leaf: leaf, variables['params'])   # keys sorted now
+  flat = traverse_util.flatten_dict(mapped)
+  assert {'/'.join(p[:-1]) for p in flat} == set(order)
+  for block, layer in (('first', first), ('last', last), (0, order[0]), (-1, 'head')):
+    selected = {'/'.join(p[:-1]) for p in flat
+                if models.layer_selector(module, shape, block, 'block')(p)}
+    assert selected == {layer}, (block, selected)
+  with pytest.raises(ValueError, match=r"block: 'encoder/Nope_0' names no layer of this model; "
+                                       r"its layers, in order: \['" + order[0]):
+    models.layer_selector(module, shape, 'encoder/Nope_0', 'block')

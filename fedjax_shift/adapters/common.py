@@ -2,9 +2,10 @@
 and the one-optimizer-step-per-batch adapter."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
@@ -73,7 +74,8 @@ def gradient_adapter(name: str, is_selected: Callable, select_field: str,
                      opt: optax.GradientTransformation, predict: str,
                      init_extra: Callable = lambda variables: (),
                      check: Callable = lambda variables: None,
-                     selector_of_params: bool = False):
+                     selector_of_params: bool = False,
+                     step_if: Optional[Callable[[Any], jax.Array]] = None):
   """An ``Adapter`` taking one optimizer step per batch on a parameter subset.
 
   Args:
@@ -85,6 +87,9 @@ def gradient_adapter(name: str, is_selected: Callable, select_field: str,
       the ones computed before the update.
     predict_fn: (variables, x) -> logits, used when ``predict == 'after'``.
     predict: 'before' | 'after' (which logits the method predicts with).
+    step_if: (the new extra) -> [] bool: whether this batch takes its step; when
+      False the parameters and the optimizer state stay bit-identical (EATA on a batch
+      that keeps no example). None: every batch steps.
   """
   check_predict(name, predict)
   predicate = is_selected if selector_of_params else (lambda params: is_selected)
@@ -106,7 +111,13 @@ def gradient_adapter(name: str, is_selected: Callable, select_field: str,
 
     (_, (logits, extra)), grads = jax.value_and_grad(objective, has_aux=True)(selected)
     updates, opt_state = opt.update(grads, state.opt_state, selected)
-    selected = optax.apply_updates(selected, updates)
+    stepped = optax.apply_updates(selected, updates)
+    if step_if is not None:
+      go = step_if(extra)
+      keep_old = lambda new, old: jnp.where(go, new, old)
+      stepped = jax.tree.map(keep_old, stepped, selected)
+      opt_state = jax.tree.map(keep_old, opt_state, state.opt_state)
+    selected = stepped
     variables = {**state.variables, 'params': join_params(selected, rest)}
     if predict == 'after':
       logits = predict_fn(variables, batch.x)

@@ -9,6 +9,9 @@ Tent-style entropy minimisation of the BatchNorm affine parameters, with
     the average m ← 0.9·m + 0.1·mean p over kept examples)
   * an anti-forgetting regulariser β · Σ_i F_i (θ_i − θ_i^0)², β = 2000, with the
     diagonal Fisher F from 2000 source samples and the model's own labels (Eq. 9).
+As the official code (github.com/mr-eggplant/EATA): a batch that keeps no example takes
+no step (parameters and momentum unchanged), and SGD's rate is 0.00025 with momentum
+0.9 at batch 64, scaled linearly to the test batch B (0.00025 · B / 64).
 """
 from __future__ import annotations
 
@@ -23,12 +26,14 @@ from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.registry import require
 
 
 class EATAExtra(NamedTuple):
   mean_probs: jax.Array   # [C] moving average of kept predictions
   seen: jax.Array         # [] bool, False until the first kept batch
   anchor: dict            # θ^0: the source BN affine parameters (flat dict)
+  kept: jax.Array = jnp.bool_(False)   # [] bool: the last batch kept an example
 
 
 def fisher_information(module, variables, x, batch_size: int = 64):
@@ -84,29 +89,47 @@ def eata(module, num_classes: int, fisher=None, learning_rate: float = 0.005,
     any_kept = jnp.sum(kept) > 0
     updated = jnp.where(extra.seen, 0.9 * extra.mean_probs + 0.1 * batch_mean, batch_mean)
     extra = EATAExtra(jax.lax.stop_gradient(jnp.where(any_kept, updated, extra.mean_probs)),
-                      extra.seen | any_kept, extra.anchor)
+                      extra.seen | any_kept, extra.anchor, any_kept)
     return loss, (logits, extra)
 
   def init_extra(variables):
     anchor, _ = common.split_params(variables['params'], models.is_batch_norm_path, 'eata')
-    return EATAExtra(jnp.zeros((num_classes,)), jnp.bool_(False), anchor)
+    return EATAExtra(jnp.zeros((num_classes,)), jnp.bool_(False), anchor, jnp.bool_(False))
 
   return common.gradient_adapter(
       'eata', models.is_batch_norm_path, 'eata (BatchNorm affine parameters)', loss_fn,
       forward, optax.sgd(learning_rate, momentum=momentum or None), predict,
-      init_extra=init_extra, check=common.require_batch_norm('eata'))
+      init_extra=init_extra, check=common.require_batch_norm('eata'),
+      step_if=lambda extra: extra.kept)
+
+
+def check(hparams) -> None:
+  """config.adapters.eata's ranges (errors name the field)."""
+  require(hparams.learning_rate > 0, 'adapters.eata.learning_rate',
+          f'must be > 0, got {hparams.learning_rate}')
+  require(hparams.lr_batch_size >= 1, 'adapters.eata.lr_batch_size',
+          f'must be >= 1, got {hparams.lr_batch_size}')
+  require(0 <= hparams.momentum < 1, 'adapters.eata.momentum',
+          f'must be in [0, 1), got {hparams.momentum}')
+  require(hparams.fisher_weight >= 0, 'adapters.eata.fisher_weight',
+          f'β must be >= 0, got {hparams.fisher_weight}')
+  require(hparams.entropy_margin > 0, 'adapters.eata.entropy_margin',
+          f'must be > 0, got {hparams.entropy_margin}')
 
 
 @ADAPTERS.register('eata', defaults={
-    'learning_rate': 0.005, 'momentum': 0.9,   # SGD on BN affine (our choice; a field)
+    'learning_rate': 0.00025,                  # EATA's code: SGD 0.00025 ...
+    'lr_batch_size': 64,                       # ... at batch 64, scaled linearly to B
+    'momentum': 0.9,                           # EATA's code: momentum 0.9
     'entropy_margin': 0.4,                     # EATA: E0 = 0.4·ln C
     'redundancy_epsilon': 0.05,                # EATA: ε = 0.05
     'fisher_weight': 2000.0,                   # EATA: β = 2000
     'fisher_samples': 2000,                    # EATA: 2000 source samples
     'predict': 'before'},
-    learnable={'learning_rate': 'log'})
+    check=check, learnable={'learning_rate': 'log'})
 def build_eata(module, hparams, context: SourceContext) -> Adapter:
-  """The registry's builder: this method from its ``config.adapters.eata``."""
+  """The registry's builder: this method from its ``config.adapters.eata``, SGD's rate
+  scaled linearly from ``lr_batch_size`` to the test batch."""
   if hparams.fisher_weight and context.source_x is None:
     raise ValueError('config.adapters.eata.fisher_weight: the Fisher regulariser needs '
                      'labelled source data, which this pipeline does not give its adapters '
@@ -115,6 +138,7 @@ def build_eata(module, hparams, context: SourceContext) -> Adapter:
   fisher = fisher_information(module, context.variables,
                               context.source_x[:hparams.fisher_samples]
                               ) if hparams.fisher_weight else None
-  return eata(module, context.num_classes, fisher, hparams.learning_rate, hparams.momentum,
+  learning_rate = hparams.learning_rate * context.batch_size / hparams.lr_batch_size
+  return eata(module, context.num_classes, fisher, learning_rate, hparams.momentum,
               hparams.entropy_margin, hparams.redundancy_epsilon, hparams.fisher_weight,
               hparams.predict)

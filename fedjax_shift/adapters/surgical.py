@@ -6,7 +6,8 @@ block; output-level / label shifts: the last layer). Test clients have no labels
 so, as in the ATP authors' comparison, the block minimises the mean prediction
 entropy of each test batch (one optimizer step per batch; running BatchNorm
 statistics). ``block`` is a parameter-path prefix such as 'encoder/Dense_0' or
-'head', or 'first' (the encoder's first layer).
+'head', 'first' / 'last' (the encoder's first / last layer in the order the model
+defines them: ``models.layer_order``) or a layer index.
 """
 from __future__ import annotations
 
@@ -17,19 +18,24 @@ from fedjax_shift.adapters import common
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 
 
-def block_selector(block: str, params):
-  """Path predicate of ``block`` (prefix 'a/b', or 'first') for these params."""
-  if block == 'first':
-    first = next(iter(params['encoder']))
-    prefix = ('encoder', first)
-  else:
-    prefix = tuple(block.split('/'))
+def block_selector(module, block, input_shape: tuple):
+  """Path predicate of ``block``: a path prefix ('encoder/Dense_0', 'head') as given;
+  'first', 'last' or an index from the model's layer order, which needs one example's
+  ``input_shape``."""
+  field = 'config.adapters.surgical.block'
+  if input_shape:
+    return models.layer_selector(module, input_shape, block, field)
+  if block in ('first', 'last') or isinstance(block, int):
+    raise ValueError(f'{field}: {block!r} is a position in the model\'s layer order, which '
+                     f'needs the input shape (SourceContext.input_shape); name the layer '
+                     f'instead, e.g. \'encoder/Dense_0\'')
+  prefix = tuple(block.split('/'))
   return lambda path: tuple(path[:len(prefix)]) == prefix
 
 
-def surgical(module, block: str = 'first', learning_rate: float = 1e-3,
-             predict: str = 'before', optimizer: optax.GradientTransformation | None = None
-             ) -> Adapter:
+def surgical(module, block='first', learning_rate: float = 1e-3,
+             predict: str = 'before', optimizer: optax.GradientTransformation | None = None,
+             input_shape: tuple = ()) -> Adapter:
   def forward(variables, x):
     return models.apply(module, variables, x, 'eval')[0]
 
@@ -37,10 +43,9 @@ def surgical(module, block: str = 'first', learning_rate: float = 1e-3,
     logits = forward(variables, batch.x)
     return common.weighted_entropy(logits, batch.weight), (logits, extra)
 
-  return common.gradient_adapter('surgical', lambda params: block_selector(block, params),
+  return common.gradient_adapter('surgical', block_selector(module, block, input_shape),
                                  f'surgical block {block!r}', loss_fn, forward,
-                                 optimizer or optax.adam(learning_rate), predict,
-                                 selector_of_params=True)
+                                 optimizer or optax.adam(learning_rate), predict)
 
 
 @ADAPTERS.register('surgical', defaults={
@@ -54,4 +59,7 @@ def build_surgical(module, hparams, context: SourceContext) -> Adapter:
   if not isinstance(block, str):
     raise ValueError(f'config.adapters.surgical.block: name one block here; a mapping per '
                      f'shift ({dict(block)}) is resolved by the atp pipeline')
-  return surgical(module, block, hparams.learning_rate, hparams.predict)
+  input_shape = context.input_shape or (tuple(context.source_x.shape[1:])
+                                         if context.source_x is not None else ())
+  return surgical(module, block, hparams.learning_rate, hparams.predict,
+                  input_shape=input_shape)

@@ -34,10 +34,12 @@ from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean, select
 
 
-def last_layer_selector(params):
-  """Path predicate: the head and the encoder's last layer (by flax naming order)."""
-  last = list(params['encoder'])[-1]
-  return lambda path: path[0] == 'head' or tuple(path[:2]) == ('encoder', last)
+def last_layer_selector(module, input_shape: tuple):
+  """Path predicate: the head and the encoder's last layer, in the order the model
+  defines its layers (``models.layer_order``; evolve_cnn's Dense_0, an MLP's last
+  Dense), never dict order."""
+  is_last = models.layer_selector(module, input_shape, 'last', 'fedevp')
+  return lambda path: path[0] == 'head' or is_last(path)
 
 
 @base.ALGORITHMS.register('fedevp', defaults={'finetune_epochs': 1},  # App. D: 1 epoch
@@ -110,7 +112,7 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
   def personalize(server_state, client_state, data, rng):
     del client_state
     params = server_state.variables['params']
-    is_tuned = last_layer_selector(params)
+    is_tuned = last_layer_selector(module, tuple(data.x.shape[1:]))
     flat = traverse_util.flatten_dict(params)
     tuned = {p: v for p, v in flat.items() if is_tuned(p)}
     frozen = {p: v for p, v in flat.items() if not is_tuned(p)}

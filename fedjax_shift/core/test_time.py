@@ -54,6 +54,8 @@ class SourceContext(NamedTuple):
     batch_size: the test-time batch size B.
     source_x, source_y: labelled source held-out examples [M, ...], [M] (or None).
     alpha: ATP's learned rates (None before α training).
+    input_shape: one example's shape (adapters that pick a layer by position read the
+      model's layer order with it); () where unknown.
   """
   variables: Any
   num_classes: int
@@ -61,6 +63,7 @@ class SourceContext(NamedTuple):
   source_x: Optional[np.ndarray] = None
   source_y: Optional[np.ndarray] = None
   alpha: Optional[Any] = None
+  input_shape: tuple = ()
 
 
 # name -> build(module, hparams: config.adapters.<name>, context: SourceContext) -> Adapter;

@@ -12,14 +12,16 @@ It returns ``(logits [B, C], variables)``, the variables carrying updated
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
-from typing import Any, Tuple
+from typing import Any, Callable, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+from flax import traverse_util
 
 from fedjax_shift.models.classifiers import (BN_MOMENTUM, CONV_IMPLS, AdaptationMLP,  # noqa: F401
                                              ATPCNNEncoder, BNMLPEncoder,
@@ -215,3 +217,66 @@ def head(variables: Variables, features: jax.Array) -> jax.Array:
   """The linear head's logits [B, C] of features [B, F] (``Classifier.head``)."""
   kernel, bias = variables['params']['head']['kernel'], variables['params']['head']['bias']
   return features @ kernel + bias
+
+
+@functools.lru_cache(maxsize=64)
+def layer_order(module: nn.Module, input_shape: Tuple[int, ...]) -> Tuple[str, ...]:
+  """The layers of ``module`` that hold parameters, as '/'-joined paths
+  ('encoder/Conv_0', …, 'head'), in the order its forward pass on inputs of
+  ``input_shape`` (one example's shape) first uses them, i.e. the order the model
+  defines them in — never dict order (JAX sorts dict keys, so after any tree map
+  'Dense_0' sorts after 'Conv_3' and 'BatchNorm_0' before both). A module that holds
+  parameters of its own besides children (a ViT's class token and position embedding)
+  comes right after its first child. Read once per (module, shape) from an abstract
+  evaluation: nothing is computed."""
+  x = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)
+  variables = jax.eval_shape(lambda x: init(module, jax.random.key(0), x), x)
+  owners = {tuple(path[:-1]) for path in traverse_util.flatten_dict(variables['params'])}
+  calls = []
+
+  def record(next_fun, args, kwargs, context):
+    scope = context.module.scope
+    if scope is not None and tuple(scope.path) not in calls:
+      calls.append(tuple(scope.path))
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    jax.eval_shape(lambda v, x: apply(module, v, x, 'eval'), variables, x)
+  order = []
+  for path in calls:
+    if path in owners and path not in order:
+      order.append(path)
+  # A parent that owns parameters goes right after its first child.
+  for parent in [p for p in order if any(q[:len(p)] == p and q != p for q in order)]:
+    order.remove(parent)
+    child = next(i for i, q in enumerate(order) if q[:len(parent)] == parent)
+    order.insert(child + 1, parent)
+  missing = owners - set(order)
+  if missing:
+    raise ValueError(f'layer_order: the forward pass never used {sorted(missing)}')
+  return tuple('/'.join(path) for path in order)
+
+
+def layer_selector(module: nn.Module, input_shape: Tuple[int, ...], block, field: str
+                   ) -> Callable[[Tuple[str, ...]], bool]:
+  """A predicate on flat parameter paths selecting what ``block`` names: 'first' /
+  'last' (the encoder's first or last layer in ``layer_order``) or an int k (the k-th
+  layer of the whole model from 0, negative from the end) select that layer's own
+  parameters; a path prefix ('encoder/Dense_0', 'head') selects everything under it.
+  Raises ValueError naming ``field`` and the model's layers when it names none."""
+  layers = layer_order(module, tuple(input_shape))
+  encoder = [layer for layer in layers if layer.split('/')[0] == 'encoder']
+  layer = None
+  if block in ('first', 'last') and encoder:
+    layer = encoder[0 if block == 'first' else -1]
+  elif isinstance(block, int) and not isinstance(block, bool) and -len(layers) <= block < len(layers):
+    layer = layers[block]
+  if layer is not None:
+    own = tuple(layer.split('/'))
+    return lambda path: tuple(path[:-1]) == own
+  if isinstance(block, str) and block and any(name == block or name.startswith(block + '/')
+                                              for name in layers):
+    prefix = tuple(block.split('/'))
+    return lambda path: tuple(path[:len(prefix)]) == prefix
+  raise ValueError(f'{field}: {block!r} names no layer of this model; its layers, in '
+                   f'order: {list(layers)} (or first, last, or an index)')

@@ -96,7 +96,7 @@ def uploaded_parameters(algorithm: FederatedAlgorithm, server_state, client_stat
 
 def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: int,
                         algorithm: FederatedAlgorithm, global_only=(),
-                        algorithm_name: str = ''):
+                        algorithm_name: str = '', input_shape: tuple = ()):
   """The jitted adapted evaluation of ``config.eval_adapters`` ('<adapter>:<mode>'
   strings, e.g. 'memo:episodic', 't3a:online'; hyperparameters from
   ``config.adapters.<adapter>``), run on the splits of ``config.eval_adapter_splits``;
@@ -106,7 +106,8 @@ def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: 
            if adapts(name, algorithm_name)]
   if not specs:
     return None
-  context = SourceContext(None, num_classes, config.eval_adapter_batch_size)
+  context = SourceContext(None, num_classes, config.eval_adapter_batch_size,
+                          input_shape=tuple(input_shape))
   runners = {}
   for name, mode in specs:
     adapter = ADAPTERS.get(name, 'config.eval_adapters')(module, config.adapters[name], context)
@@ -330,7 +331,7 @@ def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, modul
   adapted_chunk = None
   if algorithm_name in tuple(config.eval_adapter_algorithms):
     adapted_chunk = build_eval_adapters(config, module, bench.num_classes, algorithm,
-                                        new_client_splits, algorithm_name)
+                                        new_client_splits, algorithm_name, train.x.shape[2:])
   new_client_chunk = None
   if new_client_splits and algorithm.personalize is not None:
     new_client_chunk = evaluation.build_new_client_evaluate(algorithm, module,
