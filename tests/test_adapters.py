@@ -1,5 +1,7 @@
 """The test-time adapters: shared engine properties for every registered adapter,
 and each method against a hand-computed case."""
+import os
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -327,3 +329,17 @@ def test_pipeline_accuracy_skips_empty_target_clients():
   assert np.isnan(acc[1]) and np.isfinite(acc[[0, 2]]).all()
   logits = models.apply(module, variables, jnp.asarray(xs[2]))[0]
   np.testing.assert_allclose(acc[2], np.mean(np.argmax(logits, -1) == ys[2]), rtol=1e-6)
+
+
+@pytest.mark.parametrize('field, value', [
+    ('adapters.memo.num_augmentations', 0), ('adapters.eata.learning_rate', -1.0),
+    ('adapters.eata.fisher_weight', -5.0)])
+def test_adapter_ranges_are_refused_before_anything_trains(field, value, tmp_path):
+  from configs import atp as atp_configs
+  from fedjax_shift import pipelines
+  config = atp_configs.get_config('tiny')
+  section, name, leaf = field.split('.')
+  config[section][name][leaf] = value
+  with pytest.raises(ValueError, match=f'config.{field}: must be'):
+    pipelines.run(config, str(tmp_path))
+  assert not os.listdir(tmp_path) or set(os.listdir(tmp_path)) <= {'.lock'}

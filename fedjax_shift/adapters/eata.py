@@ -112,7 +112,7 @@ def check(hparams) -> None:
   require(0 <= hparams.momentum < 1, 'adapters.eata.momentum',
           f'must be in [0, 1), got {hparams.momentum}')
   require(hparams.fisher_weight >= 0, 'adapters.eata.fisher_weight',
-          f'β must be >= 0, got {hparams.fisher_weight}')
+          f'must be >= 0 (β), got {hparams.fisher_weight}')
   require(hparams.entropy_margin > 0, 'adapters.eata.entropy_margin',
           f'must be > 0, got {hparams.entropy_margin}')
 

@@ -120,6 +120,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     require(tta.mode[key] in MODES, f'tta.mode.{key}',
             f'unknown {tta.mode[key]!r}; choose from {list(MODES)}')
     require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
+    ADAPTERS.check(adapter, config.adapters[adapter], f'config.adapters.{adapter}')
   validate_learned(config)
   ALGORITHMS.check('atp', config.atp, 'config.atp')
   require(1 <= config.atp.cohort_size <= config.data.num_clients, 'atp.cohort_size',
@@ -150,6 +151,7 @@ def validate_learned(config: ml_collections.ConfigDict) -> None:
             f'{learned.num_batches[key]}')
     adapter, mode, names = learned_row(config, key)
     require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
+    ADAPTERS.check(adapter, config.adapters[adapter], f'config.adapters.{adapter}')
     learned_rates.check_learned(adapter, names, config.adapters[adapter], mode,
                                 learned.num_batches[key], f'config.learned.rates.{key}')
 

@@ -282,6 +282,7 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   specs = eval_adapter_specs(config)
   for name, mode in specs:
     ADAPTERS.get(name, 'config.eval_adapters')
+    ADAPTERS.check(name, config.adapters[name], f'config.adapters.{name}')
     require(mode in MODES, 'eval_adapters', f'unknown mode {mode!r} in {name}:{mode}; '
             f'choose from {list(MODES)}')
     trained_by = ADAPTERS.meta(name).get('trained_by')
