@@ -57,6 +57,14 @@ def get_config(arg: str = 'digits_hybrid') -> ml_collections.ConfigDict:
   c.data.corruptions = ()
   c.model.name = 'bn_mlp'
   c.model.hidden = (200, 200)
+  # Surgical as the ATP release runs it (Surgical.py): the block with the best one-step
+  # adapted accuracy on the source held-out data, one SGD step of 0.1 per test batch
+  # from the global model (episodic), predicting after the step.
+  c.adapters.surgical.select = 'source_accuracy'
+  c.adapters.surgical.optimizer = 'sgd'
+  c.adapters.surgical.learning_rate = 0.1
+  c.adapters.surgical.predict = 'after'
+  c.tta.mode.surgical = 'episodic'
   return apply_variant(c, arg, VARIANTS, USAGE)
 
 

@@ -229,7 +229,8 @@ def test_surgical_first_is_the_first_layer_the_model_defines_on_tree_mapped_vari
   variables = jax.tree.map(lambda leaf: leaf, variables)
   assert next(iter(variables['params']['encoder'])) == 'BatchNorm_0'
   adapter = ADAPTERS.get('surgical')(module, ml_collections.ConfigDict(
-      {'block': 'first', 'learning_rate': 0.1, 'predict': 'after'}), context)
+      {**ADAPTERS.defaults('surgical').to_dict(), 'block': 'first', 'learning_rate': 0.1,
+       'predict': 'after'}), context)
   state = adapter.init(variables, jax.random.key(0))
   x = jnp.asarray(np.random.default_rng(1).random((4, 4, 4, 1)), jnp.float32)
   moved = adapter.step(state, AdaptBatch(x, jnp.ones(4)))[0].variables['params']
@@ -343,3 +344,42 @@ def test_adapter_ranges_are_refused_before_anything_trains(field, value, tmp_pat
   with pytest.raises(ValueError, match=f'config.{field}: must be'):
     pipelines.run(config, str(tmp_path))
   assert not os.listdir(tmp_path) or set(os.listdir(tmp_path)) <= {'.lock'}
+
+
+def test_surgical_source_accuracy_picks_the_block_a_loop_of_fixed_adapters_scores_best():
+  # The ATP release's rule: each candidate block adapted by one SGD step per source
+  # batch from the global model, predicting after it; the best source accuracy wins.
+  # Reference: the fixed-block adapter (SGD, predict after) run episodically per block.
+  module, variables, context = setup()
+  candidates = ('encoder/Dense_0', 'encoder/BatchNorm_0', 'head')
+  lr = 2.0
+  hparams = ml_collections.ConfigDict({**ADAPTERS.defaults('surgical').to_dict(),
+                                       'select': 'source_accuracy', 'optimizer': 'sgd',
+                                       'learning_rate': lr, 'predict': 'after',
+                                       'candidates': candidates, 'selection_examples': 16})
+  selected = ADAPTERS.get('surgical')(module, hparams, context)
+  import optax
+  xs = jnp.asarray(context.source_x).reshape(4, 4, 4, 4, 1)
+  ys = np.asarray(context.source_y).reshape(4, 4)
+  scores, fixed = [], {}
+  for block in candidates:
+    adapter = surgical(module, block, lr, 'after', optax.sgd(lr), input_shape=(4, 4, 1))
+    fixed[block] = adapter
+    correct = 0
+    for x, y in zip(xs, ys):
+      _, logits = adapter.step(adapter.init(variables, jax.random.key(0)),
+                               AdaptBatch(x, jnp.ones(4)))
+      correct += int(np.sum(np.argmax(logits, -1) == y))
+    scores.append(correct)
+  best = candidates[int(np.argmax(scores))]
+  x = jnp.asarray(np.random.default_rng(5).random((4, 4, 4, 1)), jnp.float32)
+  state, logits = selected.step(selected.init(variables, jax.random.key(0)),
+                                AdaptBatch(x, jnp.ones(4)))
+  reference_state, reference = fixed[best].step(fixed[best].init(variables, jax.random.key(0)),
+                                                AdaptBatch(x, jnp.ones(4)))
+  np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(state['params'], reference_state.variables['params'],
+                              rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match='config.adapters.surgical.optimizer'):
+    ADAPTERS.check('surgical', ml_collections.ConfigDict(
+        {**hparams.to_dict(), 'optimizer': 'adam'}), 'config.adapters.surgical')

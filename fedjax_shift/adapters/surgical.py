@@ -11,11 +11,18 @@ defines them: ``models.layer_order``) or a layer index.
 """
 from __future__ import annotations
 
+from typing import Dict, List, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
+from flax import traverse_util
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.registry import require
 
 
 def block_selector(module, block, input_shape: tuple):
@@ -48,18 +55,132 @@ def surgical(module, block='first', learning_rate: float = 1e-3,
                                  optimizer or optax.adam(learning_rate), predict)
 
 
+def layer_of_paths(module, input_shape: tuple, params) -> Tuple[List[str], Dict[tuple, int]]:
+  """(the model's layers in order, {flat parameter path: its layer's index})."""
+  layers = list(models.layer_order(module, tuple(input_shape)))
+  flat = traverse_util.flatten_dict(params)
+  return layers, {path: layers.index('/'.join(path[:-1])) for path in flat}
+
+
+def candidate_masks(module, input_shape: tuple, candidates: Sequence) -> Tuple[List[str], np.ndarray]:
+  """(candidate names, masks [C, L]): row c is 1 on the layers candidate c selects
+  (``models.layer_selector``); no candidates: every layer of the model on its own."""
+  layers = list(models.layer_order(module, tuple(input_shape)))
+  candidates = list(candidates) or layers
+  masks = np.zeros((len(candidates), len(layers)), np.float32)
+  for c, block in enumerate(candidates):
+    select = models.layer_selector(module, input_shape, block, 'config.adapters.surgical.candidates')
+    masks[c] = [select(tuple(layer.split('/')) + ('kernel',)) for layer in layers]
+  return [str(c) for c in candidates], masks
+
+
+def masked_sgd_step(module, variables, x, weight, mask, index_of, learning_rate: float):
+  """One SGD step of the batch's mean prediction entropy on the layers ``mask`` [L]
+  selects (the others keep their values exactly), BatchNorm in eval mode."""
+  params = variables['params']
+
+  def entropy(params):
+    logits = models.apply(module, {**variables, 'params': params}, x, 'eval')[0]
+    return common.weighted_entropy(logits, weight)
+
+  flat_params = traverse_util.flatten_dict(params)
+  flat_grads = traverse_util.flatten_dict(jax.grad(entropy)(params))
+  stepped = {path: jnp.where(mask[index_of[path]] > 0,
+                             value - learning_rate * flat_grads[path], value)
+             for path, value in flat_params.items()}
+  return {**variables, 'params': traverse_util.unflatten_dict(stepped)}
+
+
+def source_selected(module, context: SourceContext, learning_rate: float, predict: str,
+                    candidates: Sequence, selection_examples: int) -> Adapter:
+  """The authors' Surgical (the ATP release): the block is the candidate whose
+  adaptation gives the best accuracy on the labelled source held-out examples
+  (``context.source_x/y``, the first ``selection_examples``, in batches of the test
+  batch size: one SGD step from the global model per batch, predicting after it);
+  then one SGD step of ``learning_rate`` per test batch on that block. The scores of
+  every candidate are one vmapped scan over the source batches, inside the compiled
+  evaluation, once per build."""
+  if context.source_x is None or context.variables is None:
+    raise ValueError("config.adapters.surgical.select='source_accuracy' scores the blocks on "
+                     'labelled source data, which this pipeline does not give its adapters; '
+                     "use select='fixed'")
+  input_shape = tuple(context.source_x.shape[1:])
+  _, masks = candidate_masks(module, input_shape, candidates)
+  _, index_of = layer_of_paths(module, input_shape, context.variables['params'])
+  batch = context.batch_size
+  count = min(len(context.source_x), selection_examples) // batch * batch
+  if count == 0:
+    raise ValueError(f'config.adapters.surgical.selection_examples: {selection_examples} '
+                     f'source examples make no batch of {batch}')
+  xs = jnp.reshape(context.source_x[:count], (count // batch, batch, *input_shape))
+  ys = jnp.reshape(context.source_y[:count], (count // batch, batch))
+
+  def forward(variables, x):
+    return models.apply(module, variables, x, 'eval')[0]
+
+  def score(mask):
+    def one(correct, xy):
+      x, y = xy
+      adapted = masked_sgd_step(module, context.variables, x, jnp.ones(batch), mask,
+                                index_of, learning_rate)
+      return correct + jnp.sum(jnp.argmax(forward(adapted, x), -1) == y), None
+    correct, _ = jax.lax.scan(one, jnp.float32(0.0), (xs, ys))
+    return correct / count
+
+  scores = jax.vmap(score)(jnp.asarray(masks))
+  chosen = jnp.asarray(masks)[jnp.argmax(scores)]
+
+  def init(variables, rng):
+    del rng
+    return variables
+
+  def step(variables, batch_data):
+    before = forward(variables, batch_data.x)
+    adapted = masked_sgd_step(module, variables, batch_data.x, batch_data.weight, chosen,
+                              index_of, learning_rate)
+    return adapted, (forward(adapted, batch_data.x) if predict == 'after' else before)
+
+  common.check_predict('surgical', predict)
+  return Adapter(init, step)
+
+
+SELECT = ('fixed', 'source_accuracy')
+
+
+def check(hparams) -> None:
+  """config.adapters.surgical's choices and ranges (errors name the field)."""
+  require(hparams.select in SELECT, 'adapters.surgical.select',
+          f'unknown {hparams.select!r}; choose from {list(SELECT)}')
+  require(hparams.optimizer in ('adam', 'sgd'), 'adapters.surgical.optimizer',
+          f"unknown {hparams.optimizer!r}; choose from ['adam', 'sgd']")
+  require(hparams.select == 'fixed' or hparams.optimizer == 'sgd', 'adapters.surgical.optimizer',
+          "select='source_accuracy' takes the authors' SGD step: set optimizer='sgd'")
+  require(hparams.learning_rate > 0, 'adapters.surgical.learning_rate',
+          f'must be > 0, got {hparams.learning_rate}')
+  require(hparams.selection_examples >= 1, 'adapters.surgical.selection_examples',
+          f'must be >= 1, got {hparams.selection_examples}')
+
+
 @ADAPTERS.register('surgical', defaults={
-    'learning_rate': 1e-3, 'predict': 'before',
+    'learning_rate': 1e-3, 'predict': 'before', 'optimizer': 'adam',
     # Lee et al.: input-level shift → first block, label (output-level) shift → last
     # layer; one block name, or one per ATP shift (resolved by the 'atp' pipeline)
-    'block': {'feature': 'first', 'label': 'head', 'hybrid': 'head'}})
+    'block': {'feature': 'first', 'label': 'head', 'hybrid': 'head'},
+    # 'fixed': ``block``; 'source_accuracy': the ATP release's rule, the candidate whose
+    # one-step adaptation scores best on labelled source held-out data (``candidates``:
+    # block names, () = every layer of the model; the first ``selection_examples``)
+    'select': 'fixed', 'candidates': (), 'selection_examples': 1000}, check=check)
 def build_surgical(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.surgical``."""
+  if hparams.select == 'source_accuracy':
+    return source_selected(module, context, hparams.learning_rate, hparams.predict,
+                           tuple(hparams.candidates), hparams.selection_examples)
   block = hparams.block
   if not isinstance(block, str):
     raise ValueError(f'config.adapters.surgical.block: name one block here; a mapping per '
                      f'shift ({dict(block)}) is resolved by the atp pipeline')
   input_shape = context.input_shape or (tuple(context.source_x.shape[1:])
                                          if context.source_x is not None else ())
-  return surgical(module, block, hparams.learning_rate, hparams.predict,
+  optimizer = (optax.sgd if hparams.optimizer == 'sgd' else optax.adam)(hparams.learning_rate)
+  return surgical(module, block, hparams.learning_rate, hparams.predict, optimizer,
                   input_shape=input_shape)
