@@ -471,8 +471,6 @@ def train_seeds(config: ml_collections.ConfigDict, workdir: str, name: str,
   with CompileClock() as clock:
     opened = [setup_run(config, run_dir, name, seed, programs=programs, backbone=backbone)
               for seed, run_dir in zip(seeds, run_dirs)]
-    opened = [o._replace(run=o.run._replace(label=o.run.label + ' (vmapped seeds)'))
-              for o in opened]
     try:
       check_lockstep(opened, seeds)
       round_fn = jax.jit(jax.vmap(opened[0].programs.round_device))
