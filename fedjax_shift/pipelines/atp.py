@@ -239,7 +239,8 @@ def adapter_evaluator(name: str, module, hparams: ml_collections.ConfigDict,
   from ``inputs.rates`` (``learned_rates.rated_adapter``)."""
   def make_adapter(inputs: AdapterInputs) -> Adapter:
     context = SourceContext(inputs.variables, num_classes, batch_size, inputs.source_x,
-                            inputs.source_y, inputs.alpha, tuple(inputs.source_x.shape[1:]))
+                            inputs.source_y, inputs.alpha,
+                            () if inputs.source_x is None else tuple(inputs.source_x.shape[1:]))
     if learned:
       return learned_rates.rated_adapter(name, module, hparams, context, inputs.rates)
     return ADAPTERS.get(name)(module, hparams, context)
