@@ -270,3 +270,15 @@ def test_builders_take_their_section_and_the_engine_context():
   assert seen['context'].schedule.batch_size == config.client.batch_size
   assert seen['context'].schedule.max_examples == 7
   assert seen['context'].client_learning_rate == config.client.learning_rate
+
+
+def test_importing_the_library_and_configs_does_not_start_the_jax_backend():
+  # launch/train.py sets XLA_FLAGS (engine.deterministic) after the config file is
+  # loaded: any array made at import time would start the backend before that.
+  import subprocess
+  import sys
+  code = ('from jax._src import xla_bridge\n'
+          'import fedjax_shift.config, fedjax_shift.papers\n'
+          'from configs import atp, default, fedevolve, fedicon, fedins, fedtta\n'
+          'assert not xla_bridge.backends_are_initialized()\n')
+  subprocess.run([sys.executable, '-c', code], cwd=ROOT, check=True)

@@ -33,7 +33,7 @@ class EATAExtra(NamedTuple):
   mean_probs: jax.Array   # [C] moving average of kept predictions
   seen: jax.Array         # [] bool, False until the first kept batch
   anchor: dict            # θ^0: the source BN affine parameters (flat dict)
-  kept: jax.Array = jnp.bool_(False)   # [] bool: the last batch kept an example
+  kept: jax.Array         # [] bool: the last batch kept an example (else no step)
 
 
 def fisher_information(module, variables, x, batch_size: int = 64):
