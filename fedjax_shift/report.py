@@ -16,6 +16,7 @@ import os
 import re
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
+import ml_collections
 import numpy as np
 
 from fedjax_shift import metrics
@@ -65,9 +66,7 @@ def results_table(results: List[Dict]) -> Dict[str, object]:
     row.append(f"{np.mean(seconds):.1f}" if seconds else 'n/a')
     row.append(f"{max(r.get('uploaded_parameters', 0) for r in runs):,}")
     rows.append(row)
-  lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
-  lines += ['| ' + ' | '.join(row) + ' |' for row in rows]
-  return {'header': header, 'rows': rows, 'markdown': '\n'.join(lines)}
+  return {'header': header, 'rows': rows, 'markdown': markdown(header, rows)}
 
 
 def write_csv(table: Dict[str, object], path: str) -> str:
@@ -230,7 +229,6 @@ def load_runs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> Dict[str, 
 
 def run_config(workdir: str):
   """The ConfigDict a finished workdir ran with (its config.json)."""
-  import ml_collections
   return ml_collections.ConfigDict(read_result(os.path.join(workdir, 'config.json')))
 
 

@@ -36,8 +36,7 @@ def block_selector(module, block, input_shape: tuple):
     raise ValueError(f'{field}: {block!r} is a position in the model\'s layer order, which '
                      f'needs the input shape (SourceContext.input_shape); name the layer '
                      f'instead, e.g. \'encoder/Dense_0\'')
-  prefix = tuple(block.split('/'))
-  return lambda path: tuple(path[:len(prefix)]) == prefix
+  return models.prefix_selector(block)
 
 
 def surgical(module, block='first', learning_rate: float = 1e-3,

@@ -257,6 +257,12 @@ def layer_order(module: nn.Module, input_shape: Tuple[int, ...]) -> Tuple[str, .
   return tuple('/'.join(path) for path in order)
 
 
+def prefix_selector(block: str) -> Callable[[Tuple[str, ...]], bool]:
+  """A predicate on flat parameter paths: those under the '/'-joined prefix ``block``."""
+  prefix = tuple(block.split('/'))
+  return lambda path: tuple(path[:len(prefix)]) == prefix
+
+
 def layer_selector(module: nn.Module, input_shape: Tuple[int, ...], block, field: str
                    ) -> Callable[[Tuple[str, ...]], bool]:
   """A predicate on flat parameter paths selecting what ``block`` names: 'first' /
@@ -276,7 +282,6 @@ def layer_selector(module: nn.Module, input_shape: Tuple[int, ...], block, field
     return lambda path: tuple(path[:-1]) == own
   if isinstance(block, str) and block and any(name == block or name.startswith(block + '/')
                                               for name in layers):
-    prefix = tuple(block.split('/'))
-    return lambda path: tuple(path[:len(prefix)]) == prefix
+    return prefix_selector(block)
   raise ValueError(f'{field}: {block!r} names no layer of this model; its layers, in '
                    f'order: {list(layers)} (or first, last, or an index)')

@@ -32,7 +32,7 @@ from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
 from fedjax_shift.metrics import read_metrics
 from fedjax_shift.pipelines import loop, pretrain
-from fedjax_shift.pipelines.loop import DivergenceError  # noqa: F401  (raised by train())
+from fedjax_shift.pipelines.loop import DivergenceError  # noqa: F401  (importers catch it here)
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, adapts,
                                          algorithm_names, check_run, check_run_dir,
                                          eval_adapter_specs, hardware, open_run, round_backend)
@@ -358,9 +358,8 @@ def single_run_trainer(config: ml_collections.ConfigDict, programs: Programs,
         out = programs.round_host(server_state, client_states, cohort, cohort_ids, key)
       else:
         out = programs.round_device(server_state, client_states, device_train, key)
-      metrics = {name: np.reshape(np.float32(out.metrics[name]), (1, 1))
-                 for name in ('loss', 'num_steps')}
-      return (out.server_state, out.client_states), metrics
+      return (out.server_state, out.client_states), loop.one_round(out.metrics,
+                                                                   ('loss', 'num_steps'))
     count = stop - start
     indices = start + jnp.minimum(jnp.arange(per_call), count - 1)
     keys = jax.vmap(lambda r: round_key(train_key, r))(indices)
@@ -481,8 +480,8 @@ def train_seeds(config: ml_collections.ConfigDict, workdir: str, name: str,
       def advance(state, start: int, stop: int):
         del stop
         out = round_fn(*state, data, jnp.stack([round_key(key, start) for key in keys]))
-        metrics = {n: np.asarray(out.metrics[n])[None] for n in ('loss', 'num_steps')}
-        return (out.server_state, out.client_states), metrics
+        return (out.server_state, out.client_states), loop.one_round(out.metrics,
+                                                                     ('loss', 'num_steps'))
 
       trainer = loop.Trainer(advance, take_run, 1,
                              config.client.batch_size * config.cohort_size)

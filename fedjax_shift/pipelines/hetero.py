@@ -220,8 +220,8 @@ def _train_and_evaluate(config, run_dir: str, seed: int) -> Dict[str, object]:
   def advance(state, start: int, stop: int):
     del stop
     out = round_fn(*state, group_data, group_ids_device, round_key(train_key, start))
-    metrics = {n: np.reshape(np.float32(out.metrics[n]), (1, 1)) for n in ('loss', 'kd_loss')}
-    return (out.server_state, out.group_states), metrics
+    return (out.server_state, out.group_states), loop.one_round(out.metrics,
+                                                                ('loss', 'kd_loss'))
 
   try:
     outcome, = loop.train([run], (server_state, group_states),

@@ -71,6 +71,13 @@ class Trainer(NamedTuple):
   examples_per_step: int = 0
 
 
+def one_round(metrics: Dict[str, Any], names: Sequence[str]) -> Dict[str, np.ndarray]:
+  """``Trainer.advance``'s metrics of a call that trained one round: each of ``names``
+  from a round's output metrics (a scalar for one run, [R] for runs on a leading run
+  axis) as a [1, R] float32 array."""
+  return {name: np.reshape(np.asarray(metrics[name], np.float32), (1, -1)) for name in names}
+
+
 def only_run(state, index: int):
   """``Trainer.take`` of a single run: its state is the whole state."""
   del index
