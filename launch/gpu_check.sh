@@ -12,16 +12,23 @@
 #                                           × lax/patches with (c) and (e)
 #   launch/gpu_check.sh engine OUTDIR       on the GPU: (d), the papers' loop, at 60/240; the
 #                                           rounds_per_call, vmap_seeds and population cases
-#   launch/gpu_check.sh atp OUTDIR          on the GPU: configs/atp.py:digits,cnn
-#   launch/gpu_check.sh fedevolve OUTDIR    on the GPU: FedEvolve Table 1's RMNIST grid with
+#   launch/gpu_check.sh atp OUTDIR [--config.X=..]
+#                                           on the GPU: configs/atp.py:digits,cnn (extra
+#                                           arguments go to train.py, e.g. one seed at a time
+#                                           with --config.seeds='(0,)')
+#   launch/gpu_check.sh fedevolve OUTDIR [--config.X=..]
+#                                           on the GPU: FedEvolve Table 1's RMNIST grid with
 #                                           the paper's CNN (3 Dirichlet levels × 3 methods)
 #
 # Logs and tables land in OUTDIR (default /tmp/gpu_check), at most 8 files, flat.
-# STAGE_TIMEOUT (seconds, default 560) bounds each stage. BENCH_CLIENTS and
+# STAGE_TIMEOUT (seconds, default 560) bounds each stage; SUITE_WORKERS (default 8) sets
+# the suite's pytest-xdist workers, whose log names every test as it finishes, so a
+# stage stopped by its timeout still says what passed and failed. BENCH_CLIENTS and
 # TORCH_LOOP_CLIENTS shrink the bench and engine stages (e.g. =2 for a dry run on a CPU).
 set -uo pipefail
 stage=${1:?usage: launch/gpu_check.sh wheels|suite|bench|engine|atp|fedevolve [OUTDIR]}
 out=${2:-/tmp/gpu_check}
+extra=("${@:3}")   # train.py overrides for the atp and fedevolve stages
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here" || exit 1
 mkdir -p "$out"
@@ -75,7 +82,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
 case $stage in
   suite)
     # The conftest turns on XLA's deterministic GPU ops and highest matmul precision.
-    timeout "$limit" python3 -m pytest -q -n 8 -p no:cacheprovider --durations=15 \
+    timeout "$limit" python3 -m pytest -v --tb=short -rfE -n "${SUITE_WORKERS:-8}" \
+      -p no:cacheprovider --durations=15 \
       2>&1 | tee "$out/suite.log" | tail -n 60
     ;;
   bench)
@@ -97,13 +105,13 @@ case $stage in
   atp)
     timeout "$limit" python3 launch/train.py --config=configs/atp.py:digits,cnn \
       --workdir=/tmp/gpu_atp --compilation_cache="$JAX_COMPILATION_CACHE_DIR" \
-      > "$out/atp.log" 2>&1
+      "${extra[@]}" > "$out/atp.log" 2>&1
     cp /tmp/gpu_atp/results.md "$out/atp_results.md" && cat "$out/atp_results.md"
     ;;
   fedevolve)
     MAX_PARALLEL=${MAX_PARALLEL:-9} RUN_TIMEOUT=$((limit - 40)) \
       bash fedjax_shift/papers/fedevolve/sweep.sh /tmp/gpu_fedevolve \
-      "rmnist_dirinf rmnist_dir1.0 rmnist_dir0.1" "fedavg fedevolve fedevp" \
+      "rmnist_dirinf rmnist_dir1.0 rmnist_dir0.1" "fedavg fedevolve fedevp" "${extra[@]}" \
       > "$out/fedevolve.log" 2>&1
     tail -n 80 "$out/fedevolve.log"
     ;;

@@ -57,3 +57,29 @@ def test_bad_sweep_flags_are_errors_naming_the_flag(flag, message):
   proc = _run('--model=mlp', flag, '--populations=')
   assert proc.returncode != 0
   assert message in proc.stderr
+
+
+GPU_CHECK = os.path.join(ROOT, 'launch', 'gpu_check.sh')
+
+
+def _gpu_check(*args):
+  # STAGE_TIMEOUT bounds a stage that would otherwise start a whole paper run.
+  env = dict(os.environ, STAGE_TIMEOUT='60', PATH=os.path.dirname(sys.executable) +
+             os.pathsep + os.environ.get('PATH', ''))
+  return subprocess.run(['bash', GPU_CHECK, *args], capture_output=True, text=True,
+                        cwd=ROOT, env=env)
+
+
+def test_gpu_check_refuses_an_unknown_stage_before_anything_runs(tmp_path):
+  proc = _gpu_check('bogus', str(tmp_path))
+  assert proc.returncode == 2
+  assert "unknown stage 'bogus'" in proc.stderr
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_check_passes_extra_arguments_to_the_papers_run(tmp_path):
+  """The atp stage hands what follows OUTDIR to launch/train.py: an unknown config field
+  there stops train.py with an error naming it, in the stage's log."""
+  _gpu_check('atp', str(tmp_path), '--config.no_such_field=1')
+  log = (tmp_path / 'atp.log').read_text()
+  assert 'no_such_field' in log, log[-2000:]
