@@ -41,7 +41,8 @@ def get_config(arg: str = 'digits_hybrid') -> ml_collections.ConfigDict:
   c.paper_tables = 'atp'             # launch/train.py prints Tables 1 and 3 beside the paper's
   c.algorithms = ('fedavg',)          # the global model's training (ATP Table 7: fedprox, qffl)
   c.rounds = 200                      # ATP: FedAvg 200 rounds (CNN)
-  c.cohort_size = 60                  # 25 % of 240 source clients
+  c.cohort_size = 240                 # ATP release: FedAvg with every source client a round
+                                      # (part_rate 1.0); α's cohort is atp.cohort_size, 60
   c.sampling = 'uniform'
   c.weighting = 'num_examples'
   c.client.learning_rate = 0.1        # ATP: SGD lr 0.1
@@ -57,14 +58,29 @@ def get_config(arg: str = 'digits_hybrid') -> ml_collections.ConfigDict:
   c.data.corruptions = ()
   c.model.name = 'bn_mlp'
   c.model.hidden = (200, 200)
-  # Surgical as the ATP release runs it (Surgical.py): the block with the best one-step
-  # adapted accuracy on the source held-out data, one SGD step of 0.1 per test batch
-  # from the global model (episodic), predicting after the step.
+  # The baselines as the ATP release runs them for its Table 1 (src/options.py defaults
+  # and src/algorithm/<Method>.py); every adapter keeps its own paper's defaults
+  # elsewhere. lm_lr = 0.1 is the release's SGD rate of every gradient baseline.
+  # Surgical: the block with the best one-step adapted accuracy on the source held-out
+  # data, one SGD step per test batch from the global model (episodic), predicting after.
   c.adapters.surgical.select = 'source_accuracy'
   c.adapters.surgical.optimizer = 'sgd'
   c.adapters.surgical.learning_rate = 0.1
   c.adapters.surgical.predict = 'after'
   c.tta.mode.surgical = 'episodic'
+  c.adapters.tent.optimizer = 'sgd'               # Tent.py: SGD lm_lr
+  c.adapters.tent.learning_rate = 0.1
+  c.adapters.shot.optimizer = 'sgd'               # SHOT.py: SGD lm_lr, shot_beta = 0
+  c.adapters.shot.learning_rate = 0.1
+  c.adapters.shot.pseudo_label_weight = 0.0
+  c.adapters.em.num_iterations = 2                # em_epochs = 2
+  c.adapters.memo.num_augmentations = 16          # memo_aug_size = 16
+  c.adapters.memo.augmentation = 'crop_flip'      # preaugment_*: crop (pad 4) + flip
+  c.adapters.memo.learning_rate = 0.1             # MEMO.py: SGD lm_lr
+  c.adapters.t3a.filter_k = 201                   # t3p_filter_k = -1 (no filter): 201 ≥
+                                                  # 200 test examples + 1 warm-up per class
+  c.adapters.bbse.projection = 'simplex'          # BBSE.py: pinv, simplex, ε = 0.001
+  c.adapters.bn_adapt.mixing = 'layerwise'        # ModifiedBatchNorm2d, unbiased variance
   return apply_variant(c, arg, VARIANTS, USAGE)
 
 

@@ -383,3 +383,152 @@ def test_surgical_source_accuracy_picks_the_block_a_loop_of_fixed_adapters_score
   with pytest.raises(ValueError, match='config.adapters.surgical.optimizer'):
     ADAPTERS.check('surgical', ml_collections.ConfigDict(
         {**hparams.to_dict(), 'optimizer': 'adam'}), 'config.adapters.surgical')
+
+
+def test_simplex_projection_and_the_atp_release_label_distribution():
+  from fedjax_shift.adapters.bbse import project_to_simplex, simplex_label_distribution
+  # Inside the simplex already: unchanged. [1.2, −0.2]: θ = 0.2 gives [1, 0].
+  # [0.5, 0.4, 0.3] (sum 1.2): all three stay, θ = 0.2 / 3.
+  np.testing.assert_allclose(project_to_simplex(jnp.array([0.7, 0.3])), [0.7, 0.3], rtol=1e-6)
+  np.testing.assert_allclose(project_to_simplex(jnp.array([1.2, -0.2])), [1.0, 0.0], atol=1e-6)
+  np.testing.assert_allclose(project_to_simplex(jnp.array([0.5, 0.4, 0.3])),
+                             [0.5 - 0.2 / 3, 0.4 - 0.2 / 3, 0.3 - 0.2 / 3], rtol=1e-5)
+  # Class-conditional confusion C̃ = P(ŷ | y); a target with q = [0.9, 0.1] predicts
+  # μ̂ = C̃ q = [0.75, 0.25]; C̃⁺ μ̂ recovers q, smoothed: 0.999·q + 0.0005.
+  conditional = jnp.array([[0.8, 0.3], [0.2, 0.7]])
+  q = simplex_label_distribution(jnp.linalg.pinv(conditional), jnp.array([0.75, 0.25]))
+  np.testing.assert_allclose(q, [0.999 * 0.9 + 0.0005, 0.999 * 0.1 + 0.0005], rtol=1e-5)
+  # μ̂ beyond what C̃ can give (all ŷ = 0): C̃⁺ μ̂ = [1.4, −0.4] projects to [1, 0].
+  q = simplex_label_distribution(jnp.linalg.pinv(conditional), jnp.array([1.0, 0.0]))
+  np.testing.assert_allclose(q, [0.9995, 0.0005], rtol=1e-5)
+
+
+def test_bbse_simplex_adapter_shifts_the_logits_by_the_batch_label_distribution():
+  from fedjax_shift.adapters.bbse import bbse, simplex_label_distribution
+  module, variables, _ = setup()
+  joint = jnp.array([[0.25, 0.05, 0.02], [0.05, 0.2, 0.03], [0.03, 0.08, 0.29]])
+  x = jnp.asarray(np.random.default_rng(1).random((6, 4, 4, 1)), jnp.float32)
+  logits = models.apply(module, variables, x)[0]
+  predicted = jnp.bincount(jnp.argmax(logits, -1), length=NUM_CLASSES) / 6.0
+  q = simplex_label_distribution(jnp.linalg.pinv(joint / joint.sum(0, keepdims=True)),
+                                 predicted)
+  adapter = bbse(module, joint, 'simplex')
+  state = adapter.init(variables, jax.random.key(0))
+  _, out = adapter.step(state, AdaptBatch(x, jnp.ones(6)))
+  # The release adds log q to the logits; a log-softmax of it is the same prediction.
+  np.testing.assert_allclose(out, jax.nn.log_softmax(logits + jnp.log(q)), atol=1e-5)
+
+
+def test_bn_adapt_layerwise_mixing_equals_a_hand_written_two_layer_forward():
+  """The ATP release's BN-Adapt: each BatchNorm mixes its running statistics with the
+  unbiased statistics of its own input, which the mixed layers before it produced."""
+  from fedjax_shift.adapters.bn_adapt import bn_adapt
+  module = models.MODELS.get('bn_mlp')(NUM_CLASSES, hidden=(5, 4))
+  variables = models.init(module, jax.random.key(2), jnp.zeros((1, 3)))
+  rng = np.random.default_rng(3)
+  variables = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), jnp.float32)
+                           if a.ndim else a, variables)
+  variables['batch_stats'] = jax.tree.map(jnp.abs, variables['batch_stats'])  # var > 0
+  x = rng.normal(size=(6, 3)).astype(np.float32)
+  prior = 0.4
+  p, s = variables['params'], variables['batch_stats']
+
+  def mixed_norm(h, bn, stats):
+    mean = prior * np.asarray(stats['mean']) + (1 - prior) * h.mean(0)
+    var = prior * np.asarray(stats['var']) + (1 - prior) * h.var(0, ddof=1)
+    return (h - mean) / np.sqrt(var + 1e-5) * np.asarray(bn['scale']) + np.asarray(bn['bias'])
+
+  dense = lambda h, layer: h @ np.asarray(layer['kernel']) + np.asarray(layer['bias'])
+  enc, stats = p['encoder'], s['encoder']
+  h = np.maximum(mixed_norm(dense(x, enc['Dense_0']), enc['BatchNorm_0'],
+                            stats['BatchNorm_0']), 0)
+  h = np.maximum(mixed_norm(dense(h, enc['Dense_1']), enc['BatchNorm_1'],
+                            stats['BatchNorm_1']), 0)
+  expected = dense(h, p['head'])
+  adapter = bn_adapt(module, prior, 'layerwise')
+  _, logits = adapter.step(adapter.init(variables, None),
+                           AdaptBatch(jnp.asarray(x), jnp.ones(6)))
+  np.testing.assert_allclose(logits, expected, **backend_tolerance(1e-4, 1e-5))
+  # The default 'batch' mixing differs from the second layer on.
+  _, batch_logits = bn_adapt(module, prior).step(
+      variables, AdaptBatch(jnp.asarray(x), jnp.ones(6)))
+  assert not np.allclose(batch_logits, expected, atol=1e-3)
+
+
+def test_crop_flip_views_are_crops_of_the_symmetrically_padded_image_maybe_flipped():
+  from fedjax_shift.data.augment import crop_flip
+  image = jnp.asarray(np.random.default_rng(4).random((28, 28, 1)), jnp.float32)
+  padded = np.pad(np.asarray(image), ((4, 4), (4, 4), (0, 0)), mode='symmetric')
+  candidates = [crop for r in range(9) for c in range(9)
+                for crop in (padded[r:r + 28, c:c + 28], padded[r:r + 28, c:c + 28][:, ::-1])]
+  flips = 0
+  for index in range(12):
+    view = np.asarray(crop_flip(jax.random.key(index), image))
+    matches = [k for k, crop in enumerate(candidates) if np.array_equal(view, crop)]
+    assert matches, index
+    flips += matches[0] % 2
+  assert 0 < flips < 12   # both flipped and unflipped views occur
+  views = augment_many(jax.random.key(0), image, 5, 'crop_flip')
+  chex.assert_shape(views, (5, 28, 28, 1))
+
+
+def test_sgd_option_takes_a_plain_gradient_step_on_the_selected_parameters():
+  """Tent and SHOT with optimizer='sgd' (the ATP release's baselines): θ' = θ − η∇L."""
+  from fedjax_shift.adapters.tent import tent
+  module, variables, _ = setup()
+  x = jnp.asarray(np.random.default_rng(5).random((4, 4, 4, 1)), jnp.float32)
+  batch = AdaptBatch(x, jnp.ones(4))
+  adapter = tent(module, 0.1, 'after', 'sgd')
+  state, _ = adapter.step(adapter.init(variables, jax.random.key(0)), batch)
+
+  def loss(params):
+    logits = models.apply(module, {**variables, 'params': params}, x, 'batch_stats')[0]
+    return common.weighted_entropy(logits, jnp.ones(4))
+
+  grads = jax.grad(loss)(variables['params'])
+  bn = variables['params']['encoder']['BatchNorm_0']
+  expected = jax.tree.map(lambda v, g: v - 0.1 * g, bn, grads['encoder']['BatchNorm_0'])
+  chex.assert_trees_all_close(state.variables['params']['encoder']['BatchNorm_0'], expected,
+                              **backend_tolerance(1e-5, 1e-6))
+  chex.assert_trees_all_equal(state.variables['params']['head'], variables['params']['head'])
+
+
+ATP_RELEASE = {'tent': {'optimizer': 'sgd', 'learning_rate': 0.1, 'predict': 'after'},
+               'shot': {'optimizer': 'sgd', 'learning_rate': 0.1, 'pseudo_label_weight': 0.0},
+               'memo': {'num_augmentations': 4, 'augmentation': 'crop_flip',
+                        'learning_rate': 0.1},
+               'bbse': {'projection': 'simplex'},
+               'bn_adapt': {'mixing': 'layerwise'}}
+
+
+@pytest.mark.parametrize('name', sorted(ATP_RELEASE))
+def test_atp_release_options_vmapped_equal_a_loop_over_clients(name):
+  module, variables, context = setup()
+  section = ml_collections.ConfigDict({**ADAPTERS.defaults(name).to_dict(),
+                                       **ATP_RELEASE[name]})
+  run = build_test_time(ADAPTERS.get(name)(module, section, context), 4, 'episodic')
+  data, _, _ = toy_clients([8, 6, 3], num_classes=NUM_CLASSES, pad_to=10)
+  together = run(variables, data, jax.random.key(3))
+  chex.assert_tree_all_finite(together['loss'])
+  for k in range(data.num_clients):
+    one = run(variables, data.take([k]), jax.random.key(3), jnp.array([k]))
+    np.testing.assert_allclose(together['loss'][k], one['loss'][0],
+                               **backend_tolerance(2e-5, 1e-5))
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('adapters.tent.optimizer', 'rmsprop', 'unknown'),
+    ('adapters.shot.optimizer', 'momentum', 'unknown'),
+    ('adapters.shot.pseudo_label_weight', -0.1, 'must be'),
+    ('adapters.memo.augmentation', 'augmix', 'unknown'),
+    ('adapters.bbse.projection', 'l1', 'unknown'),
+    ('adapters.bn_adapt.mixing', 'sequential', 'unknown')])
+def test_atp_release_choices_are_refused_before_anything_trains(field, value, message, tmp_path):
+  from configs import atp as atp_configs
+  from fedjax_shift import pipelines
+  config = atp_configs.get_config('tiny')
+  section, name, leaf = field.split('.')
+  config[section][name][leaf] = value
+  with pytest.raises(ValueError, match=f'config.{field}: {message}'):
+    pipelines.run(config, str(tmp_path))
+  assert not os.listdir(tmp_path) or set(os.listdir(tmp_path)) <= {'.lock'}

@@ -51,6 +51,22 @@ def test_protocol_shapes_corruptions_and_disjoint_pools(shift):
   assert not np.array_equal(atp_protocol(config.data, seed=1).target.y, data.target.y)
 
 
+def test_source_heldout_images_come_from_base_images_no_source_client_trains_on():
+  """Enough clients that base images recur (240 × 24 draws from 4,000 digits): still no
+  held-out image is a training image of any source client, and the pools' sizes
+  follow source_train : source_heldout."""
+  config = tiny()
+  config.data.shift = 'label'                      # clean images: compare pixels
+  config.data.num_clients = 240
+  data = atp_protocol(config.data, seed=0)
+  flat = lambda split: {x.tobytes() for x in np.asarray(split.x).reshape(-1, 28 * 28)}
+  assert not flat(data.source.splits['train']) & flat(data.source.splits['val'])
+  info = data.info
+  assert info['reused_examples']['source_train'] > 0          # the pools did run out
+  assert info['source_train_pool'] + info['source_heldout_pool'] == info['source_pool']
+  assert info['source_heldout_pool'] == round(info['source_pool'] * 8 / 24)
+
+
 def test_protocol_bad_input_names_the_field():
   config = tiny()
   config.data.shift = 'covariate'
@@ -66,11 +82,15 @@ def test_cifar10c_protocol_reads_tfds_mock_data():
   import tensorflow_datasets as tfds
   config = atp_configs.get_config('cifar10c_hybrid,tiny')
   config.model = ml_collections.ConfigDict({'name': 'bn_mlp', 'hidden': (8,)})
-  with tfds.testing.mock_data(num_examples=40):
+  with tfds.testing.mock_data(num_examples=200):
     data = atp_protocol(config.data, 0)
   assert data.source.example_shape == (32, 32, 3)
   assert data.target.x.shape == (4, 12, 32, 32, 3)
-  assert data.info['target_pool'] == 40
+  assert data.info['target_pool'] == 200
+  # A pool without some class is refused, naming the pool.
+  with tfds.testing.mock_data(num_examples=6):
+    with pytest.raises(ValueError, match='the source (training|held-out) pool .* has no image of class'):
+      atp_protocol(config.data, 0)
 
 
 @pytest.mark.parametrize('field, value, message', [

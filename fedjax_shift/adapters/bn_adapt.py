@@ -5,6 +5,12 @@ Each BatchNorm layer normalises with a mix of its source (running) statistics an
 test batch's statistics,  μ = p·μ_s + (1 − p)·μ_t,  σ² = p·σ²_s + (1 − p)·σ²_t,  with
 prior p = N/(N + B) (N = 16 in the ATP authors' code). p = 1 is no
 adaptation, p = 0 is pure test-batch statistics. Episodic by nature: nothing is kept.
+
+``mixing``: 'batch' takes every layer's test statistics from one forward pass in which
+each layer normalises with pure batch statistics (biased variance); 'layerwise' is the
+ATP authors' baseline (their ModifiedBatchNorm2d): each layer's statistics are those of
+its input as the mixed layers before it produce it, with the unbiased variance. The two
+agree on the first BatchNorm up to the variance's B/(B − 1).
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import jax
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.registry import require
 
 
 def prior_weight(prior_strength, batch_size: int):
@@ -22,10 +29,16 @@ def prior_weight(prior_strength, batch_size: int):
   return prior_strength / (prior_strength + batch_size)
 
 
-def bn_adapt(module, prior) -> Adapter:
-  """``prior`` p: a float in [0, 1], or traced (a learned prior strength's weight)."""
+MIXING = ('batch', 'layerwise')
+
+
+def bn_adapt(module, prior, mixing: str = 'batch') -> Adapter:
+  """``prior`` p: a float in [0, 1], or traced (a learned prior strength's weight);
+  ``mixing``: 'batch' or 'layerwise' (module docstring)."""
   if isinstance(prior, (int, float)) and not 0.0 <= prior <= 1.0:
     raise ValueError(f'bn_adapt prior must be in [0, 1], got {prior}')
+  if mixing not in MIXING:
+    raise ValueError(f'bn_adapt mixing: unknown {mixing!r}; choose from {list(MIXING)}')
 
   check = common.require_batch_norm('bn_adapt')
 
@@ -35,6 +48,8 @@ def bn_adapt(module, prior) -> Adapter:
     return variables
 
   def step(variables, batch):
+    if mixing == 'layerwise':
+      return variables, models.eval_with_mixed_statistics(module, variables, batch.x, prior)
     batch_stats = models.batch_statistics(module, variables, batch.x)
     mixed = jax.tree.map(lambda source, target: prior * source + (1.0 - prior) * target,
                          variables['batch_stats'], batch_stats)
@@ -44,8 +59,19 @@ def bn_adapt(module, prior) -> Adapter:
   return Adapter(init, step)
 
 
-@ADAPTERS.register('bn_adapt', defaults={'prior_strength': 16.0},  # ATP code: p = N/(N+B), N = 16
-                   learnable={'prior_strength': 'log'})
+def check(hparams) -> None:
+  """config.adapters.bn_adapt's choices and ranges (errors name the field)."""
+  require(hparams.mixing in MIXING, 'adapters.bn_adapt.mixing',
+          f'unknown {hparams.mixing!r}; choose from {list(MIXING)}')
+  if isinstance(hparams.prior_strength, (int, float)):
+    require(hparams.prior_strength >= 0, 'adapters.bn_adapt.prior_strength',
+            f'must be >= 0, got {hparams.prior_strength}')
+
+
+@ADAPTERS.register('bn_adapt', defaults={
+    'prior_strength': 16.0,           # ATP code: p = N/(N+B), N = 16
+    'mixing': 'batch'}, check=check, learnable={'prior_strength': 'log'})
 def build_bn_adapt(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.bn_adapt``."""
-  return bn_adapt(module, prior_weight(hparams.prior_strength, context.batch_size))
+  return bn_adapt(module, prior_weight(hparams.prior_strength, context.batch_size),
+                  hparams.mixing)

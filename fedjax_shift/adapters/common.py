@@ -12,8 +12,11 @@ from flax import traverse_util
 from fedjax_shift import models
 from fedjax_shift.core.test_time import Adapter
 from fedjax_shift.parts.losses import entropy, weighted_entropy  # noqa: F401
+from fedjax_shift.registry import require
 
 PREDICT = ('before', 'after')
+# An adapter's ``optimizer`` field: the step direction, scaled by the learning rate.
+DIRECTIONS = {'adam': optax.scale_by_adam, 'sgd': optax.identity}
 
 
 def split_params(params, is_selected: Callable[[Tuple[str, ...]], bool], field: str):
@@ -46,6 +49,24 @@ def per_layer_rates(direction: optax.GradientTransformation, rates: Dict[str, ja
     del params
     return {path: -rates[layer_of(path)].astype(u.dtype) * u for path, u in updates.items()}
   return optax.chain(direction, optax.stateless(scale))
+
+
+def make_optimizer(name: str, learning_rate) -> optax.GradientTransformation:
+  """``name`` ('adam' | 'sgd') at ``learning_rate``: a float, or per-layer rates
+  {layer: rate} (``per_layer_rates``, the form ``learned_rates`` trains)."""
+  if isinstance(learning_rate, dict):
+    return per_layer_rates(DIRECTIONS[name](), learning_rate)
+  return optax.adam(learning_rate) if name == 'adam' else optax.sgd(learning_rate)
+
+
+def check_optimizer(name: str, hparams) -> None:
+  """config.adapters.<name>'s ``optimizer`` and a float ``learning_rate`` (errors name
+  the field)."""
+  require(hparams.optimizer in DIRECTIONS, f'adapters.{name}.optimizer',
+          f'unknown {hparams.optimizer!r}; choose from {sorted(DIRECTIONS)}')
+  if isinstance(hparams.learning_rate, (int, float)):
+    require(hparams.learning_rate > 0, f'adapters.{name}.learning_rate',
+            f'must be > 0, got {hparams.learning_rate}')
 
 
 def check_predict(name: str, predict: str) -> None:

@@ -6,7 +6,10 @@ For each test example x separately: draw A = 32 augmentations, take one SGD step
 p̄ = (1/A) Σ_a p(y | aug_a(x)), then predict x with the adapted parameters; the
 model is reset for the next example (episodic per example, so the engine's mode
 does not matter). Examples of a batch adapt independently (vmap over examples).
-The augmentations are ``fedjax_shift.data.augment`` (JAX, vmappable).
+The augmentations are ``fedjax_shift.data.augment`` (JAX, vmappable):
+'translate_rotate_jitter' (the default, the cheap part of MEMO's AugMix) or 'crop_flip'
+(the ATP authors' baseline: 16 views of a padded random crop and a horizontal flip,
+SGD at their lr 0.1, set by configs/atp.py).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import jax.numpy as jnp
 
 from fedjax_shift import models
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
-from fedjax_shift.data.augment import augment_many
+from fedjax_shift.data.augment import MARGINAL_AUGMENTATIONS, augment_many
 from fedjax_shift.registry import require
 
 
@@ -27,9 +30,14 @@ def marginal_entropy(logits: jax.Array) -> jax.Array:
 
 
 def memo(module, num_augmentations: int = 32, learning_rate: float = 0.005,
-         mode: str = 'eval', num_steps: int = 1) -> Adapter:
+         mode: str = 'eval', num_steps: int = 1,
+         augmentation: str = 'translate_rotate_jitter') -> Adapter:
   """``mode``: the BatchNorm mode of the forward passes ('eval': running statistics);
-  ``num_steps``: SGD steps per example, each on fresh augmentations (FedEvolve: 3)."""
+  ``num_steps``: SGD steps per example, each on fresh augmentations (FedEvolve: 3);
+  ``augmentation``: a name of ``augment.MARGINAL_AUGMENTATIONS``."""
+  if augmentation not in MARGINAL_AUGMENTATIONS:
+    raise ValueError(f'memo augmentation: unknown {augmentation!r}; choose from '
+                     f'{sorted(MARGINAL_AUGMENTATIONS)}')
   if num_augmentations < 1:
     raise ValueError(f'memo num_augmentations must be >= 1, got {num_augmentations}')
   if num_steps < 1:
@@ -39,7 +47,7 @@ def memo(module, num_augmentations: int = 32, learning_rate: float = 0.005,
     params, rest = variables['params'], {k: v for k, v in variables.items() if k != 'params'}
     for step in range(num_steps):
       step_key = key if step == 0 else jax.random.fold_in(key, step)
-      views = augment_many(step_key, x, num_augmentations)
+      views = augment_many(step_key, x, num_augmentations, augmentation)
       loss = lambda p: marginal_entropy(models.apply(module, {'params': p, **rest}, views,
                                                      mode)[0])
       grads = jax.grad(loss)(params)
@@ -67,14 +75,17 @@ def check(hparams) -> None:
           f'must be > 0, got {hparams.learning_rate}')
   require(hparams.num_steps >= 1, 'adapters.memo.num_steps',
           f'must be >= 1, got {hparams.num_steps}')
+  require(hparams.augmentation in MARGINAL_AUGMENTATIONS, 'adapters.memo.augmentation',
+          f'unknown {hparams.augmentation!r}; choose from {sorted(MARGINAL_AUGMENTATIONS)}')
 
 
 @ADAPTERS.register('memo', defaults={
     'num_augmentations': 32,          # MEMO: 32 augmentations
     'learning_rate': 0.005,           # MEMO: lr 0.005
-    'num_steps': 1},                  # MEMO: one step per test point
+    'num_steps': 1,                   # MEMO: one step per test point
+    'augmentation': 'translate_rotate_jitter'},
     check=check, learnable={'learning_rate': 'log'})
 def build_memo(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.memo``."""
   return memo(module, hparams.num_augmentations, hparams.learning_rate,
-              num_steps=hparams.num_steps)
+              num_steps=hparams.num_steps, augmentation=hparams.augmentation)

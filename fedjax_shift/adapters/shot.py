@@ -5,6 +5,8 @@ The head is frozen; the encoder minimises, on each test batch,
 
   L = mean_x H(p(x)) − H(mean_x p(x)) + β · CE(p(x), ŷ(x))        (β = 0.3)
 
+(the ATP authors' baseline: β = 0 and SGD at their lr 0.1, set by configs/atp.py)
+
 (information maximisation: confident and diverse predictions) with pseudo-labels ŷ
 from self-supervised clustering: centroids c_k = Σ_x p_k(x) f(x) / Σ_x p_k(x),
 labels by nearest centroid in cosine distance, centroids recomputed from those
@@ -22,6 +24,7 @@ from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.registry import require
 
 
 def cluster_pseudo_labels(features: jax.Array, probs: jax.Array, weight: jax.Array
@@ -42,8 +45,11 @@ def cluster_pseudo_labels(features: jax.Array, probs: jax.Array, weight: jax.Arr
 
 
 def shot(module, learning_rate: float = 1e-3, pseudo_label_weight: float = 0.3,
-         predict: str = 'before', optimizer: optax.GradientTransformation | None = None
+         predict: str = 'before', optimizer: optax.GradientTransformation | str = 'adam'
          ) -> Adapter:
+  """``optimizer``: 'adam' | 'sgd' at ``learning_rate``, or a GradientTransformation."""
+  if isinstance(optimizer, str):
+    optimizer = common.make_optimizer(optimizer, learning_rate)
 
   def forward(variables, x):
     features = models.features(module, variables, x, 'batch_stats')
@@ -64,15 +70,23 @@ def shot(module, learning_rate: float = 1e-3, pseudo_label_weight: float = 0.3,
 
   return common.gradient_adapter(
       'shot', lambda path: path[0] == 'encoder', 'shot (encoder parameters)', loss_fn,
-      lambda variables, x: forward(variables, x)[1], optimizer or optax.adam(learning_rate),
-      predict)
+      lambda variables, x: forward(variables, x)[1], optimizer, predict)
+
+
+def check(hparams) -> None:
+  """config.adapters.shot's choices and ranges (errors name the field)."""
+  common.check_optimizer('shot', hparams)
+  require(hparams.pseudo_label_weight >= 0, 'adapters.shot.pseudo_label_weight',
+          f'must be >= 0, got {hparams.pseudo_label_weight}')
 
 
 @ADAPTERS.register('shot', defaults={
     'learning_rate': 1e-3,            # Tent's optimizer
+    'optimizer': 'adam',
     'pseudo_label_weight': 0.3,       # SHOT: β = 0.3
     'predict': 'before'},             # ATP code: logits before the update
-    learnable={'learning_rate': 'log'})
+    check=check, learnable={'learning_rate': 'log'})
 def build_shot(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.shot``."""
-  return shot(module, hparams.learning_rate, hparams.pseudo_label_weight, hparams.predict)
+  return shot(module, hparams.learning_rate, hparams.pseudo_label_weight, hparams.predict,
+              hparams.optimizer)

@@ -40,8 +40,11 @@ def block_selector(module, block, input_shape: tuple):
 
 
 def surgical(module, block='first', learning_rate: float = 1e-3,
-             predict: str = 'before', optimizer: optax.GradientTransformation | None = None,
+             predict: str = 'before', optimizer: optax.GradientTransformation | str = 'adam',
              input_shape: tuple = ()) -> Adapter:
+  """``optimizer``: 'adam' | 'sgd' at ``learning_rate``, or a GradientTransformation."""
+  if isinstance(optimizer, str):
+    optimizer = common.make_optimizer(optimizer, learning_rate)
   def forward(variables, x):
     return models.apply(module, variables, x, 'eval')[0]
 
@@ -51,7 +54,7 @@ def surgical(module, block='first', learning_rate: float = 1e-3,
 
   return common.gradient_adapter('surgical', block_selector(module, block, input_shape),
                                  f'surgical block {block!r}', loss_fn, forward,
-                                 optimizer or optax.adam(learning_rate), predict)
+                                 optimizer, predict)
 
 
 def layer_of_paths(module, input_shape: tuple, params) -> Tuple[List[str], Dict[tuple, int]]:
@@ -150,12 +153,9 @@ def check(hparams) -> None:
   """config.adapters.surgical's choices and ranges (errors name the field)."""
   require(hparams.select in SELECT, 'adapters.surgical.select',
           f'unknown {hparams.select!r}; choose from {list(SELECT)}')
-  require(hparams.optimizer in ('adam', 'sgd'), 'adapters.surgical.optimizer',
-          f"unknown {hparams.optimizer!r}; choose from ['adam', 'sgd']")
+  common.check_optimizer('surgical', hparams)
   require(hparams.select == 'fixed' or hparams.optimizer == 'sgd', 'adapters.surgical.optimizer',
           "select='source_accuracy' takes the authors' SGD step: set optimizer='sgd'")
-  require(hparams.learning_rate > 0, 'adapters.surgical.learning_rate',
-          f'must be > 0, got {hparams.learning_rate}')
   require(hparams.selection_examples >= 1, 'adapters.surgical.selection_examples',
           f'must be >= 1, got {hparams.selection_examples}')
 
@@ -180,6 +180,5 @@ def build_surgical(module, hparams, context: SourceContext) -> Adapter:
                      f'shift ({dict(block)}) is resolved by the atp pipeline')
   input_shape = context.input_shape or (tuple(context.source_x.shape[1:])
                                          if context.source_x is not None else ())
-  optimizer = (optax.sgd if hparams.optimizer == 'sgd' else optax.adam)(hparams.learning_rate)
-  return surgical(module, block, hparams.learning_rate, hparams.predict, optimizer,
+  return surgical(module, block, hparams.learning_rate, hparams.predict, hparams.optimizer,
                   input_shape=input_shape)

@@ -14,6 +14,12 @@ Shifts, per client:
            size), clean images
   hybrid   both
 
+The source pool is split once more, in the ratio source_train : source_heldout, into
+a training pool and a held-out pool, so no held-out image is, as a base image, another
+source client's training image (the authors' partition draws every client's images
+without overlap; ``info`` records the pools' sizes). A client's labels are drawn for
+all its examples, shuffled, then split into its train and held-out parts.
+
 Each client's examples are drawn without replacement from its pool's per-class
 lists while they last; when a class runs out (5,000 embedded digits cannot give
 300 × 200 distinct images) examples are drawn again from the whole class list —
@@ -60,17 +66,23 @@ def class_counts(total: int, num_classes: int, shift: str, num_major: int, major
 
 
 class _Pool:
-  """Per-class index lists drawn without replacement, then with reuse."""
+  """Per-class index lists drawn without replacement, then with reuse; ``members``
+  (indices into ``labels``, default all) are the images this pool may give."""
 
-  def __init__(self, labels: np.ndarray, num_classes: int, rng: np.random.Generator):
-    self.all = [np.nonzero(labels == c)[0] for c in range(num_classes)]
+  def __init__(self, name: str, labels: np.ndarray, num_classes: int,
+               rng: np.random.Generator, members: np.ndarray | None = None):
+    self.name = name
+    members = np.arange(len(labels)) if members is None else np.asarray(members)
+    self.size = len(members)
+    self.all = [members[labels[members] == c] for c in range(num_classes)]
     self.left = [list(rng.permutation(a)) for a in self.all]
     self.rng = rng
     self.reused = 0
 
   def draw(self, c: int, count: int) -> np.ndarray:
     if count and not len(self.all[c]):
-      raise ValueError(f'atp protocol: class {c} has no examples in this pool')
+      raise ValueError(f'atp protocol: the {self.name} pool ({self.size} images) has no '
+                       f'image of class {c}; use more data or fewer classes')
     fresh = self.left[c][:count]
     del self.left[c][:count]
     extra = count - len(fresh)
@@ -79,15 +91,26 @@ class _Pool:
     return np.concatenate([np.asarray(fresh, int), np.asarray(again, int)])
 
 
-def _clients(pool: _Pool, num_clients: int, size: int, shift: str, names: Tuple[str, ...],
-             severities: Tuple[int, ...], num_classes: int, data_config, rng):
-  """(per-client indices, corruption names or None, severities)."""
+def _clients(parts: Tuple[Tuple[_Pool, int], ...], num_clients: int, shift: str,
+             names: Tuple[str, ...], severities: Tuple[int, ...], num_classes: int,
+             data_config, rng):
+  """(per-client indices, corruption names or None, severities). ``parts``: (pool,
+  size) of each consecutive part of a client's examples (source: train, held-out);
+  the client's class counts are drawn for all of them, its labels shuffled and cut
+  into the parts, each part drawn from its own pool."""
   indices, per_names, per_sev = [], [], []
   for _ in range(num_clients):
-    counts = class_counts(size, num_classes, shift, data_config.step_major_classes,
-                          data_config.step_major_count, data_config.step_minor_count, rng)
-    idx = np.concatenate([pool.draw(c, n) for c, n in enumerate(counts)])
-    indices.append(rng.permutation(idx))
+    counts = class_counts(sum(size for _, size in parts), num_classes, shift,
+                          data_config.step_major_classes, data_config.step_major_count,
+                          data_config.step_minor_count, rng)
+    labels = rng.permutation(np.repeat(np.arange(num_classes), counts))
+    idx, start = [], 0
+    for pool, size in parts:
+      part_counts = np.bincount(labels[start:start + size], minlength=num_classes)
+      start += size
+      idx.append(rng.permutation(np.concatenate(
+          [pool.draw(c, n) for c, n in enumerate(part_counts)])))
+    indices.append(np.concatenate(idx))
     if shift == 'label':
       per_names.append(None)
       per_sev.append(0)
@@ -168,14 +191,20 @@ def atp_protocol(data_config: ml_collections.ConfigDict, seed: int) -> ShiftData
     target_x, target_y = pooled.x[order[cut:]], pooled.y[order[cut:]]
 
   severities = tuple(data_config.severities)
-  source_size = data_config.source_train + data_config.source_heldout
-  source_pool = _Pool(source_y, num_classes, rng)
-  s_idx, s_names, s_sev = _clients(source_pool, data_config.num_clients, source_size,
-                                   shift, tuple(data_config.source_corruptions), severities,
-                                   num_classes, data_config, rng)
-  target_pool = _Pool(target_y, num_classes, rng)
-  t_idx, t_names, t_sev = _clients(target_pool, data_config.num_target_clients,
-                                   data_config.target_test, shift,
+  source_order = rng.permutation(len(source_y))
+  heldout_fraction = data_config.source_heldout / (data_config.source_train +
+                                                   data_config.source_heldout)
+  source_cut = int(round(len(source_order) * (1 - heldout_fraction)))
+  train_pool = _Pool('source training', source_y, num_classes, rng, source_order[:source_cut])
+  heldout_pool = _Pool('source held-out', source_y, num_classes, rng,
+                       source_order[source_cut:])
+  s_idx, s_names, s_sev = _clients(
+      ((train_pool, data_config.source_train), (heldout_pool, data_config.source_heldout)),
+      data_config.num_clients, shift, tuple(data_config.source_corruptions), severities,
+      num_classes, data_config, rng)
+  target_pool = _Pool('target', target_y, num_classes, rng)
+  t_idx, t_names, t_sev = _clients(((target_pool, data_config.target_test),),
+                                   data_config.num_target_clients, shift,
                                    tuple(data_config.target_corruptions), severities,
                                    num_classes, data_config, rng)
 
@@ -199,7 +228,10 @@ def atp_protocol(data_config: ml_collections.ConfigDict, seed: int) -> ShiftData
   target = stack_clients(test_x, test_y, example_shape=shape)
   info = {'shift': shift, 'source': data_config.source,
           'source_pool': int(len(source_y)), 'target_pool': int(len(target_y)),
-          'reused_examples': {'source': int(source_pool.reused), 'target': int(target_pool.reused)},
+          'source_train_pool': train_pool.size, 'source_heldout_pool': heldout_pool.size,
+          'reused_examples': {'source_train': int(train_pool.reused),
+                              'source_heldout': int(heldout_pool.reused),
+                              'target': int(target_pool.reused)},
           'source_corruptions': s_names, 'source_severities': s_sev,
           'target_corruptions': t_names, 'target_severities': t_sev}
   source = source._replace(info=info)

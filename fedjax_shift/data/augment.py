@@ -51,9 +51,31 @@ def augment(key: jax.Array, image: jax.Array) -> jax.Array:
   return jnp.clip(image, 0.0, 1.0)
 
 
-def augment_many(key: jax.Array, image: jax.Array, count: int) -> jax.Array:
-  """[count, H, W, C] independent augmentations of one image."""
-  return jax.vmap(augment, (0, None))(jax.random.split(key, count), image)
+def crop_flip(key: jax.Array, image: jax.Array) -> jax.Array:
+  """The ATP authors' MEMO augmentation (their ``preaugment_cifar`` / ``_digit``): a
+  random crop of the image padded symmetrically (4 px at sides up to 32 px, a seventh of
+  the side above: 32 at 224), then a horizontal flip with probability 1/2 (digits too,
+  as theirs). Vector inputs [D] get ``augment``'s Gaussian jitter."""
+  if image.ndim == 1:
+    return augment(key, image)
+  height = image.shape[0]
+  pad = 4 if height <= 32 else height // 7
+  shift_key, flip_key = jax.random.split(key)
+  padded = jnp.pad(image, ((pad, pad), (pad, pad), (0, 0)), mode='symmetric')
+  offset = jax.random.randint(shift_key, (2,), 0, 2 * pad + 1)
+  image = jax.lax.dynamic_slice(padded, (offset[0], offset[1], 0), image.shape)
+  return jnp.where(jax.random.bernoulli(flip_key), image[:, ::-1], image)
+
+
+# MEMO's augmentation families (``config.adapters.memo.augmentation``).
+MARGINAL_AUGMENTATIONS = {'translate_rotate_jitter': augment, 'crop_flip': crop_flip}
+
+
+def augment_many(key: jax.Array, image: jax.Array, count: int,
+                 kind: str = 'translate_rotate_jitter') -> jax.Array:
+  """[count, H, W, C] independent augmentations of one image, of the family ``kind``
+  (a name of MARGINAL_AUGMENTATIONS)."""
+  return jax.vmap(MARGINAL_AUGMENTATIONS[kind], (0, None))(jax.random.split(key, count), image)
 
 
 # --- Two-view augmentations for contrastive learning (FedICON, SimCLR/SupCon style) ---

@@ -189,6 +189,36 @@ def eval_with_batch_statistics(module: nn.Module, variables: Variables, x: jax.A
   return logits, captured
 
 
+def eval_with_mixed_statistics(module: nn.Module, variables: Variables, x: jax.Array,
+                               prior, unbiased: bool = True) -> jax.Array:
+  """Logits [B, C] of one forward pass in which every BatchNorm normalises its input
+  with p·(running statistics) + (1 − p)·(that input's batch statistics), layer by layer,
+  so a deeper layer's batch statistics are those of an input normalised upstream with
+  mixed statistics (the ATP authors' ``ModifiedBatchNorm2d``, after Schneider et al.).
+  ``unbiased``: the batch variance over n = B·(spatial positions) values divided by
+  n − 1, as PyTorch's statistics update computes it. ``prior`` p may be traced."""
+
+  def mixed(next_fun, args, kwargs, context):
+    layer = context.module
+    if not (isinstance(layer, nn.BatchNorm) and context.method_name == '__call__'):
+      return next_fun(*args, **kwargs)
+    inputs = args[0]
+    axes = tuple(range(inputs.ndim - 1))
+    count = math.prod(inputs.shape[:-1])
+    var = jnp.var(inputs, axes) * (count / max(count - 1, 1) if unbiased else 1.0)
+    mean = prior * layer.get_variable('batch_stats', 'mean') + (1 - prior) * jnp.mean(inputs, axes)
+    var = prior * layer.get_variable('batch_stats', 'var') + (1 - prior) * var
+    out = (inputs - mean) * jax.lax.rsqrt(var + layer.epsilon)
+    if layer.use_scale:
+      out = out * layer.get_variable('params', 'scale')
+    if layer.use_bias:
+      out = out + layer.get_variable('params', 'bias')
+    return out
+
+  with nn.intercept_methods(mixed):
+    return module.apply(variables, x, train=False)
+
+
 def features(module: nn.Module, variables: Variables, x: jax.Array,
              mode: str = 'eval') -> jax.Array:
   """Encoder output [B, F] of x [B, ...] in mode 'eval' or 'batch_stats' (no
