@@ -15,7 +15,9 @@ B, FedAvg with SGD):
               gradient per local step (BatchNorm on batch statistics); GPU as (d)
   loop_backend  the engine's round with ``engine.backend='loop'`` (sampling, keys,
               stragglers, scatter included), to compare with (a) and (b)
-  tta_vmap / tta_loop  an online adapter (--tta_adapter: ATP with α = 0.1, Tent, FedICON's
+  tta_vmap / tta_loop  an online adapter (--tta_adapter: ATP with α = 0.1, Tent, Surgical
+              as the ATP release runs it, whose block selection on 1,000 labelled
+              source examples is timed on its own as select_s, FedICON's
               contrastive adaptation with a memory, or FedTHE's ensemble)
               over the same clients as target clients, batches of B: the jitted
               vmapped scan vs a Python loop over clients of a jitted step (opt-in)
@@ -91,7 +93,7 @@ flags.DEFINE_list('conv', ['auto'],
 flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch', 'torch_vmap', 'loop_backend'],
                   'Cases to run (loop_backend: the engine round with backend=loop; '
                   'tta_vmap / tta_loop: test-time Tent over the clients as target clients).')
-flags.DEFINE_enum('tta_adapter', 'atp', ['atp', 'tent', 'fedicon', 'fedthe'],
+flags.DEFINE_enum('tta_adapter', 'atp', ['atp', 'tent', 'fedicon', 'fedthe', 'surgical'],
                   'Adapter of the tta_* cases (fedicon: its online variant with a memory '
                   'of 8 batches, on a FedICON model; fedthe: 20 ensemble steps).')
 flags.DEFINE_list('populations', ['240', '1000', '10000'], 'Population sweep (host store).')
@@ -554,6 +556,17 @@ def case_tta(vmapped: bool):
     adapter = atp_lib.atp(module, alpha)
   elif FLAGS.tta_adapter == 'tent':
     adapter = tent(module)
+  elif FLAGS.tta_adapter == 'surgical':   # selection on the cohort's first 1,000 examples
+    from fedjax_shift.adapters.surgical import selection_scores, source_selected
+    from fedjax_shift.core.test_time import SourceContext
+    shape = data.x.shape[2:]
+    context = SourceContext(variables, 10, FLAGS.batch_size,
+                            jnp.asarray(data.x.reshape((-1,) + shape)[:1000]),
+                            jnp.asarray(data.y.reshape(-1)[:1000]), None, shape)
+    tick = time.perf_counter()
+    jax.block_until_ready(selection_scores(module, context, 0.1, (), 1000)[0])
+    select_s = time.perf_counter() - tick   # compile included: it runs once per build
+    adapter = source_selected(module, context, 0.1, 'after', (), 1000)
   elif FLAGS.tta_adapter == 'fedicon':   # a FedICON model: encoder, projection, head
     from fedjax_shift.adapters.fedicon import fedicon_tta
     _, _, _, _, server = setup_algorithm(num_clients(), 'algorithm:fedicon')
@@ -591,7 +604,10 @@ def case_tta(vmapped: bool):
   run()
   compile_s = time.perf_counter() - tick
   median, times = timed(run, FLAGS.repeats)
-  return {'seconds': median, 'times': times, 'compile_s': compile_s}
+  result = {'seconds': median, 'times': times, 'compile_s': compile_s}
+  if FLAGS.tta_adapter == 'surgical':
+    result['select_s'] = select_s
+  return result
 
 
 def case_fedtta_test_time(loop: str, patience: int):

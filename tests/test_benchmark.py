@@ -83,3 +83,12 @@ def test_gpu_check_passes_extra_arguments_to_the_papers_run(tmp_path):
   _gpu_check('atp', str(tmp_path), '--config.no_such_field=1')
   log = (tmp_path / 'atp.log').read_text()
   assert 'no_such_field' in log, log[-2000:]
+
+
+def test_surgical_test_time_case_times_its_block_selection_on_its_own():
+  proc = _run('--model=bn_mlp', '--clients=2', '--examples=40', '--batch_size=20',
+              '--repeats=1', '--cases=tta_vmap', '--tta_adapter=surgical', '--populations=')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  line = next(line for line in proc.stdout.splitlines() if line.startswith('tta_vmap {'))
+  result = json.loads(line.split(' ', 1)[1])
+  assert result['select_s'] > 0 and result['seconds'] > 0

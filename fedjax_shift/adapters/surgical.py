@@ -93,15 +93,14 @@ def masked_sgd_step(module, variables, x, weight, mask, index_of, learning_rate:
   return {**variables, 'params': traverse_util.unflatten_dict(stepped)}
 
 
-def source_selected(module, context: SourceContext, learning_rate: float, predict: str,
-                    candidates: Sequence, selection_examples: int) -> Adapter:
-  """The authors' Surgical (the ATP release): the block is the candidate whose
-  adaptation gives the best accuracy on the labelled source held-out examples
-  (``context.source_x/y``, the first ``selection_examples``, in batches of the test
-  batch size: one SGD step from the global model per batch, predicting after it);
-  then one SGD step of ``learning_rate`` per test batch on that block. The scores of
-  every candidate are one vmapped scan over the source batches, inside the compiled
-  evaluation, once per build."""
+def selection_scores(module, context: SourceContext, learning_rate: float,
+                     candidates: Sequence, selection_examples: int):
+  """The ATP release's block selection: (scores [candidates], masks [candidates, layers],
+  {flat parameter path: layer index}). A candidate's score is the accuracy on the
+  labelled source held-out examples (``context.source_x/y``, the first
+  ``selection_examples``, in batches of the test batch size) after one SGD step of
+  ``learning_rate`` from the global model on each batch's entropy, predicting after it;
+  every candidate is one vmapped scan over the source batches, one compiled call."""
   if context.source_x is None or context.variables is None:
     raise ValueError("config.adapters.surgical.select='source_accuracy' scores the blocks on "
                      'labelled source data, which this pipeline does not give its adapters; '
@@ -117,20 +116,35 @@ def source_selected(module, context: SourceContext, learning_rate: float, predic
   xs = jnp.reshape(context.source_x[:count], (count // batch, batch, *input_shape))
   ys = jnp.reshape(context.source_y[:count], (count // batch, batch))
 
+  @jax.jit
+  def scores(variables, masks, xs, ys):
+    def score(mask):
+      def one(correct, xy):
+        x, y = xy
+        adapted = masked_sgd_step(module, variables, x, jnp.ones(batch), mask, index_of,
+                                  learning_rate)
+        logits = models.apply(module, adapted, x, 'eval')[0]
+        return correct + jnp.sum(jnp.argmax(logits, -1) == y), None
+      correct, _ = jax.lax.scan(one, jnp.float32(0.0), (xs, ys))
+      return correct / count
+    return jax.vmap(score)(masks)
+
+  masks = jnp.asarray(masks)
+  return scores(context.variables, masks, xs, ys), masks, index_of
+
+
+def source_selected(module, context: SourceContext, learning_rate: float, predict: str,
+                    candidates: Sequence, selection_examples: int) -> Adapter:
+  """The authors' Surgical (the ATP release): the block is the candidate whose
+  adaptation gives the best accuracy on the labelled source held-out examples
+  (``selection_scores``, once per build); then one SGD step of ``learning_rate`` per
+  test batch on that block."""
+  scores, masks, index_of = selection_scores(module, context, learning_rate, candidates,
+                                             selection_examples)
+  chosen = masks[jnp.argmax(scores)]
+
   def forward(variables, x):
     return models.apply(module, variables, x, 'eval')[0]
-
-  def score(mask):
-    def one(correct, xy):
-      x, y = xy
-      adapted = masked_sgd_step(module, context.variables, x, jnp.ones(batch), mask,
-                                index_of, learning_rate)
-      return correct + jnp.sum(jnp.argmax(forward(adapted, x), -1) == y), None
-    correct, _ = jax.lax.scan(one, jnp.float32(0.0), (xs, ys))
-    return correct / count
-
-  scores = jax.vmap(score)(jnp.asarray(masks))
-  chosen = jnp.asarray(masks)[jnp.argmax(scores)]
 
   def init(variables, rng):
     del rng
