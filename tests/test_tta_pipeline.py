@@ -144,6 +144,18 @@ def test_pipeline_end_to_end_tables_alpha_and_resume(tmp_path):
   # Without --kind it lays out the workdir's config.paper_tables, as launch/train.py did.
   assert launch_report.build([workdir]) == out.records['markdown']
   assert len(read_metrics(os.path.join(run_dir, 'alpha', 'metrics.jsonl'))) == 2
+  # The α-subset probe restores the run: α on every module gives the ATP rows, on none
+  # the global model (No adaptation), exactly; single layers come in the model's order.
+  from fedjax_shift.papers.atp import probe
+  subsets = probe.probe_run(config, workdir, 'label', 0)
+  table1 = out.records['table1']
+  for key in ('atp_batch', 'atp_online'):
+    assert subsets['every module'][key] == pytest.approx(100 * table1[key]['label'][0])
+    assert subsets['none (No adaptation)'][key] == pytest.approx(
+        100 * table1['no_adapt']['label'][0])
+  assert [label for label in subsets if label.endswith(' alone')] == [
+      'encoder/Dense_0 alone', 'encoder/BatchNorm_0 alone', 'head alone']
+  assert '| every module |' in probe.markdown(subsets, config)
 
 
 @pytest.mark.slow
