@@ -522,7 +522,10 @@ def test_atp_release_options_vmapped_equal_a_loop_over_clients(name):
     ('adapters.shot.pseudo_label_weight', -0.1, 'must be'),
     ('adapters.memo.augmentation', 'augmix', 'unknown'),
     ('adapters.bbse.projection', 'l1', 'unknown'),
-    ('adapters.bn_adapt.mixing', 'sequential', 'unknown')])
+    ('adapters.bn_adapt.mixing', 'sequential', 'unknown'),
+    ('adapters.tent.parameters', 'encoder', 'unknown'),
+    ('adapters.tent.clip', -1.0, 'must be'),
+    ('adapters.tent.entropy_units', 'bans', 'unknown')])
 def test_atp_release_choices_are_refused_before_anything_trains(field, value, message, tmp_path):
   from configs import atp as atp_configs
   from fedjax_shift import pipelines
@@ -532,3 +535,47 @@ def test_atp_release_choices_are_refused_before_anything_trains(field, value, me
   with pytest.raises(ValueError, match=f'config.{field}: {message}'):
     pipelines.run(config, str(tmp_path))
   assert not os.listdir(tmp_path) or set(os.listdir(tmp_path)) <= {'.lock'}
+
+
+def test_upfl_tent_steps_every_parameter_and_predicts_after_the_step():
+  """The UPFL paper's TENT (configs/fedtta.py:tent): on a BatchNorm-free MLP, one SGD
+  step on the client's whole batch of the entropy in bits, clipped at global norm 10,
+  weight decay 1e-4 added after the clip, then a forward pass with the stepped model."""
+  from fedjax_shift.adapters.tent import tent
+  module = models.MODELS.get('mlp')(NUM_CLASSES, hidden=(8,))
+  variables = models.init(module, jax.random.key(1), jnp.zeros((1, 4, 4, 1)))
+  x = jnp.asarray(np.random.default_rng(6).random((5, 4, 4, 1)) * 3, jnp.float32)
+  batch = AdaptBatch(x, jnp.ones(5))
+  run = lambda lr, clip=10.0: tent(module, lr, 'after', 'sgd', 'all', clip, 1e-4, 'bits')
+
+  def predict(adapter):
+    return adapter.step(adapter.init(variables, jax.random.key(0)), batch)[1]
+
+  def entropy_bits(params):
+    logits = models.apply(module, {'params': params}, x, 'batch_stats')[0]
+    return common.weighted_entropy(logits, jnp.ones(5)) / np.log(2.0)
+
+  for clip in (10.0, 0.01):     # 0.01: the clip binds (the gradient's norm is larger)
+    grads = jax.grad(entropy_bits)(variables['params'])
+    norm = np.sqrt(sum(float(jnp.sum(g ** 2)) for g in jax.tree.leaves(grads)))
+    factor = min(1.0, clip / norm)
+    stepped = jax.tree.map(lambda p, g: p - 0.1 * (factor * g + 1e-4 * p),
+                           variables['params'], grads)
+    expected = models.apply(module, {'params': stepped}, x)[0]
+    np.testing.assert_allclose(predict(run(0.1, clip)), expected, **backend_tolerance(1e-5, 1e-6))
+  assert norm > 0.01
+  unadapted = models.apply(module, variables, x)[0]
+  np.testing.assert_allclose(predict(run(0.0)), unadapted, **backend_tolerance(1e-6, 1e-7))
+  assert not np.allclose(predict(run(0.1)), unadapted, atol=1e-4)
+
+
+def test_fedtta_tent_variant_is_the_papers_tent_on_the_same_mlp():
+  from configs import fedtta as fedtta_configs
+  config = fedtta_configs.get_config('tent')
+  main = fedtta_configs.get_config()
+  assert config.model == main.model and config.model.name == 'mlp'
+  hparams = config.adapters.tent
+  assert (hparams.parameters, hparams.optimizer, hparams.learning_rate, hparams.clip,
+          hparams.weight_decay, hparams.predict) == ('all', 'sgd', 0.1, 10.0, 1e-4, 'after')
+  iclr = fedtta_configs.get_config('tent_iclr')
+  assert iclr.model.name == 'bn_mlp' and iclr.adapters.tent.parameters == 'batch_norm'

@@ -2,14 +2,24 @@
 Sec. 3: minimise the mean prediction entropy H(ŷ) = −Σ_c ŷ_c log ŷ_c of each test
 batch w.r.t. the BatchNorm affine parameters only (scale γ, shift β), with BatchNorm
 normalising by the test batch's statistics; one optimizer step per batch (Adam 1e-3
-for CIFAR; ``optimizer='sgd'`` for the ATP authors' baseline, SGD at their lr 0.1). ``predict='before'`` returns the logits computed before the batch's
+for CIFAR). ``predict='before'`` returns the logits computed before the batch's
 update (the ATP authors' baseline code), 'after' re-runs the model after it.
 
+Other papers ran it otherwise, and the fields say how:
+  * the ATP authors' baseline: SGD at their lr 0.1 (``optimizer='sgd'``);
+  * the UPFL paper's TENT (Ye et al. 2023, App. C–D, Table 4; the authors'
+    ``hetero_tent``): the same BatchNorm-free model as every other method, so
+    ``parameters='all'``, SGD at FedAvg's rate with the gradient clipped at global norm
+    10 (``clip``) and weight decay 1e-4 (``weight_decay``, added after the clip, as
+    PyTorch's SGD does), the entropy in bits (``entropy_units='bits'``, their log2), one
+    step on the client's whole data, predicting after it.
+
 ``learning_rate`` may be one rate per BatchNorm layer ({'encoder/BatchNorm_0': η_0, …}:
-Adam's direction times each layer's rate), the form ``learned_rates`` trains.
+the optimizer's direction times each layer's rate), the form ``learned_rates`` trains.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Union
 
 import optax
@@ -17,33 +27,63 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.registry import require
+
+PARAMETERS = ('batch_norm', 'all')
+ENTROPY_UNITS = {'nats': 1.0, 'bits': 1.0 / math.log(2.0)}
 
 
 def tent(module, learning_rate: Union[float, Dict[str, Any]] = 1e-3, predict: str = 'before',
-         optimizer: optax.GradientTransformation | str = 'adam') -> Adapter:
-  """``optimizer``: 'adam' | 'sgd' at ``learning_rate``, or a GradientTransformation."""
+         optimizer: optax.GradientTransformation | str = 'adam', parameters: str = 'batch_norm',
+         clip: float = 0.0, weight_decay: float = 0.0, entropy_units: str = 'nats') -> Adapter:
+  """``optimizer``: 'adam' | 'sgd' at ``learning_rate`` (after the global-norm ``clip``,
+  0 = none, and ``weight_decay``), or a GradientTransformation used as it is;
+  ``parameters``: 'batch_norm' (BN scale and bias) or 'all'."""
+  if parameters not in PARAMETERS:
+    raise ValueError(f'tent parameters: unknown {parameters!r}; choose from {list(PARAMETERS)}')
   if isinstance(optimizer, str):
-    optimizer = common.make_optimizer(optimizer, learning_rate)
+    optimizer = optax.chain(*([optax.clip_by_global_norm(clip)] if clip else []),
+                            *([optax.add_decayed_weights(weight_decay)] if weight_decay else []),
+                            common.make_optimizer(optimizer, learning_rate))
+  scale = ENTROPY_UNITS[entropy_units]
 
   def forward(variables, x):
     return models.apply(module, variables, x, 'batch_stats')[0]
 
   def loss_fn(variables, batch, extra):
     logits = forward(variables, batch.x)
-    return common.weighted_entropy(logits, batch.weight), (logits, extra)
+    return scale * common.weighted_entropy(logits, batch.weight), (logits, extra)
 
+  if parameters == 'all':
+    return common.gradient_adapter('tent', lambda path: True, 'tent (all parameters)',
+                                   loss_fn, forward, optimizer, predict)
   return common.gradient_adapter(
       'tent', models.is_batch_norm_path, 'tent (BatchNorm affine parameters)', loss_fn,
       forward, optimizer, predict,
       check=common.require_batch_norm('tent'))
 
 
+def check(hparams) -> None:
+  """config.adapters.tent's choices and ranges (errors name the field)."""
+  common.check_optimizer('tent', hparams)
+  require(hparams.parameters in PARAMETERS, 'adapters.tent.parameters',
+          f'unknown {hparams.parameters!r}; choose from {list(PARAMETERS)}')
+  require(hparams.entropy_units in ENTROPY_UNITS, 'adapters.tent.entropy_units',
+          f'unknown {hparams.entropy_units!r}; choose from {list(ENTROPY_UNITS)}')
+  for field in ('clip', 'weight_decay'):
+    require(hparams[field] >= 0, f'adapters.tent.{field}', f'must be >= 0, got {hparams[field]}')
+
+
 @ADAPTERS.register('tent', defaults={
     'learning_rate': 1e-3,            # Tent: Adam 1e-3 (CIFAR)
     'optimizer': 'adam',
+    'parameters': 'batch_norm',       # Tent: BN affine parameters only
+    'clip': 0.0,                      # global-norm clip of the gradient (0: none)
+    'weight_decay': 0.0,
+    'entropy_units': 'nats',
     'predict': 'before'},             # ATP code: logits before the update
-    check=lambda hparams: common.check_optimizer('tent', hparams),
-    learnable={'learning_rate': 'log_per_bn_layer'})
+    check=check, learnable={'learning_rate': 'log_per_bn_layer'})
 def build_tent(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.tent``."""
-  return tent(module, hparams.learning_rate, hparams.predict, hparams.optimizer)
+  return tent(module, hparams.learning_rate, hparams.predict, hparams.optimizer,
+              hparams.parameters, hparams.clip, hparams.weight_decay, hparams.entropy_units)

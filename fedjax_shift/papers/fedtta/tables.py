@@ -21,8 +21,8 @@ DATASETS = {'mnist_embedded': 'MNIST', 'tfds:mnist': 'MNIST', 'tfds:cifar10': 'C
 # FedTTA Table 1 rows: (label, method, validation model, test model).
 # Validation: the training clients' held-out 15 %; test: the new clients. A personalised
 # method (FedPer) is validated with each training client's own model and tested as
-# PFL-Sampled / PFL-Ensemble; TENT is FedAvg on a BatchNorm model (configs/fedtta.py:tent)
-# adapted by Tent; the adapted rows adapt on the validation data too
+# PFL-Sampled / PFL-Ensemble; TENT is FedAvg adapted by the paper's TENT
+# (configs/fedtta.py:tent); the adapted rows adapt on the validation data too
 # (config.eval_adapter_splits).
 UPFL_ROWS = (
     ('FedAvg', 'fedavg', 'global', 'global'),
@@ -80,7 +80,7 @@ def upfl_rows(runs_by_workdir: Dict[str, List[Dict]], column: str = '',
   run's evaluated round of best validation accuracy of that row's model.
   ``runs_by_workdir``: workdir -> per (method, seed) results dicts; a row is read from
   the first workdir whose runs of its method have its test column (so FedAvg comes
-  from the main run, TENT from the BatchNorm run). Rows no run has are left out."""
+  from the main run, TENT from the run of configs/fedtta.py:tent). Rows no run has are left out."""
   header = ['Method', f'{column} Validation'.strip(), f'{column} Test'.strip()]
   rows = []
   for label, method, val_model, test_model in UPFL_ROWS:
