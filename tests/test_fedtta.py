@@ -63,7 +63,8 @@ def test_with_a_constant_adaptation_model_fedtta_equals_the_base_model_training(
   """g ≡ constant (zero kernels): ∇ψ ℓ_per = 0, so ψ̃ = ψ and one FedTTA client update
   of ψ equals FedAvg's local training from the same ψ with the same batches; φ's
   gradient is zero except its last bias (η_adapt = 0 keeps it fixed)."""
-  config, module, algorithm, state, client = setup(**{'fedtta.adapt_learning_rate': 0.0})
+  config, module, algorithm, state, client = setup(**{'fedtta.adapt_learning_rate': 0.0,
+                                                      'fedtta.weight_decay': 0.0})
   params = state.variables['params']
   params = {**params, 'adaptation': jax.tree.map(jnp.zeros_like, params['adaptation'])}
   params['adaptation']['Dense_3']['bias'] = jnp.ones(1)
@@ -77,6 +78,48 @@ def test_with_a_constant_adaptation_model_fedtta_equals_the_base_model_training(
                               rtol=1e-6, atol=1e-7)
   chex.assert_trees_all_equal(out.update['params']['adaptation'],
                               jax.tree.map(jnp.zeros_like, params['adaptation']))
+
+
+def test_meta_optimizer_steps_each_group_as_the_authors_torch_sgd():
+  """ψ: SGD η_outer; φ: SGD η_adapt with momentum 0.9; each group's gradient clipped at
+  its own global norm 10, then weight decay 1e-4·θ added (torch.optim.SGD's order),
+  hand-computed over two steps. The clip binds on φ only: a joint clip would also
+  shrink ψ's step."""
+  import ml_collections
+  import optax
+  from fedjax_shift.algorithms.fedtta import meta_optimizer
+  hparams = ml_collections.ConfigDict({'adapt_learning_rate': 0.01, 'adapt_momentum': 0.9,
+                                       'weight_decay': 1e-4, 'clip_norm': 10.0})
+  opt = meta_optimizer(optax.sgd(0.1), hparams)
+  params = {'base': jnp.array([1.0, -2.0]), 'adaptation': jnp.array([0.5])}
+  grads = [{'base': jnp.array([3.0, 4.0]), 'adaptation': jnp.array([40.0])},
+           {'base': jnp.array([1.0, 0.0]), 'adaptation': jnp.array([-2.0])}]
+  state = opt.init(params)
+  psi, phi, buffer = np.array([1.0, -2.0]), np.array([0.5]), np.zeros(1)
+  for g in grads:
+    updates, state = opt.update(g, state, params)
+    params = optax.apply_updates(params, updates)
+    g_psi = np.asarray(g['base']) * min(1.0, 10.0 / np.linalg.norm(g['base']))
+    g_phi = np.asarray(g['adaptation']) * min(1.0, 10.0 / np.linalg.norm(g['adaptation']))
+    psi = psi - 0.1 * (g_psi + 1e-4 * psi)
+    buffer = 0.9 * buffer + (g_phi + 1e-4 * phi)
+    phi = phi - 0.01 * buffer
+    np.testing.assert_allclose(params['base'], psi, rtol=1e-6)
+    np.testing.assert_allclose(params['adaptation'], phi, rtol=1e-6)
+  # First step by hand: ψ = [1, −2] − 0.1·([3, 4] + 1e-4·[1, −2]); φ = 0.5 − 0.01·(10 + 5e-5).
+  np.testing.assert_allclose(psi[0], 1 - 0.1 * (3 + 1e-4) - 0.1 * (1 + 1e-4 * (1 - 0.1 * 3.0001)),
+                             rtol=1e-6)
+
+
+def test_meta_optimizer_fields_out_of_range_are_refused(tmp_path):
+  from configs import fedtta as fedtta_configs
+  from fedjax_shift import config as config_lib
+  for field, value in (('adapt_momentum', 1.0), ('adapt_momentum', -0.1),
+                       ('weight_decay', -1e-4), ('clip_norm', -1.0)):
+    config = fedtta_configs.get_config('tiny')
+    config.fedtta_prox[field] = value
+    with pytest.raises(ValueError, match=f'config.fedtta_prox.{field}'):
+      config_lib.validate(config, str(tmp_path))
 
 
 def test_prox_term_changes_the_update_and_zero_mu_is_fedtta():

@@ -55,6 +55,8 @@ DEFAULTS = {
     'adapt_learning_rate': 0.005,   # η_adapt (Sec. 4.6: 0.005); η_outer = client.learning_rate
     'norm_epsilon': 0.1,            # as config.fedtta.norm_epsilon
     'clip_norm': 10.0,              # as config.fedtta.clip_norm (not in the paper)
+    'adapt_momentum': 0.9,          # as config.fedtta: the authors' meta_opt (digest too)
+    'weight_decay': 1e-4,
     # How the server combines the clients' public logits: 'logits' (Alg. 2: their mean)
     # or 'probabilities' (log of the mean softmax; not in the paper: fedjax_shift/papers/fedtta/README.md).
     'ensemble': 'logits',
@@ -68,8 +70,9 @@ def check(hparams: ml_collections.ConfigDict) -> None:
   for size in sizes:
     require(size in BASE_HIDDEN, 'hetero_fedtta.sizes',
             f'unknown model size {size!r}; choose from {list(SIZES)}')
-  for field in ('kd_lambda', 'inner_learning_rate', 'adapt_learning_rate', 'norm_epsilon',
-                'clip_norm', 'digest_steps', 'new_client_digest_steps'):
+  fedtta.check_meta_optimizer('hetero_fedtta', hparams)
+  for field in ('kd_lambda', 'inner_learning_rate', 'norm_epsilon', 'digest_steps',
+                'new_client_digest_steps'):
     require(hparams[field] >= 0, f'hetero_fedtta.{field}', f'must be >= 0, got {hparams[field]}')
   require(hparams.ensemble in ENSEMBLES, 'hetero_fedtta.ensemble',
           f'choose from {list(ENSEMBLES)}, got {hparams.ensemble!r}')
