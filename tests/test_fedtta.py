@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fedjax_shift import algorithms, models
+from fedjax_shift.adapters import common
 from fedjax_shift.adapters.fedtta import adapt, adaptation_module_of
 from fedjax_shift.algorithms.fedtta import ADAPTATION, inner_step, personalization_loss
 from fedjax_shift.core.algorithm import ClientData
@@ -142,6 +143,46 @@ def test_prox_term_changes_the_update_and_zero_mu_is_fedtta():
 def _variables():
   _, module, algorithm, state, client = setup()
   return module, algorithm.global_model(state), client
+
+
+def test_fedtta_pp_candidates_are_the_steps_unless_the_initial_model_is_included():
+  """Algorithm 1 selects the lowest-entropy model among ψ_1 … ψ_stop: where the step
+  raises the entropy (H_1 > H_0) the default keeps ψ_1, include_initial keeps ψ_0."""
+  module, variables, client = _variables()
+  x, weight = client.x[:7], jnp.ones(7)
+  entropy = lambda params: float(common.weighted_entropy(
+      models.apply(module, {'params': params}, x)[0], weight))
+  adaptation_module = adaptation_module_of(variables[ADAPTATION])
+  for rate in (0.5, 2.0, 8.0, 32.0, -0.5, -2.0, -8.0):   # a step that raises H
+    stepped = inner_step(module, adaptation_module, variables['params'], variables[ADAPTATION],
+                         x, weight, rate, 0.1)
+    if entropy(stepped) > entropy(variables['params']) + 1e-4:
+      break
+  else:
+    raise AssertionError('no step raised the entropy')
+  run = lambda include: adapt(module, variables, x, weight, rate, 3, 1, 0.1,
+                              restore_best=True, include_initial=include)
+  chosen, steps = run(False)
+  assert int(steps) == 1                      # patience 1: stops after the first step
+  chex.assert_trees_all_close(chosen, stepped, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_equal(run(True)[0], variables['params'])
+
+
+def test_fedtta_pp_test_time_step_clips_and_decays_as_the_authors():
+  """clip 10 then weight decay: ψ_1 = ψ − η(clip(∇, c) + λψ), checked with a binding clip."""
+  module, variables, client = _variables()
+  x, weight = client.x[:7], jnp.ones(7)
+  adaptation_module = adaptation_module_of(variables[ADAPTATION])
+  params = variables['params']
+  plain = inner_step(module, adaptation_module, params, variables[ADAPTATION], x, weight,
+                     1.0, 0.1)
+  grads = jax.tree.map(lambda p, q: p - q, params, plain)        # η = 1: the gradient
+  norm = float(jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads))))
+  clip = norm / 4                                                 # binds
+  expected = jax.tree.map(lambda p, g: p - 0.5 * (g * clip / norm + 1e-4 * p), params, grads)
+  adapted, _ = adapt(module, variables, x, weight, 0.5, 1, 0, 0.1, clip_norm=clip,
+                     weight_decay=1e-4)
+  chex.assert_trees_all_close(adapted, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_patience_at_least_e_runs_all_e_steps_like_a_plain_loop():
@@ -417,6 +458,9 @@ def test_fedtta_probe_reproduces_the_engines_adapted_columns(tmp_path):
   assert 0 < row['patience_1_mean_stop'] <= config.adapters.fedtta_pp.max_steps
   assert probe.stop_and_best(np.array([3.0, 2.0, 2.5, 1.0]), 1) == (2, 1)
   assert probe.stop_and_best(np.array([3.0, 2.0, 2.5, 1.0]), 2) == (3, 3)
+  # H_0 lowest: Algorithm 1 keeps step 1, the released code's candidates keep step 0.
+  assert probe.stop_and_best(np.array([1.0, 2.0, 3.0]), 1) == (1, 1)
+  assert probe.stop_and_best(np.array([1.0, 2.0, 3.0]), 1, include_initial=True) == (1, 0)
 
 
 def test_upfl_table_rows_workdirs_and_best_validation_round():

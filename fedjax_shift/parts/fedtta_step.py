@@ -25,13 +25,19 @@ def personalization_loss(adaptation_module, adaptation_params, logits: jax.Array
 
 def inner_step(module, adaptation_module, params, adaptation_params, x: jax.Array,
                weight: jax.Array, inner_learning_rate: float, norm_epsilon: float,
-               model_state=None):
+               model_state=None, clip_norm: float = 0.0, weight_decay: float = 0.0):
   """ψ̃ = ψ − η_inner ∇_ψ ‖g(f(X; ψ); φ)‖₂ (Eqs. 5 and 11); differentiable in ψ, φ.
-  ``model_state``: the model's other collections (eval mode), if any."""
+  ``model_state``: the model's other collections (eval mode), if any. The authors'
+  test-time steps clip the gradient at global norm ``clip_norm`` (0: none), then add
+  ``weight_decay``·ψ (PyTorch's SGD order)."""
   def loss(params):
     logits = models.apply(module, {'params': params, **(model_state or {})}, x)[0]
     return personalization_loss(adaptation_module, adaptation_params, logits, weight,
                                 norm_epsilon)
 
   grads = jax.grad(loss)(params)
-  return jax.tree.map(lambda p, g: p - inner_learning_rate * g, params, grads)
+  if clip_norm:
+    norm = jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)))
+    grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, clip_norm / (norm + 1e-12)), grads)
+  return jax.tree.map(lambda p, g: p - inner_learning_rate * (g + weight_decay * p),
+                      params, grads)

@@ -11,7 +11,8 @@ new-client accuracy (%) after 0, 1, 2, 3, 5, 10, 20 and E steps, and FedTTA++'s 
 early stopping at patience 1, 3 and 5 — predicting with the model at the stop
 ('last') or with the lowest-entropy model seen ('best', ``restore_best``) — with the
 mean step at which it stopped. Every number comes from one trace of E steps per client,
-recomputed here with plain inner steps.
+recomputed here with FedTTA++'s steps (its clip and weight decay) and its candidates
+(``include_initial``).
 """
 import json
 import os
@@ -34,12 +35,17 @@ REPORTED_STEPS = (0, 1, 2, 3, 5, 10, 20)
 PATIENCES = (1, 3, 5)
 
 
-def stop_and_best(entropies: np.ndarray, patience: int):
-  """(step of the stop, step of the lowest entropy up to it) of one trace H_0 … H_E."""
-  lowest, waited, best = entropies[0], 0, 0
+def stop_and_best(entropies: np.ndarray, patience: int, include_initial: bool = False):
+  """(step of the stop, step of the lowest entropy up to it) of one trace H_0 … H_E;
+  the candidates are steps 1 … stop (Algorithm 1), or 0 … stop with
+  ``include_initial`` (the authors' released code)."""
+  lowest, waited = entropies[0], 0
+  best, best_value = (0, entropies[0]) if include_initial else (1, np.inf)
   for step in range(1, len(entropies)):
+    if entropies[step] < best_value:
+      best, best_value = step, entropies[step]
     if entropies[step] < lowest:
-      lowest, waited, best = entropies[step], 0, step
+      lowest, waited = entropies[step], 0
     else:
       waited += 1
     if waited >= patience:
@@ -65,7 +71,8 @@ def probe_seed(config: ml_collections.ConfigDict, workdir: str, algorithm: str,
   def trace(x, weight):
     def step(params, _):
       params = inner_step(module, g, params, variables[ADAPTATION], x, weight,
-                          hparams.inner_learning_rate, hparams.norm_epsilon)
+                          hparams.inner_learning_rate, hparams.norm_epsilon, None,
+                          hparams.clip_norm, hparams.weight_decay)
       logits = models.apply(module, {'params': params}, x)[0]
       return params, (weighted_entropy(logits, weight), jnp.argmax(logits, -1))
     logits = models.apply(module, {'params': variables['params']}, x)[0]
@@ -83,7 +90,7 @@ def probe_seed(config: ml_collections.ConfigDict, workdir: str, algorithm: str,
          for s in REPORTED_STEPS + (num_steps,) if s <= num_steps}
   clients = [k for k in range(test.num_clients) if test.mask[k].any()]
   for patience in PATIENCES:
-    stops = [stop_and_best(entropies[k], patience) for k in clients]
+    stops = [stop_and_best(entropies[k], patience, hparams.include_initial) for k in clients]
     out[f'patience_{patience}_last'] = float(
         sum(correct[k, stop].sum() for k, (stop, _) in zip(clients, stops)) / total)
     out[f'patience_{patience}_best'] = float(
