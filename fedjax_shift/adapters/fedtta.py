@@ -1,5 +1,5 @@
 """FedTTA's personalisation of a new client at test time (Ye et al., UPFL 2023 Eq. 11) and
-FedTTA++'s entropy early stopping (Sec. 3.4, Algorithm 1).
+FedTTA++'s entropy early stopping (Sec. 3.3.2, Algorithm 1).
 
 On each test batch X, from the global base model ψ_0 = ψ and adaptation model φ (trained
 by ``algorithms/fedtta.py``; read from the 'fedtta_adaptation' collection):
@@ -170,7 +170,7 @@ ADAPTERS.register('fedtta', defaults={
     check=check('fedtta'), trained_by=TRAINED_BY)(build)
 ADAPTERS.register('fedtta_pp', defaults={
     'inner_learning_rate': 0.5,   # η_inner (App. table, MNIST)
-    'max_steps': 50,              # FedTTA++: E = 50 (Sec. 3.4)
+    'max_steps': 50,              # FedTTA++: E = 50 (Sec. 3.3.2)
     'patience': 1,                # App. table, MNIST: patience 1
     'norm_epsilon': 0.1,          # as config.fedtta.norm_epsilon
     # 'while' stops computing at the stop (BENCHMARKS.md: 50 clients, E ≤ 50, ~2 steps

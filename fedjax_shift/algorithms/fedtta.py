@@ -1,5 +1,5 @@
 """FedTTA and FedTTA-Prox: unsupervised personalisation of new clients (UPFL).
-Ye et al., UPFL 2023, Sec. 3.2 (Eqs. 3–9, Algorithm 1) and Sec. 3.3 (Eq. 12).
+Ye et al., UPFL 2023, Sec. 3.2 (Eqs. 3–9, Algorithm 1) and Sec. 3.3 (Eq. 13).
 
 A base prediction model f(·; ψ) (the classifier) and an adaptation model g(·; φ), an
 MLP on each example's logits (C → 32 → 32 → 32 → 1, Sec. 4.1). Client i, for each
@@ -9,7 +9,7 @@ local step on a batch (X, Y):
   ℓ_per = ‖g(Z; φ)‖₂, the L2 norm over the batch                 (Eq. 4)
   ψ̃ = ψ − η_inner ∇_ψ ℓ_per                                       (Eq. 5)
   L = CE(f(X; ψ̃), Y)                                             (Eqs. 6, 7)
-      + μ · KL(softmax f(X; ψ_s) ‖ softmax f(X; ψ))  (FedTTA-Prox, Eq. 12; ψ_s = server)
+      + μ · KL(softmax f(X; ψ_s) ‖ softmax f(X; ψ))  (FedTTA-Prox, Eq. 13; ψ_s = server)
   ψ ← ψ − η_outer ∇_ψ L,   φ ← φ − η_adapt ∇_φ L                   (Eqs. 8, 9)
 
 ∇L reaches ψ and φ through the inner step (``jax.grad`` of ``jax.grad``). Server: the
