@@ -185,6 +185,29 @@ def test_fedtta_pp_test_time_step_clips_and_decays_as_the_authors():
   chex.assert_trees_all_close(adapted, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_adapter_takes_eta_inner_and_epsilon_from_the_trained_method(tmp_path):
+  """Eq. 11 = Eq. 5: left at −1 the adapters take each method's η_inner and ε; another
+  value is refused before anything trains, naming both fields and the override."""
+  from configs import fedtta as fedtta_configs
+  from fedjax_shift import config as config_lib
+  from fedjax_shift.pipelines.federated import adapter_section
+  config = fedtta_configs.get_config('tiny')
+  config.fedtta_prox.inner_learning_rate = 0.3
+  config_lib.validate(config, str(tmp_path))                  # changing training alone is fine
+  assert adapter_section(config, 'fedtta_pp', 'fedtta_prox').inner_learning_rate == 0.3
+  assert adapter_section(config, 'fedtta_pp', 'fedtta').inner_learning_rate == 0.5
+  assert adapter_section(config, 'fedtta', 'fedtta_prox').norm_epsilon == \
+      config.fedtta_prox.norm_epsilon
+  config.adapters.fedtta_pp.inner_learning_rate = 0.5
+  with pytest.raises(ValueError, match=r'config.adapters.fedtta_pp.inner_learning_rate=0.5 '
+                     r'differs from config.fedtta_prox.inner_learning_rate=0.3.*'
+                     r'override_training=True'):
+    config_lib.validate(config, str(tmp_path))
+  config.adapters.fedtta_pp.override_training = True
+  config_lib.validate(config, str(tmp_path))
+  assert adapter_section(config, 'fedtta_pp', 'fedtta_prox').inner_learning_rate == 0.5
+
+
 def test_patience_at_least_e_runs_all_e_steps_like_a_plain_loop():
   module, variables, client = _variables()
   x, weight = client.x[:7], jnp.ones(7)
@@ -256,7 +279,8 @@ def test_while_loop_equals_the_masked_scan_vmapped_over_clients():
 def test_adapter_on_a_model_without_g_and_bad_fields_are_errors():
   module, variables, client = _variables()
   config = tiny_config()
-  adapter = ADAPTERS.get('fedtta')(module, config.adapters.fedtta,
+  from fedjax_shift.pipelines.federated import adapter_section
+  adapter = ADAPTERS.get('fedtta')(module, adapter_section(config, 'fedtta', 'fedtta'),
                                    SourceContext(None, NUM_CLASSES, 8))
   state = adapter.init(variables, jax.random.key(0))
   _, logits = adapter.step(state, AdaptBatch(client.x[:7], jnp.ones(7)))

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
@@ -130,17 +131,44 @@ def fedtta_adapter(module, inner_learning_rate: float, max_steps: int, patience:
   return Adapter(init, step)
 
 
+# η_inner and ε of a section left at FROM_TRAINING are the trained method's
+# (config.<fedtta | fedtta_prox>.inner_learning_rate, .norm_epsilon): Eq. 11 is the step
+# Eq. 5 differentiated through. Another value needs ``override_training=True``.
+FROM_TRAINING = -1.0
+SHARED_WITH_TRAINING = ('inner_learning_rate', 'norm_epsilon')
+
+
+def for_method(name: str, hparams, config, algorithm_name: str):
+  """``config.adapters.<name>`` for ``algorithm_name``'s models: η_inner and ε at
+  FROM_TRAINING replaced by the method's own; a value that differs from the method's is
+  refused unless ``override_training``."""
+  method = config[algorithm_name]
+  out = ml_collections.ConfigDict(hparams.to_dict())
+  for field in SHARED_WITH_TRAINING:
+    if hparams[field] == FROM_TRAINING:
+      out[field] = method[field]
+    elif hparams[field] != method[field] and not hparams.override_training:
+      raise ValueError(
+          f'config.adapters.{name}.{field}={hparams[field]} differs from '
+          f'config.{algorithm_name}.{field}={method[field]}: a new client adapts with the '
+          f'step {algorithm_name} was trained through (Eq. 11 = Eq. 5). Leave it at '
+          f'{FROM_TRAINING} to take training\'s value, or set '
+          f'config.adapters.{name}.override_training=True to adapt with '
+          f'{hparams[field]} on purpose')
+  return out
+
+
 def check(name: str):
   def check_fields(hparams) -> None:
-    require(hparams.inner_learning_rate >= 0, f'adapters.{name}.inner_learning_rate',
-            f'must be >= 0, got {hparams.inner_learning_rate}')
+    for field in SHARED_WITH_TRAINING:
+      require(hparams[field] >= 0 or hparams[field] == FROM_TRAINING,
+              f'adapters.{name}.{field}',
+              f'must be >= 0 (or {FROM_TRAINING}: the trained method\'s), got {hparams[field]}')
     require(hparams.max_steps >= 1, f'adapters.{name}.max_steps',
             f'E must be >= 1 (with no step and ψ_0 excluded there is no candidate), got '
             f'{hparams.max_steps}')
     require(hparams.patience >= 0, f'adapters.{name}.patience',
             f'must be >= 0 (0: no early stopping), got {hparams.patience}')
-    require(hparams.norm_epsilon >= 0, f'adapters.{name}.norm_epsilon',
-            f'must be >= 0, got {hparams.norm_epsilon}')
     require(hparams.loop in LOOPS, f'adapters.{name}.loop',
             f'choose from {list(LOOPS)}, got {hparams.loop!r}')
     for field in ('clip_norm', 'weight_decay'):
@@ -150,29 +178,38 @@ def check(name: str):
 
 
 def build(module, hparams, context: SourceContext) -> Adapter:
-  """The registry's builder of both adapters, from ``config.adapters.<name>``."""
+  """The registry's builder of both adapters, from ``config.adapters.<name>`` as
+  ``for_method`` resolves it (η_inner and ε set)."""
   del context
+  for field in SHARED_WITH_TRAINING:
+    if hparams[field] == FROM_TRAINING:
+      raise ValueError(f'adapters.fedtta: {field} is the trained method\'s; resolve the '
+                       f'section with for_method first')
   return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience,
                         hparams.norm_epsilon, hparams.loop, hparams.restore_best,
                         hparams.include_initial, hparams.clip_norm, hparams.weight_decay)
 
 
 ADAPTERS.register('fedtta', defaults={
-    'inner_learning_rate': 0.5,   # η_inner, as config.fedtta (App. table, MNIST)
+    'inner_learning_rate': FROM_TRAINING,   # η_inner: the trained method's (Eq. 11 = Eq. 5)
     'max_steps': 1,               # FedTTA: one step (Eq. 11)
     'patience': 0,
-    'norm_epsilon': 0.1,          # as config.fedtta.norm_epsilon
+    'norm_epsilon': FROM_TRAINING,          # ε: the trained method's
+    'override_training': False,   # True: adapt with this section's η_inner / ε
     'loop': 'scan',               # 'scan' (masked, differentiable) | 'while' (stops)
     'restore_best': False,        # (only with patience > 0)
     'include_initial': False,
     'clip_norm': 0.0,             # Eq. 11 = Eq. 5: the step training differentiates
     'weight_decay': 0.0},
-    check=check('fedtta'), trained_by=TRAINED_BY)(build)
+    check=check('fedtta'), trained_by=TRAINED_BY,
+    for_method=lambda hparams, config, method: for_method('fedtta', hparams, config, method))(
+        build)
 ADAPTERS.register('fedtta_pp', defaults={
-    'inner_learning_rate': 0.5,   # η_inner (App. table, MNIST)
+    'inner_learning_rate': FROM_TRAINING,   # η_inner: the trained method's
     'max_steps': 50,              # FedTTA++: E = 50 (Sec. 3.3.2)
     'patience': 1,                # App. table, MNIST: patience 1
-    'norm_epsilon': 0.1,          # as config.fedtta.norm_epsilon
+    'norm_epsilon': FROM_TRAINING,          # ε: the trained method's
+    'override_training': False,
     # 'while' stops computing at the stop (BENCHMARKS.md: 50 clients, E ≤ 50, ~2 steps
     # run: 0.12 s vs 1.50 s for the masked scan); 'scan' is reverse-differentiable.
     'loop': 'while',
@@ -186,4 +223,6 @@ ADAPTERS.register('fedtta_pp', defaults={
     'include_initial': False,
     'clip_norm': 10.0,            # the authors' test loop: clip_grad_norm_(…, 10)
     'weight_decay': 1e-4},        # and SGD(weight_decay=1e-4)
-    check=check('fedtta_pp'), trained_by=TRAINED_BY)(build)
+    check=check('fedtta_pp'), trained_by=TRAINED_BY,
+    for_method=lambda hparams, config, method: for_method('fedtta_pp', hparams, config, method))(
+        build)

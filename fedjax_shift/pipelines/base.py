@@ -292,6 +292,11 @@ def check_run(config: ml_collections.ConfigDict) -> None:
               'eval_adapter_algorithms',
               f'the {name} adapter adapts models trained by {list(trained_by)}; none of '
               f'{list(config.eval_adapter_algorithms)} is')
+  for name, _ in specs:   # sections resolved per method (FedTTA's η_inner and ε)
+    resolve = ADAPTERS.meta(name).get('for_method')
+    for algorithm in config.eval_adapter_algorithms or algorithm_names(config):
+      if resolve and adapts(name, algorithm) and algorithm in config:
+        resolve(config.adapters[name], config, algorithm)
   for algorithm in config.eval_adapter_algorithms:   # each gets at least one adapter
     if specs and not any(adapts(n, algorithm) for n, _ in specs):
       require(False, 'eval_adapter_algorithms',

@@ -94,6 +94,15 @@ def uploaded_parameters(algorithm: FederatedAlgorithm, server_state, client_stat
   return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(shapes[0].update)))
 
 
+def adapter_section(config: ml_collections.ConfigDict, name: str, algorithm_name: str
+                    ) -> ml_collections.ConfigDict:
+  """``config.adapters.<name>`` for ``algorithm_name``'s models: an adapter registered with
+  ``for_method`` (FedTTA's: η_inner and ε are the trained method's) resolves it."""
+  resolve = ADAPTERS.meta(name).get('for_method')
+  return resolve(config.adapters[name], config, algorithm_name) if resolve else \
+      config.adapters[name]
+
+
 def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: int,
                         algorithm: FederatedAlgorithm, global_only=(),
                         algorithm_name: str = '', input_shape: tuple = ()):
@@ -110,7 +119,8 @@ def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: 
                           input_shape=tuple(input_shape))
   runners = {}
   for name, mode in specs:
-    adapter = ADAPTERS.get(name, 'config.eval_adapters')(module, config.adapters[name], context)
+    adapter = ADAPTERS.get(name, 'config.eval_adapters')(
+        module, adapter_section(config, name, algorithm_name), context)
     runners[name] = client_runner(adapter, config.eval_adapter_batch_size, mode)
   models_of = {name: ADAPTERS.meta(name)['adapts_models'] for name in runners
                if 'adapts_models' in ADAPTERS.meta(name)}

@@ -263,7 +263,8 @@ def build_evaluate(config, num_classes: int, parts: Setup, val: federated.Federa
                                                  hp.norm_epsilon), batch_size),
         'early_stopped': client_runner(fedtta_adapter(
             arch.module, hp.inner_learning_rate, early.max_steps, early.patience,
-            hp.norm_epsilon, early.loop, early.restore_best), batch_size)}
+            hp.norm_epsilon, early.loop, early.restore_best, early.include_initial,
+            early.clip_norm, early.weight_decay), batch_size)}
 
     def score(params, x, y, num_examples, key, runners=runners):
       """{'plain': ψ, 'one_step': FedTTA's, 'early_stopped': FedTTA++'s} sums."""

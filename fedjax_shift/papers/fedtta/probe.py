@@ -63,7 +63,7 @@ def probe_seed(config: ml_collections.ConfigDict, workdir: str, algorithm: str,
   state = result['server_state']
   variables = {'params': state.variables['params']['base'],
                ADAPTATION: state.variables['params']['adaptation']}
-  hparams = config.adapters.fedtta_pp
+  hparams = federated.adapter_section(config, 'fedtta_pp', algorithm)   # η_inner, ε: training's
   num_steps = hparams.max_steps
   g = adaptation_module_of(variables[ADAPTATION])
   test = bench.splits['test']
