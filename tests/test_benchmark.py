@@ -19,6 +19,7 @@ def _run(*flags):
                         cwd=ROOT)
 
 
+@pytest.mark.slow   # eight benchmark subprocesses
 def test_cohort_sweep_runs_each_size_and_conv_and_prints_the_ratios(tmp_path):
   out = tmp_path / 'bench.md'
   proc = _run('--model=atp_cnn', '--clients=2,3', '--conv=lax,patches', '--examples=4',

@@ -187,6 +187,7 @@ def trained(name, **fields):
   return config, module, variables, data
 
 
+@pytest.mark.slow
 def test_online_contrastive_tta_with_empty_memory_equals_batch_variant_on_first_batch():
   config, module, variables, data = trained('fedicon')
   adapter = fedicon_adapter.fedicon_tta(module, memory_size=8, batch_size=4)

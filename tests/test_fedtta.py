@@ -354,7 +354,8 @@ def test_new_clients_labels_are_never_read_by_the_adaptation():
   from fedjax_shift.core.test_time import client_runner
   module, variables, client = _variables()
   config = tiny_config()
-  adapter = ADAPTERS.get('fedtta_pp')(module, config.adapters.fedtta_pp,
+  from fedjax_shift.pipelines.federated import adapter_section
+  adapter = ADAPTERS.get('fedtta_pp')(module, adapter_section(config, 'fedtta_pp', 'fedtta'),
                                       SourceContext(None, NUM_CLASSES, 4))
   run_one = jax.jit(client_runner(adapter, 4, 'episodic'))
   y = client.y

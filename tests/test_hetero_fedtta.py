@@ -254,6 +254,7 @@ def test_lambda_sweep_runs_one_directory_per_lambda_and_seed(tmp_path):
   assert {section for _, _, section in dirs} == {'hetero_fedtta'}
 
 
+@pytest.mark.slow   # FedTTA++'s runner has the same check unmarked (tests/test_fedtta.py)
 def test_new_clients_labels_are_never_read():
   """Poisoned new-client labels leave every new client's predictions unchanged."""
   from fedjax_shift.pipelines import hetero

@@ -69,7 +69,8 @@ def _loss(module, variables, x):
 @pytest.mark.parametrize('name,shape', [
     ('atp_cnn', (3, 32, 32, 3)),       # VALID 3×3, no bias
     ('evolve_cnn', (3, 28, 28, 1)),    # SAME, stride 2, bias
-    ('resnet18', (2, 16, 16, 3)),      # padding 1, stride 2, 1×1 projections
+    # padding 1, stride 2, 1×1 projections (slow: wide_resnet covers strided projections)
+    pytest.param('resnet18', (2, 16, 16, 3), marks=pytest.mark.slow),
     ('wide_resnet', (2, 16, 16, 1)),   # pre-activation, 1×1 projections with stride
 ])
 def test_conv_impl_equals_lax_values_and_gradients(name, shape, impl):

@@ -149,7 +149,9 @@ def digest(arch: Architecture, optimizer: optax.GradientTransformation, params,
            knowledge: Knowledge, batches: jax.Array, num_steps: int, rng: jax.Array,
            hparams, scale: jax.Array = 1.0):
   """``num_steps`` optimizer steps of ``scale`` · Eq. 14, step s on public batch
-  perm[s mod (P / b)] (perm drawn from ``rng``). Returns (params, mean loss)."""
+  perm[s mod (P / b)] (perm drawn from ``rng``); ``scale`` 0 takes no step at all (the
+  optimizer's weight decay would still move the parameters). Returns (params, mean
+  loss)."""
   num_batches = batches.shape[0]
   teacher_base = public_batches(knowledge.base, batches.shape[1])
   teacher_personalized = public_batches(knowledge.personalized, batches.shape[1])
@@ -163,8 +165,9 @@ def digest(arch: Architecture, optimizer: optax.GradientTransformation, params,
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state, total + loss), None
 
-  (params, _, total), _ = jax.lax.scan(step, (params, optimizer.init(params), 0.0),
-                                       jnp.arange(num_steps))
+  (stepped, _, total), _ = jax.lax.scan(step, (params, optimizer.init(params), 0.0),
+                                        jnp.arange(num_steps))
+  params = jax.tree.map(lambda new, old: jnp.where(scale > 0, new, old), stepped, params)
   return params, total / max(num_steps, 1)
 
 

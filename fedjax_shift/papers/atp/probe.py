@@ -110,19 +110,17 @@ def markdown(table: Dict[str, Dict[str, float]], config: ml_collections.ConfigDi
   return '\n'.join(lines)
 
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/atp.py:<variant>')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'The finished run of launch/train.py.')
-
-
 def main(argv):
   del argv
-  config = _CONFIG.value
+  config = flags.FLAGS.config
   for shift in config.tta.shifts:
     for seed in config.seeds:
       print(f'\n{shift} shift, seed {seed}\n')
-      print(markdown(probe_run(config, _WORKDIR.value, shift, seed), config))
+      print(markdown(probe_run(config, flags.FLAGS.workdir, shift, seed), config))
 
 
-if __name__ == '__main__':
+if __name__ == '__main__':   # flags defined here only: tests import probe_run
+  config_flags.DEFINE_config_file('config', None, 'configs/atp.py:<variant>')
+  flags.DEFINE_string('workdir', None, 'The finished run of launch/train.py.')
   flags.mark_flags_as_required(['config', 'workdir'])
   app.run(main)
