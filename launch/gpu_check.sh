@@ -27,11 +27,11 @@
 # TORCH_LOOP_CLIENTS shrink the bench and engine stages (e.g. =2 for a dry run on a CPU).
 set -uo pipefail
 stage=${1:?usage: launch/gpu_check.sh wheels|suite|bench|engine|atp|fedevolve [OUTDIR]}
-out=${2:-/tmp/gpu_check}
+outdir=${2:-/tmp/gpu_check}
 extra=("${@:3}")   # train.py overrides for the atp and fedevolve stages
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here" || exit 1
-mkdir -p "$out"
+mkdir -p "$outdir"
 limit=${STAGE_TIMEOUT:-560}
 BENCH_CLIENTS=${BENCH_CLIENTS:-60,240,1000}        # cohort sizes of the sweep
 TORCH_LOOP_CLIENTS=${TORCH_LOOP_CLIENTS:-60,240}   # (d), the papers' loop: slow at 1,000
@@ -75,44 +75,44 @@ fi
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
 python3 -c 'import jax, torch; print("jax", jax.__version__, jax.devices(), "torch",
-torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$out/machine.txt"
+torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$outdir/machine.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
-  >> "$out/machine.txt" 2>&1
+  >> "$outdir/machine.txt" 2>&1
 
 case $stage in
   suite)
     # The conftest turns on XLA's deterministic GPU ops and highest matmul precision.
     timeout "$limit" python3 -m pytest -v --tb=short -rfE -n "${SUITE_WORKERS:-8}" \
       -p no:cacheprovider --durations=15 \
-      2>&1 | tee "$out/suite.log" | tail -n 60
+      2>&1 | tee "$outdir/suite.log" | tail -n 60
     ;;
   bench)
     timeout "$limit" python3 launch/benchmark.py --model=atp_cnn --clients="$BENCH_CLIENTS" \
       --conv=lax,patches --cases=round,fused,torch_vmap --populations= --repeats=3 \
-      --out="$out/bench_sweep.md" > "$out/bench_sweep.log" 2>&1
-    tail -n 12 "$out/bench_sweep.md"
+      --out="$outdir/bench_sweep.md" > "$outdir/bench_sweep.log" 2>&1
+    tail -n 12 "$outdir/bench_sweep.md"
     ;;
   engine)
     timeout 240 python3 launch/benchmark.py --model=atp_cnn --clients="$TORCH_LOOP_CLIENTS" \
-      --cases=torch --populations= --repeats=3 --out="$out/bench_torch_loop.md" \
-      > "$out/bench_torch_loop.log" 2>&1
-    tail -n 6 "$out/bench_torch_loop.md"
+      --cases=torch --populations= --repeats=3 --out="$outdir/bench_torch_loop.md" \
+      > "$outdir/bench_torch_loop.log" 2>&1
+    tail -n 6 "$outdir/bench_torch_loop.md"
     timeout 300 python3 launch/benchmark.py --model=mlp --clients=60 \
       --cases=rounds_calls,rounds_scan,seeds_vmap,seeds_loop --populations=240,1000,10000 \
-      --out="$out/bench_engine.md" > "$out/bench_engine.log" 2>&1
-    tail -n 16 "$out/bench_engine.md"
+      --out="$outdir/bench_engine.md" > "$outdir/bench_engine.log" 2>&1
+    tail -n 16 "$outdir/bench_engine.md"
     ;;
   atp)
     timeout "$limit" python3 launch/train.py --config=configs/atp.py:digits,cnn \
       --workdir=/tmp/gpu_atp --compilation_cache="$JAX_COMPILATION_CACHE_DIR" \
-      "${extra[@]}" > "$out/atp.log" 2>&1
-    cp /tmp/gpu_atp/results.md "$out/atp_results.md" && cat "$out/atp_results.md"
+      "${extra[@]}" > "$outdir/atp.log" 2>&1
+    cp /tmp/gpu_atp/results.md "$outdir/atp_results.md" && cat "$outdir/atp_results.md"
     ;;
   fedevolve)
     MAX_PARALLEL=${MAX_PARALLEL:-9} RUN_TIMEOUT=$((limit - 40)) \
       bash fedjax_shift/papers/fedevolve/sweep.sh /tmp/gpu_fedevolve \
       "rmnist_dirinf rmnist_dir1.0 rmnist_dir0.1" "fedavg fedevolve fedevp" "${extra[@]}" \
-      > "$out/fedevolve.log" 2>&1
-    tail -n 80 "$out/fedevolve.log"
+      > "$outdir/fedevolve.log" 2>&1
+    tail -n 80 "$outdir/fedevolve.log"
     ;;
 esac

@@ -27,6 +27,7 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.parts.trees import clipped_and_decayed
 from fedjax_shift.registry import require
 
 PARAMETERS = ('batch_norm', 'all')
@@ -42,9 +43,8 @@ def tent(module, learning_rate: Union[float, Dict[str, Any]] = 1e-3, predict: st
   if parameters not in PARAMETERS:
     raise ValueError(f'tent parameters: unknown {parameters!r}; choose from {list(PARAMETERS)}')
   if isinstance(optimizer, str):
-    optimizer = optax.chain(*([optax.clip_by_global_norm(clip)] if clip else []),
-                            *([optax.add_decayed_weights(weight_decay)] if weight_decay else []),
-                            common.make_optimizer(optimizer, learning_rate))
+    optimizer = clipped_and_decayed(common.make_optimizer(optimizer, learning_rate), clip,
+                                    weight_decay)
   scale = ENTROPY_UNITS[entropy_units]
 
   def forward(variables, x):

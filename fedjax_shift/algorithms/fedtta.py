@@ -29,6 +29,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean
+from fedjax_shift.parts.trees import clipped_and_decayed
 from fedjax_shift.registry import require
 
 from fedjax_shift.parts.fedtta_step import (  # noqa: F401
@@ -52,12 +53,8 @@ def meta_optimizer(base_optimizer: optax.GradientTransformation,
   ``adapt_momentum``; each group's gradient clipped at its own global norm
   ``clip_norm`` (0: none), then ``weight_decay``·θ added (PyTorch's SGD order).
   adapt_momentum = weight_decay = 0 is the paper's text (plain SGD on φ)."""
-  def group(optimizer):
-    return optax.chain(*([optax.clip_by_global_norm(hparams.clip_norm)]
-                         if hparams.clip_norm else []),
-                       *([optax.add_decayed_weights(hparams.weight_decay)]
-                         if hparams.weight_decay else []),
-                       optimizer)
+  group = lambda optimizer: clipped_and_decayed(optimizer, hparams.clip_norm,
+                                                hparams.weight_decay)
   adaptation = optax.sgd(hparams.adapt_learning_rate, momentum=hparams.adapt_momentum or None)
   return optax.multi_transform({'base': group(base_optimizer), 'adaptation': group(adaptation)},
                                {'base': 'base', 'adaptation': 'adaptation'})
