@@ -18,8 +18,11 @@ T = TypeVar('T')
 class Registry(Generic[T]):
   """A named table of values (algorithms, models, benchmarks) for config lookup."""
 
-  def __init__(self, kind: str):
+  def __init__(self, kind: str, common_defaults: Optional[Mapping[str, Any]] = None):
+    """``common_defaults``: config fields every entry has (its own defaults override
+    them), e.g. each method's own client learning rate."""
     self.kind = kind
+    self._common = copy.deepcopy(dict(common_defaults or {}))
     self._entries: Dict[str, T] = {}
     self._defaults: Dict[str, dict] = {}
     self._checks: Dict[str, Optional[Callable]] = {}
@@ -34,7 +37,7 @@ class Registry(Generic[T]):
       if name in self._entries:
         raise ValueError(f'{self.kind} {name!r} is registered twice')
       self._entries[name] = value
-      self._defaults[name] = copy.deepcopy(dict(defaults or {}))
+      self._defaults[name] = copy.deepcopy({**self._common, **dict(defaults or {})})
       self._checks[name] = check
       self._meta[name] = dict(meta)
       return value

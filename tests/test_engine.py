@@ -86,6 +86,27 @@ def test_fedavg_round_equals_loop_reference():
   chex.assert_trees_all_close(out.server_state.variables['params'], expected, atol=1e-5)
 
 
+def test_a_methods_own_client_learning_rate_replaces_the_shared_one(tmp_path):
+  """config.fedavg.client_learning_rate = 0.1 with client.learning_rate = 0.02 gives the
+  loop reference's round at 0.1; 0 keeps the shared rate; a negative rate is refused."""
+  from fedjax_shift import config as config_lib
+  config = tiny_config(**{'client.batch_size': 4, 'client.local_epochs': 1,
+                          'client.learning_rate': 0.02, 'fedavg.client_learning_rate': 0.1})
+  data, _, _ = toy_clients([7, 3, 10], num_classes=NUM_CLASSES)
+  module, fedavg, server, clients = make('fedavg', config, data)
+  key = round_key(jax.random.key(1), 0)
+  out = build_round(fedavg, RoundConfig(cohort_size=3))[0](server, clients, data, key)
+  reference = tiny_config(**{'client.batch_size': 4, 'client.local_epochs': 1,
+                             'client.learning_rate': 0.1})
+  expected = reference_fedavg_round(module, reference, server.variables, data,
+                                    out.metrics['cohort'], key)
+  chex.assert_trees_all_close(out.server_state.variables['params'], expected, atol=1e-5)
+  assert ALGORITHMS.defaults('fedprox').client_learning_rate == 0.0   # every method has it
+  config.fedavg.client_learning_rate = -0.1
+  with pytest.raises(ValueError, match=r'config.fedavg.client_learning_rate: must be >= 0'):
+    config_lib.validate(config, str(tmp_path))
+
+
 def test_fedprox_mu_zero_equals_fedavg():
   # Batch 2 so clients take several steps (the proximal gradient is 0 at step 1).
   config = tiny_config(**{'fedprox.mu': 0.0, 'client.batch_size': 2})

@@ -208,6 +208,43 @@ def test_adapter_takes_eta_inner_and_epsilon_from_the_trained_method(tmp_path):
   assert adapter_section(config, 'fedtta_pp', 'fedtta_prox').inner_learning_rate == 0.5
 
 
+def test_a_small_batch_filled_to_the_training_batch_takes_trainings_step():
+  """fill_batch = B: a batch of n < B examples steps as the training batch that repeats
+  them to B entries (here n = 4, B = 12: each example three times, weights 1); a batch
+  of B or more examples, and fill_batch = 0, take the examples as they are."""
+  module, variables, client = _variables()
+  x = client.x[:4]
+  adaptation_module = adaptation_module_of(variables[ADAPTATION])
+  repeated = inner_step(module, adaptation_module, variables['params'], variables[ADAPTATION],
+                        jnp.concatenate([x, x, x]), jnp.ones(12), 0.5, 0.1)
+  padded_x = jnp.concatenate([x, jnp.zeros_like(x)])           # 4 real examples of 8
+  weight = jnp.array([1.0] * 4 + [0.0] * 4)
+  filled, _ = adapt(module, variables, padded_x, weight, 0.5, 1, 0, 0.1, fill_batch=12)
+  chex.assert_trees_all_close(filled, repeated, rtol=1e-5, atol=1e-6)
+  plain = inner_step(module, adaptation_module, variables['params'], variables[ADAPTATION],
+                     x, jnp.ones(4), 0.5, 0.1)
+  for fill in (0, 4, 3):
+    as_is, _ = adapt(module, variables, padded_x, weight, 0.5, 1, 0, 0.1, fill_batch=fill)
+    chex.assert_trees_all_close(as_is, plain, rtol=1e-5, atol=1e-6)
+  with pytest.raises(AssertionError):
+    chex.assert_trees_all_close(plain, repeated, rtol=1e-5, atol=1e-6)
+
+
+def test_fill_batch_defaults_to_the_training_batch_and_bad_values_are_refused(tmp_path):
+  from configs import fedtta as fedtta_configs
+  from fedjax_shift import config as config_lib
+  from fedjax_shift.pipelines.federated import adapter_section
+  config = fedtta_configs.get_config('tiny')
+  config.client.batch_size = 48
+  for name in ('fedtta', 'fedtta_pp'):
+    assert adapter_section(config, name, 'fedtta_prox').fill_batch == 48
+  config.adapters.fedtta.fill_batch = 0
+  assert adapter_section(config, 'fedtta', 'fedtta').fill_batch == 0
+  config.adapters.fedtta_pp.fill_batch = -2
+  with pytest.raises(ValueError, match=r'config.adapters.fedtta_pp.fill_batch: must be >= 0'):
+    config_lib.validate(config, str(tmp_path))
+
+
 def test_patience_at_least_e_runs_all_e_steps_like_a_plain_loop():
   module, variables, client = _variables()
   x, weight = client.x[:7], jnp.ones(7)
@@ -460,8 +497,28 @@ def test_upfl_degree_of_shift_and_concept_shift_splits():
     np.testing.assert_array_equal(shifted.splits['test'].x[k][real],
                                   sources.rotate(plain.splits['test'].x[k][real],
                                                  (15, 45)[k % 2]))
-  assert shifted.info['rotations'] == {'train': [0.0], 'test': [15.0, 45.0]}
+  assert shifted.info['rotations']['test_clients'][:4] == [15.0, 45.0, 15.0, 45.0]
+  # App. F: 1,000 sampled digits, IID over 50 clients (20 each), each client's angle
+  # drawn from its side's list; every new client's images are its own digits rotated
+  config = upfl_config(num_clients=50, partition='iid', sample_examples=1000,
+                       train_rotations=(0, 30, 60), new_rotations=(15, 45),
+                       rotation_choice='random')
+  app_f = upfl(config.data, 0)
+  unrotated = upfl(upfl_config(num_clients=50, partition='iid', sample_examples=1000).data, 0)
+  counts = [app_f.splits[s].num_examples for s in ('train', 'val', 'test')]
+  assert int(sum(c.sum() for c in counts)) == 1000
+  assert set((counts[0] + counts[1]).tolist()) == {20} and set(counts[2].tolist()) == {20}
+  angles = app_f.info['rotations']
+  assert set(angles['train_clients']) == {0.0, 30.0, 60.0}      # 25 draws cover all three
+  assert set(angles['test_clients']) == {15.0, 45.0}
+  assert angles['train_clients'] != [(0.0, 30.0, 60.0)[k % 3] for k in range(25)]
+  for k in range(3):
+    real = unrotated.splits['test'].mask[k]
+    np.testing.assert_array_equal(app_f.splits['test'].x[k][real], sources.rotate(
+        unrotated.splits['test'].x[k][real], angles['test_clients'][k]))
   for fields, match in [({'new_client_alpha': -1.0}, 'data.new_client_alpha'),
+                        ({'rotation_choice': 'spin'}, 'data.rotation_choice'),
+                        ({'sample_examples': -1}, 'data.sample_examples'),
                         ({'new_rotations': (15,)}, 'data.train_rotations')]:
     with pytest.raises(ValueError, match=match):
       BENCHMARKS.check('upfl', upfl_config(**fields).data, 'config.data',

@@ -201,6 +201,36 @@ def test_groups_keep_their_own_architectures(toy):
   assert kernels == [(3, 16, 100), (2, 16, 400)]   # small: 100 hidden units, big: 400
 
 
+def test_table3_lenet5_groups_have_the_papers_channels():
+  """base_model='lenet5': App. G Table 3's conv widths 16/32 (small) and 64/128 (big),
+  then MLP(512); one grouped round runs."""
+  algorithm, data, _, group_ids = setup(hparams(base_model='lenet5'))
+  server = algorithm.init(jax.random.key(0))
+  states = init_group_states(algorithm, jax.random.key(1), group_ids)
+  out = run_round(algorithm, data, group_ids, server, states, jax.random.key(0))
+  convs = [(s['base']['encoder']['Conv_0']['kernel'].shape[-1],
+            s['base']['encoder']['Conv_1']['kernel'].shape[-1],
+            s['base']['encoder']['Dense_0']['kernel'].shape[-1]) for s in out.group_states]
+  assert convs == [(16, 32, 512), (64, 128, 512)]
+  assert np.all(np.isfinite(np.asarray(out.server_state.base)))
+
+
+def test_new_client_drift_is_zero_without_digest_and_grows_with_it(toy):
+  """‖θ − θ_0‖ / ‖θ_0‖ of a new client after digesting the knowledge: 0 with no digest
+  step (the initialisation itself), > 0 after steps on non-zero knowledge."""
+  hp, algorithm, data, public_x, group_ids, server, states = toy
+  knowledge = run_round(algorithm, data, group_ids, server, states,
+                        jax.random.key(0)).server_state
+  example_x = jnp.asarray(data.x[0, :1])
+  drifts = {}
+  for steps in (0, 5):
+    _, drifts[steps] = hetero_fedtta.new_client_params(
+        'small', NUM_CLASSES, hparams(new_client_digest_steps=steps), knowledge, public_x,
+        optax.sgd(0.1), example_x, jax.random.key(3))
+  assert drifts[0] == {'base': 0.0, 'adaptation': 0.0}
+  assert float(drifts[5]['base']) > 0 and float(drifts[5]['adaptation']) > 0
+
+
 def test_sizes_assignment_and_stratified_cohorts():
   sizes = hetero_fedtta.assign_sizes(10, ('small', 'medium', 'big'), np.random.default_rng(0))
   counts = [sizes.count(s) for s in ('small', 'medium', 'big')]
@@ -228,6 +258,8 @@ def test_hetero_pipeline_runs_and_resumes(tmp_path):
               'personalized_pp/val/accuracy', 'personalized_pp/test/accuracy',
               'knowledge_base/public/accuracy', 'knowledge_personalized/public/accuracy'):
     assert 0.0 <= first['metrics'][key] <= 1.0, key
+  for part in ('base', 'adaptation'):   # the new clients' digest moved both from init
+    assert first['metrics'][f'new_clients/{part}_drift'] > 0
   assert first['uploaded_parameters'] == 2 * 40 * 10   # f(D_p; ψ) and f(D_p; ψ̃)
   assert first['group_sizes'] == {'small': 3, 'big': 3}
   assert len(first['evaluations']) == 2

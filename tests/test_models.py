@@ -16,6 +16,7 @@ from fedjax_shift import models
     ('resnet18', (2, 32, 32, 3), 102),    # the authors' code: ResNet-18 has 102 modules
     # WRN-16-4: stem + 6 blocks × (2 conv + 2 BN × 4) + 3 projections + BN × 4 + head 2
     ('wide_resnet', (2, 32, 32, 1), 70),
+    ('lenet5', (2, 28, 28, 1), 8),        # 2 conv + 2 Dense + head, kernel and bias each
 ])
 def test_encoder_head_split_and_module_count(name, shape, modules):
   module = models.MODELS.get(name)(10)
@@ -58,6 +59,17 @@ def test_wide_resnet_16_4_parameter_count():
   module = models.MODELS.get('wide_resnet')(10)
   variables = models.init(module, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
   assert models.num_parameters(variables['params']) == 2_748_890
+
+
+@pytest.mark.parametrize('channels,count', [((16, 32), 1_068_266), ((64, 128), 4_409_738)])
+def test_lenet5_parameter_count_equals_the_upfl_authors_cifar_models(channels, count):
+  # CIFAR10_LeNet5_small / _big of the UPFL authors' code, by hand: conv 3·c1·25 + c1,
+  # conv c1·c2·25 + c2, Linear c2·8·8·512 + 512, Linear 512·10 + 10.
+  c1, c2 = channels
+  assert count == (3 * c1 * 25 + c1) + (c1 * c2 * 25 + c2) + (c2 * 64 * 512 + 512) + 5130
+  module = models.MODELS.get('lenet5')(10, channels=channels)
+  variables = models.init(module, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+  assert models.num_parameters(variables['params']) == count
 
 
 def _loss(module, variables, x):

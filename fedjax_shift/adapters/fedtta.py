@@ -17,6 +17,13 @@ the authors' test loop (``clip_norm``, ``weight_decay``). The E steps are a mask
 ``lax.scan`` (no data-dependent Python branch; differentiable) or, with ``loop='while'``,
 a ``lax.while_loop`` that stops computing at the stop. Predictions are
 f(X; ψ_final) on the same batch, in episodic mode from ψ for each batch.
+
+ℓ_per sums over the batch, so its gradient grows like √B. Training fills every batch of
+B = ``config.client.batch_size`` by repeating a small client's examples; with
+``fill_batch`` = B a test batch of n < B examples weights each by B / n, the expected
+count of its repeats in such a batch, so the step is the one training differentiated
+through (a training client's ~8 validation digits would otherwise take about a third of
+it). A batch of B or more examples is taken as it is; 0 weights every example 1.
 """
 from __future__ import annotations
 
@@ -57,11 +64,21 @@ def model_collections(variables) -> dict:
 LOOPS = ('scan', 'while')
 
 
+def filled_weight(weight: jax.Array, fill_batch: int) -> jax.Array:
+  """weight [B] scaled by max(1, fill_batch / Σ weight): a batch of n < fill_batch
+  examples counted as if repeated to fill ``fill_batch`` entries (0: unchanged)."""
+  if not fill_batch:
+    return weight
+  count = jnp.sum(weight)
+  return weight * jnp.maximum(1.0, fill_batch / jnp.maximum(count, 1e-12))
+
+
 def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rate: float,
           max_steps: int, patience: int, norm_epsilon: float, loop: str = 'scan',
           restore_best: bool = False, include_initial: bool = False, clip_norm: float = 0.0,
-          weight_decay: float = 0.0):
-  """(ψ, steps run [] int32) for one batch x [B, ...], weight [B].
+          weight_decay: float = 0.0, fill_batch: int = 0):
+  """(ψ, steps run [] int32) for one batch x [B, ...], weight [B] (ℓ_per's weights
+  filled to ``fill_batch``, see the module docstring).
 
   ψ is the model after the last step run, or with ``restore_best`` (and patience > 0)
   the one of lowest entropy among ψ_1 … ψ_stop (ψ_0 … ψ_stop with ``include_initial``). ``loop='scan'``: a masked ``lax.scan``
@@ -71,6 +88,7 @@ def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rat
   adaptation_params = variables[ADAPTATION]
   adaptation_module = adaptation_module_of(adaptation_params)
   model_state = model_collections(variables)
+  norm_weight = filled_weight(weight, fill_batch)
 
   def entropy(params):
     if patience == 0:   # no early stopping: the entropy is never read (FedTTA's one step)
@@ -80,8 +98,8 @@ def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rat
 
   def step(carry, _=None):
     params, best, best_value, lowest, waited, stopped, steps = carry
-    new_params = inner_step(module, adaptation_module, params, adaptation_params, x, weight,
-                            inner_learning_rate, norm_epsilon, model_state, clip_norm,
+    new_params = inner_step(module, adaptation_module, params, adaptation_params, x,
+                            norm_weight, inner_learning_rate, norm_epsilon, model_state, clip_norm,
                             weight_decay)
     value = entropy(new_params)
     improved = value < lowest          # the stopping rule's reference includes H_0
@@ -111,7 +129,7 @@ def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rat
 def fedtta_adapter(module, inner_learning_rate: float, max_steps: int, patience: int,
                    norm_epsilon: float, loop: str = 'scan', restore_best: bool = False,
                    include_initial: bool = False, clip_norm: float = 0.0,
-                   weight_decay: float = 0.0) -> Adapter:
+                   weight_decay: float = 0.0, fill_batch: int = 0) -> Adapter:
   def init(variables, rng):
     del rng
     if ADAPTATION not in variables:
@@ -123,7 +141,7 @@ def fedtta_adapter(module, inner_learning_rate: float, max_steps: int, patience:
   def step(state, batch):
     params, _ = adapt(module, state.variables, batch.x, batch.weight, inner_learning_rate,
                       max_steps, patience, norm_epsilon, loop, restore_best, include_initial,
-                      clip_norm, weight_decay)
+                      clip_norm, weight_decay, fill_batch)
     logits = models.apply(module, {'params': params, **model_collections(state.variables)},
                           batch.x)[0]
     return state, logits
@@ -138,12 +156,20 @@ FROM_TRAINING = -1.0
 SHARED_WITH_TRAINING = ('inner_learning_rate', 'norm_epsilon')
 
 
+def fill_batch_of(hparams, config) -> int:
+  """``hparams.fill_batch``, with FROM_TRAINING read as ``config.client.batch_size``."""
+  if hparams.fill_batch == FROM_TRAINING:
+    return int(config.client.batch_size)
+  return int(hparams.fill_batch)
+
+
 def for_method(name: str, hparams, config, algorithm_name: str):
   """``config.adapters.<name>`` for ``algorithm_name``'s models: η_inner and ε at
   FROM_TRAINING replaced by the method's own; a value that differs from the method's is
   refused unless ``override_training``."""
   method = config[algorithm_name]
   out = ml_collections.ConfigDict(hparams.to_dict())
+  out.fill_batch = fill_batch_of(hparams, config)
   for field in SHARED_WITH_TRAINING:
     if hparams[field] == FROM_TRAINING:
       out[field] = method[field]
@@ -164,6 +190,9 @@ def check(name: str):
       require(hparams[field] >= 0 or hparams[field] == FROM_TRAINING,
               f'adapters.{name}.{field}',
               f'must be >= 0 (or {FROM_TRAINING}: the trained method\'s), got {hparams[field]}')
+    require(hparams.fill_batch >= 0 or hparams.fill_batch == FROM_TRAINING,
+            f'adapters.{name}.fill_batch', f'must be >= 0 (or {int(FROM_TRAINING)}: '
+            f'config.client.batch_size), got {hparams.fill_batch}')
     require(hparams.max_steps >= 1, f'adapters.{name}.max_steps',
             f'E must be >= 1 (with no step and ψ_0 excluded there is no candidate), got '
             f'{hparams.max_steps}')
@@ -181,13 +210,14 @@ def build(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder of both adapters, from ``config.adapters.<name>`` as
   ``for_method`` resolves it (η_inner and ε set)."""
   del context
-  for field in SHARED_WITH_TRAINING:
+  for field in SHARED_WITH_TRAINING + ('fill_batch',):
     if hparams[field] == FROM_TRAINING:
       raise ValueError(f'adapters.fedtta: {field} is the trained method\'s; resolve the '
                        f'section with for_method first')
   return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience,
                         hparams.norm_epsilon, hparams.loop, hparams.restore_best,
-                        hparams.include_initial, hparams.clip_norm, hparams.weight_decay)
+                        hparams.include_initial, hparams.clip_norm, hparams.weight_decay,
+                        int(hparams.fill_batch))
 
 
 ADAPTERS.register('fedtta', defaults={
@@ -200,7 +230,8 @@ ADAPTERS.register('fedtta', defaults={
     'restore_best': False,        # (only with patience > 0)
     'include_initial': False,
     'clip_norm': 0.0,             # Eq. 11 = Eq. 5: the step training differentiates
-    'weight_decay': 0.0},
+    'weight_decay': 0.0,
+    'fill_batch': int(FROM_TRAINING)},   # config.client.batch_size (module docstring)
     check=check('fedtta'), trained_by=TRAINED_BY,
     for_method=lambda hparams, config, method: for_method('fedtta', hparams, config, method))(
         build)
@@ -222,7 +253,8 @@ ADAPTERS.register('fedtta_pp', defaults={
     # rule can keep it.
     'include_initial': False,
     'clip_norm': 10.0,            # the authors' test loop: clip_grad_norm_(…, 10)
-    'weight_decay': 1e-4},        # and SGD(weight_decay=1e-4)
+    'weight_decay': 1e-4,         # and SGD(weight_decay=1e-4)
+    'fill_batch': int(FROM_TRAINING)},   # config.client.batch_size (module docstring)
     check=check('fedtta_pp'), trained_by=TRAINED_BY,
     for_method=lambda hparams, config, method: for_method('fedtta_pp', hparams, config, method))(
         build)

@@ -70,7 +70,19 @@ class BuildContext(NamedTuple):
 # server state is one global model ``ServerState.variables`` that another stage can
 # start from); pretrained_model=True (trains around a pretrained global model,
 # ``BuildContext.global_variables``); models=(...) (the models it needs).
-ALGORITHMS: Registry = Registry('algorithm')
+# Every method's section also has ``client_learning_rate``: its own local η (e.g. a
+# paper's per-method tuned rates), 0 = the shared ``config.client.learning_rate``.
+ALGORITHMS: Registry = Registry('algorithm', common_defaults={'client_learning_rate': 0.0})
+
+
+def method_client(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
+  """``config.client`` as method ``name`` trains with it: its learning rate replaced by
+  ``config.<name>.client_learning_rate`` when that is set (> 0)."""
+  client = ml_collections.ConfigDict(config.client.to_dict())
+  own = config[name].get('client_learning_rate', 0.0) if name in config else 0.0
+  if own:
+    client.learning_rate = float(own)
+  return client
 
 
 def client_optimizer(client: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -115,6 +127,11 @@ def check_training(config: ml_collections.ConfigDict) -> None:
            'client.local_epochs', 'need local_epochs >= 1 or local_steps >= 1')
   require(config.client.local_steps >= 0, 'client.local_steps',
            f'must be >= 0, got {config.client.local_steps}')
+  for name in config.algorithms:
+    if name in config and 'client_learning_rate' in config[name]:
+      rate = config[name].client_learning_rate
+      require(rate >= 0, f'{name}.client_learning_rate',
+              f'must be >= 0 (0: client.learning_rate), got {rate}')
 
 
 # The Benchmark.info fields a builder may read. Only these reach BuildContext.info,
@@ -130,11 +147,13 @@ def build_info(info: Optional[dict]) -> dict:
 
 def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
                   info: Optional[dict] = None, num_clients: Optional[int] = None,
-                  example_shape: tuple = (), global_variables=None) -> BuildContext:
-  """The engine's part of a builder's input, from ``config.client``, ``config.server``,
+                  example_shape: tuple = (), global_variables=None,
+                  name: str = '') -> BuildContext:
+  """The engine's part of a builder's input, from ``config.client`` (with method
+  ``name``'s own client_learning_rate, if set), ``config.server``,
   ``config.engine.unroll`` and ``config.cohort_size`` over ``num_clients`` (the
   training split's K; None: a cohort fraction of 1)."""
-  c = config.client
+  c = method_client(config, name) if name else config.client
   schedule = LocalSchedule(batch_size=c.batch_size, num_epochs=c.local_epochs,
                            num_steps=c.local_steps, max_examples=max_examples,
                            unroll=config.engine.unroll)
@@ -152,7 +171,7 @@ def build(name: str, config: ml_collections.ConfigDict, module, max_examples: in
   builder = ALGORITHMS.get(name, 'config.algorithms')
   ALGORITHMS.check(name, config[name], f'config.{name}')
   return builder(config[name], build_context(config, module, max_examples, info, num_clients,
-                                             example_shape, global_variables))
+                                             example_shape, global_variables, name))
 
 
 def epochs_schedule(schedule: LocalSchedule, epochs: int) -> LocalSchedule:

@@ -39,13 +39,18 @@ from fedjax_shift.core.groups import ClientGroup, GroupedAlgorithm
 from fedjax_shift.core.local import LocalSchedule, local_train
 from fedjax_shift.registry import require
 
-# The three complexity levels (App. G: "by controlling the hidden channels"; its Table 3
-# is not in our copy of the paper): the base MLP's hidden widths and g's.
+# The three complexity levels (App. G "by controlling the hidden channels", Table 3):
+# base_model 'lenet5' is Table 3's, conv 5x5 of these channels → MLP(512) → MLP(C) (the
+# authors' CIFAR10_LeNet5_small / medium / big); 'mlp' is the CPU-cheap stand-in, MLPs
+# of these hidden widths. g's widths are Table 3's in both (fedtta.ADAPTATION_SIZES).
+BASE_CHANNELS = {'small': (16, 32), 'medium': (32, 64), 'big': (64, 128)}
 BASE_HIDDEN = {'small': (100, 100), 'medium': (200, 200), 'big': (400, 400)}
 SIZES = tuple(BASE_HIDDEN)
+BASE_MODELS = ('mlp', 'lenet5')
 
 DEFAULTS = {
     'sizes': SIZES,                 # the architectures, assigned to clients in turn (App. G)
+    'base_model': 'mlp',            # 'mlp' | 'lenet5' (Table 3's CNNs; see BASE_CHANNELS)
     'kd_lambda': 0.8,               # λ of Eq. 14 (Sec. 4.6: best near 0.8)
     'digest_steps': 10,             # Eq. 14 steps per round on public batches
     'new_client_digest_steps': 100, # Eq. 14 steps of a new client before it adapts
@@ -70,6 +75,8 @@ def check(hparams: ml_collections.ConfigDict) -> None:
   for size in sizes:
     require(size in BASE_HIDDEN, 'hetero_fedtta.sizes',
             f'unknown model size {size!r}; choose from {list(SIZES)}')
+  require(hparams.base_model in BASE_MODELS, 'hetero_fedtta.base_model',
+          f'choose from {list(BASE_MODELS)}, got {hparams.base_model!r}')
   fedtta.check_meta_optimizer('hetero_fedtta', hparams)
   for field in ('kd_lambda', 'inner_learning_rate', 'norm_epsilon', 'digest_steps',
                 'new_client_digest_steps'):
@@ -92,9 +99,13 @@ class Architecture(NamedTuple):
   adaptation_module: object   # g(·; φ)
 
 
-def architecture(size: str, num_classes: int) -> Architecture:
-  return Architecture(models.mlp(num_classes, BASE_HIDDEN[size]),
-                      fedtta.adaptation_model(size))
+def architecture(size: str, num_classes: int, base_model: str = 'mlp') -> Architecture:
+  """The base and adaptation models of complexity ``size`` (BASE_CHANNELS)."""
+  if base_model == 'lenet5':
+    module = models.lenet5(num_classes, BASE_CHANNELS[size])
+  else:
+    module = models.mlp(num_classes, BASE_HIDDEN[size])
+  return Architecture(module, fedtta.adaptation_model(size))
 
 
 def init_params(arch: Architecture, rng: jax.Array, example_x: jax.Array) -> Dict:
@@ -181,7 +192,7 @@ def build(hparams: ml_collections.ConfigDict, num_classes: int, public_x: jax.Ar
   num_public = batches.shape[0] * batches.shape[1]
 
   def group(size: str) -> ClientGroup:
-    arch = architecture(size, num_classes)
+    arch = architecture(size, num_classes, hparams.base_model)
 
     def client_update(knowledge: Knowledge, params, data, rng):
       # Digest (no knowledge before the first aggregation: scaled to 0 in round 0).
@@ -221,14 +232,19 @@ def build(hparams: ml_collections.ConfigDict, num_classes: int, public_x: jax.Ar
 def new_client_params(size: str, num_classes: int, hparams, knowledge: Knowledge,
                       public_x: jax.Array, base_optimizer: optax.GradientTransformation,
                       example_x: jax.Array, rng: jax.Array):
-  """A new client's {'base', 'adaptation'} of architecture ``size``: initialised from
-  ``fold_in(rng, 0)`` and digested for ``new_client_digest_steps`` (Alg. 2, Test)."""
-  arch = architecture(size, num_classes)
-  params = init_params(arch, jax.random.fold_in(rng, 0), example_x)
-  params, _ = digest(arch, fedtta.meta_optimizer(base_optimizer, hparams), params, knowledge,
+  """(a new client's {'base', 'adaptation'} of architecture ``size``, initialised from
+  ``fold_in(rng, 0)`` and digested for ``new_client_digest_steps`` (Alg. 2, Test);
+  {'base', 'adaptation'}: each part's distance from its initialisation, relative,
+  ‖θ − θ_0‖ / ‖θ_0‖)."""
+  arch = architecture(size, num_classes, hparams.base_model)
+  initial = init_params(arch, jax.random.fold_in(rng, 0), example_x)
+  params, _ = digest(arch, fedtta.meta_optimizer(base_optimizer, hparams), initial, knowledge,
                      public_batches(jnp.asarray(public_x), hparams.public_batch_size),
                      hparams.new_client_digest_steps, jax.random.fold_in(rng, 1), hparams)
-  return params
+  norm = lambda tree: jnp.sqrt(sum(jnp.sum(leaf ** 2) for leaf in jax.tree.leaves(tree)))
+  drift = {part: norm(jax.tree.map(jnp.subtract, params[part], initial[part])) /
+           norm(initial[part]) for part in ('base', 'adaptation')}
+  return params, drift
 
 
 def variables_of(params) -> Dict:

@@ -12,10 +12,14 @@ Two shifts of the paper on top (``config.data`` fields):
                          goes to the training clients by ``data.partition`` (the
                          paper: Dirichlet α = 0.1), the new pool to the new clients by
                          Dirichlet(``new_client_alpha``) (0.01 … 0.5).
-  train_rotations,       concept shift (Sec. 4.5, after FedSR): training client k's
-  new_rotations          images are rotated by train_rotations[k mod len] degrees
-                         (0, 30, 60), new client k's by new_rotations[k mod len]
-                         (15, 45), counter-clockwise.
+  train_rotations,       concept shift (Sec. 4.5, App. F): each training client's
+  new_rotations          images are rotated by one angle of train_rotations (0, 30,
+                         60 degrees), each new client's by one of new_rotations (15,
+                         45), counter-clockwise; ``rotation_choice`` 'random' draws
+                         each client's angle uniformly (App. F: "randomly selected …
+                         with equal probability"), 'cycle' gives client k
+                         angles[k mod len]. App. F's clients hold a random sample of
+                         ``sample_examples`` = 1,000 digits, IID over 50 clients.
 
 A public unlabelled set (HeteroFedTTA's D_p, Sec. 3.4) when ``public_source`` is set:
 'holdout' takes ``public_examples`` digits out of the source before partitioning (no
@@ -71,6 +75,10 @@ def check(data_config: ml_collections.ConfigDict) -> None:
     require(data_config.public_examples >= 1, 'data.public_examples',
             f'must be >= 1 with data.public_source={data_config.public_source!r}, got '
             f'{data_config.public_examples}')
+  require(data_config.rotation_choice in ROTATION_CHOICES, 'data.rotation_choice',
+          f'choose from {list(ROTATION_CHOICES)}, got {data_config.rotation_choice!r}')
+  require(data_config.sample_examples >= 0, 'data.sample_examples',
+          f'must be >= 0 (0: every example of the source), got {data_config.sample_examples}')
   require(bool(data_config.train_rotations) == bool(data_config.new_rotations),
           'data.train_rotations', 'concept shift needs both train_rotations and '
           'new_rotations (or neither)')
@@ -136,11 +144,26 @@ def public_set(data_config: ml_collections.ConfigDict, info: dict):
   return x, src.y[indices]
 
 
+ROTATION_CHOICES = ('cycle', 'random')
+
+
+def client_angles(num_clients: int, angles, choice: str, rng: np.random.Generator
+                  ) -> np.ndarray:
+  """[num_clients] degrees: angles[k mod len] ('cycle') or uniform draws ('random');
+  empty when ``angles`` is."""
+  if not len(angles):
+    return np.zeros((0,))
+  angles = np.asarray(angles, np.float64)
+  if choice == 'random':
+    return angles[rng.integers(len(angles), size=num_clients)]
+  return angles[np.arange(num_clients) % len(angles)]
+
+
 def rotated(xs, angles):
-  """Client k's images rotated by angles[k mod len] degrees (none when angles is empty)."""
+  """Client k's images rotated by angles[k] degrees (none when angles is empty)."""
   if not len(angles):
     return list(xs)
-  return [sources.rotate(x, float(angles[k % len(angles)])) for k, x in enumerate(xs)]
+  return [sources.rotate(x, float(angle)) for x, angle in zip(xs, angles)]
 
 
 @BENCHMARKS.register('upfl', defaults={
@@ -149,6 +172,8 @@ def rotated(xs, angles):
     'new_client_alpha': 0.0,        # Table 2: new clients' Dirichlet α (0 = no own split)
     'train_rotations': (),          # Sec. 4.5 concept shift: (0, 30, 60)
     'new_rotations': (),            #   and (15, 45) degrees
+    'rotation_choice': 'cycle',     # a client's angle: 'cycle' | 'random' (App. F)
+    'sample_examples': 0,           # App. F: a random sample of 1,000 digits (0: all)
     'public_source': '',            # HeteroFedTTA's D_p: '' | 'holdout' | 'uci_digits'
     'public_examples': 0,           # |D_p|
 }, check=check, pipelines=('federated', 'hetero'))
@@ -163,15 +188,26 @@ def upfl(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   pool = np.arange(len(src.y))
   if data_config.public_source == 'holdout':   # no client holds a public digit
     pool = np.setdiff1d(pool, public)
+  if data_config.sample_examples:
+    if data_config.sample_examples > len(pool):
+      raise ValueError(f'config.data.sample_examples={data_config.sample_examples}: the '
+                       f'source has only {len(pool)} examples for the clients')
+    pool = np.sort(np.random.default_rng([seed, 41]).permutation(pool)
+                   [:data_config.sample_examples])
   train_parts, new_parts, train_ids, new_ids = client_indices(src.y[pool], data_config,
                                                               src.num_classes, rng)
   train_parts, new_parts = [pool[p] for p in train_parts], [pool[p] for p in new_parts]
   partitions.check_disjoint(train_parts + new_parts)
   val = data_config.validation_fraction
   fractions = {'train': 1.0 - val, 'val': val} if val else {'train': 1.0}
-  train_x = rotated([src.x[p] for p in train_parts], data_config.train_rotations)
+  angle_rng = np.random.default_rng([seed, 43])
+  train_angles = client_angles(len(train_parts), data_config.train_rotations,
+                               data_config.rotation_choice, angle_rng)
+  new_angles = client_angles(len(new_parts), data_config.new_rotations,
+                             data_config.rotation_choice, angle_rng)
+  train_x = rotated([src.x[p] for p in train_parts], train_angles)
   splits_xy = split_clients(train_x, [src.y[p] for p in train_parts], fractions, rng)
-  splits_xy['test'] = (rotated([src.x[p] for p in new_parts], data_config.new_rotations),
+  splits_xy['test'] = (rotated([src.x[p] for p in new_parts], new_angles),
                        [src.y[p] for p in new_parts])
   width = max(len(train_parts), len(new_parts))
   example_shape = src.x.shape[1:]
@@ -188,5 +224,8 @@ def upfl(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
     info['public'] = {'source': data_config.public_source, 'indices': public.tolist()}
   if data_config.train_rotations:
     info['rotations'] = {'train': [float(a) for a in data_config.train_rotations],
-                         'test': [float(a) for a in data_config.new_rotations]}
+                         'test': [float(a) for a in data_config.new_rotations],
+                         'choice': data_config.rotation_choice,
+                         'train_clients': train_angles.tolist(),
+                         'test_clients': new_angles.tolist()}
   return Benchmark(splits, src.num_classes, tuple(example_shape), info)

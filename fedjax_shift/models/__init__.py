@@ -26,7 +26,8 @@ from flax import traverse_util
 from fedjax_shift.models.classifiers import (BN_MOMENTUM, CONV_IMPLS, AdaptationMLP,  # noqa: F401
                                              ATPCNNEncoder, BNMLPEncoder,
                                              Classifier,
-                                             EvolveCNNEncoder, MLPEncoder, ResNet18Encoder,
+                                             EvolveCNNEncoder, LeNetEncoder, MLPEncoder,
+                                             ResNet18Encoder,
                                              WideResNetEncoder)
 from fedjax_shift.models.vit import ViTClassifier, ViTEncoder
 from fedjax_shift.registry import Registry
@@ -54,6 +55,12 @@ def atp_cnn(num_classes: int, conv: str = 'lax') -> nn.Module:
 @MODELS.register('evolve_cnn')
 def evolve_cnn(num_classes: int, pool: str = 'flatten', conv: str = 'lax') -> nn.Module:
   return Classifier(EvolveCNNEncoder(pool=pool, conv=conv), num_classes)
+
+
+@MODELS.register('lenet5')
+def lenet5(num_classes: int, channels=(16, 32), features: int = 512,
+           conv: str = 'lax') -> nn.Module:
+  return Classifier(LeNetEncoder(tuple(channels), features, conv), num_classes)
 
 
 @MODELS.register('resnet18')

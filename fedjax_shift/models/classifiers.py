@@ -212,6 +212,24 @@ class EvolveCNNEncoder(nn.Module):
     return nn.relu(nn.Dense(self.features)(x))
 
 
+class LeNetEncoder(nn.Module):
+  """The UPFL authors' LeNet-5 trunk (their App. G Table 3, CIFAR10_LeNet5_*): two
+  conv5x5 (SAME) + ReLU + 2x2 max-pool of ``channels`` widths, flattened, then
+  Linear ``features`` (512) + ReLU."""
+  channels: Sequence[int] = (16, 32)
+  features: int = 512
+  conv: str = 'lax'
+
+  @nn.compact
+  def __call__(self, x, train: bool = False):
+    del train
+    for width in self.channels:
+      x = Conv(width, (5, 5), padding='SAME', impl=self.conv)(x)
+      x = nn.max_pool(nn.relu(x), (2, 2), (2, 2))
+    x = x.reshape(x.shape[0], -1)
+    return nn.relu(nn.Dense(self.features)(x))
+
+
 class ResidualBlock(nn.Module):
   filters: int
   strides: int = 1

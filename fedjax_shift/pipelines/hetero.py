@@ -18,6 +18,9 @@ Evaluation (every ``eval_every`` rounds and the last), accuracy over examples:
                                (``config.adapters.fedtta_pp``: E, patience, restore_best)
   'knowledge_base/public',     the server's F_base and F_per against D_p's labels (read
   'knowledge_personalized/public'  for this score only): how much the clients' ensemble knows
+  'new_clients/base_drift',    a new client's ‖θ − θ_0‖ / ‖θ_0‖ after digesting, for ψ
+  'new_clients/adaptation_drift'   and for φ (g), the mean over new clients: whether g
+                               moved from its random initialisation at all
 New clients' whole data is adapted in batches of ``eval_adapter_batch_size``; their
 labels are only read to score predictions.
 
@@ -36,7 +39,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_shift import report
-from fedjax_shift.adapters.fedtta import fedtta_adapter
+from fedjax_shift.adapters.fedtta import fedtta_adapter, fill_batch_of
 from fedjax_shift.adapters.no_adapt import no_adapt
 from fedjax_shift.algorithms import base, hetero_fedtta
 from fedjax_shift.benchmarks import BENCHMARKS, upfl
@@ -256,15 +259,16 @@ def build_evaluate(config, num_classes: int, parts: Setup, val: federated.Federa
   early = config.adapters.fedtta_pp   # FedTTA++'s stopping rule (adapters/fedtta.py)
   programs = []
   for size in hp.sizes:
-    arch = hetero_fedtta.architecture(size, num_classes)
+    arch = hetero_fedtta.architecture(size, num_classes, hp.base_model)
     runners = {
         'plain': client_runner(no_adapt(arch.module), batch_size),
-        'one_step': client_runner(fedtta_adapter(arch.module, hp.inner_learning_rate, 1, 0,
-                                                 hp.norm_epsilon), batch_size),
+        'one_step': client_runner(fedtta_adapter(
+            arch.module, hp.inner_learning_rate, 1, 0, hp.norm_epsilon,
+            fill_batch=fill_batch_of(config.adapters.fedtta, config)), batch_size),
         'early_stopped': client_runner(fedtta_adapter(
             arch.module, hp.inner_learning_rate, early.max_steps, early.patience,
             hp.norm_epsilon, early.loop, early.restore_best, early.include_initial,
-            early.clip_norm, early.weight_decay), batch_size)}
+            early.clip_norm, early.weight_decay, fill_batch_of(early, config)), batch_size)}
 
     def score(params, x, y, num_examples, key, runners=runners):
       """{'plain': ψ, 'one_step': FedTTA's, 'early_stopped': FedTTA++'s} sums."""
@@ -272,10 +276,10 @@ def build_evaluate(config, num_classes: int, parts: Setup, val: federated.Federa
       return {name: run(variables, x, y, num_examples, key) for name, run in runners.items()}
 
     def new_client(knowledge, key, x, y, num_examples, size=size, score=score):
-      params = hetero_fedtta.new_client_params(size, num_classes, hp, knowledge,
-                                               parts.public_x, parts.base_optimizer,
-                                               parts.example_x, key)
-      return score(params, x, y, num_examples, key)
+      params, drift = hetero_fedtta.new_client_params(size, num_classes, hp, knowledge,
+                                                      parts.public_x, parts.base_optimizer,
+                                                      parts.example_x, key)
+      return {**score(params, x, y, num_examples, key), 'drift': drift}
 
     programs.append((jax.jit(jax.vmap(score)),
                      jax.jit(jax.vmap(new_client, (None, 0, 0, 0, 0)))))
@@ -286,7 +290,7 @@ def build_evaluate(config, num_classes: int, parts: Setup, val: federated.Federa
                                                    jnp.asarray(ids, jnp.int32))
 
   def evaluate(knowledge, group_states, with_predictions: bool = False):
-    val, test_sums = [], []
+    val, test_sums, drifts = [], [], []
     per_size = {}
     predictions = np.full(test.y.shape, -1, np.int32)
     for (own, new), size, states, part, test_part, ids, ids_new in zip(
@@ -295,6 +299,7 @@ def build_evaluate(config, num_classes: int, parts: Setup, val: federated.Federa
         val.append(own(states, part.x, part.y, part.num_examples, keys(ids, 0)))
       if len(ids_new):
         sums = new(knowledge, keys(ids_new, 1), test_part.x, test_part.y, test_part.num_examples)
+        drifts.append(jax.tree.map(np.asarray, sums.pop('drift')))
         test_sums.append(sums)
         per_size[f'test_{size}'] = _sums_concat([sums['one_step']])
         predictions[ids_new] = np.asarray(sums['one_step']['predictions'])
@@ -306,6 +311,9 @@ def build_evaluate(config, num_classes: int, parts: Setup, val: federated.Federa
                                       'test': joined(test_sums, 'early_stopped')},
                   'digested': {'test': joined(test_sums, 'plain')}}
     metrics = evaluation.summarize(per_client)
+    for part in ('base', 'adaptation'):   # how far digesting moved a new client from init
+      values = np.concatenate([d[part] for d in drifts]) if drifts else np.zeros(0)
+      metrics[f'new_clients/{part}_drift'] = float(np.mean(values)) if len(values) else 0.0
     for name in ('base', 'personalized'):   # the knowledge's argmax against D_p's labels
       metrics[f'knowledge_{name}/public/accuracy'] = float(np.mean(
           np.argmax(np.asarray(getattr(knowledge, name)), -1) == parts.public_y))

@@ -27,7 +27,7 @@ from ml_collections import config_flags
 
 from fedjax_shift import models
 from fedjax_shift.adapters.common import weighted_entropy
-from fedjax_shift.adapters.fedtta import adaptation_module_of
+from fedjax_shift.adapters.fedtta import adaptation_module_of, filled_weight
 from fedjax_shift.algorithms.fedtta import ADAPTATION, inner_step
 from fedjax_shift.pipelines import federated
 
@@ -69,8 +69,10 @@ def probe_seed(config: ml_collections.ConfigDict, workdir: str, algorithm: str,
   test = bench.splits['test']
 
   def trace(x, weight):
+    norm_weight = filled_weight(weight, hparams.fill_batch)   # as the adapter's step
+
     def step(params, _):
-      params = inner_step(module, g, params, variables[ADAPTATION], x, weight,
+      params = inner_step(module, g, params, variables[ADAPTATION], x, norm_weight,
                           hparams.inner_learning_rate, hparams.norm_epsilon, None,
                           hparams.clip_norm, hparams.weight_decay)
       logits = models.apply(module, {'params': params}, x)[0]
