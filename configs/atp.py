@@ -9,6 +9,11 @@ Variants (``--config=configs/atp.py:<variant>[,<more>]``):
   cifar10c_feature | cifar10c_label | cifar10c_hybrid | cifar10c
         the paper's protocol on TFDS cifar10 (+ cifar10_corrupted for the targets)
   cnn        the ATP CNN instead of the CPU-sized BN-MLP on digits
+  resnet18   Table 1's model: torchvision's ResNet-18 (7x7 stem, max-pool), FedAvg lr
+             0.01, α 200 rounds (the release's *_resnet18.sh). The paper starts it from
+             ImageNet weights: set --config.backbone.weights=<torchvision ResNet-18 .npz>
+             (models/torchvision_resnet.py says how to write one); without it the
+             model starts from a random initialisation. Use with cifar10c[_<shift>].
   fedprox | qffl   the pretraining algorithm of ATP Table 7
   learned    adds the learned-rates rows: Tent with one learned rate per BN
              layer, BN-Adapt with a learned prior strength, ATP-online with α trained
@@ -102,6 +107,15 @@ def _cnn(c: ml_collections.ConfigDict, match) -> None:
   c.engine.unroll = True
 
 
+def _resnet18(c: ml_collections.ConfigDict, match) -> None:
+  # ATP Table 1: torchvision resnet18(pretrained=True) on 32x32 CIFAR-10(-C); the
+  # release's pretrain_fedavg_resnet18.sh (lr 0.01) and atp_train_resnet18.sh (200 rounds)
+  c.model = ml_collections.ConfigDict({'name': 'resnet18', 'stem': 'imagenet'})
+  c.client.learning_rate = 0.01
+  c.atp.rounds = 200
+  c.engine.unroll = True
+
+
 def _pretrain(c: ml_collections.ConfigDict, match) -> None:
   c.algorithms = (match[0],)
 
@@ -135,7 +149,7 @@ def _tiny(c: ml_collections.ConfigDict, match) -> None:
 
 
 VARIANTS = ((r'(?P<name>digits|cifar10c)(_(?P<shift>feature|label|hybrid))?', _shift),
-            ('cnn', _cnn), ('fedprox|qffl', _pretrain), ('learned', _learned), ('quick', _quick),
+            ('cnn', _cnn), ('resnet18', _resnet18), ('fedprox|qffl', _pretrain), ('learned', _learned), ('quick', _quick),
             ('tiny', _tiny))
-USAGE = ('digits[_<shift>], cifar10c[_<shift>] (shift in feature, label, hybrid), cnn, fedprox, '
-         'qffl, learned, quick, tiny')
+USAGE = ('digits[_<shift>], cifar10c[_<shift>] (shift in feature, label, hybrid), cnn, resnet18, '
+         'fedprox, qffl, learned, quick, tiny')

@@ -164,3 +164,69 @@ def test_layer_order_is_the_definition_order_not_dict_order(name, shape, extra, 
   with pytest.raises(ValueError, match=r"block: 'encoder/Nope_0' names no layer of this model; "
                                        r"its layers, in order: \['" + order[0]):
     models.layer_selector(module, shape, 'encoder/Nope_0', 'block')
+
+
+def _imagenet_resnet18():
+  module = models.MODELS.get('resnet18')(10, stem='imagenet')
+  variables = models.init(module, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+  return module, variables
+
+
+def test_torchvision_resnet18_weights_load_with_their_names_layout_and_statistics(tmp_path):
+  """A .npz of torchvision's state-dict names loads into the imagenet-stem ResNet-18:
+  every array by name, kernels [O, I, kh, kw] → [kh, kw, I, O], BatchNorm running
+  statistics into batch_stats; the stem's output at one position equals the sum a
+  PyTorch convolution computes (cross-correlation, padding 3, stride 2)."""
+  from fedjax_shift.models import torchvision_resnet
+  from fedjax_shift.models.classifiers import Conv
+  module, variables = _imagenet_resnet18()
+  rng = np.random.default_rng(0)
+  encoder = {c: jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(np.float32),
+                             variables[c]['encoder']) for c in ('params', 'batch_stats')}
+  path = str(tmp_path / 'resnet18.npz')
+  torchvision_resnet.save_npz(path, encoder)
+  stored = dict(np.load(path))
+  assert stored['conv1.weight'].shape == (64, 3, 7, 7)
+  assert stored['layer2.0.downsample.0.weight'].shape == (128, 64, 1, 1)
+  assert stored['layer4.1.bn2.running_var'].shape == (512,)
+  assert len(stored) == 20 * 4 + 20   # 20 BatchNorms × 4 arrays, 20 convolutions
+  stored['fc.weight'] = np.zeros((1000, 512), np.float32)   # a head is not read
+  np.savez(path, **stored)
+  loaded = torchvision_resnet.load_npz(path, module.encoder, jnp.zeros((1, 32, 32, 3)))
+  chex.assert_trees_all_equal(loaded, jax.tree.map(jnp.asarray, encoder))
+  kernel = loaded['params']['Conv_0']['kernel']
+  assert float(kernel[2, 5, 1, 7]) == float(stored['conv1.weight'][7, 1, 2, 5])
+  x = rng.standard_normal((1, 32, 32, 3)).astype(np.float32)
+  out = Conv(64, (7, 7), (2, 2), padding=3, use_bias=False).apply({'params': {'kernel': kernel}}, x)
+  padded = np.pad(x[0], ((3, 3), (3, 3), (0, 0)))
+  weight = stored['conv1.weight']                              # [O, I, kh, kw]
+  expected = np.einsum('hwi,oihw->o', padded[2:9, 4:11], weight)   # output row 1, column 2
+  np.testing.assert_allclose(out[0, 1, 2], expected, rtol=1e-4, atol=1e-4)
+  # The other stem, a missing array and a wrong shape are errors naming them.
+  cifar = models.MODELS.get('resnet18')(10)
+  with pytest.raises(ValueError, match='stem = "imagenet"'):
+    torchvision_resnet.load_npz(path, cifar.encoder, jnp.zeros((1, 32, 32, 3)))
+  del stored['layer3.1.bn1.running_mean']
+  np.savez(path, **stored)
+  with pytest.raises(ValueError, match=r"no array 'layer3.1.bn1.running_mean'.*"
+                                       r"ResidualBlock_5/BatchNorm_0/mean"):
+    torchvision_resnet.load_npz(path, module.encoder, jnp.zeros((1, 32, 32, 3)))
+
+
+def test_a_batch_norm_backbone_replaces_the_encoders_parameters_and_statistics(tmp_path):
+  from fedjax_shift.algorithms.base import ServerState
+  from fedjax_shift.models import torchvision_resnet
+  from fedjax_shift.pipelines import pretrain
+  module, variables = _imagenet_resnet18()
+  encoder = {c: jax.tree.map(lambda a: a + 1.0, variables[c]['encoder'])
+             for c in ('params', 'batch_stats')}
+  path = str(tmp_path / 'resnet18.npz')
+  torchvision_resnet.save_npz(path, encoder)
+  loaded = pretrain.load_encoder(path, module, jnp.zeros((1, 32, 32, 3)))
+  state = pretrain.with_backbone(ServerState(variables, (), 0), loaded, 'fedavg')
+  for collection in ('params', 'batch_stats'):
+    chex.assert_trees_all_close(state.variables[collection]['encoder'], encoder[collection])
+  chex.assert_trees_all_equal(state.variables['params']['head'], variables['params']['head'])
+  mlp = models.MODELS.get('mlp')(10)
+  with pytest.raises(ValueError, match=r'backbone.weights: .*a torchvision ResNet-18'):
+    pretrain.load_encoder(path, mlp, jnp.zeros((1, 28, 28, 1)))

@@ -101,11 +101,21 @@ def test_cifar10c_protocol_reads_tfds_mock_data():
     ('atp.scaling', 'log', 'config.atp.scaling'),
     ('atp.cohort_size', 99, 'config.atp.cohort_size'),
     ('algorithms', ('fedbn',), 'config.algorithms'),
+    ('backbone.weights', 'pretrain', "config.backbone.weights: the atp pipeline starts"),
+    ('backbone.weights', '/nowhere/resnet18.npz', 'config.backbone.weights: .* does not exist'),
 ])
 def test_pipeline_config_errors_name_the_field(field, value, message, tmp_path):
   config = override(tiny(), **{field: value})
   with pytest.raises(ValueError, match=message):
     config_lib.validate(config, str(tmp_path))
+
+
+def test_resnet18_variant_is_the_papers_table_1_model(tmp_path):
+  from configs import atp as atp_configs
+  config = atp_configs.get_config('cifar10c_feature,resnet18')
+  assert (config.model.name, config.model.stem) == ('resnet18', 'imagenet')
+  assert (config.client.learning_rate, config.atp.rounds) == (0.01, 200)
+  config_lib.validate(config, str(tmp_path))
 
 
 def test_pipeline_end_to_end_tables_alpha_and_resume(tmp_path):

@@ -64,8 +64,10 @@ def lenet5(num_classes: int, channels=(16, 32), features: int = 512,
 
 
 @MODELS.register('resnet18')
-def resnet18(num_classes: int, conv: str = 'lax') -> nn.Module:
-  return Classifier(ResNet18Encoder(conv=conv), num_classes)
+def resnet18(num_classes: int, conv: str = 'lax', stem: str = 'cifar') -> nn.Module:
+  """``stem='imagenet'``: torchvision's layout, loadable from its ImageNet weights
+  (models/torchvision_resnet.py)."""
+  return Classifier(ResNet18Encoder(conv=conv, stem=stem), num_classes)
 
 
 @MODELS.register('wide_resnet')

@@ -250,16 +250,31 @@ class ResidualBlock(nn.Module):
     return nn.relu(y + residual)
 
 
+RESNET_STEMS = ('cifar', 'imagenet')
+
+
 class ResNet18Encoder(nn.Module):
-  """CIFAR ResNet-18 (3x3 stem, no max-pool), BatchNorm, global average pool."""
+  """ResNet-18, BatchNorm, global average pool. ``stem`` 'cifar': a 3x3 stride-1 stem,
+  no max-pool; 'imagenet': torchvision's (He et al., CVPR 2016), a 7x7 stride-2 stem
+  then a 3x3 stride-2 max-pool, which ImageNet weights need (ATP's Table 1 model:
+  torchvision's ImageNet ResNet-18 on 32x32 CIFAR images)."""
   stage_sizes: Sequence[int] = (2, 2, 2, 2)
   width: int = 64
   conv: str = 'lax'
+  stem: str = 'cifar'
 
   @nn.compact
   def __call__(self, x, train: bool = False):
-    x = Conv(self.width, (3, 3), padding=1, use_bias=False, impl=self.conv)(x)
-    x = nn.relu(batch_norm(train)(x))
+    if self.stem == 'imagenet':
+      x = Conv(self.width, (7, 7), (2, 2), padding=3, use_bias=False, impl=self.conv)(x)
+      x = nn.relu(batch_norm(train)(x))
+      x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
+    elif self.stem == 'cifar':
+      x = Conv(self.width, (3, 3), padding=1, use_bias=False, impl=self.conv)(x)
+      x = nn.relu(batch_norm(train)(x))
+    else:
+      raise ValueError(f'config.model.stem: choose from {list(RESNET_STEMS)}, got '
+                       f'{self.stem!r}')
     for stage, num_blocks in enumerate(self.stage_sizes):
       for block in range(num_blocks):
         strides = 2 if stage > 0 and block == 0 else 1

@@ -32,6 +32,7 @@ import time
 from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -48,6 +49,7 @@ from fedjax_shift.core.test_time import ADAPTERS, MODES, Adapter, SourceContext
 from fedjax_shift.data import federated
 from fedjax_shift.pipelines.base import (PIPELINES, Results, algorithm_names, check_run,
                                          hardware, require)
+from fedjax_shift.pipelines import pretrain
 from fedjax_shift.pipelines.federated import train_and_evaluate
 
 log = logging.getLogger('fedjax_shift')
@@ -122,6 +124,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
     ADAPTERS.check(adapter, config.adapters[adapter], f'config.adapters.{adapter}')
   validate_learned(config)
+  pretrain.check(config)
+  require(config.backbone.weights != 'pretrain', 'backbone.weights',
+          'the atp pipeline starts its pretraining from a user\'s weights (a path, e.g. '
+          'torchvision\'s ImageNet ResNet-18 as a .npz) or from a random model (\'\')')
   ALGORITHMS.check('atp', config.atp, 'config.atp')
   require(1 <= config.atp.cohort_size <= config.data.num_clients, 'atp.cohort_size',
           f'must be in [1, data.num_clients={config.data.num_clients}], got '
@@ -376,8 +382,12 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
   module = models.create(config.model, data.source.num_classes)
   evaluators = evaluators_for(module, data.source.num_classes)
   algorithm_name = algorithm_names(config)[0]
+  backbone = None
+  if config.backbone.weights:   # e.g. ImageNet weights (ATP's Table 1 ResNet-18)
+    backbone = pretrain.load_encoder(config.backbone.weights, module,
+                                     jnp.asarray(data.source.splits['train'].x[0, :1]))
   pre = train_and_evaluate(shift_config, os.path.join(workdir, 'pretrain'), algorithm_name,
-                           seed, bench=data.source)
+                           seed, bench=data.source, backbone=backbone)
   variables = pre['server_state'].variables
 
   a_config = alpha_config(shift_config)

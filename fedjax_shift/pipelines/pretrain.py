@@ -8,7 +8,9 @@ Feng et al., ICCV 2023 Sec. 3.2 and 4.1), from ``config.backbone``:
                         Adam, and saved with orbax in ``<workdir>/backbone/`` (reused by
                         a later run of the same config; another config's is refused)
   weights = <path>      a user's weights: a ``.npz`` in the ViT-B/16 layout
-                        (models/vit.py ``load_npz``) or a directory this module saved
+                        (models/vit.py ``load_npz``), a ``.npz`` of torchvision's
+                        ResNet-18 state dict (models/torchvision_resnet.py; its
+                        BatchNorm statistics too) or a directory this module saved
 
 No weights can be downloaded here, so 'pretrain' stands in for ImageNet-21K: the
 default pretrains on generated SynthDigits-style renders (fonts), and the clients of
@@ -34,7 +36,7 @@ from flax import traverse_util
 
 from fedjax_shift import models
 from fedjax_shift.data import digit_domains
-from fedjax_shift.models import vit
+from fedjax_shift.models import torchvision_resnet, vit
 from fedjax_shift.pipelines.base import PIPELINES, Results, check_sections, hardware
 from fedjax_shift.registry import check_fields, require
 
@@ -148,13 +150,19 @@ def save(directory: str, params, record: dict) -> None:
 
 
 def load_encoder(path: str, module, example_x: jax.Array) -> dict:
-  """The encoder parameters of ``module`` from ``path`` (a .npz in the ViT-B/16 layout or
-  a directory ``save`` wrote), checked against the shapes ``module`` has for
+  """The encoder variables {'params', ['batch_stats']} of ``module`` from ``path`` (a
+  .npz in the ViT-B/16 layout, a .npz of torchvision's ResNet-18 state dict, or a
+  directory ``save`` wrote), checked against the shapes ``module`` has for
   ``example_x``: a missing or wrong-shaped parameter is an error naming it."""
   if path.endswith('.npz'):
-    require(isinstance(module, vit.ViTClassifier), 'backbone.weights',
-            f'{path}: a .npz in the ViT-B/16 layout needs config.model.name = "vit"')
-    return vit.load_npz(path, module.encoder, example_x)
+    encoder = getattr(module, 'encoder', None)
+    if isinstance(module, vit.ViTClassifier):
+      return {'params': vit.load_npz(path, module.encoder, example_x)}
+    if isinstance(encoder, models.ResNet18Encoder):
+      return torchvision_resnet.load_npz(path, encoder, example_x)
+    raise ValueError(f'config.backbone.weights: {path}: a .npz holds a ViT-B/16 '
+                     f'(config.model.name = "vit") or a torchvision ResNet-18 '
+                     f'(config.model.name = "resnet18", stem = "imagenet")')
   expected = traverse_util.flatten_dict(
       jax.eval_shape(lambda: models.init(module, jax.random.key(0), example_x))['params'])
   stored = ocp.PyTreeCheckpointer().restore(os.path.join(os.path.abspath(path), 'params'))
@@ -162,7 +170,8 @@ def load_encoder(path: str, module, example_x: jax.Array) -> dict:
   encoder = vit.checked_params(encoder_specs, stored, '/'.join,
                                f'config.backbone.weights: {path}',
                                f'config.model ({config_summary(module)})')
-  return traverse_util.unflatten_dict({key[1:]: value for key, value in encoder.items()})
+  return {'params': traverse_util.unflatten_dict({key[1:]: value
+                                                  for key, value in encoder.items()})}
 
 
 def config_summary(module) -> str:
@@ -204,7 +213,8 @@ def pretrained(config: ml_collections.ConfigDict, workdir: str) -> Optional[dict
 
 def backbone_encoder(config: ml_collections.ConfigDict, workdir: str, module,
                      example_x: jax.Array) -> Optional[dict]:
-  """The encoder parameters every method of a run starts from (None: random init)."""
+  """The encoder variables {'params', ['batch_stats']} every method of a run starts
+  from (None: random init)."""
   weights = config.backbone.weights
   if not weights:
     return None
@@ -215,20 +225,23 @@ def backbone_encoder(config: ml_collections.ConfigDict, workdir: str, module,
 
 
 def with_backbone(state, encoder: dict, method: str):
-  """``state`` (a method's initial server state) with ``state.variables['params']
-  ['encoder']`` replaced by ``encoder`` (shapes checked)."""
+  """``state`` (a method's initial server state) with ``state.variables[c]['encoder']``
+  replaced by ``encoder[c]`` for each collection c of ``encoder`` ('params', and
+  'batch_stats' for a BatchNorm backbone; shapes checked)."""
   variables = getattr(state, 'variables', None)
   if not isinstance(variables, dict) or 'encoder' not in variables.get('params', {}):
     raise ValueError(f'config.backbone.weights: method {method!r} keeps no model '
                      f'variables with an encoder in its server state; it cannot start '
                      f'from a pretrained backbone')
-  current = variables['params']['encoder']
-  if jax.tree.structure(current) != jax.tree.structure(encoder) or any(
-      a.shape != b.shape for a, b in zip(jax.tree.leaves(current), jax.tree.leaves(encoder))):
-    raise ValueError(f'config.backbone.weights: the pretrained encoder does not match '
-                     f'method {method!r}\'s model')
-  return state._replace(variables={**variables, 'params': {**variables['params'],
-                                                             'encoder': encoder}})
+  replaced = dict(variables)
+  for collection, loaded in encoder.items():
+    current = variables.get(collection, {}).get('encoder')
+    if current is None or jax.tree.structure(current) != jax.tree.structure(loaded) or any(
+        a.shape != b.shape for a, b in zip(jax.tree.leaves(current), jax.tree.leaves(loaded))):
+      raise ValueError(f'config.backbone.weights: the pretrained encoder\'s {collection} '
+                       f'do not match method {method!r}\'s model')
+    replaced[collection] = {**variables[collection], 'encoder': loaded}
+  return state._replace(variables=replaced)
 
 
 def run_dirs(config: ml_collections.ConfigDict, workdir: str):
