@@ -4,12 +4,14 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from fedjax_shift import algorithms, models
 from fedjax_shift.papers.fedicon import tables as report
 from fedjax_shift.adapters import fedicon as fedicon_adapter
 from fedjax_shift.adapters import fedthe as fedthe_adapter
+from fedjax_shift.algorithms import fedthe as fedthe_algorithm
 from fedjax_shift.algorithms.fedicon import supcon_loss
 from fedjax_shift.benchmarks import BENCHMARKS, label_skew
 from fedjax_shift.core.algorithm import ClientData
@@ -161,15 +163,61 @@ def test_fedicon_uploads_encoder_and_projection_not_head():
   assert sent == {'encoder', 'projection'}
 
 
-def test_fedthe_global_feature_is_the_weighted_mean_of_client_features():
+@pytest.mark.parametrize('weighting', ['uniform', 'num_examples'])
+def test_fedthe_global_feature_is_the_mean_of_client_features(weighting):
+  """f_G: the plain mean of the f_k (the official master.py), or weighted by data size."""
   data, _, _ = toy_clients([6, 2, 7], num_classes=NUM_CLASSES)
-  _, module, algorithm, server = build('fedthe', data)
+  _, module, algorithm, server = build('fedthe', data, **{'fedthe.feature_weighting': weighting})
   states = stack_client_states(algorithm, server, 3)
   out = build_round(algorithm, RoundConfig(cohort_size=3))[1](server, states, data,
                                                                jnp.arange(3), jax.random.key(2))
-  weights = np.array([6, 2, 7]) / 15
+  weights = np.array([6, 2, 7]) / 15 if weighting == 'num_examples' else np.ones(3) / 3
   expected = np.tensordot(weights, np.asarray(out.client_states.feature), axes=1)
   np.testing.assert_allclose(out.server_state.global_feature, expected, rtol=1e-5)
+
+
+def test_fedthe_personal_head_and_feature_come_from_the_received_model():
+  """personal_on='received' (the official THE_worker): f_k is the received global
+  model's mean feature; 'local' takes the locally trained encoder's. With head_bias
+  False the personal head's bias stays 0."""
+  data, _, _ = toy_clients([6, 5], num_classes=NUM_CLASSES)
+  features = {}
+  for where in ('received', 'local'):
+    _, module, algorithm, server = build('fedthe', data, **{'fedthe.personal_on': where})
+    states = stack_client_states(algorithm, server, 2)
+    out = build_round(algorithm, RoundConfig(cohort_size=2))[1](server, states, data,
+                                                                 jnp.arange(2), jax.random.key(2))
+    features[where] = np.asarray(out.client_states.feature[0])
+    np.testing.assert_array_equal(out.client_states.head['bias'], 0.0)
+  one = jax.tree.map(lambda a: jnp.asarray(a[0]), data)
+  expected = fedthe_algorithm.mean_feature(module, server.variables, one)
+  np.testing.assert_allclose(features['received'], expected, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(features['local'], expected, rtol=1e-3)
+
+
+def test_fedthe_balanced_softmax_loss_by_hand():
+  """CE(z + log(n + 1), y): logits z = (1, 0, 0), counts n = (3, 0, 1), label 2:
+  −log(e^{0 + log 2} / (e^{1 + log 4} + e^{0 + log 1} + e^{0 + log 2})) = −log(2 / (4e + 3))."""
+  data = ClientData(jnp.zeros((5, 1)), jnp.array([0, 0, 0, 2, 1]),
+                    jnp.array([True, True, True, True, False]), jnp.int32(4), jnp.int32(1))
+  adjustment = fedthe_algorithm.balanced_softmax_adjustment(data, 3)
+  np.testing.assert_allclose(adjustment, np.log([4.0, 1.0, 2.0]), rtol=1e-6)
+  logits = jnp.array([[1.0, 0.0, 0.0]])
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits + adjustment, jnp.array([2]))
+  np.testing.assert_allclose(loss[0], -np.log(2.0 / (4 * np.e + 3)), rtol=1e-6)
+
+
+def test_fedthe_personal_head_optimizer_decays_the_kernel_and_freezes_the_bias():
+  """One step, lr 0.01, weight decay 5e-4: kernel − 0.01 (g + 5e-4 kernel); bias unchanged."""
+  config = tiny_config()
+  opt = fedthe_algorithm.head_optimizer(config.fedthe)
+  head = {'kernel': jnp.full((2, 3), 2.0), 'bias': jnp.zeros(3)}
+  grads = {'kernel': jnp.full((2, 3), 0.5), 'bias': jnp.ones(3)}
+  updates, _ = opt.update(grads, opt.init(head), head)
+  new = optax.apply_updates(head, updates)
+  np.testing.assert_allclose(new['kernel'], 2.0 - 0.01 * (0.5 + 5e-4 * 2.0), rtol=1e-6)
+  np.testing.assert_array_equal(new['bias'], 0.0)
+  assert (config.fedthe.global_loss, config.fedthe.head_bias) == ('balanced_softmax', False)
 
 
 # --- test-time adapters --------------------------------------------------------------
@@ -237,11 +285,32 @@ def test_fedthe_fixed_weight_gives_one_heads_predictions(weight, head):
     np.testing.assert_array_equal(result['predictions'][k, :n], np.argmax(logits, -1))
 
 
+def test_fedthe_official_history_over_three_batches_by_hand():
+  """THE_worker: batch 1 h = (f_0, α f_1 + (1 − α) h_0, …); a later batch starts from the
+  previous batch's last h, its own first feature unused. Three batches of two rows."""
+  f = np.arange(1.0, 7.0, dtype=np.float32)[:, None]   # features 1 … 6 (one dimension)
+  a = 0.1
+  h1 = [1.0, a * 2 + (1 - a) * 1.0]
+  h2 = [h1[-1], a * 4 + (1 - a) * h1[-1]]               # f = 3 unused
+  h3 = [h2[-1], a * 6 + (1 - a) * h2[-1]]               # f = 5 unused
+  history, has = jnp.zeros(1), jnp.asarray(False)
+  got = []
+  for batch in range(3):
+    per_row, history, has = fedthe_adapter.feature_history(
+        jnp.asarray(f[2 * batch:2 * batch + 2]), jnp.ones(2), history, has, a)
+    got.extend(np.asarray(per_row)[:, 0])
+  np.testing.assert_allclose(got, h1 + h2 + h3, rtol=1e-6)
+  assert fedthe_adapter.DEFAULTS['beta'] == 0.1      # THE_beta's default in parameters.py
+  with pytest.raises(ValueError, match='history: choose from'):
+    fedthe_adapter.feature_history(jnp.asarray(f), jnp.ones(6), history, has, a, 'ema')
+
+
 def test_fedthe_history_is_the_ema_of_the_test_stream():
   features = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
   weight = np.array([1, 1, 0, 1, 1], np.float32)
   per_row, last, has = fedthe_adapter.feature_history(jnp.asarray(features), jnp.asarray(weight),
-                                                      jnp.zeros(3), jnp.asarray(False), 0.1)
+                                                      jnp.zeros(3), jnp.asarray(False), 0.1,
+                                                      'continuous')
   expected, h = [], None
   for f, w in zip(features, weight):
     if w > 0:

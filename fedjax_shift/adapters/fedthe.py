@@ -5,8 +5,11 @@ and FedTHE+ (the ensemble followed by MEMO-style fine-tuning), on models trained
 Per test batch, for every sample i with encoder feature f_i, global-head logits g_i
 and personal-head logits p_i:
 
-  history  h_i = α f_i + (1 − α) h_{i−1} over the test stream (α = 0.1), h_0 = f_0
-  feature  r_i = β f_i + (1 − β) h_i (β = 0.3)
+  history  h_i = α f_i + (1 − α) h_{i−1} over the test stream (α = 0.1), h_0 = f_0;
+           ``history='official'`` (the authors' code): a later batch's first row takes
+           the previous batch's last h unchanged, its own f unused; 'continuous': every
+           row enters the average
+  feature  r_i = β f_i + (1 − β) h_i (β = 0.1, the authors' THE_beta)
   ensemble ŷ_i = e_i g_i + (1 − e_i) p_i, (e_i, 1 − e_i) = softmax(w_i), w_i = log(½, ½)
   loss     mean_i  s_i H(softmax ŷ_i) + (1 − s_i)(e_i ‖r_i − f_G‖ + (1 − e_i) ‖r_i − f_k‖)
            with s_i = cos(softmax g_i, softmax p_i) (no gradient)
@@ -38,6 +41,7 @@ from fedjax_shift.parts.fedthe_extras import EXTRA
 from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 from fedjax_shift.data.augment import augment_many
+from fedjax_shift.registry import require
 
 GRADIENT_TOLERANCE = 1e-5   # authors' code: stop when ‖∇w‖ < 1e-5
 
@@ -62,26 +66,40 @@ def two_heads(module, variables, x):
           models.head(variables, features))
 
 
-def feature_history(features, weight, history, has_history, alpha: float):
-  """h over the batch (rows with weight 0 leave it unchanged): ([B, F], last h, has)."""
+HISTORY_RULES = ('official', 'continuous')
+
+
+def feature_history(features, weight, history, has_history, alpha: float,
+                    rule: str = 'official'):
+  """h over the batch (rows with weight 0 leave it unchanged): ([B, F], last h, has).
+  ``rule`` (HISTORY_RULES): 'official' starts a batch that follows another from the
+  previous last h without its first row's feature (the authors' THE_worker); the
+  'continuous' EMA takes every row."""
+  if rule not in HISTORY_RULES:
+    raise ValueError(f'config.adapters.fedthe.history: choose from {list(HISTORY_RULES)}, '
+                     f'got {rule!r}')
 
   def body(carry, row):
-    last, has = carry
+    last, has, started = carry
     feature, real = row
     new = jnp.where(has, alpha * feature + (1.0 - alpha) * last, feature)
+    if rule == 'official':   # the batch's first row carries the previous batch's h over
+      new = jnp.where(has & ~started, last, new)
     new = jnp.where(real > 0, new, last)
-    has = has | (real > 0)
-    return (new, has), new
+    return (new, has | (real > 0), started | (real > 0)), new
 
-  (last, has), per_row = jax.lax.scan(body, (history, has_history), (features, weight))
+  (last, has, _), per_row = jax.lax.scan(body, (history, has_history, jnp.asarray(False)),
+                                         (features, weight))
   return per_row, last, has
 
 
 def fedthe_adapter(module, learning_rate: float = 0.1, steps: int = 20, alpha: float = 0.1,
-                   beta: float = 0.3, initial_global_weight: float = 0.5, tune_steps: int = 0,
+                   beta: float = 0.1, initial_global_weight: float = 0.5, tune_steps: int = 0,
                    tune_learning_rate: float = 0.0005, num_augmentations: int = 16,
-                   name: str = 'fedthe') -> Adapter:
+                   name: str = 'fedthe', history: str = 'official') -> Adapter:
   field = f'config.adapters.{name}'
+  if history not in HISTORY_RULES:
+    raise ValueError(f'{field}.history: choose from {list(HISTORY_RULES)}, got {history!r}')
   if steps < 0 or tune_steps < 0:
     raise ValueError(f'{field}.steps and .tune_steps must be >= 0, got {steps}, {tune_steps}')
   if not 0.0 <= initial_global_weight <= 1.0:
@@ -149,15 +167,15 @@ def fedthe_adapter(module, learning_rate: float = 0.1, steps: int = 20, alpha: f
     rng, tune_key = jax.random.split(state.rng)
     variables = state.variables
     features, g, p = two_heads(module, variables, batch.x)
-    per_row, history, has_history = feature_history(features, batch.weight, state.history,
-                                                    state.has_history, alpha)
+    per_row, last, has_history = feature_history(features, batch.weight, state.history,
+                                                 state.has_history, alpha, history)
     global_weight = learn_weights(features, g, p, per_row, batch.weight, variables[EXTRA])
     if tune_steps:
       keys = jax.random.split(tune_key, batch.x.shape[0])
       logits = jax.vmap(tune_one, (None, 0, 0, 0))(variables, batch.x, global_weight, keys)
     else:
       logits = ensemble_logits(g, p, global_weight)
-    return EnsembleState(variables, history, has_history, rng), logits
+    return EnsembleState(variables, last, has_history, rng), logits
 
   return Adapter(init, step)
 
@@ -166,28 +184,41 @@ DEFAULTS = {
     'learning_rate': 0.1,             # authors' code: Adam, 10 × lr (0.01)
     'steps': 20,                      # authors' code: THE_steps = 20
     'alpha': 0.1,                     # authors' code: THE_alpha (history EMA)
-    'beta': 0.3,                      # authors' code: test feature vs history (β = 0.3)
+    'beta': 0.1,                      # authors' code: THE_beta = 0.1 (parameters.py)
     'initial_global_weight': 0.5,     # authors' code: softmax of (1, 1)
+    'history': 'official',            # HISTORY_RULES: the authors' code's test history
 }
 
 
-@ADAPTERS.register('fedthe', defaults={**DEFAULTS, 'tune_steps': 0},
+def checker(name: str):
+  def check(hparams) -> None:
+    require(hparams.history in HISTORY_RULES, f'adapters.{name}.history',
+            f'choose from {list(HISTORY_RULES)}, got {hparams.history!r}')
+    require(0.0 <= hparams.beta <= 1.0, f'adapters.{name}.beta',
+            f'must be in [0, 1], got {hparams.beta}')
+  return check
+
+
+@ADAPTERS.register('fedthe', defaults={**DEFAULTS, 'tune_steps': 0}, check=checker('fedthe'),
                    trained_by=('fedthe',), adapts_models=('personalized',))
 def build_fedthe(module, hparams, context: SourceContext) -> Adapter:
   """FedTHE: the learned two-head ensemble, from ``config.adapters.fedthe``."""
   del context
   return fedthe_adapter(module, hparams.learning_rate, hparams.steps, hparams.alpha,
-                        hparams.beta, hparams.initial_global_weight, hparams.tune_steps)
+                        hparams.beta, hparams.initial_global_weight, hparams.tune_steps,
+                        history=hparams.history)
 
 
 @ADAPTERS.register('fedthe_plus', defaults={
     **DEFAULTS,
     'tune_steps': 3,                  # authors' code: _test_time_tune num_steps = 3
     'tune_learning_rate': 0.0005,     # authors' code: SGD lr 0.0005
-    'num_augmentations': 16}, trained_by=('fedthe',), adapts_models=('personalized',))
+    'num_augmentations': 16}, check=checker('fedthe_plus'), trained_by=('fedthe',),
+    adapts_models=('personalized',))
 def build_fedthe_plus(module, hparams, context: SourceContext) -> Adapter:
   """FedTHE+: the ensemble, then per-sample marginal-entropy tuning."""
   del context
   return fedthe_adapter(module, hparams.learning_rate, hparams.steps, hparams.alpha,
                         hparams.beta, hparams.initial_global_weight, hparams.tune_steps,
-                        hparams.tune_learning_rate, hparams.num_augmentations, 'fedthe_plus')
+                        hparams.tune_learning_rate, hparams.num_augmentations, 'fedthe_plus',
+                        hparams.history)

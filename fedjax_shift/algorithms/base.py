@@ -179,12 +179,17 @@ def epochs_schedule(schedule: LocalSchedule, epochs: int) -> LocalSchedule:
   return schedule._replace(num_epochs=epochs, num_steps=0)
 
 
-def cross_entropy_loss(module, extra_loss: Optional[Callable[[PyTree], jax.Array]] = None):
-  """LossFn: masked mean CE in train mode (+ ``extra_loss(params)``), new batch stats."""
+def cross_entropy_loss(module, extra_loss: Optional[Callable[[PyTree], jax.Array]] = None,
+                       logit_adjustment: Optional[jax.Array] = None):
+  """LossFn: masked mean CE in train mode (+ ``extra_loss(params)``), new batch stats.
+  ``logit_adjustment`` [C] is added to the logits inside the loss (e.g. the balanced
+  softmax's log class counts)."""
 
   def loss_fn(params, model_state, x, y, weight, rng):
     del rng
     logits, variables = models.apply(module, {'params': params, **model_state}, x, 'train')
+    if logit_adjustment is not None:
+      logits = logits + logit_adjustment
     loss = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), weight)
     if extra_loss is not None:
       loss = loss + extra_loss(params)
@@ -206,12 +211,15 @@ def init_server(module, server_opt: optax.GradientTransformation):
 
 
 def train_variables(context: BuildContext, variables, data: ClientData, rng, extra_loss=None,
-                    schedule: Optional[LocalSchedule] = None):
+                    schedule: Optional[LocalSchedule] = None,
+                    logit_adjustment: Optional[jax.Array] = None):
   """Local training (``context.client_optimizer``, ``schedule`` or the context's) from
-  ``variables`` on ``data``; returns (new variables, metrics)."""
+  ``variables`` on ``data`` (``cross_entropy_loss``'s options); returns (new variables,
+  metrics)."""
   params, model_state = split_variables(variables)
   params, model_state, _, metrics = local_train(
-      cross_entropy_loss(context.module, extra_loss), context.client_optimizer, params,
+      cross_entropy_loss(context.module, extra_loss, logit_adjustment),
+      context.client_optimizer, params,
       model_state, data, rng, schedule or context.schedule)
   return {'params': params, **model_state}, metrics
 
