@@ -350,8 +350,23 @@ def test_every_shifted_test_set_is_disjoint_from_all_training_data():
       assert not rows(bench.splits[name], k) & train, (name, k)
 
 
-def test_shifted_test_sets_follow_their_definitions():
+def test_pooled_out_of_client_sets_are_a_share_of_the_other_clients_tests():
+  """FedTHE's OOC set: client k draws round(P_k / 5) examples from the pool P_k of the
+  other five clients' test splits, none of its own."""
   bench = shifted_benchmark()
+  test, ooc = bench.splits['test'], bench.splits['test_ooc']
+  for k in range(6):
+    others = set().union(*(rows(test, j) for j in range(6) if j != k))
+    pool_size = sum(int(test.num_examples[j]) for j in range(6) if j != k)
+    assert rows(ooc, k) <= others and not rows(ooc, k) & rows(test, k)
+    assert int(ooc.num_examples[k]) == round(pool_size / 5)
+  assert bench.info['ooc_source'] == 'pooled'
+  with pytest.raises(ValueError, match='data.ooc_source'):
+    label_skew.check(data_config(ooc_source='all'))
+
+
+def test_shifted_test_sets_follow_their_definitions():
+  bench = shifted_benchmark(ooc_source='donor')
   test, donors = bench.splits['test'], bench.info['ooc_donors']
   assert sorted(donors) == list(range(6)) and all(d != k for k, d in enumerate(donors))
   natural = bench.splits['test_natural']

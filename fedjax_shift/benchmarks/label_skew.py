@@ -3,8 +3,10 @@ test splits and up to five test sets (FedTHE Sec. 5 and its official code):
 
   test            in-distribution: the client's own held-out examples
   test_corrupted  the same under one CIFAR-10-C corruption per client (``corruptions``)
-  test_ooc        out-of-client label shift: the test split of another client (a random
-                  derangement of the clients), so another label distribution
+  test_ooc        out-of-client label shift, another label distribution: with
+                  ``ooc_source='pooled'`` (FedTHE's create_dataset) a random 1/(K−1) of
+                  the other K−1 clients' pooled test splits; with 'donor' the test
+                  split of one other client (a random derangement of the clients)
   test_natural    natural shift: the client's test label counts drawn from another
                   real source (``natural_source``; 'auto': UCI digits, framed as MNIST's,
                   for MNIST clients; CIFAR-10.1 through TFDS for CIFAR-10)
@@ -39,6 +41,8 @@ def check(data_config: ml_collections.ConfigDict) -> None:
   for name in data_config.corruptions:
     require(name in corruptions.ALL_CORRUPTIONS, 'data.corruptions',
             f'unknown corruption {name!r}; choose from {list(corruptions.ALL_CORRUPTIONS)}')
+  require(data_config.ooc_source in OOC_SOURCES, 'data.ooc_source',
+          f'choose from {list(OOC_SOURCES)}, got {data_config.ooc_source!r}')
   for name in data_config.shift_tests:
     require(name in SHIFT_TESTS, 'data.shift_tests',
             f'unknown test set {name!r}; choose from {list(SHIFT_TESTS)}')
@@ -54,6 +58,7 @@ def check(data_config: ml_collections.ConfigDict) -> None:
 
 
 SHIFT_TESTS = ('ooc', 'natural', 'mixture')
+OOC_SOURCES = ('pooled', 'donor')
 # data.source -> the natural shift 'auto' picks (FedTHE: CIFAR-10 -> CIFAR-10.1).
 NATURAL_SOURCES = {'mnist_embedded': 'uci_digits', 'tfds:mnist': 'uci_digits',
                    'tfds:cifar10': 'tfds:cifar10_1'}
@@ -128,6 +133,21 @@ def ooc_donors(num_clients: int, rng: np.random.Generator) -> np.ndarray:
       return donors
 
 
+def pooled_ooc(xs, ys, rng: np.random.Generator):
+  """Per client k, a random round(P_k / (K − 1)) of the pool P_k of the other clients'
+  test examples (FedTHE's out-of-client test set): ([x_k], [y_k])."""
+  num_clients = len(ys)
+  out_x, out_y = [], []
+  for k in range(num_clients):
+    others = [j for j in range(num_clients) if j != k] or [k]
+    pool_x = np.concatenate([xs[j] for j in others])
+    pool_y = np.concatenate([ys[j] for j in others])
+    take = rng.permutation(len(pool_y))[:int(round(len(pool_y) / len(others)))]
+    out_x.append(pool_x[take])
+    out_y.append(pool_y[take])
+  return out_x, out_y
+
+
 def mixture(test_sets, rng: np.random.Generator):
   """Per client, round(n_s / S) random examples of each of its S test sets s, shuffled:
   ([x_k], [y_k])."""
@@ -153,6 +173,7 @@ def mixture(test_sets, rng: np.random.Generator):
     'severity': 5,                    # FedTHE corrupted test set: severity 5
     'shift_tests': (),                # any of 'ooc', 'natural', 'mixture' (FedTHE's five)
     'natural_source': 'auto',         # test_natural's source ('auto': by data.source)
+    'ooc_source': 'pooled',           # test_ooc: 'pooled' (FedTHE) | 'donor' (one client)
 }, check=check, pipelines=('federated',))
 def label_skew_corrupted(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """Label-skewed clients evaluated on clean and corrupted test splits (FedTHE-style).
@@ -192,10 +213,14 @@ def label_skew_corrupted(data_config: ml_collections.ConfigDict, seed: int) -> B
     if 'test_corrupted' in splits:
       test_sets['test_corrupted'] = (corrupted, splits_xy['test'][1])
     if 'ooc' in shift_tests:
-      donors = ooc_donors(len(parts), shift_rng)
       xs, ys = splits_xy['test']
-      test_sets['test_ooc'] = ([xs[d] for d in donors], [ys[d] for d in donors])
-      info['ooc_donors'] = donors.tolist()
+      if data_config.ooc_source == 'pooled':
+        test_sets['test_ooc'] = pooled_ooc(xs, ys, shift_rng)
+      else:
+        donors = ooc_donors(len(parts), shift_rng)
+        test_sets['test_ooc'] = ([xs[d] for d in donors], [ys[d] for d in donors])
+        info['ooc_donors'] = donors.tolist()
+      info['ooc_source'] = data_config.ooc_source
     if 'natural' in shift_tests:
       pool = load_natural(data_config, example_shape)
       drawn = draw_like(splits_xy['test'][1], pool.y, shift_rng)
