@@ -130,8 +130,10 @@ def test_batch_of_one_is_refused_naming_the_field():
 
 @pytest.mark.parametrize('name', ['fedicon', 'fedicon_us', 'fedthe'])
 def test_personal_heads_never_reach_the_server(name):
+  """FedTHE's personal heads, and FedICON's with head_sharing='local'."""
   data, _, _ = toy_clients([6, 5, 7], num_classes=NUM_CLASSES)
-  _, _, algorithm, server = build(name, data)
+  _, _, algorithm, server = build(name, data, **{f'{name}.head_sharing': 'local'}
+                                  if name != 'fedthe' else {})
   states = stack_client_states(algorithm, server, 3)
   other = jax.tree.map(lambda a: a + jax.random.normal(jax.random.key(9), a.shape), states)
   if name == 'fedthe':   # its client features are recomputed each round; heads are not
@@ -157,10 +159,44 @@ def first_client_update(algorithm, server, data):
 
 def test_fedicon_uploads_encoder_and_projection_not_head():
   data, _, _ = toy_clients([6, 5], num_classes=NUM_CLASSES)
-  _, _, algorithm, server = build('fedicon', data)
+  _, _, algorithm, server = build('fedicon', data, **{'fedicon.head_sharing': 'local'})
   output = first_client_update(algorithm, server, data)
   sent = {path[1] for path in output.update}
   assert sent == {'encoder', 'projection'}
+
+
+def test_fedicon_federated_head_is_averaged_then_personalised_alone():
+  """head_sharing='federated_then_personal' (Sec. 4.1.2): the server's head after a round
+  is the weighted mean of the clients' trained heads; personalisation trains the head
+  alone on the final encoder's eval-mode features (encoder, projection and BatchNorm
+  statistics unchanged)."""
+  data, _, _ = toy_clients([6, 5], num_classes=NUM_CLASSES)
+  _, _, algorithm, server = build('fedicon', data)
+  outputs = []
+  for k in range(2):
+    one = jax.tree.map(lambda a: jnp.asarray(a[k]), data)
+    outputs.append(algorithm.client_update(
+        server, (), ClientData(one.x, one.y, one.mask, one.num_examples, jnp.int32(10 ** 6)),
+        jax.random.key(k))[0])
+  assert {path[1] for path in outputs[0].update} == {'encoder', 'projection', 'head'}
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *outputs)
+  weights = jnp.array([6.0, 5.0]) / 11
+  new = algorithm.server_update(server, stacked, weights)
+  head = ('params', 'head', 'kernel')
+  start = server.variables['params']['head']['kernel']
+  expected = sum(w * (start + out.update[head]) for w, out in zip(weights, outputs))
+  np.testing.assert_allclose(new.variables['params']['head']['kernel'], expected,
+                             rtol=1e-5, atol=1e-6)
+  personal = personalized_variables(algorithm, new, (),
+                                    jax.tree.map(lambda a: jnp.asarray(a[0]), data), 0,
+                                    jax.random.key(5))
+  for name in ('encoder', 'projection'):
+    chex.assert_trees_all_equal(personal['params'][name], new.variables['params'][name])
+  chex.assert_trees_all_equal(personal['batch_stats'], new.variables['batch_stats'])
+  assert not np.allclose(personal['params']['head']['kernel'],
+                         new.variables['params']['head']['kernel'])
+  with pytest.raises(ValueError, match='fedicon.head_sharing'):
+    build('fedicon', data, **{'fedicon.head_sharing': 'global'})
 
 
 @pytest.mark.parametrize('weighting', ['uniform', 'num_examples'])

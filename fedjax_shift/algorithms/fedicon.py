@@ -2,17 +2,24 @@
 (Tan et al., NeurIPS 2023, Sec. 4; its Algorithm 1 is in an appendix our copy lacks).
 
   client i, each round (Sec. 4.1.1):
-    head_i ← ``head_epochs`` of SGD on CE (lr 0.01), encoder frozen; the head never
-             leaves the client
+    head_i ← ``head_epochs`` of SGD on CE (lr 0.01), encoder frozen: from the
+             server's head, and averaged with the encoder (``head_sharing=
+             'federated_then_personal'``, Sec. 4.1.2: "we conduct multiple federated
+             training steps at first and then personalize the classifier"), or from
+             the client's own head, which never leaves it ('local', the other reading)
     two random views of every example (data/augment.py ``two_views``)
     z = normalise(g(h(x; θ_i))), the encoder h and a projection g to 64 numbers (Eq. 3)
     θ_i, g_i ← E = ``client.local_epochs`` of SGD (``learning_rate`` 0.005) on L_sup
              (Eq. 4, SupCon, τ = 0.1) over the 2B views of each batch of
              ``client.batch_size`` (the config.client optimizer is not used: the paper
              gives the contrastive loss its own rate)
-  server (Eq. 6): θ ← Σ_i |D_i|/N θ_i, and g likewise (the engine's weighted mean)
-  personalised model: the global encoder with the client's head, fine-tuned for
-    ``head_epochs`` on it ("then personalize the classifier for each client", Sec. 4.1.2)
+  server (Eq. 6): θ ← Σ_i |D_i|/N θ_i, and g (and the federated head) likewise
+  personalised model: the global encoder with a head personalised on it ("then
+    personalize the classifier for each client", Sec. 4.1.2): 'federated_then_personal'
+    trains the server's head ``personal_epochs`` on the frozen final encoder's
+    eval-mode features (the linear stage of SupCon, "a linear classifier on top of the
+    fixed feature encoder"; its BatchNorm statistics are those the prediction uses);
+    'local' fine-tunes the client's own head for ``head_epochs``
   test time (Eq. 7): adapters/fedicon.py
 
 FedICON-us (Table 4): the same with every example its own class in Eq. 4, so a view's
@@ -30,7 +37,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.algorithms.fedrep import body_only, train_part, with_head
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
-from fedjax_shift.core.local import local_train
+from fedjax_shift.core.local import local_train, masked_mean
 from fedjax_shift.data import augment
 from fedjax_shift.registry import require
 
@@ -70,8 +77,15 @@ def check(section: str):
             f'{hparams.head_learning_rate}')
     require(hparams.head_epochs >= 1, f'{section}.head_epochs',
             f'must be >= 1, got {hparams.head_epochs}')
+    require(hparams.personal_epochs >= 1, f'{section}.personal_epochs',
+            f'must be >= 1, got {hparams.personal_epochs}')
+    require(hparams.head_sharing in HEAD_SHARING, f'{section}.head_sharing',
+            f'choose from {list(HEAD_SHARING)}, got {hparams.head_sharing!r}')
 
   return check_section
+
+
+HEAD_SHARING = ('federated_then_personal', 'local')
 
 
 DEFAULTS = {
@@ -80,7 +94,13 @@ DEFAULTS = {
     'learning_rate': 0.005,           # Sec. 5.1: SGD lr 0.005 for the contrastive loss
     'head_learning_rate': 0.01,       # Sec. 5.1: lr 0.01 for the CE (head) loss
     'weight_decay': 5e-4,             # Sec. 5.1: SGD weight decay 5e-4 (both)
-    'head_epochs': 1,                 # epochs of head training per round and to personalise
+    'head_epochs': 1,                 # epochs of head training per round ('local': and
+                                      # to personalise)
+    'head_sharing': 'federated_then_personal',   # HEAD_SHARING (Sec. 4.1.2)
+    # The linear stage's epochs on the final encoder (not in the paper; SupCon trains
+    # its linear classifier to convergence): 10 epochs of batch 32 are ~50 SGD steps on
+    # a label-skew client's ~150 training digits.
+    'personal_epochs': 10,
     # SimCLR's chain without the flip (digits): data/augment.py VIEW_AUGMENTATIONS.
     'augmentations': ('random_resized_crop', 'colour_jitter', 'grayscale', 'gaussian_blur'),
 }
@@ -148,6 +168,31 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
   def shared_personalize(server_state, head, data, rng):
     return train_head(with_head(server_state.variables, head), data, rng)[0]
 
+  def linear_stage(variables, data, rng):
+    """The head trained ``personal_epochs`` on the frozen encoder's eval-mode features."""
+    params, model_state = base.split_variables(variables)
+    frozen = {k: v for k, v in params.items() if k != 'head'}
+
+    def loss_fn(head, state, x, y, weight, step_rng):
+      del step_rng
+      logits = models.apply(module, {'params': {**frozen, 'head': head}, **state}, x, 'eval')[0]
+      return masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y),
+                         weight), state
+
+    head, _, _, _ = local_train(loss_fn, head_context.client_optimizer, params['head'],
+                                model_state, data, rng,
+                                base.epochs_schedule(context.schedule, hparams.personal_epochs))
+    return with_head(variables, head)
+
+  def federated_update(server_state, client_state, data, rng):
+    variables, metrics = train(server_state.variables, data, rng)
+    delta = base.tree_sub(variables, server_state.variables)
+    return ClientOutput(base.send_only(delta, lambda path: True), metrics), client_state
+
+  def federated_personalize(server_state, client_state, data, rng):
+    del client_state
+    return linear_stage(server_state.variables, data, rng)
+
   def own_update(server_state, own_variables, data, rng):
     del server_state   # Table 5 without global invariance sharing: nothing is sent
     variables, metrics = train(own_variables, data, rng)
@@ -156,12 +201,19 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
   def own_personalize(server_state, own_variables, data, rng):
     return train_head(own_variables, data, rng)[0]
 
-  client_update, personalize = ((shared_update, shared_personalize) if share
-                                else (own_update, own_personalize))
+  federated_head = share and hparams.head_sharing == 'federated_then_personal'
+  if federated_head:
+    client_update, personalize = federated_update, federated_personalize
+    init_client_state = lambda server_state: ()
+  elif share:
+    client_update, personalize = shared_update, shared_personalize
+    init_client_state = lambda server_state: server_state.variables['params']['head']
+  else:
+    client_update, personalize = own_update, own_personalize
+    init_client_state = lambda server_state: server_state.variables
   return FederatedAlgorithm(
       init=init,
-      init_client_state=(lambda server_state: server_state.variables['params']['head'])
-      if share else (lambda server_state: server_state.variables),
+      init_client_state=init_client_state,
       client_update=client_update,
       server_update=base.partial_server_update(context.server_optimizer),
       personalize=personalize, global_model=None)
