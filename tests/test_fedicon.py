@@ -159,10 +159,11 @@ def first_client_update(algorithm, server, data):
 
 def test_fedicon_uploads_encoder_and_projection_not_head():
   data, _, _ = toy_clients([6, 5], num_classes=NUM_CLASSES)
-  _, _, algorithm, server = build('fedicon', data, **{'fedicon.head_sharing': 'local'})
-  output = first_client_update(algorithm, server, data)
-  sent = {path[1] for path in output.update}
-  assert sent == {'encoder', 'projection'}
+  for dim, expected in ((64, {'encoder', 'projection'}), (0, {'encoder'})):
+    _, _, algorithm, server = build('fedicon', data, **{'fedicon.head_sharing': 'local',
+                                                        'fedicon.projection_dim': dim})
+    output = first_client_update(algorithm, server, data)
+    assert {path[1] for path in output.update} == expected
 
 
 def test_fedicon_federated_head_is_averaged_then_personalised_alone():
@@ -178,7 +179,7 @@ def test_fedicon_federated_head_is_averaged_then_personalised_alone():
     outputs.append(algorithm.client_update(
         server, (), ClientData(one.x, one.y, one.mask, one.num_examples, jnp.int32(10 ** 6)),
         jax.random.key(k))[0])
-  assert {path[1] for path in outputs[0].update} == {'encoder', 'projection', 'head'}
+  assert {path[1] for path in outputs[0].update} == {'encoder', 'head'}   # Eq. 3: no g
   stacked = jax.tree.map(lambda *a: jnp.stack(a), *outputs)
   weights = jnp.array([6.0, 5.0]) / 11
   new = algorithm.server_update(server, stacked, weights)
@@ -190,8 +191,7 @@ def test_fedicon_federated_head_is_averaged_then_personalised_alone():
   personal = personalized_variables(algorithm, new, (),
                                     jax.tree.map(lambda a: jnp.asarray(a[0]), data), 0,
                                     jax.random.key(5))
-  for name in ('encoder', 'projection'):
-    chex.assert_trees_all_equal(personal['params'][name], new.variables['params'][name])
+  chex.assert_trees_all_equal(personal['params']['encoder'], new.variables['params']['encoder'])
   chex.assert_trees_all_equal(personal['batch_stats'], new.variables['batch_stats'])
   assert not np.allclose(personal['params']['head']['kernel'],
                          new.variables['params']['head']['kernel'])
@@ -294,11 +294,18 @@ def test_fedicon_memory_is_first_in_first_out():
   assert int(slot) == 1
 
 
-def test_fedicon_adapter_refuses_models_without_projection_and_bad_sizes():
-  config, module, variables, data = trained('fedthe')
-  adapter = fedicon_adapter.fedicon_tta(module, batch_size=4)
-  with pytest.raises(ValueError, match='fedicon or fedicon_us'):
-    adapter.init(variables, jax.random.key(0))
+def test_fedicon_adapter_contrasts_the_encoder_output_without_a_projection_and_bad_sizes():
+  """Eq. 3 with no projection: the memory holds normalised encoder outputs (the head's
+  input width); bad memory and batch sizes are refused."""
+  config, module, variables, data = trained('fedicon')
+  assert 'projection' not in variables['params']
+  adapter = fedicon_adapter.fedicon_tta(module, memory_size=8, batch_size=4)
+  state, logits = adapter.step(adapter.init(variables, jax.random.key(0)),
+                               AdaptBatch(jnp.asarray(data.x[0, :4]), jnp.ones(4)))
+  assert state.memory.shape == (8, variables['params']['head']['kernel'].shape[0])
+  np.testing.assert_allclose(jnp.linalg.norm(state.memory[:4], axis=-1), 1.0, rtol=1e-5)
+  assert int(state.memory_valid.sum()) == 4
+  assert np.all(np.isfinite(logits))
   with pytest.raises(ValueError, match='memory_size'):
     fedicon_adapter.fedicon_tta(module, memory_size=3, batch_size=4)
   with pytest.raises(ValueError, match='eval_adapter_batch_size=1'):
@@ -532,7 +539,8 @@ def test_without_sharing_nothing_is_sent_and_each_client_keeps_its_encoder():
 
 def test_cross_entropy_ablation_leaves_the_projection_untrained():
   data, _, _ = toy_clients([6, 5], num_classes=NUM_CLASSES)
-  _, _, algorithm, server = build('fedicon_ce', data, **{'fedicon_ce.weight_decay': 0.0})
+  _, _, algorithm, server = build('fedicon_ce', data, **{'fedicon_ce.weight_decay': 0.0,
+                                                         'fedicon_ce.projection_dim': 64})
   output = first_client_update(algorithm, server, data)
   projection = {p: v for p, v in output.update.items() if p[1] == 'projection'}
   encoder = {p: v for p, v in output.update.items() if p[1] == 'encoder'}

@@ -16,8 +16,9 @@ variant's (tests/test_fedicon.py).
 Each batch takes ``steps`` SGD steps (lr 0.005, the paper's contrastive rate) on the
 encoder and projection, in batch-statistics mode, then predicts with the personal head
 in eval mode ('after'; 'before' predicts with the model it started the batch with).
-Only models with FedICON's projection (fedicon, fedicon_us and the Table 5 ablations)
-can be adapted.
+The pipeline adapts only models trained by FedICON (fedicon, fedicon_us and the Table 5
+ablations: the registry's ``trained_by``); without a projection z is the normalised
+encoder output, as in training.
 """
 from __future__ import annotations
 
@@ -76,11 +77,11 @@ def fedicon_tta(module, temperature: float = 0.1,
     return path[0] != 'head'
 
   def init(variables, rng):
-    if 'projection' not in variables['params']:
-      raise ValueError('the fedicon adapter needs a model trained by fedicon or fedicon_us '
-                       '(it has no projection head)')
     body, _ = common.split_params(variables['params'], is_body, 'fedicon')
-    dim = projection_of(variables['params']).dim
+    projection = projection_of(variables['params'])
+    # z's width: the projection's, or the encoder output's (the head's input)
+    dim = (projection.dim if projection is not None
+           else variables['params']['head']['kernel'].shape[0])
     return ContrastiveState(variables, opt.init(body), jnp.zeros((memory_rows, dim)),
                             jnp.zeros((memory_rows,), bool), jnp.int32(0), rng)
 

@@ -8,7 +8,8 @@
              training steps at first and then personalize the classifier"), or from
              the client's own head, which never leaves it ('local', the other reading)
     two random views of every example (data/augment.py ``two_views``)
-    z = normalise(g(h(x; θ_i))), the encoder h and a projection g to 64 numbers (Eq. 3)
+    z = normalise(h(x; θ_i)), the encoder's output (Eq. 3; ``projection_dim`` = 0), or
+        normalise(g(h(x; θ_i))) with SimCLR's projection g to ``projection_dim`` numbers
     θ_i, g_i ← E = ``client.local_epochs`` of SGD (``learning_rate`` 0.005) on L_sup
              (Eq. 4, SupCon, τ = 0.1) over the 2B views of each batch of
              ``client.batch_size`` (the config.client optimizer is not used: the paper
@@ -28,6 +29,8 @@ used only by the head.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -45,7 +48,7 @@ from fedjax_shift.parts.contrastive import (  # noqa: F401
     MIN_BATCH, Projection, projection_of, representation, supcon_loss)
 
 
-def contrastive_loss(module, projection: Projection, head, names, temperature: float,
+def contrastive_loss(module, projection: Optional[Projection], head, names, temperature: float,
                      supervised: bool):
   """core.local's LossFn: Eq. 4 over two views of a batch (encoder + projection)."""
 
@@ -69,8 +72,8 @@ def check(section: str):
     augment.check_view_names(hparams.augmentations, f'{section}.augmentations')
     require(hparams.temperature > 0, f'{section}.temperature',
             f'must be > 0, got {hparams.temperature}')
-    require(hparams.projection_dim >= 1, f'{section}.projection_dim',
-            f'must be >= 1, got {hparams.projection_dim}')
+    require(hparams.projection_dim >= 0, f'{section}.projection_dim',
+            f'must be >= 0 (0: no projection), got {hparams.projection_dim}')
     require(hparams.learning_rate > 0 and hparams.head_learning_rate > 0,
             f'{section}.learning_rate',
             f'learning_rate and head_learning_rate must be > 0, got {hparams.learning_rate}, '
@@ -90,7 +93,9 @@ HEAD_SHARING = ('federated_then_personal', 'local')
 
 DEFAULTS = {
     'temperature': 0.1,               # Sec. 5.1: τ = 0.1 (Digit-5, Office-10, CIFAR-10)
-    'projection_dim': 64,             # Sec. 5.1: representation size 64
+    # 0: z is the encoder's output (Eq. 3, "the output of the feature encoder"; the ATP
+    # CNN's is 64 wide, Sec. 5.1's "representation size 64"); > 0: a projection to it
+    'projection_dim': 0,
     'learning_rate': 0.005,           # Sec. 5.1: SGD lr 0.005 for the contrastive loss
     'head_learning_rate': 0.01,       # Sec. 5.1: lr 0.01 for the CE (head) loss
     'weight_decay': 5e-4,             # Sec. 5.1: SGD weight decay 5e-4 (both)
@@ -121,7 +126,8 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
   if context.schedule.batch_size < MIN_BATCH:
     raise ValueError(f'config.client.batch_size={context.schedule.batch_size}: FedICON\'s '
                      f'contrastive loss needs at least {MIN_BATCH} examples per batch')
-  module, projection = context.module, Projection(hparams.projection_dim)
+  module = context.module
+  projection = Projection(hparams.projection_dim) if hparams.projection_dim else None
   names, temperature = tuple(hparams.augmentations), hparams.temperature
   sgd = lambda rate: optax.chain(optax.add_decayed_weights(hparams.weight_decay),
                                  optax.sgd(rate))
@@ -132,9 +138,10 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
   def init(rng, example_x):
     model_key, projection_key = jax.random.split(rng)
     variables = models.init(module, model_key, example_x)
-    features = models.features(module, variables, example_x)
-    params = {**variables['params'],
-              'projection': projection.init(projection_key, features)['params']}
+    params = variables['params']
+    if projection is not None:
+      features = models.features(module, variables, example_x)
+      params = {**params, 'projection': projection.init(projection_key, features)['params']}
     variables = {**variables, 'params': params}
     return base.ServerState(variables, context.server_optimizer.init(params), jnp.int32(0))
 

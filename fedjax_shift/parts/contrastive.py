@@ -5,6 +5,8 @@ FedICON: Tan et al., NeurIPS 2023, Eqs. 3, 4 and 7).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -27,9 +29,11 @@ class Projection(nn.Module):
     return nn.Dense(self.dim)(hidden)
 
 
-def projection_of(params) -> Projection:
+def projection_of(params) -> Optional[Projection]:
   """The Projection whose parameters ``params['projection']`` are (its output size read
-  off them)."""
+  off them); None for a model without one (z is the encoder's output, Eq. 3)."""
+  if 'projection' not in params:
+    return None
   return Projection(params['projection']['Dense_1']['bias'].shape[0])
 
 
@@ -70,11 +74,13 @@ def supcon_loss(z: jax.Array, labels: jax.Array, weight: jax.Array, temperature:
   return masked_mean(per_anchor, (real & (num_positives > 0)).astype(z.dtype))
 
 
-def representation(module, projection: Projection, variables, x, mode: str):
-  """z [B, dim] of x, normalised, and the variables (new BN statistics in 'train')."""
+def representation(module, projection: Optional[Projection], variables, x, mode: str):
+  """z [B, dim] of x, normalised: g(h(x)), or h(x) itself without a projection (Eq. 3's
+  "output of the feature encoder"); and the variables (new BN statistics in 'train')."""
   if mode == 'train':
     features, variables = models.train_features(module, variables, x)
   else:
     features = models.features(module, variables, x, mode)
-  z = projection.apply({'params': variables['params']['projection']}, features)
+  z = features if projection is None else projection.apply(
+      {'params': variables['params']['projection']}, features)
   return z / jnp.maximum(jnp.linalg.norm(z, axis=-1, keepdims=True), 1e-12), variables
