@@ -1,4 +1,6 @@
 """FedTTA / FedTTA-Prox (algorithms/fedtta.py) and the FedTTA / FedTTA++ adapters."""
+import json
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -414,6 +416,13 @@ def test_upfl_pipeline_runs_and_scores_personalised_methods_as_pfl_baselines(tmp
               'global+fedtta_pp/test/accuracy', 'global+fedtta/test/client_accuracy',
               'global+fedtta/val/accuracy'):   # config.eval_adapter_splits ('test', 'val')
     assert 0.0 <= metrics[key] <= 1.0, key
+  # The run records the test-time settings it used, resolved from training's.
+  used = json.load(open(tmp_path / 'ok' / 'fedtta_prox' / 'seed_0' / 'results.json'))['adapters']
+  assert set(used) == {'fedtta', 'fedtta_pp'}
+  for name in used:
+    assert used[name]['inner_learning_rate'] == config.fedtta_prox.inner_learning_rate
+    assert used[name]['norm_epsilon'] == config.fedtta_prox.norm_epsilon
+    assert used[name]['fill_batch'] == config.client.batch_size
   # A personalised method has no model for a new client: its own model is scored on the
   # training clients' validation data only, and new clients get PFL-Sampled / -Ensemble.
   config.algorithms = ('fedper',)

@@ -103,6 +103,16 @@ def adapter_section(config: ml_collections.ConfigDict, name: str, algorithm_name
       config.adapters[name]
 
 
+def applied_adapters(config: ml_collections.ConfigDict, algorithm_name: str) -> Dict[str, dict]:
+  """{adapter: its section as the run used it (``adapter_section``: FedTTA's η_inner, ε
+  and fill_batch resolved)} of every test-time adapter run on ``algorithm_name``'s
+  models; recorded in results.json."""
+  if algorithm_name not in tuple(config.eval_adapter_algorithms):
+    return {}
+  return {name: adapter_section(config, name, algorithm_name).to_dict()
+          for name, _ in eval_adapter_specs(config) if adapts(name, algorithm_name)}
+
+
 def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: int,
                         algorithm: FederatedAlgorithm, global_only=(),
                         algorithm_name: str = '', input_shape: tuple = ()):
@@ -397,6 +407,9 @@ def finish_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: 
             'rounds': config.rounds, 'train_seconds': outcome.elapsed, 'hardware': hardware(),
             'uploaded_parameters': upload, 'compile_seconds': round(clock.seconds, 3),
             'compilations': clock.compilations, **extra}
+  adapters = applied_adapters(config, algorithm_name)
+  if adapters:   # the test-time settings each adapted column used
+    result['adapters'] = adapters
   with open(os.path.join(workdir, 'results.json'), 'w') as f:
     json.dump(result, f, indent=1)
   return {**result, 'server_state': outcome.state[0]}
