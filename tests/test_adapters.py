@@ -38,8 +38,10 @@ ADAPTER_CONFIGS = {
     'bbse': {},
     'surgical': {'block': 'first', 'learning_rate': 0.05, 'predict': 'after'},
     'atp': {},
-    'fedtta': {'inner_learning_rate': 0.5, 'norm_epsilon': 0.1},
-    'fedtta_pp': {'max_steps': 3, 'inner_learning_rate': 0.5, 'norm_epsilon': 0.1},
+    # (η_inner, ε and fill_batch as for_method resolves them from a trained method)
+    'fedtta': {'inner_learning_rate': 0.5, 'norm_epsilon': 0.1, 'fill_batch': 4},
+    'fedtta_pp': {'max_steps': 3, 'inner_learning_rate': 0.5, 'norm_epsilon': 0.1,
+                  'fill_batch': 4},
     'fedicon': {'memory_size': 8},
     'fedthe': {'steps': 3},
     'fedthe_plus': {'steps': 3, 'tune_steps': 1, 'num_augmentations': 2},
