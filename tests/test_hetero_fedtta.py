@@ -201,6 +201,8 @@ def test_groups_keep_their_own_architectures(toy):
   assert kernels == [(3, 16, 100), (2, 16, 400)]   # small: 100 hidden units, big: 400
 
 
+@pytest.mark.slow   # convolutions in a grouped round: ~1 min on a 2-core CPU; the
+                    # LeNet-5 parameter counts are checked unmarked in tests/test_models.py
 def test_table3_lenet5_groups_have_the_papers_channels():
   """base_model='lenet5': App. G Table 3's conv widths 16/32 (small) and 64/128 (big),
   then MLP(512); one grouped round runs."""
