@@ -100,6 +100,8 @@ flags.DEFINE_list('populations', ['240', '1000', '10000'], 'Population sweep (ho
 flags.DEFINE_integer('sweep_repeats', 3, 'Timed repeats per population.')
 flags.DEFINE_string('case', '', 'Internal: run one case in this process and print JSON.')
 flags.DEFINE_string('out', '', 'Write the markdown table here.')
+flags.DEFINE_string('trace', '', 'Case (a): trace one more round with jax.profiler into '
+                    'this folder and list its device kernels by total time.')
 FLAGS = flags.FLAGS
 
 CONV_CHOICES = ('auto', 'lax', 'patches', 'lax_patch_grad')
@@ -259,8 +261,44 @@ def case_round(backend='vmap', kind='fedavg'):
   run = lambda: jax.block_until_ready(compiled(server, clients, device_data, ids, key))
   median, times = timed(run, FLAGS.repeats)
   from fedjax_shift.pipelines.federated import uploaded_parameters
-  return {'seconds': median, 'times': times, 'compile_s': compile_s,
-          'uploaded_parameters': uploaded_parameters(algorithm, server, clients, data)}
+  result = {'seconds': median, 'times': times, 'compile_s': compile_s,
+            'uploaded_parameters': uploaded_parameters(algorithm, server, clients, data)}
+  if FLAGS.trace and backend == 'vmap':
+    result['kernels'] = traced_kernels(run, os.path.join(
+        FLAGS.trace, f'{FLAGS.model}_{num_clients()}_{conv_choice()}'))
+  return result
+
+
+def traced_kernels(run, logdir: str, top: int = 12) -> dict:
+  """One call of ``run`` under ``jax.profiler.trace`` into ``logdir``: kernel_summary of
+  its Perfetto trace, and the trace's path."""
+  import glob
+  import gzip
+  import jax
+  with jax.profiler.trace(logdir, create_perfetto_trace=True):
+    run()
+  path = sorted(glob.glob(os.path.join(logdir, '**', 'perfetto_trace.json.gz'),
+                          recursive=True))[-1]
+  with gzip.open(path) as f:
+    trace = json.load(f)
+  return {'trace': path, **kernel_summary(trace, top)}
+
+
+def kernel_summary(trace, top: int) -> dict:
+  """The device kernels of a Perfetto trace (events of processes named /device:…, e.g.
+  CUDA streams) summed by name: their total seconds and the ``top`` longest as [name,
+  seconds, calls]. A CPU-only trace has no device process: total 0, no kernels."""
+  import collections
+  events = trace['traceEvents'] if isinstance(trace, dict) else trace
+  devices = {e['pid'] for e in events if e.get('ph') == 'M' and e.get('name') == 'process_name'
+             and e['args']['name'].startswith('/device:')}
+  total, calls = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get('ph') == 'X' and e['pid'] in devices:
+      total[e['name']] += e.get('dur', 0) / 1e6   # microseconds
+      calls[e['name']] += 1
+  return {'kernel_seconds': sum(total.values()),
+          'top': [[name, seconds, calls[name]] for name, seconds in total.most_common(top)]}
 
 
 def case_seeds(vmapped: bool):
@@ -707,7 +745,7 @@ def spawn(name, clients: int, conv: str):
           f'--conv={conv}']
   argv += [f'--{f}={FLAGS[f].serialize().split("=", 1)[1]}' for f in
            ('model', 'examples', 'batch_size', 'repeats', 'unroll', 'client_chunk',
-            'sweep_repeats', 'tta_adapter', 'rounds_per_call', 'seeds')]
+            'sweep_repeats', 'tta_adapter', 'rounds_per_call', 'seeds', 'trace')]
   proc = subprocess.run(argv, capture_output=True, text=True)
   if proc.returncode:
     return {'error': proc.stderr.strip().splitlines()[-1] if proc.stderr else 'failed'}
@@ -773,8 +811,16 @@ def case_table(results: dict) -> str:
       continue
     ratio = f"{result['seconds'] / base:.2f}×" if base else ''
     sent = f"{result['uploaded_parameters']:,}" if 'uploaded_parameters' in result else ''
-    lines.append(f"| {label(name)} | {result['seconds']:.3f} | {result['compile_s']:.1f} | "
+    lines.append(f"| {label(name)} | {result['seconds']:.4g} | {result['compile_s']:.1f} | "
                  f"{result['peak_rss_gb']:.2f} | {ratio} | {sent} |")
+  kernels = results.get('round', {}).get('kernels')
+  if kernels:
+    lines += [f"\nDevice kernels of one traced round of (a) ({kernels['kernel_seconds']:.4g} s "
+              f"summed; trace {kernels['trace']}):\n", '| kernel | s | calls | share |',
+              '|---|---|---|---|']
+    lines += [f'| {name[:100]} | {seconds:.4g} | {count} | '
+              f"{seconds / max(kernels['kernel_seconds'], 1e-12):.1%} |"
+              for name, seconds, count in kernels['top']]
   pairs = [('round', 'loop', '(a)/(b)'), ('round', 'torch', '(a)/(d)'),
            ('round', 'torch_vmap', '(a)/(e)'), ('tta_vmap', 'tta_loop', 'tta vmapped / tta loop'),
            ('seeds_vmap', 'seeds_loop', 'seeds vmapped / seeds one by one'),
@@ -789,7 +835,7 @@ def cohort_sweep_table(runs) -> str:
   """One row per (cohort size, convolution) of ``runs`` [(clients, conv, results)]: the
   seconds of (a), (c), (d), (e) and the ratios the GPU targets are stated in."""
   steps = -(-FLAGS.examples // FLAGS.batch_size)
-  fmt = lambda value: '—' if value is None else f'{value:.3f}'
+  fmt = lambda value: '—' if value is None else f'{value:.4g}'
   ratio = lambda top, bottom: '—' if not (top and bottom) else f'{top / bottom:.2f}'
   lines = [f'### Cohort sweep: {FLAGS.model}, {FLAGS.examples} examples per client, {steps} '
            f'local steps of batch {FLAGS.batch_size} (s/round, median of {FLAGS.repeats})\n',
@@ -820,7 +866,7 @@ def population_sweep(clients: int, conv: str) -> str:
       lines.append(f"| {population} | {result.get('error')} | | | |")
       continue
     first = first or result['seconds']
-    lines.append(f"| {population} | {result['seconds']:.3f} | {result['compile_s']:.1f} | "
+    lines.append(f"| {population} | {result['seconds']:.4g} | {result['compile_s']:.1f} | "
                  f"{result['peak_rss_gb']:.2f} | {result['seconds'] / first:.2f}× |")
   return '\n'.join(lines)
 

@@ -9,9 +9,12 @@
 #                                           in .whl/ (git-ignored), for a machine offline
 #   launch/gpu_check.sh suite OUTDIR        on the GPU: the whole test suite, pytest -n 8
 #   launch/gpu_check.sh bench OUTDIR        on the GPU: the ATP-CNN cohort sweep 60/240/1000
-#                                           × lax/patches with (c) and (e)
+#                                           × lax/patches with (c) and (e), each (a) traced
+#                                           (its device kernels listed by time)
 #   launch/gpu_check.sh engine OUTDIR       on the GPU: (d), the papers' loop, at 60/240; the
-#                                           rounds_per_call, vmap_seeds and population cases
+#                                           round with deterministic ops; the rounds_per_call
+#                                           and vmap_seeds cases; the population to 100,000
+#                                           clients at cohort 1,000 (host store)
 #   launch/gpu_check.sh atp OUTDIR [--config.X=..]
 #                                           on the GPU: configs/atp.py:digits,cnn (extra
 #                                           arguments go to train.py, e.g. one seed at a time
@@ -89,18 +92,28 @@ case $stage in
   bench)
     timeout "$limit" python3 launch/benchmark.py --model=atp_cnn --clients="$BENCH_CLIENTS" \
       --conv=lax,patches --cases=round,fused,torch_vmap --populations= --repeats=3 \
-      --out="$outdir/bench_sweep.md" > "$outdir/bench_sweep.log" 2>&1
+      --trace=/tmp/gpu_trace --out="$outdir/bench_sweep.md" > "$outdir/bench_sweep.log" 2>&1
     tail -n 12 "$outdir/bench_sweep.md"
     ;;
   engine)
-    timeout 240 python3 launch/benchmark.py --model=atp_cnn --clients="$TORCH_LOOP_CLIENTS" \
+    timeout 120 python3 launch/benchmark.py --model=atp_cnn --clients="$TORCH_LOOP_CLIENTS" \
       --cases=torch --populations= --repeats=3 --out="$outdir/bench_torch_loop.md" \
-      > "$outdir/bench_torch_loop.log" 2>&1
+      >> "$outdir/engine.log" 2>&1
     tail -n 6 "$outdir/bench_torch_loop.md"
-    timeout 300 python3 launch/benchmark.py --model=mlp --clients=60 \
-      --cases=rounds_calls,rounds_scan,seeds_vmap,seeds_loop --populations=240,1000,10000 \
-      --out="$outdir/bench_engine.md" > "$outdir/bench_engine.log" 2>&1
-    tail -n 16 "$outdir/bench_engine.md"
+    # What XLA's deterministic GPU ops (config.engine.deterministic) cost on the round.
+    XLA_FLAGS=--xla_gpu_deterministic_ops=true timeout 80 python3 launch/benchmark.py \
+      --model=atp_cnn --clients="${BENCH_CLIENTS##*,}" --conv=patches --cases=round \
+      --populations= --repeats=3 --out="$outdir/bench_deterministic.md" \
+      >> "$outdir/engine.log" 2>&1
+    tail -n 3 "$outdir/bench_deterministic.md"
+    timeout 120 python3 launch/benchmark.py --model=mlp --clients=60 \
+      --cases=rounds_calls,rounds_scan,seeds_vmap,seeds_loop --populations= \
+      --out="$outdir/bench_engine.md" >> "$outdir/engine.log" 2>&1
+    tail -n 8 "$outdir/bench_engine.md"
+    timeout 150 python3 launch/benchmark.py --model=mlp --clients="${POPULATION_COHORT:-1000}" \
+      --cases=round --populations="${POPULATIONS:-1000,10000,100000}" \
+      --out="$outdir/bench_population.md" >> "$outdir/engine.log" 2>&1
+    tail -n 8 "$outdir/bench_population.md"
     ;;
   atp)
     timeout "$limit" python3 launch/train.py --config=configs/atp.py:digits,cnn \

@@ -93,3 +93,33 @@ def test_surgical_test_time_case_times_its_block_selection_on_its_own():
   line = next(line for line in proc.stdout.splitlines() if line.startswith('tta_vmap {'))
   result = json.loads(line.split(' ', 1)[1])
   assert result['select_s'] > 0 and result['seconds'] > 0
+
+
+def test_kernel_summary_sums_device_kernels_by_name_and_leaves_out_the_host():
+  from helpers import launch_module
+  benchmark = launch_module('benchmark')
+  trace = {'traceEvents': [
+      {'ph': 'M', 'name': 'process_name', 'pid': 1, 'args': {'name': '/device:GPU:0'}},
+      {'ph': 'M', 'name': 'process_name', 'pid': 2, 'args': {'name': '/host:CPU'}},
+      {'ph': 'X', 'pid': 1, 'name': 'gemm', 'dur': 300.0},
+      {'ph': 'X', 'pid': 1, 'name': 'conv', 'dur': 500.0},
+      {'ph': 'X', 'pid': 1, 'name': 'gemm', 'dur': 400.0},
+      {'ph': 'X', 'pid': 2, 'name': 'gemm', 'dur': 9000.0},   # host thread: not a kernel
+  ]}
+  summary = benchmark.kernel_summary(trace, top=1)
+  # Device time 300 + 500 + 400 µs; gemm (700 µs, 2 calls) is the longest.
+  assert summary['kernel_seconds'] == pytest.approx(1.2e-3)
+  assert summary['top'] == [['gemm', pytest.approx(7e-4), 2]]
+
+
+def test_trace_flag_writes_a_trace_of_the_round_and_its_kernel_table(tmp_path):
+  out = tmp_path / 'bench.md'
+  proc = _run('--model=mlp', '--clients=2', '--examples=4', '--batch_size=4', '--repeats=1',
+              '--cases=round', '--populations=', f'--trace={tmp_path / "trace"}', f'--out={out}')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads(next(line for line in proc.stdout.splitlines()
+                           if line.startswith('round {')).split(' ', 1)[1])
+  assert os.path.exists(result['kernels']['trace'])
+  assert result['kernels']['trace'].startswith(str(tmp_path / 'trace' / 'mlp_2_auto'))
+  if result['kernels']['top']:   # an accelerator: the table follows (a)'s row
+    assert 'Device kernels of one traced round' in out.read_text()
