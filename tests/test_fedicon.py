@@ -556,3 +556,102 @@ def test_ablation_table_marks_the_components():
               'metrics': {'personalized/test_corrupted/accuracy': 0.6}}]
   lines = report.fedicon_ablation_table(results).splitlines()
   assert lines[2:] == ['|  | ✓ |  | 40.00 |', '|  | ✓ | ✓ | 50.00 |', '| ✓ | ✓ |  | 60.00 |']
+
+
+def test_transductive_mode_equals_a_hand_written_loop_over_shuffled_passes():
+  """Eq. 2 as written: two passes over client 0's shuffled test split (12 examples in
+  batches of 4: three steps a pass), the state carried, equal a Python loop over the same
+  batches of the same adapter's step; the order is a permutation of the real examples."""
+  from fedjax_shift.core.test_time import client_batches, shuffled_order, transductive_adapt
+  _, module, variables, data = trained('fedicon')
+  adapter = fedicon_adapter.fedicon_tta(module, memory_size=8, batch_size=4, epochs=2,
+                                        learning_rate=0.05)
+  x, n, rng = jnp.asarray(data.x[1]), jnp.int32(data.num_examples[1]), jax.random.key(7)
+  initial = adapter.init(variables, jax.random.key(0))
+  scanned = jax.jit(lambda state: transductive_adapt(adapter, 4, state, x, n, rng))(initial)
+  state = initial
+  for epoch in range(2):
+    order = shuffled_order(jax.random.fold_in(rng, epoch), x.shape[0], n)
+    assert sorted(np.asarray(order[:int(n)]).tolist()) == list(range(int(n)))
+    batches, _ = client_batches(x[order], n, 4)
+    for t in range(batches.weight.shape[0]):
+      batch = AdaptBatch(batches.x[t], batches.weight[t])
+      if float(batch.weight.sum()) > 0:
+        state = jax.jit(adapter.step)(state, batch)[0]
+  chex.assert_trees_all_close(scanned.variables, state.variables, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(scanned.memory, state.memory, rtol=1e-5, atol=1e-6)
+  moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
+                       initial.variables['params'], scanned.variables['params'])
+  assert max(jax.tree.leaves(moved)) > 1e-4   # the passes did adapt the encoder
+
+
+def test_transductive_mode_with_rate_zero_predicts_as_the_unadapted_model():
+  from fedjax_shift.adapters.no_adapt import no_adapt
+  _, module, variables, data = trained('fedicon')
+  adapter = fedicon_adapter.fedicon_tta(module, batch_size=4, epochs=3, learning_rate=0.0)
+  adapted = build_test_time(adapter, 4, 'transductive')(variables, data, jax.random.key(1))
+  plain = build_test_time(no_adapt(module), 4)(variables, data, jax.random.key(1))
+  np.testing.assert_array_equal(adapted['predictions'], plain['predictions'])
+  np.testing.assert_allclose(adapted['loss'], plain['loss'], rtol=1e-6)
+
+
+def test_fedicon_test_batch_norm_option_moves_the_running_statistics_by_momentum():
+  """batch_norm='test': after a batch the running statistics are 0.9·training's + 0.1·the
+  batch's (BN_MOMENTUM); 'frozen' keeps the training ones."""
+  _, module, variables, data = trained('fedicon')
+  batch = AdaptBatch(jnp.asarray(data.x[0, :4]), jnp.ones(4))
+  stats = {}
+  for mode in ('frozen', 'test'):
+    adapter = fedicon_adapter.fedicon_tta(module, batch_size=4, batch_norm=mode,
+                                          learning_rate=0.0)
+    stats[mode] = adapter.step(adapter.init(variables, jax.random.key(0)), batch)[0] \
+        .variables['batch_stats']
+  chex.assert_trees_all_equal(stats['frozen'], variables['batch_stats'])
+  expected = models.apply(module, variables, batch.x, 'train')[1]['batch_stats']
+  chex.assert_trees_all_close(stats['test'], expected, rtol=1e-6)
+  assert not np.allclose(jax.tree.leaves(stats['test'])[0],
+                         jax.tree.leaves(variables['batch_stats'])[0])
+
+
+def test_raw_anchors_average_only_the_raw_samples_losses():
+  """Eq. 7 anchors the raw samples: with 2 samples and their 2 views, the loss is the
+  mean of the two raw anchors' −log softmax_{A(x)}(z_x·z_x'/τ), every other view in A(x);
+  the symmetric form averages all four anchors (a numpy reference computes both)."""
+  z = jax.random.normal(jax.random.key(0), (4, 3))
+  z = z / jnp.linalg.norm(z, axis=-1, keepdims=True)
+  labels, weight, tau = jnp.array([0, 1, 0, 1]), jnp.ones(4), 0.5
+  sims = np.asarray(z @ z.T) / tau
+  per_anchor = []
+  for a in range(4):
+    others = [b for b in range(4) if b != a]
+    positive = (a + 2) % 4
+    per_anchor.append(-(sims[a, positive] - np.log(np.sum(np.exp(sims[a, others])))))
+  raw = supcon_loss(z, labels, weight, tau, anchor_weight=jnp.array([1., 1., 0., 0.]))
+  np.testing.assert_allclose(raw, np.mean(per_anchor[:2]), rtol=1e-5)
+  np.testing.assert_allclose(supcon_loss(z, labels, weight, tau), np.mean(per_anchor),
+                             rtol=1e-5)
+
+
+@pytest.mark.parametrize('fields, message', [
+    (dict(epochs=0), 'config.adapters.fedicon.epochs: must be >= 1'),
+    (dict(anchors='both'), "config.adapters.fedicon.anchors: unknown 'both'"),
+    (dict(batch_norm='adapt'), "config.adapters.fedicon.batch_norm: unknown 'adapt'"),
+    (dict(weight_decay=-1.0), 'config.adapters.fedicon.weight_decay: must be >= 0'),
+])
+def test_bad_fedicon_adapter_fields_are_refused_naming_them(fields, message):
+  module = models.create(tiny_config(**{'model.name': 'bn_mlp'}).model, NUM_CLASSES)
+  with pytest.raises(ValueError, match=message):
+    fedicon_adapter.fedicon_tta(module, batch_size=4, **fields)
+
+
+def test_transductive_mode_is_refused_for_an_adapter_that_cannot_run_it():
+  from fedjax_shift.adapters.no_adapt import no_adapt
+  from fedjax_shift.config import validate
+  module = models.create(tiny_config(**{'model.name': 'bn_mlp'}).model, NUM_CLASSES)
+  with pytest.raises(ValueError, match="cannot run it"):
+    build_test_time(no_adapt(module), 4, 'transductive')
+  config = tiny_config(eval_adapters=('tent:transductive',))
+  with pytest.raises(ValueError, match=r"config.eval_adapters: tent cannot run the "
+                                       r"'transductive' mode \(adapters that can: \['fedicon'\]"):
+    validate(config)
+  validate(tiny_config(eval_adapters=('fedicon:transductive',), algorithms=('fedicon',)))

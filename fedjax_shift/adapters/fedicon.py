@@ -13,9 +13,19 @@ adapter sees no training data here, so the memory starts empty and is first-in
 first-out. With an empty memory the online variant's first batch is the batch
 variant's (tests/test_fedicon.py).
 
-Each batch takes ``steps`` SGD steps (lr 0.005, the paper's contrastive rate) on the
-encoder and projection, in batch-statistics mode, then predicts with the personal head
-in eval mode ('after'; 'before' predicts with the model it started the batch with).
+Transductive variant (mode 'transductive', Eq. 2 as written: Eq. 7 minimised over the
+client's whole local test set before predicting): ``epochs`` passes over the client's
+shuffled test split, the model and memory carried, then every test example predicted by
+the adapted model.
+
+Each batch takes ``steps`` SGD steps (lr 0.005, the paper's contrastive rate; weight
+decay 5e-4 as in training) on the encoder and projection, in batch-statistics mode,
+then predicts with the personal head in eval mode ('after'; 'before' predicts with the
+model it started the batch with). ``anchors``: 'raw' (Eq. 7: each raw test sample is an
+anchor against its view, the views joining A(x) as candidates) or 'symmetric' (views
+anchor too, as SupCon's training loss). ``batch_norm``: 'frozen' (predict with the
+training running statistics) or 'test' (after each batch's steps, the running
+statistics take the batch's, momentum 0.9 as in training).
 The pipeline adapts only models trained by FedICON (fedicon, fedicon_us and the Table 5
 ablations: the registry's ``trained_by``); without a projection z is the normalised
 encoder output, as in training.
@@ -55,11 +65,25 @@ def write_memory(memory, valid, next_slot, features, weight):
   return memory, valid, (next_slot + jnp.sum(keep)) % size
 
 
+ANCHORS = ('raw', 'symmetric')
+BATCH_NORM = ('frozen', 'test')
+
+
 def fedicon_tta(module, temperature: float = 0.1,
                 learning_rate: float = 0.005, steps: int = 1, memory_size: int = 0,
                 augmentations=augment.VIEW_AUGMENTATIONS.names(), predict: str = 'after',
-                batch_size: int = 0) -> Adapter:
+                batch_size: int = 0, epochs: int = 1, anchors: str = 'raw',
+                batch_norm: str = 'frozen', weight_decay: float = 0.0) -> Adapter:
   common.check_predict('fedicon', predict)
+  for field, value, allowed in (('anchors', anchors, ANCHORS),
+                                ('batch_norm', batch_norm, BATCH_NORM)):
+    if value not in allowed:
+      raise ValueError(f'config.adapters.fedicon.{field}: unknown {value!r}; choose from '
+                       f'{list(allowed)}')
+  if epochs < 1:
+    raise ValueError(f'config.adapters.fedicon.epochs: must be >= 1, got {epochs}')
+  if weight_decay < 0:
+    raise ValueError(f'config.adapters.fedicon.weight_decay: must be >= 0, got {weight_decay}')
   augment.check_view_names(augmentations, 'adapters.fedicon.augmentations')
   if steps < 1:
     raise ValueError(f'config.adapters.fedicon.steps: must be >= 1, got {steps}')
@@ -69,7 +93,7 @@ def fedicon_tta(module, temperature: float = 0.1,
   if batch_size and batch_size < MIN_BATCH:
     raise ValueError(f'config.eval_adapter_batch_size={batch_size}: FedICON\'s contrastive '
                      f'adaptation needs at least {MIN_BATCH} test examples per batch')
-  opt = optax.sgd(learning_rate)
+  opt = optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(learning_rate))
   names = tuple(augmentations)
   memory_rows = max(memory_size, 1)
 
@@ -94,19 +118,21 @@ def fedicon_tta(module, temperature: float = 0.1,
     size = batch.x.shape[0]
     logits = predict_logits(variables, batch.x)
     weight = jnp.concatenate([batch.weight, batch.weight])
+    anchor_weight = (jnp.concatenate([batch.weight, jnp.zeros_like(batch.weight)])
+                     if anchors == 'raw' else None)
     labels = jnp.tile(jnp.arange(size), 2)
-    anchors = batch.x
     projection = projection_of(variables['params'])
     for index in range(steps):
       body, rest = common.split_params(variables['params'], is_body, 'fedicon')
-      views = jnp.concatenate([anchors, jax.vmap(lambda k, image: augment.view(k, image, names))(
-          jax.random.split(jax.random.fold_in(step_rng, index), size), anchors)])
+      views = jnp.concatenate([batch.x, jax.vmap(lambda k, image: augment.view(k, image, names))(
+          jax.random.split(jax.random.fold_in(step_rng, index), size), batch.x)])
 
       def loss_fn(body):
         adapted = {**variables, 'params': common.join_params(body, rest)}
         z, _ = representation(module, projection, adapted, views, 'batch_stats')
         memory = state.memory if memory_size else None
-        return supcon_loss(z, labels, weight, temperature, memory, state.memory_valid), z
+        return supcon_loss(z, labels, weight, temperature, memory, state.memory_valid,
+                           anchor_weight), z
 
       (_, z), grads = jax.value_and_grad(loss_fn, has_aux=True)(body)
       updates, opt_state = opt.update(grads, opt_state, body)
@@ -118,11 +144,14 @@ def fedicon_tta(module, temperature: float = 0.1,
     if memory_size:
       memory, valid, next_slot = write_memory(memory, valid, next_slot, first_features,
                                               batch.weight)
+    if batch_norm == 'test' and models.has_batch_norm(variables):
+      variables = models.apply(module, variables, batch.x, 'train')[1]
     if predict == 'after':
       logits = predict_logits(variables, batch.x)
     return ContrastiveState(variables, opt_state, memory, valid, next_slot, rng), logits
 
-  return Adapter(init, step)
+  return Adapter(init, step, lambda state, batch: predict_logits(state.variables, batch.x),
+                 epochs)
 
 
 @ADAPTERS.register('fedicon', defaults={
@@ -131,10 +160,16 @@ def fedicon_tta(module, temperature: float = 0.1,
     'steps': 1,                       # SGD steps per test batch (our choice)
     'memory_size': 128,               # online variant: test features kept as negatives
     'augmentations': ('random_resized_crop', 'colour_jitter', 'grayscale', 'gaussian_blur'),
-    'predict': 'after'}, trained_by=('fedicon', 'fedicon_us', 'fedicon_no_sharing', 'fedicon_ce',
-                                     'fedicon_ce_no_sharing'))
+    'predict': 'after',
+    'epochs': 1,                      # passes over the test split ('transductive' mode)
+    'anchors': 'raw',                 # Eq. 7: raw samples anchor; 'symmetric': views too
+    'batch_norm': 'frozen',           # running statistics: training's, or 'test' (updated)
+    'weight_decay': 5e-4},            # Sec. 5.1: SGD weight decay 5e-4, as in training
+    trained_by=('fedicon', 'fedicon_us', 'fedicon_no_sharing', 'fedicon_ce',
+                'fedicon_ce_no_sharing'), transductive=True)
 def build_fedicon(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.fedicon``."""
   return fedicon_tta(module, hparams.temperature,
                      hparams.learning_rate, hparams.steps, hparams.memory_size,
-                     tuple(hparams.augmentations), hparams.predict, context.batch_size)
+                     tuple(hparams.augmentations), hparams.predict, context.batch_size,
+                     hparams.epochs, hparams.anchors, hparams.batch_norm, hparams.weight_decay)

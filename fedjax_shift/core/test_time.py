@@ -7,7 +7,11 @@ n examples, so a batch only ever holds real examples (BatchNorm statistics never
 padding); positions ≥ n carry weight 0 and are not scored. A batch with no weight at
 all (past the end of a small client's data) leaves the adapter state unchanged.
 
-Modes: 'episodic' resets the state to ``init`` before every batch; 'online' carries it.
+Modes: 'episodic' resets the state to ``init`` before every batch; 'online' carries it;
+'transductive' first adapts on the client's whole test split for ``adapter.epochs``
+passes (each pass over a fresh shuffle of its n examples, the state carried), then
+predicts every batch with the adapted state (``adapter.predict``, no update): FedICON's
+Eq. 2, which minimises Eq. 7 over the local test set before predicting.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from fedjax_shift.registry import Registry
 
 AdaptState = Any
 Variables = Any
-MODES = ('episodic', 'online')
+MODES = ('episodic', 'online', 'transductive')
 
 
 class AdaptBatch(NamedTuple):
@@ -40,9 +44,14 @@ class Adapter(NamedTuple):
     init: (model variables, rng) -> AdaptState.
     step: (AdaptState, AdaptBatch) -> (AdaptState, logits [B, C]); the logits are the
       ones the method predicts with (before or after its update, as configured).
+    predict: (AdaptState, AdaptBatch) -> logits [B, C] without an update; None for an
+      adapter that cannot run the 'transductive' mode.
+    epochs: passes over the test split in the 'transductive' mode.
   """
   init: Callable[[Variables, jax.Array], AdaptState]
   step: Callable[[AdaptState, AdaptBatch], Tuple[AdaptState, jax.Array]]
+  predict: Optional[Callable[[AdaptState, AdaptBatch], jax.Array]] = None
+  epochs: int = 1
 
 
 class SourceContext(NamedTuple):
@@ -84,26 +93,84 @@ def client_batches(x: jax.Array, num_examples: jax.Array, batch_size: int) -> Ad
   return AdaptBatch(x[idx], weight), idx
 
 
+def shuffled_order(rng: jax.Array, num_pad: int, num_examples: jax.Array) -> jax.Array:
+  """[N_max] positions: a random permutation of the client's n real examples first,
+  then its padding rows (so ``client_batches`` of the reordered x wraps inside real ones)."""
+  keys = jnp.where(jnp.arange(num_pad) < num_examples, jax.random.uniform(rng, (num_pad,)),
+                   2.0 + jnp.arange(num_pad))
+  return jnp.argsort(keys)
+
+
+def transductive_adapt(adapter: Adapter, batch_size: int, state: AdaptState, x: jax.Array,
+                       num_examples: jax.Array, rng: jax.Array) -> AdaptState:
+  """``adapter.epochs`` passes of ``adapter.step`` over one client's test split x
+  [N_max, ...] (n real examples), pass e in the order ``shuffled_order(fold_in(rng, e))``;
+  a batch with no weight leaves the state unchanged. Returns the adapted state."""
+
+  def one_pass(state, epoch):
+    order = shuffled_order(jax.random.fold_in(rng, epoch), x.shape[0], num_examples)
+    batches, _ = client_batches(x[order], num_examples, batch_size)
+
+    def body(state, batch):
+      new_state, _ = adapter.step(state, batch)
+      return select(jnp.sum(batch.weight) > 0, new_state, state), None
+
+    return jax.lax.scan(body, state, batches)[0], None
+
+  return jax.lax.scan(one_pass, state, jnp.arange(adapter.epochs))[0]
+
+
+def check_mode(adapter: Adapter, mode: str, name: str = 'this adapter') -> None:
+  """A known mode, and 'transductive' only for an adapter with ``predict``."""
+  if mode not in MODES:
+    raise ValueError(f'unknown test-time mode {mode!r}; choose from {list(MODES)}')
+  if mode == 'transductive':
+    if adapter.predict is None:
+      raise ValueError(f"test-time mode 'transductive': {name} cannot run it (it has no "
+                       f"prediction without an update); use 'episodic' or 'online'")
+    if adapter.epochs < 1:
+      raise ValueError(f"test-time mode 'transductive': epochs must be >= 1, got "
+                       f'{adapter.epochs}')
+
+
+def mode_problem(name: str, mode: str) -> Optional[str]:
+  """Why registered adapter ``name`` cannot run test-time mode ``mode`` (None if it can):
+  an unknown mode, or 'transductive' for an adapter not registered ``transductive=True``.
+  Config checks call this before anything trains."""
+  if mode not in MODES:
+    return f'unknown mode {mode!r} for {name}; choose from {list(MODES)}'
+  if mode == 'transductive' and not ADAPTERS.meta(name).get('transductive'):
+    runs = [a for a in ADAPTERS.names() if ADAPTERS.meta(a).get('transductive')]
+    return (f"{name} cannot run the 'transductive' mode (adapters that can: {runs}); use "
+            f"'episodic' or 'online'")
+  return None
+
+
 def client_runner(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
   """``run_one(variables, x [N, ...], y [N], num_examples [], rng)`` -> the sums
   {'correct', 'loss', 'count'} and 'predictions' [N] of ONE client (unjitted, for
   vmapping with shared or per-client variables)."""
-  if mode not in MODES:
-    raise ValueError(f'unknown test-time mode {mode!r}; choose from {list(MODES)}')
+  check_mode(adapter, mode)
   if batch_size < 1:
     raise ValueError(f'test-time batch_size must be >= 1, got {batch_size}')
 
   def one_client(variables, x, y, num_examples, rng):
     batches, idx = client_batches(x, num_examples, batch_size)
-    initial = adapter.init(variables, rng)
+    if mode == 'transductive':
+      init_rng, order_rng = jax.random.split(rng)
+      adapted = transductive_adapt(adapter, batch_size, adapter.init(variables, init_rng), x,
+                                   num_examples, order_rng)
+      logits = jax.lax.map(lambda batch: adapter.predict(adapted, batch), batches)
+    else:
+      initial = adapter.init(variables, rng)
 
-    def body(state, batch):
-      start = initial if mode == 'episodic' else state
-      new_state, logits = adapter.step(start, batch)
-      has_data = jnp.sum(batch.weight) > 0
-      return select(has_data, new_state, state), logits
+      def body(state, batch):
+        start = initial if mode == 'episodic' else state
+        new_state, logits = adapter.step(start, batch)
+        has_data = jnp.sum(batch.weight) > 0
+        return select(has_data, new_state, state), logits
 
-    _, logits = jax.lax.scan(body, initial, batches)
+      _, logits = jax.lax.scan(body, initial, batches)
     labels = y[idx]
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)

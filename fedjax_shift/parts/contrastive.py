@@ -38,8 +38,8 @@ def projection_of(params) -> Optional[Projection]:
 
 
 def supcon_loss(z: jax.Array, labels: jax.Array, weight: jax.Array, temperature: float,
-                memory: jax.Array | None = None, memory_valid: jax.Array | None = None
-                ) -> jax.Array:
+                memory: jax.Array | None = None, memory_valid: jax.Array | None = None,
+                anchor_weight: jax.Array | None = None) -> jax.Array:
   """Eq. 4 (and Eq. 7 with instance labels), averaged over anchors.
 
   For anchor a: A(a) = every other real view (and every valid ``memory`` row, a
@@ -52,6 +52,8 @@ def supcon_loss(z: jax.Array, labels: jax.Array, weight: jax.Array, temperature:
     weight: [V]; views with weight 0 (padding) are neither anchors nor in any A(a).
     memory: [M, D] normalised features used only as negatives (FedICON online), with
       ``memory_valid`` [M] bool.
+    anchor_weight: [V] which real views are anchors (default: all of them, ``weight``);
+      Eq. 7 as written anchors only the raw samples, their views joining A(x).
   Returns the mean over real anchors that have a positive; 0 (not NaN) when none has.
   """
   num_views = z.shape[0]
@@ -71,7 +73,8 @@ def supcon_loss(z: jax.Array, labels: jax.Array, weight: jax.Array, temperature:
   num_positives = jnp.sum(positives, axis=1)
   per_anchor = -jnp.sum(jnp.where(positives, log_prob, 0.0), axis=1) / jnp.maximum(
       num_positives, 1)
-  return masked_mean(per_anchor, (real & (num_positives > 0)).astype(z.dtype))
+  anchors = real if anchor_weight is None else real & (anchor_weight > 0)
+  return masked_mean(per_anchor, (anchors & (num_positives > 0)).astype(z.dtype))
 
 
 def representation(module, projection: Optional[Projection], variables, x, mode: str):

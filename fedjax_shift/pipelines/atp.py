@@ -45,7 +45,7 @@ from fedjax_shift.parts import atp_rates
 from fedjax_shift.benchmarks import Benchmark
 from fedjax_shift.benchmarks.atp_shift import SHIFTS, ShiftData, atp_protocol
 from fedjax_shift.core import evaluation
-from fedjax_shift.core.test_time import ADAPTERS, MODES, Adapter, SourceContext
+from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext, mode_problem
 from fedjax_shift.data import federated
 from fedjax_shift.pipelines.base import (PIPELINES, Results, algorithm_names, check_run,
                                          hardware, require)
@@ -119,8 +119,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
       require(key in tta[field], f'tta.{field}', f'has no entry for row {key!r}')
     adapter = tta.adapter[key]
     ADAPTERS.get(adapter, f'config.tta.adapter.{key}')
-    require(tta.mode[key] in MODES, f'tta.mode.{key}',
-            f'unknown {tta.mode[key]!r}; choose from {list(MODES)}')
+    problem = mode_problem(adapter, tta.mode[key])
+    require(problem is None, f'tta.mode.{key}', problem)
     require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
     ADAPTERS.check(adapter, config.adapters[adapter], f'config.adapters.{adapter}')
   validate_learned(config)

@@ -24,7 +24,7 @@ from fedjax_shift import checkpoint, models, report
 from fedjax_shift.algorithms import ALGORITHMS, base
 from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS
 from fedjax_shift.core.round import BACKENDS, SAMPLING, WEIGHTING
-from fedjax_shift.core.test_time import ADAPTERS, MODES
+from fedjax_shift.core.test_time import ADAPTERS, mode_problem
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.registry import Registry, require
 
@@ -283,8 +283,8 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   for name, mode in specs:
     ADAPTERS.get(name, 'config.eval_adapters')
     ADAPTERS.check(name, config.adapters[name], f'config.adapters.{name}')
-    require(mode in MODES, 'eval_adapters', f'unknown mode {mode!r} in {name}:{mode}; '
-            f'choose from {list(MODES)}')
+    problem = mode_problem(name, mode)
+    require(problem is None, 'eval_adapters', problem)
     trained_by = ADAPTERS.meta(name).get('trained_by')
     if trained_by:   # adapters that need parts only some methods train (FedTTA's g)
       require(not config.eval_adapter_algorithms or
