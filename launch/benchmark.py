@@ -21,6 +21,9 @@ B, FedAvg with SGD):
               contrastive adaptation with a memory, or FedTHE's ensemble)
               over the same clients as target clients, batches of B: the jitted
               vmapped scan vs a Python loop over clients of a jitted step (opt-in)
+  tta_episodic / tta_transductive  the vmapped scan in the episodic mode, and in the
+              transductive mode (--tta_epochs passes over each client's shuffled test
+              split, then prediction; FedICON only) (opt-in)
   fedevolve   FedEvolve's compiled round on the same cohort (the client data read as
               10 domains of N/10; one local iteration = 9 consecutive-domain steps,
               each a batch of B from both domains through φ and ψ), next to (a) (opt-in)
@@ -96,6 +99,8 @@ flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch', 'torch_vmap', 'lo
 flags.DEFINE_enum('tta_adapter', 'atp', ['atp', 'tent', 'fedicon', 'fedthe', 'surgical'],
                   'Adapter of the tta_* cases (fedicon: its online variant with a memory '
                   'of 8 batches, on a FedICON model; fedthe: 20 ensemble steps).')
+flags.DEFINE_integer('tta_epochs', 5, "Passes over the test split of the 'transductive' "
+                     'test-time case (tta_transductive).')
 flags.DEFINE_list('populations', ['240', '1000', '10000'], 'Population sweep (host store).')
 flags.DEFINE_integer('sweep_repeats', 3, 'Timed repeats per population.')
 flags.DEFINE_string('case', '', 'Internal: run one case in this process and print JSON.')
@@ -575,10 +580,11 @@ def case_torch_vmap():
           'torch': torch.__version__, 'threads': torch.get_num_threads()}
 
 
-def case_tta(vmapped: bool):
-  """An online adapter (ATP with α = 0.1 per module, or Tent) on C target clients × N
-  test examples, batches of B: the jitted vmapped scan of core/test_time.py, or a
-  Python loop over clients and batches of a jitted ``adapter.step``."""
+def case_tta(vmapped: bool, mode: str = 'online'):
+  """An adapter (--tta_adapter) on C target clients × N test examples, batches of B: the
+  jitted vmapped scan of core/test_time.py in ``mode`` ('online', 'episodic', or
+  'transductive': --tta_epochs passes, then prediction), or a Python loop over clients
+  and batches of a jitted ``adapter.step`` (online)."""
   import jax
   import jax.numpy as jnp
   from fedjax_shift import models
@@ -610,7 +616,7 @@ def case_tta(vmapped: bool):
     _, _, _, _, server = setup_algorithm(num_clients(), 'algorithm:fedicon')
     variables = server.variables
     adapter = fedicon_tta(module, memory_size=8 * FLAGS.batch_size,
-                          batch_size=FLAGS.batch_size)
+                          batch_size=FLAGS.batch_size, epochs=FLAGS.tta_epochs)
   else:                                  # a FedTHE model: two heads and the features
     from fedjax_shift.adapters.fedthe import fedthe_adapter
     from fedjax_shift.algorithms.fedthe import PersonalState, personal_model
@@ -620,7 +626,7 @@ def case_tta(vmapped: bool):
     adapter = fedthe_adapter(module)
   key = jax.random.key(0)
   if vmapped:
-    run_all = build_test_time(adapter, FLAGS.batch_size, 'online')
+    run_all = build_test_time(adapter, FLAGS.batch_size, mode)
     device_data = jax.device_put(data)
     run = lambda: jax.block_until_ready(run_all(variables, device_data, key))
   else:
@@ -723,6 +729,8 @@ def run_case(name):
               'rounds_scan': lambda: case_rounds(scan=True),
               'loop_backend': lambda: case_round('loop'),
               'tta_vmap': lambda: case_tta(True), 'tta_loop': lambda: case_tta(False),
+              'tta_episodic': lambda: case_tta(True, 'episodic'),
+              'tta_transductive': lambda: case_tta(True, 'transductive'),
               'fedavg_1step': lambda: case_round(kind='fedavg_1step'),
               'fedevolve': lambda: case_round(kind='fedevolve'),
               'fedtta': lambda: case_round(kind='fedtta'),
@@ -745,7 +753,7 @@ def spawn(name, clients: int, conv: str):
           f'--conv={conv}']
   argv += [f'--{f}={FLAGS[f].serialize().split("=", 1)[1]}' for f in
            ('model', 'examples', 'batch_size', 'repeats', 'unroll', 'client_chunk',
-            'sweep_repeats', 'tta_adapter', 'rounds_per_call', 'seeds', 'trace')]
+            'sweep_repeats', 'tta_adapter', 'tta_epochs', 'rounds_per_call', 'seeds', 'trace')]
   proc = subprocess.run(argv, capture_output=True, text=True)
   if proc.returncode:
     return {'error': proc.stderr.strip().splitlines()[-1] if proc.stderr else 'failed'}
@@ -772,6 +780,9 @@ def label(name: str) -> str:
             'loop_backend': "engine backend='loop' round",
             'tta_vmap': f'{FLAGS.tta_adapter} online: vmapped lax.scan over clients',
             'tta_loop': f'{FLAGS.tta_adapter} online: Python loop of jitted steps',
+            'tta_episodic': f'{FLAGS.tta_adapter} episodic: vmapped lax.scan over clients',
+            'tta_transductive': f'{FLAGS.tta_adapter} transductive, {FLAGS.tta_epochs} '
+                                f'passes then prediction: vmapped lax.scan over clients',
             'fedavg_1step': 'FedAvg round, 1 local step',
             'fedevolve': 'FedEvolve round, 1 local iteration (9 domain pairs)',
             'fedtta': 'FedTTA round, 1 epoch (inner + outer step each)',
