@@ -208,7 +208,7 @@ def test_torchvision_resnet18_weights_load_with_their_names_layout_and_statistic
     torchvision_resnet.load_npz(path, cifar.encoder, jnp.zeros((1, 32, 32, 3)))
   del stored['layer3.1.bn1.running_mean']
   np.savez(path, **stored)
-  with pytest.raises(ValueError, match=r"no array 'layer3.1.bn1.running_mean'.*"
+  with pytest.raises(ValueError, match=r"no parameter 'layer3.1.bn1.running_mean'.*"
                                        r"ResidualBlock_5/BatchNorm_0/mean"):
     torchvision_resnet.load_npz(path, module.encoder, jnp.zeros((1, 32, 32, 3)))
 

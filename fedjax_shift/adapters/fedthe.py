@@ -69,15 +69,19 @@ def two_heads(module, variables, x):
 HISTORY_RULES = ('official', 'continuous')
 
 
+def check_history(rule: str, section: str = 'config.adapters.fedthe') -> None:
+  """A ValueError naming ``<section>.history`` unless ``rule`` is in HISTORY_RULES."""
+  if rule not in HISTORY_RULES:
+    raise ValueError(f'{section}.history: choose from {list(HISTORY_RULES)}, got {rule!r}')
+
+
 def feature_history(features, weight, history, has_history, alpha: float,
                     rule: str = 'official'):
   """h over the batch (rows with weight 0 leave it unchanged): ([B, F], last h, has).
   ``rule`` (HISTORY_RULES): 'official' starts a batch that follows another from the
   previous last h without its first row's feature (the authors' THE_worker); the
   'continuous' EMA takes every row."""
-  if rule not in HISTORY_RULES:
-    raise ValueError(f'config.adapters.fedthe.history: choose from {list(HISTORY_RULES)}, '
-                     f'got {rule!r}')
+  check_history(rule)
 
   def body(carry, row):
     last, has, started = carry
@@ -98,8 +102,7 @@ def fedthe_adapter(module, learning_rate: float = 0.1, steps: int = 20, alpha: f
                    tune_learning_rate: float = 0.0005, num_augmentations: int = 16,
                    name: str = 'fedthe', history: str = 'official') -> Adapter:
   field = f'config.adapters.{name}'
-  if history not in HISTORY_RULES:
-    raise ValueError(f'{field}.history: choose from {list(HISTORY_RULES)}, got {history!r}')
+  check_history(history, field)
   if steps < 0 or tune_steps < 0:
     raise ValueError(f'{field}.steps and .tune_steps must be >= 0, got {steps}, {tune_steps}')
   if not 0.0 <= initial_global_weight <= 1.0:
@@ -192,8 +195,7 @@ DEFAULTS = {
 
 def checker(name: str):
   def check(hparams) -> None:
-    require(hparams.history in HISTORY_RULES, f'adapters.{name}.history',
-            f'choose from {list(HISTORY_RULES)}, got {hparams.history!r}')
+    check_history(hparams.history, f'config.adapters.{name}')
     require(0.0 <= hparams.beta <= 1.0, f'adapters.{name}.beta',
             f'must be in [0, 1], got {hparams.beta}')
   return check

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from fedjax_shift.models.vit import checked_params
+
 BLOCK_LAYERS = {'conv1': 'Conv_0', 'bn1': 'BatchNorm_0', 'conv2': 'Conv_1', 'bn2': 'BatchNorm_1',
                 'downsample.0': 'Conv_2', 'downsample.1': 'BatchNorm_2'}
 BATCH_NORM_FIELDS = {('params', 'scale'): 'weight', ('params', 'bias'): 'bias',
@@ -62,22 +64,14 @@ def load_npz(path: str, encoder, example_x: jax.Array) -> Dict[str, dict]:
     raise ValueError(f'{path}: torchvision ResNet-18 weights need config.model.stem = '
                      f'"imagenet" (its 7x7 stem and max-pool)')
   shapes = jax.eval_shape(lambda: encoder.init(jax.random.key(0), example_x))
-  out = {}
-  with np.load(path) as stored:
-    for collection in ('params', 'batch_stats'):
-      flat = {}
-      for key, spec in traverse_util.flatten_dict(shapes[collection]).items():
-        name = torch_name(collection, key)
-        if name not in stored:
-          raise ValueError(f'{path}: no array {name!r} (torchvision ResNet-18 state dict; '
-                           f'needed for encoder/{"/".join(key)})')
-        value = from_torch(name, np.asarray(stored[name]))
-        if value.shape != spec.shape:
-          raise ValueError(f'{path}: {name!r} has shape {value.shape} after conversion, '
-                           f'encoder/{"/".join(key)} needs {spec.shape}')
-        flat[key] = jnp.asarray(value, spec.dtype)
-      out[collection] = traverse_util.unflatten_dict(flat)
-  return out
+  with np.load(path) as stored:   # torchvision's layouts converted to ours
+    converted = {name: from_torch(name, np.asarray(stored[name])) for name in stored.files}
+  return {collection: traverse_util.unflatten_dict(checked_params(
+      traverse_util.flatten_dict(shapes[collection]), converted,
+      lambda key, collection=collection: torch_name(collection, key), path,
+      lambda key: f'torchvision ResNet-18 state dict, converted; needed for '
+                  f'encoder/{"/".join(key)}'))
+      for collection in ('params', 'batch_stats')}
 
 
 def save_npz(path: str, variables: Dict[str, dict]) -> None:

@@ -213,20 +213,22 @@ def load_npz(path: str, encoder: ViTEncoder, example_x: jax.Array) -> dict:
         f'{encoder.depth}, heads {encoder.heads}, mlp {encoder.mlp_dim})'))
 
 
-def checked_params(expected: dict, stored, name_of, source: str, model: str) -> dict:
+def checked_params(expected: dict, stored, name_of, source: str, model) -> dict:
   """{key: array} for every key of ``expected`` (flat {path tuple: ShapeDtypeStruct}),
   read from the mapping ``stored`` under ``name_of(key)`` and cast to the expected
   dtype. A missing name or another shape is an error naming the parameter, ``source``
-  (the file) and ``model`` (what needs the parameter)."""
+  (the file) and ``model`` (what needs the parameter: a string, or a function of the
+  key that says it)."""
   import numpy as np
   out = {}
   for key, spec in expected.items():
     name = name_of(key)
+    needed_by = model(key) if callable(model) else model
     if name not in stored:
-      raise ValueError(f'{source}: no parameter {name!r} ({model})')
+      raise ValueError(f'{source}: no parameter {name!r} ({needed_by})')
     value = np.asarray(stored[name])
     if value.shape != spec.shape:
-      raise ValueError(f'{source}: parameter {name!r} has shape {value.shape}, {model} '
+      raise ValueError(f'{source}: parameter {name!r} has shape {value.shape}, {needed_by} '
                        f'needs {spec.shape}')
     out[key] = jnp.asarray(value, spec.dtype)
   return out
