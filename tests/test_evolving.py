@@ -428,3 +428,25 @@ def test_fedevp_personalises_the_last_layer_the_model_defines_on_tree_mapped_sta
                  jax.tree.leaves(tuned[part][layer]), jax.tree.leaves(before[part][layer])))}
   assert changed == {'encoder/Dense_0'}
   assert not np.array_equal(tuned['head']['kernel'], before['head']['kernel'])
+
+
+def test_domainbed_trunk_gives_fedevolve_table_7_parameter_count():
+  """FedEvolve Table 7: 741,120 parameters for FedEvolve = two encoders (φ, ψ) of
+  DomainBed's MNIST CNN trunk, 370,560 each by hand: conv 1→64 (640), GroupNorm 64
+  (128), conv 64→128 stride 2 (73,856), GroupNorm (256), two conv 128→128 (147,584
+  each), two GroupNorm (256 each). Its pooled width is 128; evolve_cnn keeps its layers."""
+  module = models.create(ml_collections.ConfigDict({'name': 'domainbed_cnn'}), 10)
+  x = jnp.zeros((2, 28, 28, 1))
+  variables = models.init(module, jax.random.key(0), x)
+  assert models.num_parameters(variables['params']['encoder']) == 370_560
+  chex.assert_shape(models.features(module, variables, x), (2, 128))
+  config = tiny_config(**{'model.name': 'domainbed_cnn'})
+  algorithm = algorithms.build('fedevolve', config, module, 9, {'num_domains': 3})
+  state = algorithm.init(jax.random.key(0), x[:1])
+  assert models.num_parameters(state.params) == 741_120
+  evolve = models.create(ml_collections.ConfigDict({'name': 'evolve_cnn'}), 10)
+  layers = models.init(evolve, jax.random.key(0), x)['params']['encoder']
+  assert {name: models.num_parameters(p) for name, p in layers.items()} == {
+      'Conv_0': 640, 'Conv_1': 36_928, 'Conv_2': 36_928, 'Conv_3': 36_928,
+      'Dense_0': 65_600, 'GroupNorm_0': 128, 'GroupNorm_1': 128, 'GroupNorm_2': 128,
+      'GroupNorm_3': 128}

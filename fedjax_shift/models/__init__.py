@@ -57,6 +57,14 @@ def evolve_cnn(num_classes: int, pool: str = 'flatten', conv: str = 'lax') -> nn
   return Classifier(EvolveCNNEncoder(pool=pool, conv=conv), num_classes)
 
 
+@MODELS.register('domainbed_cnn')
+def domainbed_cnn(num_classes: int, conv: str = 'lax') -> nn.Module:
+  """DomainBed's MNIST CNN trunk (FedEvolve's Table 7 network), a linear head on its
+  128 pooled features."""
+  return Classifier(EvolveCNNEncoder(widths=(64, 128, 128, 128), strides=(1, 2, 1, 1),
+                                     features=0, pool='mean', conv=conv), num_classes)
+
+
 @MODELS.register('lenet5')
 def lenet5(num_classes: int, channels=(16, 32), features: int = 512,
            conv: str = 'lax') -> nn.Module:
