@@ -74,6 +74,21 @@ def check_predict(name: str, predict: str) -> None:
     raise ValueError(f'{name} predict must be one of {PREDICT}, got {predict!r}')
 
 
+def check_fields(name: str, choices: Optional[Dict[str, tuple]] = None,
+                 at_least: Optional[Dict[str, tuple]] = None
+                 ) -> None:
+  """Errors naming ``config.adapters.<name>.<field>``: ``choices`` {field: (value,
+  allowed)} must hold an allowed value, ``at_least`` {field: (value, minimum)} a value
+  >= the minimum."""
+  for field, (value, allowed) in (choices or {}).items():
+    if value not in allowed:
+      raise ValueError(f'config.adapters.{name}.{field}: unknown {value!r}; choose from '
+                       f'{list(allowed)}')
+  for field, (value, minimum) in (at_least or {}).items():
+    if value < minimum:
+      raise ValueError(f'config.adapters.{name}.{field}: must be >= {minimum}, got {value}')
+
+
 def require_batch_norm(name: str) -> Callable:
   """A variables check raising when the model has no BatchNorm (BN-Adapt, Tent, EATA)."""
   def check(variables):

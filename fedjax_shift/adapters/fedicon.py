@@ -75,18 +75,11 @@ def fedicon_tta(module, temperature: float = 0.1,
                 batch_size: int = 0, epochs: int = 1, anchors: str = 'raw',
                 batch_norm: str = 'frozen', weight_decay: float = 0.0) -> Adapter:
   common.check_predict('fedicon', predict)
-  for field, value, allowed in (('anchors', anchors, ANCHORS),
-                                ('batch_norm', batch_norm, BATCH_NORM)):
-    if value not in allowed:
-      raise ValueError(f'config.adapters.fedicon.{field}: unknown {value!r}; choose from '
-                       f'{list(allowed)}')
-  if epochs < 1:
-    raise ValueError(f'config.adapters.fedicon.epochs: must be >= 1, got {epochs}')
-  if weight_decay < 0:
-    raise ValueError(f'config.adapters.fedicon.weight_decay: must be >= 0, got {weight_decay}')
+  common.check_fields('fedicon', {'anchors': (anchors, ANCHORS),
+                                  'batch_norm': (batch_norm, BATCH_NORM)},
+                       {'epochs': (epochs, 1), 'steps': (steps, 1),
+                        'weight_decay': (weight_decay, 0)})
   augment.check_view_names(augmentations, 'adapters.fedicon.augmentations')
-  if steps < 1:
-    raise ValueError(f'config.adapters.fedicon.steps: must be >= 1, got {steps}')
   if memory_size < 0 or (memory_size and memory_size < batch_size):
     raise ValueError(f'config.adapters.fedicon.memory_size: must be 0 or at least the test '
                      f'batch size ({batch_size}), got {memory_size}')
