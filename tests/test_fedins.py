@@ -180,6 +180,7 @@ def test_vit_b16_communication_matches_the_paper():
     ({'fedins.pool_size': 0}, r'config.fedins.pool_size: must be >= 1'),
     ({'fedins.query': 'client'}, r"config.fedins.query: unknown 'client'"),
     ({'fedins.key_loss_weight': 1.0}, r'config.fedins.key_loss_weight: must be in \[0, 1\)'),
+    ({'fedins.key_init': 'xavier'}, r"config.fedins.key_init: unknown 'xavier'"),
 ])
 def test_bad_hyperparameters_name_the_field(fields, pattern):
   config = override(small_vit_config(), **fields)
@@ -375,3 +376,23 @@ def test_small_clients_read_class_folders_like_tiny_imagenet(tmp_path):
   np.testing.assert_array_equal(bench.splits['train'].num_examples, [5, 7])
   with pytest.raises(FileNotFoundError, match='does not exist'):
     BENCHMARKS.get('small_clients')(override(config, source='folder:nowhere'), 0)
+
+
+@pytest.mark.parametrize('key_init, std, bound', [('trunc_normal', 0.02, 0.1),
+                                                   ('uniform', 1 / np.sqrt(3), 1.0)])
+def test_keys_start_as_the_authors_code_or_l2p_initialises_them(key_init, std, bound):
+  """'trunc_normal' (the default, the authors' trunc_normal_(std=0.02)): keys of standard
+  deviation 0.02; 'uniform' (L2P's U(−1, 1)): standard deviation 1/√3, every key in
+  [−1, 1]."""
+  from fedjax_shift.algorithms import fedins
+  config = small_vit_config()
+  assert config.fedins.key_init == 'trunc_normal'
+  config.fedins.key_init = key_init
+  module = models.create(config.model, NUM_CLASSES)
+  config.fedins.pool_size = 200   # enough keys for the statistics
+  config.fedins.top_c = 3
+  pool = fedins.init_pool(module.encoder, config.fedins, jax.random.key(0))
+  keys = np.asarray(pool['keys'])
+  assert keys.shape == (200, module.encoder.width)
+  np.testing.assert_allclose(keys.std(), std, rtol=0.05)
+  assert np.abs(keys).max() <= bound
