@@ -78,35 +78,41 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-flags.DEFINE_enum('model', 'atp_cnn', ['atp_cnn', 'mlp', 'bn_mlp', 'evolve_cnn', 'vit'],
-                  'Model to benchmark (vit: the registered defaults, configs/fedins.py).')
-flags.DEFINE_list('clients', ['60'], 'Cohort sizes C: one, or a sweep (60,240,1000) that '
-                  'runs every case at each size and prints a table of the ratios.')
-flags.DEFINE_integer('examples', 200, 'Examples per client N.')
-flags.DEFINE_integer('batch_size', 20, 'Local batch size B.')
-flags.DEFINE_integer('repeats', 5, 'Timed repeats after one warm-up (median reported).')
-flags.DEFINE_string('unroll', 'true', "lax.scan unroll of local steps: 'true', 'false' or an int.")
-flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a).')
-flags.DEFINE_integer('rounds_per_call', 5, 'R of the rounds_calls / rounds_scan cases.')
-flags.DEFINE_integer('seeds', 3, 'Seeds S of the seeds_vmap / seeds_loop cases.')
-flags.DEFINE_list('conv', ['auto'],
-                  "config.model.conv, one or several of auto, lax, patches, lax_patch_grad "
-                  "(auto: patches on GPU/TPU, lax_patch_grad on CPU); several run every JAX "
-                  "case once per choice (the PyTorch peers once per cohort size).")
-flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch', 'torch_vmap', 'loop_backend'],
-                  'Cases to run (loop_backend: the engine round with backend=loop; '
-                  'tta_vmap / tta_loop: test-time Tent over the clients as target clients).')
-flags.DEFINE_enum('tta_adapter', 'atp', ['atp', 'tent', 'fedicon', 'fedthe', 'surgical'],
-                  'Adapter of the tta_* cases (fedicon: its online variant with a memory '
-                  'of 8 batches, on a FedICON model; fedthe: 20 ensemble steps).')
-flags.DEFINE_integer('tta_epochs', 5, "Passes over the test split of the 'transductive' "
-                     'test-time case (tta_transductive).')
-flags.DEFINE_list('populations', ['240', '1000', '10000'], 'Population sweep (host store).')
-flags.DEFINE_integer('sweep_repeats', 3, 'Timed repeats per population.')
-flags.DEFINE_string('case', '', 'Internal: run one case in this process and print JSON.')
-flags.DEFINE_string('out', '', 'Write the markdown table here.')
-flags.DEFINE_string('trace', '', 'Case (a): trace one more round with jax.profiler into '
-                    'this folder and list its device kernels by total time.')
+
+def define_flags() -> None:
+  """The command line (defined when run as a script, so that importing this file
+  for its functions defines no flags beside another script's)."""
+  flags.DEFINE_enum('model', 'atp_cnn', ['atp_cnn', 'mlp', 'bn_mlp', 'evolve_cnn', 'vit'],
+                    'Model to benchmark (vit: the registered defaults, configs/fedins.py).')
+  flags.DEFINE_list('clients', ['60'], 'Cohort sizes C: one, or a sweep (60,240,1000) that '
+                    'runs every case at each size and prints a table of the ratios.')
+  flags.DEFINE_integer('examples', 200, 'Examples per client N.')
+  flags.DEFINE_integer('batch_size', 20, 'Local batch size B.')
+  flags.DEFINE_integer('repeats', 5, 'Timed repeats after one warm-up (median reported).')
+  flags.DEFINE_string('unroll', 'true', "lax.scan unroll of local steps: 'true', 'false' or an int.")
+  flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a).')
+  flags.DEFINE_integer('rounds_per_call', 5, 'R of the rounds_calls / rounds_scan cases.')
+  flags.DEFINE_integer('seeds', 3, 'Seeds S of the seeds_vmap / seeds_loop cases.')
+  flags.DEFINE_list('conv', ['auto'],
+                    "config.model.conv, one or several of auto, lax, patches, lax_patch_grad "
+                    "(auto: patches on GPU/TPU, lax_patch_grad on CPU); several run every JAX "
+                    "case once per choice (the PyTorch peers once per cohort size).")
+  flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch', 'torch_vmap', 'loop_backend'],
+                    'Cases to run (loop_backend: the engine round with backend=loop; '
+                    'tta_vmap / tta_loop: test-time Tent over the clients as target clients).')
+  flags.DEFINE_enum('tta_adapter', 'atp', ['atp', 'tent', 'fedicon', 'fedthe', 'surgical'],
+                    'Adapter of the tta_* cases (fedicon: its online variant with a memory '
+                    'of 8 batches, on a FedICON model; fedthe: 20 ensemble steps).')
+  flags.DEFINE_integer('tta_epochs', 5, "Passes over the test split of the 'transductive' "
+                       'test-time case (tta_transductive).')
+  flags.DEFINE_list('populations', ['240', '1000', '10000'], 'Population sweep (host store).')
+  flags.DEFINE_integer('sweep_repeats', 3, 'Timed repeats per population.')
+  flags.DEFINE_string('case', '', 'Internal: run one case in this process and print JSON.')
+  flags.DEFINE_string('out', '', 'Write the markdown table here.')
+  flags.DEFINE_string('trace', '', 'Case (a): trace one more round with jax.profiler into '
+                      'this folder and list its device kernels by total time.')
+
+
 FLAGS = flags.FLAGS
 
 CONV_CHOICES = ('auto', 'lax', 'patches', 'lax_patch_grad')
@@ -921,4 +927,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)
