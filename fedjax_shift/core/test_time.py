@@ -93,6 +93,13 @@ def client_batches(x: jax.Array, num_examples: jax.Array, batch_size: int) -> Ad
   return AdaptBatch(x[idx], weight), idx
 
 
+def weighted_step(adapter: Adapter, state: AdaptState, start: AdaptState, batch: AdaptBatch):
+  """(state after ``adapter.step`` from ``start``, logits); a batch with no weight
+  leaves ``state`` unchanged."""
+  new_state, logits = adapter.step(start, batch)
+  return select(jnp.sum(batch.weight) > 0, new_state, state), logits
+
+
 def shuffled_order(rng: jax.Array, num_pad: int, num_examples: jax.Array) -> jax.Array:
   """[N_max] positions: a random permutation of the client's n real examples first,
   then its padding rows (so ``client_batches`` of the reordered x wraps inside real ones)."""
@@ -111,23 +118,20 @@ def transductive_adapt(adapter: Adapter, batch_size: int, state: AdaptState, x: 
     order = shuffled_order(jax.random.fold_in(rng, epoch), x.shape[0], num_examples)
     batches, _ = client_batches(x[order], num_examples, batch_size)
 
-    def body(state, batch):
-      new_state, _ = adapter.step(state, batch)
-      return select(jnp.sum(batch.weight) > 0, new_state, state), None
-
-    return jax.lax.scan(body, state, batches)[0], None
+    return jax.lax.scan(lambda state, batch: (weighted_step(adapter, state, state, batch)[0],
+                                              None), state, batches)[0], None
 
   return jax.lax.scan(one_pass, state, jnp.arange(adapter.epochs))[0]
 
 
-def check_mode(adapter: Adapter, mode: str, name: str = 'this adapter') -> None:
+def check_mode(adapter: Adapter, mode: str) -> None:
   """A known mode, and 'transductive' only for an adapter with ``predict``."""
   if mode not in MODES:
     raise ValueError(f'unknown test-time mode {mode!r}; choose from {list(MODES)}')
   if mode == 'transductive':
     if adapter.predict is None:
-      raise ValueError(f"test-time mode 'transductive': {name} cannot run it (it has no "
-                       f"prediction without an update); use 'episodic' or 'online'")
+      raise ValueError("test-time mode 'transductive': this adapter cannot run it (it has "
+                       "no prediction without an update); use 'episodic' or 'online'")
     if adapter.epochs < 1:
       raise ValueError(f"test-time mode 'transductive': epochs must be >= 1, got "
                        f'{adapter.epochs}')
@@ -165,10 +169,7 @@ def client_runner(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
       initial = adapter.init(variables, rng)
 
       def body(state, batch):
-        start = initial if mode == 'episodic' else state
-        new_state, logits = adapter.step(start, batch)
-        has_data = jnp.sum(batch.weight) > 0
-        return select(has_data, new_state, state), logits
+        return weighted_step(adapter, state, initial if mode == 'episodic' else state, batch)
 
       _, logits = jax.lax.scan(body, initial, batches)
     labels = y[idx]
