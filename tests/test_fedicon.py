@@ -434,6 +434,34 @@ def test_shifted_sets_leave_the_other_splits_unchanged():
     np.testing.assert_array_equal(split.x, shifted.splits[name].x)
 
 
+def test_corruption_per_example_draws_several_corruptions_and_keeps_the_other_splits():
+  """corruption_draw='example' (FedTHE's corr_data): each corrupted test example is
+  ``corrupt`` of its clean self under the corruption drawn for it, clients hold more
+  than one corruption, and every other split equals the per-client draw's."""
+  from fedjax_shift.data import corruptions
+  names = ('gaussian_noise', 'contrast', 'pixelate')
+  make = lambda draw: BENCHMARKS.get('label_skew_corrupted')(
+      data_config(num_clients=6, min_examples_per_client=2, corruptions=names,
+                  corruption_draw=draw), 0)
+  per_client, per_example = make('client'), make('example')
+  for name in ('train', 'val', 'test'):
+    np.testing.assert_array_equal(per_client.splits[name].x, per_example.splits[name].x)
+  counts = np.array(per_example.info['corruption_counts_per_client'])
+  test, corrupted = per_example.splits['test'], per_example.splits['test_corrupted']
+  np.testing.assert_array_equal(counts.sum(1), test.num_examples)
+  assert (np.count_nonzero(counts, axis=1) > 1).sum() >= 4
+  for k in range(6):   # each example is one of the three corruptions of itself
+    n = int(test.num_examples[k])
+    candidates = np.stack([corruptions.corrupt(test.x[k, :n], name, 5, k) for name in names])
+    matches = np.all(np.isclose(candidates, corrupted.x[k, :n][None]), axis=(2, 3, 4))
+    # noise depends on the batch it is drawn with, so compare the deterministic ones
+    deterministic = matches[1:].any(0)
+    np.testing.assert_array_equal(np.bincount(matches[1:].argmax(0)[deterministic] + 1,
+                                              minlength=3)[1:], counts[k, 1:])
+  with pytest.raises(ValueError, match='data.corruption_draw'):
+    label_skew.check(data_config(corruption_draw='domain'))
+
+
 def test_natural_shift_errors_name_the_field():
   with pytest.raises(ValueError, match='data.natural_source'):
     label_skew.check(data_config(source='uci_digits', shift_tests=('natural',)))

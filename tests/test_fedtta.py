@@ -83,16 +83,18 @@ def test_with_a_constant_adaptation_model_fedtta_equals_the_base_model_training(
                               jax.tree.map(jnp.zeros_like, params['adaptation']))
 
 
-def test_meta_optimizer_steps_each_group_as_the_authors_torch_sgd():
-  """ψ: SGD η_outer; φ: SGD η_adapt with momentum 0.9; each group's gradient clipped at
-  its own global norm 10, then weight decay 1e-4·θ added (torch.optim.SGD's order),
-  hand-computed over two steps. The clip binds on φ only: a joint clip would also
-  shrink ψ's step."""
+@pytest.mark.parametrize('clip_groups', ['separate', 'joint'])
+def test_meta_optimizer_steps_each_group_as_the_authors_torch_sgd(clip_groups):
+  """ψ: SGD η_outer; φ: SGD η_adapt with momentum 0.9; the gradient clipped at global
+  norm 10, each group at its own ('separate', the authors') or both at one ('joint'),
+  then weight decay 1e-4·θ added (torch.optim.SGD's order), hand-computed over two
+  steps. The separate clip binds on φ only; the joint one shrinks ψ's step as well."""
   import ml_collections
   import optax
   from fedjax_shift.algorithms.fedtta import meta_optimizer
   hparams = ml_collections.ConfigDict({'adapt_learning_rate': 0.01, 'adapt_momentum': 0.9,
-                                       'weight_decay': 1e-4, 'clip_norm': 10.0})
+                                       'weight_decay': 1e-4, 'clip_norm': 10.0,
+                                       'clip_groups': clip_groups})
   opt = meta_optimizer(optax.sgd(0.1), hparams)
   params = {'base': jnp.array([1.0, -2.0]), 'adaptation': jnp.array([0.5])}
   grads = [{'base': jnp.array([3.0, 4.0]), 'adaptation': jnp.array([40.0])},
@@ -102,23 +104,32 @@ def test_meta_optimizer_steps_each_group_as_the_authors_torch_sgd():
   for g in grads:
     updates, state = opt.update(g, state, params)
     params = optax.apply_updates(params, updates)
-    g_psi = np.asarray(g['base']) * min(1.0, 10.0 / np.linalg.norm(g['base']))
-    g_phi = np.asarray(g['adaptation']) * min(1.0, 10.0 / np.linalg.norm(g['adaptation']))
+    g_psi, g_phi = np.asarray(g['base']), np.asarray(g['adaptation'])
+    if clip_groups == 'separate':
+      g_psi = g_psi * min(1.0, 10.0 / np.linalg.norm(g_psi))
+      g_phi = g_phi * min(1.0, 10.0 / np.linalg.norm(g_phi))
+    else:
+      scale = min(1.0, 10.0 / np.linalg.norm(np.concatenate([g_psi, g_phi])))
+      g_psi, g_phi = g_psi * scale, g_phi * scale
     psi = psi - 0.1 * (g_psi + 1e-4 * psi)
     buffer = 0.9 * buffer + (g_phi + 1e-4 * phi)
     phi = phi - 0.01 * buffer
     np.testing.assert_allclose(params['base'], psi, rtol=1e-6)
     np.testing.assert_allclose(params['adaptation'], phi, rtol=1e-6)
-  # First step by hand: ψ = [1, −2] − 0.1·([3, 4] + 1e-4·[1, −2]); φ = 0.5 − 0.01·(10 + 5e-5).
-  np.testing.assert_allclose(psi[0], 1 - 0.1 * (3 + 1e-4) - 0.1 * (1 + 1e-4 * (1 - 0.1 * 3.0001)),
-                             rtol=1e-6)
+  # The first step by hand: separate clips leave ψ's (3, 4) alone (norm 5); the joint
+  # clip scales all of (3, 4, 40) by 10/√1625, ψ's part with it.
+  scale = 1.0 if clip_groups == 'separate' else 10.0 / np.sqrt(1625.0)
+  first_psi = 1 - 0.1 * (3 * scale + 1e-4)
+  second_grad = 1.0 + 1e-4 * first_psi   # ‖(1, 0, −2)‖ < 10: no clip
+  np.testing.assert_allclose(psi[0], first_psi - 0.1 * second_grad, rtol=1e-6)
 
 
 def test_meta_optimizer_fields_out_of_range_are_refused(tmp_path):
   from configs import fedtta as fedtta_configs
   from fedjax_shift import config as config_lib
   for field, value in (('adapt_momentum', 1.0), ('adapt_momentum', -0.1),
-                       ('weight_decay', -1e-4), ('clip_norm', -1.0)):
+                       ('weight_decay', -1e-4), ('clip_norm', -1.0),
+                       ('clip_groups', 'per_layer')):
     config = fedtta_configs.get_config('tiny')
     config.fedtta_prox[field] = value
     with pytest.raises(ValueError, match=f'config.fedtta_prox.{field}'):

@@ -36,6 +36,9 @@ from fedjax_shift.parts.fedtta_step import (  # noqa: F401
     ADAPTATION, ADAPTATION_SIZES, inner_step, personalization_loss)
 
 
+CLIP_GROUPS = ('separate', 'joint')   # meta_optimizer's clip: per group (ψ, φ) or both at once
+
+
 def meta_loss(module, adaptation_module, params, x: jax.Array, y: jax.Array,
               weight: jax.Array, hparams: ml_collections.ConfigDict) -> jax.Array:
   """CE(f(X; ψ̃), Y) with ψ̃ the inner step of ψ = params['base'] under
@@ -50,14 +53,19 @@ def meta_optimizer(base_optimizer: optax.GradientTransformation,
                    hparams: ml_collections.ConfigDict) -> optax.GradientTransformation:
   """Eqs. 8, 9 as the authors' code steps them (their ``meta_opt``): ψ ('base') with
   ``base_optimizer`` (η_outer), φ ('adaptation') with SGD η_adapt and momentum
-  ``adapt_momentum``; each group's gradient clipped at its own global norm
-  ``clip_norm`` (0: none), then ``weight_decay``·θ added (PyTorch's SGD order).
+  ``adapt_momentum``; the gradient clipped at global norm ``clip_norm`` (0: none), each
+  group at its own (``clip_groups='separate'``, the authors') or both at one
+  (``'joint'``), then ``weight_decay``·θ added (PyTorch's SGD order).
   adapt_momentum = weight_decay = 0 is the paper's text (plain SGD on φ)."""
-  group = lambda optimizer: clipped_and_decayed(optimizer, hparams.clip_norm,
+  separate_clip = hparams.clip_norm if hparams.clip_groups == 'separate' else 0.0
+  group = lambda optimizer: clipped_and_decayed(optimizer, separate_clip,
                                                 hparams.weight_decay)
   adaptation = optax.sgd(hparams.adapt_learning_rate, momentum=hparams.adapt_momentum or None)
-  return optax.multi_transform({'base': group(base_optimizer), 'adaptation': group(adaptation)},
-                               {'base': 'base', 'adaptation': 'adaptation'})
+  groups = optax.multi_transform({'base': group(base_optimizer), 'adaptation': group(adaptation)},
+                                 {'base': 'base', 'adaptation': 'adaptation'})
+  if hparams.clip_groups == 'joint' and hparams.clip_norm:
+    return optax.chain(optax.clip_by_global_norm(hparams.clip_norm), groups)
+  return groups
 
 
 def check_meta_optimizer(section: str, hparams: ml_collections.ConfigDict) -> None:
@@ -66,6 +74,8 @@ def check_meta_optimizer(section: str, hparams: ml_collections.ConfigDict) -> No
     require(hparams[field] >= 0, f'{section}.{field}', f'must be >= 0, got {hparams[field]}')
   require(0 <= hparams.adapt_momentum < 1, f'{section}.adapt_momentum',
           f'must be in [0, 1), got {hparams.adapt_momentum}')
+  require(hparams.clip_groups in CLIP_GROUPS, f'{section}.clip_groups',
+          f'choose from {list(CLIP_GROUPS)}, got {hparams.clip_groups!r}')
 
 
 def checker(section: str):
@@ -143,6 +153,8 @@ FEDTTA_DEFAULTS = {
     # rounds, one joint clip over (ψ, φ): unclipped, 3 of 5 FedTTA / FedTTA-Prox runs gave
     # NaN (rounds 14–22); clipped at 10, none of 6 did; clipped at 1 it trained too slowly.
     'clip_norm': 10.0,
+    'clip_groups': 'separate',    # the authors' meta_opt clips ψ's and φ's groups apart;
+                                  # 'joint': one clip over (ψ, φ) together
     'adapt_momentum': 0.9,        # the authors' meta_opt: momentum 0.9 on φ's group only
     'weight_decay': 1e-4,         # the authors' meta_opt: weight decay 1e-4 on ψ and φ
 }

@@ -60,6 +60,7 @@ DEFAULTS = {
     'adapt_learning_rate': 0.005,   # η_adapt (Sec. 4.6: 0.005); η_outer = client.learning_rate
     'norm_epsilon': 0.1,            # as config.fedtta.norm_epsilon
     'clip_norm': 10.0,              # as config.fedtta.clip_norm (not in the paper)
+    'clip_groups': 'separate',      # as config.fedtta.clip_groups
     'adapt_momentum': 0.9,          # as config.fedtta: the authors' meta_opt (digest too)
     'weight_decay': 1e-4,
     # How the server combines the clients' public logits: 'logits' (Alg. 2: their mean)

@@ -103,13 +103,8 @@ def digit_domains_benchmark(data_config: ml_collections.ConfigDict, seed: int) -
     for k, x in enumerate(test_x):
       # One corruption per test example (not per client: with one client per domain, a
       # per-client draw would make each domain's column one corruption's accuracy).
-      per_example = rng.integers(0, len(names), len(x))
-      out = np.empty_like(x)
-      for index, name in enumerate(names):
-        where = per_example == index
-        if where.any():
-          out[where] = corruptions.corrupt(x[where], name, data_config.severity,
-                                           seed * 100_003 + k)
+      out, per_example = corruptions.corrupt_each_example(
+          x, names, data_config.severity, seed * 100_003 + k, rng)
       corrupted.append(out)
       chosen.append(np.bincount(per_example, minlength=len(names)).tolist())
     splits['test_corrupted'] = stack_clients(corrupted, test_y, example_shape=shape)

@@ -2,7 +2,8 @@
 test splits and up to five test sets (FedTHE Sec. 5 and its official code):
 
   test            in-distribution: the client's own held-out examples
-  test_corrupted  the same under one CIFAR-10-C corruption per client (``corruptions``)
+  test_corrupted  the same under one CIFAR-10-C corruption per client (``corruptions``),
+                  or one per example (``corruption_draw='example'``, as FedTHE's code)
   test_ooc        out-of-client label shift, another label distribution: with
                   ``ooc_source='pooled'`` (FedTHE's create_dataset) a random 1/(K−1) of
                   the other K−1 clients' pooled test splits; with 'donor' the test
@@ -41,6 +42,8 @@ def check(data_config: ml_collections.ConfigDict) -> None:
   for name in data_config.corruptions:
     require(name in corruptions.ALL_CORRUPTIONS, 'data.corruptions',
             f'unknown corruption {name!r}; choose from {list(corruptions.ALL_CORRUPTIONS)}')
+  require(data_config.corruption_draw in CORRUPTION_DRAWS, 'data.corruption_draw',
+          f'choose from {list(CORRUPTION_DRAWS)}, got {data_config.corruption_draw!r}')
   require(data_config.ooc_source in OOC_SOURCES, 'data.ooc_source',
           f'choose from {list(OOC_SOURCES)}, got {data_config.ooc_source!r}')
   for name in data_config.shift_tests:
@@ -58,6 +61,7 @@ def check(data_config: ml_collections.ConfigDict) -> None:
 
 
 SHIFT_TESTS = ('ooc', 'natural', 'mixture')
+CORRUPTION_DRAWS = ('client', 'example')
 OOC_SOURCES = ('pooled', 'donor')
 # data.source -> the natural shift 'auto' picks (FedTHE: CIFAR-10 -> CIFAR-10.1).
 NATURAL_SOURCES = {'mnist_embedded': 'uci_digits', 'tfds:mnist': 'uci_digits',
@@ -174,6 +178,8 @@ def mixture(test_sets, rng: np.random.Generator):
     'shift_tests': (),                # any of 'ooc', 'natural', 'mixture' (FedTHE's five)
     'natural_source': 'auto',         # test_natural's source ('auto': by data.source)
     'ooc_source': 'pooled',           # test_ooc: 'pooled' (FedTHE) | 'donor' (one client)
+    # test_corrupted: one corruption per 'client' | per 'example' (FedTHE's corr_data)
+    'corruption_draw': 'client',
 }, check=check, pipelines=('federated',))
 def label_skew_corrupted(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """Label-skewed clients evaluated on clean and corrupted test splits (FedTHE-style).
@@ -198,12 +204,24 @@ def label_skew_corrupted(data_config: ml_collections.ConfigDict, seed: int) -> B
   names = tuple(data_config.corruptions)
   if names and 'test' in splits_xy:
     severity = data_config.severity
+    # Drawn with either corruption_draw, so that nothing drawn after it changes.
     per_client = [names[i] for i in rng.integers(0, len(names), len(parts))]
     xs, ys = splits_xy['test']
-    corrupted = [corruptions.corrupt(x, name, severity, seed * 100_003 + k)
-                 if len(x) else x for k, (x, name) in enumerate(zip(xs, per_client))]
+    if data_config.corruption_draw == 'client':
+      corrupted = [corruptions.corrupt(x, name, severity, seed * 100_003 + k)
+                   if len(x) else x for k, (x, name) in enumerate(zip(xs, per_client))]
+      info['corruption_per_client'] = per_client
+    else:
+      # A generator of its own: the draw of every other split stays that of 'client'.
+      example_rng = np.random.default_rng([seed, 43])
+      drawn = [corruptions.corrupt_each_example(x, names, severity, seed * 100_003 + k,
+                                                example_rng) for k, x in enumerate(xs)]
+      corrupted = [x for x, _ in drawn]
+      info['corruptions'] = names
+      info['corruption_counts_per_client'] = [
+          np.bincount(chosen, minlength=len(names)).tolist() for _, chosen in drawn]
     splits['test_corrupted'] = stack_clients(corrupted, ys, example_shape=example_shape)
-    info['corruption_per_client'] = per_client
+    info['corruption_draw'] = data_config.corruption_draw
     info['severity'] = severity
   shift_tests = tuple(data_config.shift_tests)
   if shift_tests:

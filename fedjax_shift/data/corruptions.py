@@ -15,7 +15,7 @@ saturation, which would otherwise be the identity on grey images).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Sequence, Tuple
 
 import numpy as np
 from scipy import ndimage
@@ -357,3 +357,19 @@ def corrupt(images: np.ndarray, name: str, severity: int, seed: int) -> np.ndarr
     return images.copy()
   rng = np.random.default_rng([seed, ALL_CORRUPTIONS.index(name), severity])
   return CORRUPTIONS[name](images, int(severity), rng)
+
+
+def corrupt_each_example(images: np.ndarray, names: Sequence[str], severity: int, seed: int,
+                         rng: np.random.Generator) -> Tuple[np.ndarray, np.ndarray]:
+  """One corruption drawn from ``names`` (uniformly, with ``rng``) for each of the
+  images [B, H, W, C], as FedTHE's corrupted test sets draw them: the images of each
+  corruption go through ``corrupt`` together with ``seed``. Returns (float32
+  [B, H, W, C], the index into ``names`` of each image's corruption [B])."""
+  chosen = rng.integers(0, len(names), len(images))
+  out = np.asarray(images, np.float32).copy()
+  for index, name in enumerate(names):
+    where = chosen == index
+    if where.any():
+      out[where] = corrupt(images[where], name, severity, seed)
+  return out, chosen
+
