@@ -24,8 +24,8 @@ client per digit domain of benchmarks/digit_domains.py — MNIST, UCI, MNIST-M-s
 SynthDigits-style — with corrupted test sets; columns per domain), lodo_<domain>
 (Table 2: that domain held out as every client's test set, e.g. lodo_synth), quick,
 tiny (shared) — and the label-skew ones (e.g. mnist_dir1.0 for FedTHE's Dirichlet 1.0).
-ablation (Table 5: FedICON without local invariance extraction, without global invariance
-sharing, without both; each with and without test-time adaptation), cnn (the ATP CNN).
+ablation (Table 5: Local, FedAvg, FedICON without global invariance sharing, FedICON, and two
+extra CE rows; each with and without test-time adaptation), cnn (the ATP CNN).
 Combine with commas: digit5,online, lodo_uci,paper or digit5,ablation.
 """
 import ml_collections
@@ -89,10 +89,12 @@ def _lodo(c: ml_collections.ConfigDict, match) -> None:
 
 
 def _ablation(c: ml_collections.ConfigDict, match=None) -> None:
-  """Table 5: FedICON without local invariance extraction (CE), without global
-  invariance sharing (no averaging), without both; each with and without test-time
-  adaptation."""
-  c.algorithms = ('fedicon_ce_no_sharing', 'fedicon_ce', 'fedicon_no_sharing', 'fedicon')
+  """Table 5: FedICON without local invariance extraction (CE: Local without sharing,
+  FedAvg with it, as the paper's cells), without global invariance sharing (no
+  averaging), and whole; each with and without test-time adaptation. Extra rows: CE
+  sharing only the encoder, and CE with its separate head epoch, unshared."""
+  c.algorithms = ('local', 'fedavg', 'fedicon_no_sharing', 'fedicon', 'fedicon_ce_no_sharing',
+                  'fedicon_ce')
   c.eval_adapters = ('fedicon:episodic',)
   c.eval_adapter_algorithms = c.algorithms
 

@@ -576,14 +576,29 @@ def test_cross_entropy_ablation_leaves_the_projection_untrained():
   assert any(float(jnp.abs(v).max()) > 0.0 for v in encoder.values())
 
 
-def test_ablation_table_marks_the_components():
-  results = [{'algorithm': 'fedicon_ce', 'seed': 0,
+def test_ablation_table_maps_the_papers_cells_and_keeps_ours_as_extra_rows():
+  """Table 5's CE cells are Local (– / – / –: 34.00) and FedAvg's global model
+  (– / ✓ / –: 55.04); FedICON whole is ✓ / ✓ / ✓ (62.23); our encoder-only CE row is an
+  extra row with no paper number."""
+  results = [{'algorithm': 'local', 'seed': 0,
+              'metrics': {'personalized/test_corrupted/accuracy': 0.3}},
+             {'algorithm': 'fedavg', 'seed': 0,
+              'metrics': {'global/test_corrupted/accuracy': 0.45,
+                          'personalized/test_corrupted/accuracy': 0.99}},
+             {'algorithm': 'fedicon_ce', 'seed': 0,
               'metrics': {'personalized/test_corrupted/accuracy': 0.4,
                           'personalized+fedicon/test_corrupted/accuracy': 0.5}},
              {'algorithm': 'fedicon', 'seed': 0,
-              'metrics': {'personalized/test_corrupted/accuracy': 0.6}}]
+              'metrics': {'personalized/test_corrupted/accuracy': 0.6,
+                          'personalized+fedicon/test_corrupted/accuracy': 0.62}}]
   lines = report.fedicon_ablation_table(results).splitlines()
-  assert lines[2:] == ['|  | ✓ |  | 40.00 |', '|  | ✓ | ✓ | 50.00 |', '| ✓ | ✓ |  | 60.00 |']
+  assert lines[2:] == [
+      '| Local |  |  |  | 30.00 | 34.00 |',
+      '| FedAvg (the whole model shared) |  | ✓ |  | 45.00 | 55.04 |',
+      '| FedICON | ✓ | ✓ |  | 60.00 |  |',
+      '| FedICON | ✓ | ✓ | ✓ | 62.00 | 62.23 |',
+      '| extra: CE, encoder shared, head local |  | ✓ |  | 40.00 |  |',
+      '| extra: CE, encoder shared, head local |  | ✓ | ✓ | 50.00 |  |']
 
 
 def test_transductive_mode_equals_a_hand_written_loop_over_shuffled_passes():
