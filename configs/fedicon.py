@@ -25,7 +25,9 @@ SynthDigits-style — with corrupted test sets; columns per domain), lodo_<domai
 (Table 2: that domain held out as every client's test set, e.g. lodo_synth), quick,
 tiny (shared) — and the label-skew ones (e.g. mnist_dir1.0 for FedTHE's Dirichlet 1.0).
 ablation (Table 5: Local, FedAvg, FedICON without global invariance sharing, FedICON, and two
-extra CE rows; each with and without test-time adaptation), cnn (the ATP CNN).
+extra CE rows; each with and without test-time adaptation), cnn (the ATP CNN), mild_views
+(crop area U(0.6, 1) in place of SimCLR's U(0.2, 1)) and translate_views (no crop: a
+shift and a rotation, then jitter and grayscale), for training and test-time views.
 Combine with commas: digit5,online, lodo_uci,paper or digit5,ablation.
 """
 import ml_collections
@@ -61,7 +63,8 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                                        # sample selection without its Fisher regulariser
   c.paper_tables = 'fedicon'
   return apply_variant(c, arg, VARIANTS,
-                       SOURCE_VARIANTS_HELP + ', online, paper, digit5, lodo_<domain>, cnn, ablation')
+                       SOURCE_VARIANTS_HELP + ', online, paper, digit5, lodo_<domain>, cnn, ablation, '
+                       'mild_views, translate_views')
 
 
 def _online(c: ml_collections.ConfigDict, match=None) -> None:
@@ -117,7 +120,26 @@ def _tiny(c: ml_collections.ConfigDict, match=None) -> None:
   c.data.domain_examples = 40
 
 
+# Views for the contrastive losses (training and test time). 'simclr' is the default:
+# SimCLR's CIFAR chain; the milder two are for 28-px digits, where a crop of a fifth of
+# the area can leave one stroke (data/augment.py).
+VIEWS = {
+    'mild_views': ('mild_resized_crop', 'colour_jitter', 'grayscale', 'gaussian_blur'),
+    'translate_views': ('translate_rotate', 'colour_jitter', 'grayscale'),
+}
+
+
+def _views(c: ml_collections.ConfigDict, match=None) -> None:
+  """Every FedICON section's views and the fedicon adapter's: VIEWS[variant]."""
+  names = VIEWS[match.group(0)]
+  for section in c.keys():
+    if section.startswith('fedicon') and 'augmentations' in c[section]:
+      c[section].augmentations = names
+  c.adapters.fedicon.augmentations = names
+
+
 VARIANTS = SOURCE_VARIANTS[:-1] + (('online', _online), ('paper', _paper), ('digit5', _digit5),
                                    (r'lodo_(?P<domain>\w+)', _lodo), ('cnn', _cnn),
-                                   ('ablation', _ablation),
+                                   ('ablation', _ablation), ('mild_views', _views),
+                                   ('translate_views', _views),
                                    ('tiny', _tiny))

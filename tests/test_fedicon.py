@@ -103,6 +103,30 @@ def test_flip_mirrors_and_grayscale_equalises_channels():
   assert changed and all(np.allclose(g[..., 0], g[..., 1]) for g in changed)
 
 
+def test_mild_crop_keeps_at_least_three_fifths_of_the_area_and_the_variants_set_every_view():
+  """A crop of area a and aspect ratio r resized to the image widens it by 1/√(a·r): a
+  vertical stripe one pixel wide ends at most 1/√(0.6·3/4) ≈ 1.49 pixels wide after the
+  mild crop (bilinear: at most 3 columns touched), where SimCLR's U(0.2, 1) reaches
+  1/√(0.2·3/4) ≈ 2.58 (4 or 5 columns). translate_rotate is augment's geometric part on
+  the same keys."""
+  image = jnp.zeros((28, 28, 1)).at[:, 14].set(1.0)
+  widths = lambda crop: [int((np.asarray(crop(jax.random.key(k), image)).max(0)[:, 0] > 1e-3)
+                             .sum()) for k in range(64)]
+  mild, simclr = widths(augment.mild_resized_crop), widths(augment.random_resized_crop)
+  assert max(mild) <= 3 and max(simclr) >= 4
+  shift_key, rotation_key = jax.random.split(jax.random.key(5))
+  np.testing.assert_array_equal(augment.translate_rotate(jax.random.key(5), image),
+                                augment.translate_and_rotate(shift_key, rotation_key, image))
+  from configs import fedicon as fedicon_configs
+  for variant, names in fedicon_configs.VIEWS.items():
+    config = fedicon_configs.get_config(f'digit5,ablation,{variant}')
+    sections = [s for s in config.keys() if s.startswith('fedicon') and 'augmentations'
+                in config[s]]
+    assert len(sections) == 5
+    assert all(tuple(config[s].augmentations) == names for s in sections)
+    assert tuple(config.adapters.fedicon.augmentations) == names
+
+
 def test_unknown_augmentation_names_the_field():
   config = tiny_config(**{'algorithms': ('fedicon',)})
   config.fedicon.augmentations = ('random_resized_crop', 'solarize')

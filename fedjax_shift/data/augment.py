@@ -33,18 +33,25 @@ def rotate(image: jax.Array, degrees: jax.Array) -> jax.Array:
 VECTOR_NOISE = 0.1
 
 
+def translate_and_rotate(shift_key: jax.Array, rotation_key: jax.Array,
+                         image: jax.Array) -> jax.Array:
+  """A random translation (reflect-pad 4 px at 32 px, scaled to the image, then crop)
+  and a rotation by U(−15°, 15°). [H, W, C] -> [H, W, C]."""
+  height = image.shape[0]
+  pad = max(1, round(4 * height / 32))
+  padded = jnp.pad(image, ((pad, pad), (pad, pad), (0, 0)), mode='reflect')
+  offset = jax.random.randint(shift_key, (2,), 0, 2 * pad + 1)
+  image = jax.lax.dynamic_slice(padded, (offset[0], offset[1], 0), image.shape)
+  return rotate(image, jax.random.uniform(rotation_key, (), minval=-15.0, maxval=15.0))
+
+
 def augment(key: jax.Array, image: jax.Array) -> jax.Array:
   """One random augmentation of ``image`` [H, W, C] (values in [0, 1]). Vector
   inputs [D] (Circle) get Gaussian jitter of standard deviation VECTOR_NOISE."""
   if image.ndim == 1:
     return image + VECTOR_NOISE * jax.random.normal(key, image.shape)
-  height, width = image.shape[:2]
-  pad = max(1, round(4 * height / 32))
   shift_key, rot_key, con_key, bri_key = jax.random.split(key, 4)
-  padded = jnp.pad(image, ((pad, pad), (pad, pad), (0, 0)), mode='reflect')
-  offset = jax.random.randint(shift_key, (2,), 0, 2 * pad + 1)
-  image = jax.lax.dynamic_slice(padded, (offset[0], offset[1], 0), image.shape)
-  image = rotate(image, jax.random.uniform(rot_key, (), minval=-15.0, maxval=15.0))
+  image = translate_and_rotate(shift_key, rot_key, image)
   mean = jnp.mean(image)
   image = (image - mean) * jax.random.uniform(con_key, (), minval=0.7, maxval=1.3) + mean
   image = image + jax.random.uniform(bri_key, (), minval=-0.1, maxval=0.1)
@@ -99,13 +106,12 @@ def _bilinear(image: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
   return jax.vmap(channel, in_axes=2, out_axes=2)(image)
 
 
-@VIEW_AUGMENTATIONS.register('random_resized_crop')
-def random_resized_crop(key: jax.Array, image: jax.Array) -> jax.Array:
-  """A crop of random area (CROP_SCALE of the image) and aspect ratio (CROP_RATIO,
+def resized_crop(key: jax.Array, image: jax.Array, scale) -> jax.Array:
+  """A crop of random area (U(scale) of the image) and aspect ratio (CROP_RATIO,
   log-uniform), resized back to [H, W] bilinearly; the crop is clipped to the image."""
   height, width = image.shape[:2]
   area_key, ratio_key, top_key, left_key = jax.random.split(key, 4)
-  area = jax.random.uniform(area_key, (), minval=CROP_SCALE[0], maxval=CROP_SCALE[1])
+  area = jax.random.uniform(area_key, (), minval=scale[0], maxval=scale[1])
   log_ratio = jax.random.uniform(ratio_key, (), minval=jnp.log(CROP_RATIO[0]),
                                  maxval=jnp.log(CROP_RATIO[1]))
   ratio = jnp.exp(log_ratio)
@@ -117,6 +123,31 @@ def random_resized_crop(key: jax.Array, image: jax.Array) -> jax.Array:
   cols = left + (jnp.arange(width, dtype=jnp.float32) + 0.5) * crop_w / width - 0.5
   grid_r, grid_c = jnp.meshgrid(rows, cols, indexing='ij')
   return _bilinear(image, grid_r, grid_c)
+
+
+@VIEW_AUGMENTATIONS.register('random_resized_crop')
+def random_resized_crop(key: jax.Array, image: jax.Array) -> jax.Array:
+  """SimCLR's crop: area U(CROP_SCALE) = U(0.2, 1), resized back to [H, W]."""
+  return resized_crop(key, image, CROP_SCALE)
+
+
+# Milder views for small digits (not SimCLR's): a crop of area U(0.6, 1) keeps most of
+# the stroke, where U(0.2, 1) can leave a fifth of a 28-px digit; or no crop at all,
+# MEMO's translation and rotation (``augment``'s geometric part).
+MILD_CROP_SCALE = (0.6, 1.0)
+
+
+@VIEW_AUGMENTATIONS.register('mild_resized_crop')
+def mild_resized_crop(key: jax.Array, image: jax.Array) -> jax.Array:
+  """A crop of area U(MILD_CROP_SCALE) = U(0.6, 1), resized back to [H, W]."""
+  return resized_crop(key, image, MILD_CROP_SCALE)
+
+
+@VIEW_AUGMENTATIONS.register('translate_rotate')
+def translate_rotate(key: jax.Array, image: jax.Array) -> jax.Array:
+  """``translate_and_rotate``: a shift of up to 4 px at 32 px and U(−15°, 15°)."""
+  shift_key, rotation_key = jax.random.split(key)
+  return translate_and_rotate(shift_key, rotation_key, image)
 
 
 @VIEW_AUGMENTATIONS.register('horizontal_flip')
