@@ -22,8 +22,11 @@ Where we differ: the paper's architectures (App. G Table 3) are LeNet-5 CNNs, co
 big here are MLPs of 100 / 200 / 400 hidden units (two layers), cheap on a CPU, with
 Table 3's g of 32 / 64 / 128; the `lenet5` variant uses Table 3's CNNs
 (hetero_fedtta.base_model). The digest and new-client digest step counts are not given
-(10 and 100 here); the outer gradient is clipped at global norm 10 as in FedTTA
-(configs/fedtta.py); 50 rounds. Each new client's distance from its initialisation
+(10 and 100 here); (ψ, φ) are stepped by the authors' meta-optimizer as in FedTTA
+(configs/fedtta.py: each group clipped at global norm 10, momentum 0.9 on φ, weight
+decay 1e-4; hetero_fedtta.clip_groups='joint' with adapt_momentum=0 and weight_decay=0
+is one joint clip and plain SGD, which grows the ensemble's knowledge faster on this
+split: fedjax_shift/papers/fedtta/README.md); 50 rounds. Each new client's distance from its initialisation
 after digesting (ψ and g, relative) is recorded as new_clients/base_drift and
 new_clients/adaptation_drift.
 
