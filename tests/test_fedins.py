@@ -154,6 +154,49 @@ def test_round_trains_only_pool_keys_and_head_and_leaves_the_backbone_bit_identi
   assert uploaded_parameters(algorithm, server, clients, data) == 4 * (per_set + 16) + head
 
 
+def test_selection_diagnostics_see_keys_learn_one_domain_each():
+  """A toy two-domain task whose frozen queries separate the domains (red and blue
+  images: the random ViT's mean queries are at cosine 0.64, each domain's within 0.99),
+  pool of 8, C = 1, keys trunc-normal(0.02) (the default): at initialisation the chosen
+  keys' mean cosine is low and one domain's choices are split; after a few rounds the
+  key loss has pulled one key onto each domain (cosine near 1, two keys used, each
+  domain's choices all on its own key: purity 1)."""
+  from fedjax_shift.algorithms.fedins import selection_diagnostics
+  from fedjax_shift.data.federated import stack_clients
+  rng = np.random.default_rng(0)
+
+  def domain(channel, n):
+    image = np.zeros((4, 4, 3), np.float32)
+    image[..., channel] = 1.0
+    return np.clip(image + 0.05 * rng.normal(size=(n, 4, 4, 3)), 0, 1).astype(np.float32)
+
+  train = stack_clients([np.concatenate([domain(0, 12), domain(2, 12)]) for _ in range(2)],
+                        [rng.integers(0, NUM_CLASSES, 24) for _ in range(2)])
+  red, blue = domain(0, 10), domain(2, 10)
+  labels = np.zeros(10, np.int64)
+  splits = {'test': stack_clients([np.concatenate([red, blue])], [np.zeros(20, np.int64)]),
+            'test_red': stack_clients([red], [labels]),
+            'test_blue': stack_clients([blue], [labels])}
+  config = small_vit_config()
+  config.fedins.pool_size, config.fedins.top_c = 8, 1
+  module, algorithm, server, clients = make('fedins', config, train)
+  assert config.fedins.key_init == 'trunc_normal'
+  diagnose = selection_diagnostics(module)
+  info = {'domains': ['red', 'blue']}
+  before = diagnose(server.variables, splits, info, 64)
+  round_fn = build_round(algorithm, RoundConfig(cohort_size=2))[0]
+  state = server
+  for r in range(3):
+    out = round_fn(state, clients, train, jax.random.key(r))
+    state, clients = out.server_state, out.client_states
+  after = diagnose(state.variables, splits, info, 64)
+  assert before['fedins/test/chosen_cosine'] < 0.5 < 0.99 < after['fedins/test/chosen_cosine']
+  assert before['fedins/test/purity'] < 1.0
+  assert after['fedins/test/keys_used'] == 2.0
+  assert after['fedins/test_red/purity'] == after['fedins/test_blue/purity'] == 1.0
+  assert after['fedins/test/purity'] == 1.0
+
+
 def test_vit_b16_communication_matches_the_paper():
   # ViT-B/16 (patch 16, width 768, depth 12, MLP 3072) at 224×224: one SSF set is
   # 2·(768 + 12·(7·768 + 3072) + 768) = 205,824 numbers, 25 sets 5,145,600 (Table 2:
@@ -286,6 +329,14 @@ def test_pipeline_pretrains_once_starts_every_method_from_it_and_prints_table_1(
       jax.tree.leaves(encoder),
       jax.tree.leaves(results['fedavg']['server_state'].variables['params']['encoder'])))
   assert results['fedins']['uploaded_parameters'] < results['fedavg']['uploaded_parameters'] * 2
+  # Every FedIns evaluation logs its key selection (chosen cosine, keys used, purity).
+  fedins_metrics = results['fedins']['metrics']
+  assert 0 < fedins_metrics['fedins/test/keys_used'] <= config.fedins.pool_size
+  assert -1 <= fedins_metrics['fedins/test/chosen_cosine'] <= 1
+  purity = [v for k, v in fedins_metrics.items() if k.startswith('fedins/test_')
+            and k.endswith('/purity')]   # the domains with test examples in this draw
+  assert len(purity) >= 2 and all(0 <= v <= 1 for v in purity)
+  assert not any(k.startswith('fedins/') for k in results['fedavg']['metrics'])
   table = out.records['paper_tables']
   assert '# Com.cost' in table and '| FedIns |' in table and '| FedAvg (w.Full) |' in table
   for domain in config.data.domains:

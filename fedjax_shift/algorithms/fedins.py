@@ -25,11 +25,12 @@ one top-C choice per batch, from the batch's mean query).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Dict, Tuple
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from fedjax_shift.algorithms import base
@@ -157,9 +158,56 @@ def build(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fed
       global_model=lambda server_state: server_state.variables)
 
 
+def key_counts(select, variables, split, batch_size: int) -> Tuple[np.ndarray, float, int]:
+  """Over every real example of ``split`` (a FederatedData, clients pooled) in batches of
+  ``batch_size``: (how often each key was chosen [M], the summed mean cosine of each
+  example's chosen keys, the number of examples)."""
+  x = np.concatenate([split.x[k, :n] for k, n in enumerate(split.num_examples)])
+  counts, cosine = 0, 0.0
+  for start in range(0, len(x), batch_size):
+    weights, similarity = select(variables, jnp.asarray(x[start:start + batch_size]))
+    chosen = np.asarray(weights) > 0
+    counts = counts + chosen.sum(0)
+    cosine += float((np.asarray(similarity) * chosen).sum() / chosen.sum() * len(chosen))
+  return np.asarray(counts), cosine, len(x)
+
+
+def selection_diagnostics(module) -> Callable[..., Dict[str, float]]:
+  """``diagnose(variables, splits, info, batch_size)``: is the selection of ``module``
+  (a ViTClassifier with a pool) instance-adaptive? On the pooled 'test' split: the mean
+  cosine of the chosen keys ('fedins/test/chosen_cosine', what the key loss raises) and
+  how many of the M keys were ever chosen ('fedins/test/keys_used'); where the benchmark
+  has domains (``info['domains']``, splits 'test_<domain>'), each domain's purity, the
+  share of its choices that go to keys chosen most often by that domain
+  ('fedins/test_<domain>/purity'), and their pooled form ('fedins/test/purity': the
+  share of all choices on each key's majority domain; 1 when no key is shared)."""
+  select = jax.jit(lambda variables, x: module.apply(variables, x, method='selection'))
+
+  def diagnose(variables, splits, info: dict, batch_size: int) -> Dict[str, float]:
+    out = {}
+    if 'test' in splits and int(splits['test'].num_examples.sum()):
+      counts, cosine, size = key_counts(select, variables, splits['test'], batch_size)
+      out['fedins/test/chosen_cosine'] = cosine / size
+      out['fedins/test/keys_used'] = float((counts > 0).sum())
+    domains = [d for d in info.get('domains', ()) if f'test_{d}' in splits
+               and int(splits[f'test_{d}'].num_examples.sum())]
+    if len(domains) >= 2:
+      per_domain = np.stack([key_counts(select, variables, splits[f'test_{d}'], batch_size)[0]
+                             for d in domains])                       # [D, M]
+      majority = per_domain.argmax(0)
+      for index, domain in enumerate(domains):
+        out[f'fedins/test_{domain}/purity'] = float(
+            per_domain[index, majority == index].sum() / per_domain[index].sum())
+      out['fedins/test/purity'] = float(per_domain.max(0).sum() / per_domain.sum())
+    return out
+
+  return diagnose
+
+
 def _register(name: str, **overrides) -> None:
+  diagnostics = {} if overrides.get('pool_size') == 1 else {'diagnostics': selection_diagnostics}
   base.ALGORITHMS.register(name, defaults={**DEFAULTS, **overrides}, check=check(name),
-                           models=('vit',))(build)
+                           models=('vit',), **diagnostics)(build)
 
 
 _register('fedins')

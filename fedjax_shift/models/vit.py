@@ -262,15 +262,22 @@ def top_c_weights(similarity: jax.Array, top_c: jax.Array) -> jax.Array:
   return chosen / jnp.maximum(top_c, 1).astype(similarity.dtype)
 
 
-def select_ssf(pool: dict, queries: jax.Array) -> Tuple[SSF, jax.Array]:
-  """FedIns' instance-adaptive SSF (Sec. 3.4, Eq. 9): queries [B, F] -> ({point:
-  (scale, shift) [B, D]}, match [B] = Σ of the cosine similarities of the chosen keys,
-  the term of the key loss 1 − Σ cos)."""
+def choose_keys(pool: dict, queries: jax.Array) -> Tuple[jax.Array, jax.Array]:
+  """The top-C choice (Sec. 3.4): queries [B, F] -> (weights [B, M], 1/C on each
+  example's chosen keys; similarity [B, M], each query's cosine to every key). With
+  ``pool['per_instance']`` False one choice for the batch, from its mean query."""
   similarity = cosine_similarity(queries, pool['keys'])
   per_batch = jnp.broadcast_to(cosine_similarity(queries.mean(0, keepdims=True), pool['keys']),
                                similarity.shape)
   similarity = jnp.where(pool['per_instance'], similarity, per_batch)
-  weights = top_c_weights(jax.lax.stop_gradient(similarity), pool['top_c'])
+  return top_c_weights(jax.lax.stop_gradient(similarity), pool['top_c']), similarity
+
+
+def select_ssf(pool: dict, queries: jax.Array) -> Tuple[SSF, jax.Array]:
+  """FedIns' instance-adaptive SSF (Sec. 3.4, Eq. 9): queries [B, F] -> ({point:
+  (scale, shift) [B, D]}, match [B] = Σ of the cosine similarities of the chosen keys,
+  the term of the key loss 1 − Σ cos)."""
+  weights, similarity = choose_keys(pool, queries)
   match = jnp.sum(similarity * (weights > 0), axis=-1)
   mixed = {point: (weights @ scale, weights @ shift)
            for point, (scale, shift) in tree_ssf(pool).items()}
@@ -295,6 +302,13 @@ class ViTClassifier(nn.Module):
     """(logits [B, C], match [B]: Σ cos of the chosen keys, 0 without a pool)."""
     features, match = self.features_and_match(x, train)
     return self.head(features), match
+
+  def selection(self, x):
+    """``choose_keys`` for x [B, ...]: (weights [B, M], similarity [B, M]), the choice
+    ``features_and_match`` makes with the pool."""
+    pool = {name: self.get_variable('ssf_pool', name) for name in ('keys', 'top_c',
+                                                                    'per_instance')}
+    return choose_keys(pool, self.encoder(x, None, False))
 
   def features_and_match(self, x, train: bool = False):
     if self.has_variable('ssf_pool', 'keys'):

@@ -323,8 +323,15 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
           built.new_client_chunk, server_state, client_states, train,
           {n: eval_splits[n] for n in new_client_splits}, eval_key, seed,
           config.engine.eval_chunk_size))
-    return evaluation.summarize(per_client, bench.info.get('client_groups'))
+    summary = evaluation.summarize(per_client, bench.info.get('client_groups'))
+    if diagnose is not None:
+      summary.update(diagnose(algorithm.global_model(server_state), eval_splits, bench.info,
+                              config.engine.eval_batch_size))
+    return summary
 
+  # Method-specific measurements of the global model (FedIns' key selection).
+  diagnostics = algorithms.base.ALGORITHMS.meta(algorithm_name).get('diagnostics')
+  diagnose = diagnostics(module) if diagnostics and algorithm.global_model else None
   run = loop.Run(f'{algorithm_name} seed {seed}', workdir, opened.checkpointer, opened.writer,
                  opened.start_round, float(elapsed), evaluate,
                  (lambda state: log_state(state[0])) if log_state is not None else None)
