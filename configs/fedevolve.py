@@ -9,7 +9,8 @@ Variants (comma-separated):
                                   the 165° domain is the target (Table 1)
   rmnist_domains<D>               D domains ending at 165° (Tables 5 and 9: 7 domains = 75°–165°,
                                   10 = 30°–165°, 12 = 0°–165°)
-  circle_dir<α>                   Circle, 30 domains × 100 points (Table 3 / 4)
+  circle_dir<α>                   Circle, 30 Gaussian domains × 1,000 points (App. C.2;
+                                  Table 3 / 4)
   remnist_dir<α>                  Rotated EMNIST letters from TFDS (emnist/letters in a
                                   local data_dir), 12 domains 0°–88° step 8°, Adam wd 1e-4,
                                   batch 96 (App. D)

@@ -17,8 +17,30 @@ def test_embedded_sources_are_real_digits():
   assert uci.x.shape == (1797, 28, 28, 1) and set(np.unique(uci.y)) == set(range(10))
 
 
-def test_circle_geometry():
-  x, y = sources.circle(num_domains=30, points_per_domain=100, seed=0)
+def test_circle_follows_fedevolve_appendix_c2():
+  """App. C.2: 30 Gaussians of standard deviation 0.6 centred on the half circle of
+  radius 10 (means spread evenly over 0°–180°), label 1 inside the circle
+  x² + y² ≤ 100; the circle variant draws 1,000 points per domain."""
+  x, y = sources.circle(num_domains=30, points_per_domain=1000, seed=0)
+  assert x.shape == (30, 1000, 2) and y.shape == (30, 1000)
+  means = x.mean(1)
+  np.testing.assert_allclose(np.linalg.norm(means, axis=-1), 10.0, atol=0.1)
+  expected = np.deg2rad(np.linspace(0, 180, 30))
+  np.testing.assert_allclose(means, 10.0 * np.stack([np.cos(expected), np.sin(expected)], -1),
+                             atol=0.1)
+  np.testing.assert_allclose(x.std(1), 0.6, rtol=0.1)
+  np.testing.assert_array_equal(y, (x ** 2).sum(-1) <= 100.0)
+  assert 0.4 < y.mean() < 0.6      # the boundary runs through every domain's centre
+  from configs import fedevolve as fedevolve_configs
+  data = fedevolve_configs.get_config('circle_dirinf').data
+  assert (data.points_per_domain, data.num_domains, data.circle_generator) == (
+      1000, 30, 'gaussian')
+  with pytest.raises(ValueError, match='data.circle_generator'):
+    sources.circle(4, 10, 0, 'ring')
+
+
+def test_circle_annulus_generator():
+  x, y = sources.circle(num_domains=30, points_per_domain=100, seed=0, generator='annulus')
   assert x.shape == (30, 100, 2) and y.shape == (30, 100)
   radius = np.linalg.norm(x, axis=-1)
   assert radius.min() >= 4.0 and radius.max() <= 6.0

@@ -275,6 +275,10 @@ def test_more_clients_than_examples_is_an_error():
                           'num_clients': 5, 'dirichlet_alpha': 1.0})
   with pytest.raises(ValueError, match='config.data.num_clients=5 exceeds'):
     BENCHMARKS.get('circle')(config, 0)
+  # the config check refuses it before anything is built, naming the field
+  config.source = 'circle'
+  with pytest.raises(ValueError, match=r'config.data.points_per_domain: .*num_clients=5'):
+    BENCHMARKS.check('circle', config, 'config.data', known_fields_only=False)
 
 
 def test_rotated_emnist_letters_through_tfds_mock_data():

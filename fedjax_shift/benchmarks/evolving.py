@@ -17,7 +17,9 @@ distribution is fixed while its input distribution evolves.
 
 * ``rotated_digits``: the embedded real MNIST digits split into M + 1 equal random
   domains, domain m rotated by m·step degrees (RMNIST: 12 domains 0°–165°, step 15°).
-* ``circle``: 30 domains × 100 points on a half circle (CIDA), label radius > 5.
+* ``circle``: 30 Gaussian domains of 1,000 points along a half circle of radius 10,
+  label inside the circle (FedEvolve App. C.2; ``circle_generator='annulus'``: the
+  earlier uniform annulus, label radius > 5).
 * ``timed_images``: Portraits or Caltran read from a user folder
   (``sources.timed_image_folder``), one domain per time bin (``TIMED_SOURCES``).
 """
@@ -123,7 +125,6 @@ EVOLVING_DEFAULTS = {
     'num_domains': 12,                # M + 1 domains, the last is the target (RMNIST: 12)
     'rotation_step': 15.0,            # RMNIST: 0°, 15°, …, 165° (REMNIST: step 8°)
     'rotation_start': 0.0,            # the first domain's angle
-    'points_per_domain': 100,         # Circle: 100 points per domain
 }
 
 
@@ -167,14 +168,24 @@ def check_circle(data_config: ml_collections.ConfigDict) -> None:
   require(data_config.source == 'circle', 'data.source',
           f"the circle benchmark generates its data: set 'circle', got {data_config.source!r}")
   check_domains(data_config)
+  require(data_config.circle_generator in sources.CIRCLE_GENERATORS, 'data.circle_generator',
+          f'choose from {list(sources.CIRCLE_GENERATORS)}, got {data_config.circle_generator!r}')
+  require(data_config.points_per_domain >= data_config.num_clients, 'data.points_per_domain',
+          f'each domain is dealt to data.num_clients={data_config.num_clients} clients: need '
+          f'at least that many points, got {data_config.points_per_domain}')
 
 
-@BENCHMARKS.register('circle', defaults=EVOLVING_DEFAULTS, check=check_circle,
-                     pipelines=('federated',))
+@BENCHMARKS.register('circle', defaults={
+    **EVOLVING_DEFAULTS,
+    'points_per_domain': 1000,        # App. C.2: 30,000 instances over 30 domains
+    'circle_generator': 'gaussian',   # App. C.2's Gaussians; 'annulus': the earlier one
+}, check=check_circle, pipelines=('federated',))
 def circle(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
-  """Circle (CIDA; FedEvolve Table 3): 30 domains × 100 points, last domain = target."""
+  """Circle (FedEvolve Table 3, App. C.2): ``num_domains`` domains of
+  ``points_per_domain`` points (``sources.circle``), the last domain the target."""
   rng = np.random.default_rng([seed, 13])
-  x, y = sources.circle(data_config.num_domains, data_config.points_per_domain, seed)
+  x, y = sources.circle(data_config.num_domains, data_config.points_per_domain, seed,
+                        data_config.circle_generator)
   train, test, size = domain_blocks(list(x), list(y), data_config.num_clients, 2,
                                     data_config.dirichlet_alpha, rng)
   info = {'source': 'circle', 'num_domains': len(x) - 1, 'domain_size': size,

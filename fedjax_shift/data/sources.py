@@ -74,13 +74,31 @@ def uci_digits_mnist_frame(size: int = 28) -> Source:
   return Source(x.astype(np.float32), src.y, src.num_classes)
 
 
-def circle(num_domains: int = 30, points_per_domain: int = 100, seed: int = 0):
-  """Synthetic Circle (CIDA, Wang et al. 2020; FedEvolve Sec. 5).
+CIRCLE_GENERATORS = ('gaussian', 'annulus')
+CIRCLE_RADIUS, CIRCLE_STD = 10.0, 0.6   # FedEvolve App. C.2
 
-  Points on a half circle: domain k covers angles around 6k degrees, radius
-  uniform in [4, 6], label = radius > 5. Returns (x [D, P, 2], y [D, P]).
+
+def circle(num_domains: int = 30, points_per_domain: int = 1000, seed: int = 0,
+           generator: str = 'gaussian'):
+  """Synthetic Circle (Pesaranghader & Viktor 2016; CIDA; FedEvolve Sec. 5, App. C.2).
+
+  'gaussian' (App. C.2): domain k is a Gaussian of standard deviation CIRCLE_STD = 0.6
+  centred on the half circle of radius CIRCLE_RADIUS = 10 at angle 180°·k/(D − 1) (the
+  means uniformly spread over the half circle), label 1 inside the circle
+  (x² + y² ≤ r², centre (0, 0)) and 0 outside. 'annulus' (this library's earlier
+  generator): domain k's angles uniform in its own 180/D-degree sector, radius uniform
+  in [4, 6], label radius > 5. Returns (x [D, P, 2] float32, y [D, P] int32).
   """
+  if generator not in CIRCLE_GENERATORS:
+    raise ValueError(f'config.data.circle_generator: choose from {list(CIRCLE_GENERATORS)}, '
+                     f'got {generator!r}')
   rng = np.random.default_rng(seed)
+  if generator == 'gaussian':
+    angles = np.deg2rad(np.linspace(0.0, 180.0, num_domains))
+    means = CIRCLE_RADIUS * np.stack([np.cos(angles), np.sin(angles)], -1)     # [D, 2]
+    x = means[:, None] + CIRCLE_STD * rng.normal(size=(num_domains, points_per_domain, 2))
+    y = (np.sum(x ** 2, -1) <= CIRCLE_RADIUS ** 2).astype(np.int32)
+    return x.astype(np.float32), y
   span = 180.0 / num_domains
   xs, ys = [], []
   for k in range(num_domains):
