@@ -137,6 +137,72 @@ def test_straggler_with_one_iteration_equals_a_client_run_with_tau_one(name):
   assert not np.allclose(jax.tree.leaves(full.update)[0], jax.tree.leaves(normal.update)[0])
 
 
+@pytest.mark.parametrize('align', ['algorithm2', 'eq6'])
+def test_fedevp_client_update_equals_a_loop_over_domains_as_its_reading(align):
+  """FedEvp with τ = 1 against a Python loop over the M source domains on the same
+  batches. 'algorithm2' (Algorithm 2 as written): C_m mixes in A first (line 15), A is
+  aligned to C_m, and a step is taken only for m ≥ 2 (the first domain moves nothing);
+  'eq6': a cross-entropy step on the first domain too, A aligned to C_{m−1}."""
+  import optax
+  from fedjax_shift.algorithms.domains import domain_batch, layout_from_info
+  from fedjax_shift.algorithms.prototypes import class_prototypes, prototype_loss
+  config = circle_config()
+  config.client.local_epochs = 1
+  config.fedevp.align = align
+  assert config.client.optimizer == 'sgd' and not config.client.momentum
+  assert not config.client.weight_decay
+  bench, module, algorithm, state = make('fedevp', config)
+  train = bench.splits['train']
+  one = ClientData(*(jnp.asarray(a[0]) for a in train), jnp.int32(NO_STEP_LIMIT))
+  rng = jax.random.key(3)
+  output, _ = algorithm.client_update(state, (), one, rng)
+  layout = layout_from_info(bench.info, train.max_examples, 'fedevp')
+  params = state.variables['params']
+  protos, seen = jnp.zeros((2, 16)), jnp.zeros((2,))
+
+  def loss(params, x, y, weight, target, present, with_align):
+    features = models.features(module, {'params': params}, x)
+    logits = models.head({'params': params}, features)
+    ce = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, y) * weight) / jnp.sum(weight)
+    align_term = prototype_loss(features, y, weight, target, present) if with_align else 0.0
+    return ce + align_term
+
+  for m in range(layout.num_domains):
+    x, y, weight = domain_batch(one, layout, m, jax.random.fold_in(jax.random.fold_in(rng, 0), m),
+                                config.client.batch_size)
+    features = models.features(module, {'params': params}, x)
+    batch_protos, counts = class_prototypes(features, y, weight, 2)
+    new_seen = seen + (counts > 0)
+    new_protos = jnp.where((counts > 0)[:, None],
+                           protos + (batch_protos - protos) / jnp.maximum(new_seen, 1)[:, None],
+                           protos)
+    if align == 'algorithm2':
+      if m >= 1:
+        grads = jax.grad(loss)(params, x, y, weight, new_protos, new_seen > 0, True)
+        params = jax.tree.map(lambda p, g: p - config.client.learning_rate * g, params, grads)
+    else:
+      grads = jax.grad(loss)(params, x, y, weight, protos, seen > 0, m >= 1)
+      params = jax.tree.map(lambda p, g: p - config.client.learning_rate * g, params, grads)
+    protos, seen = new_protos, new_seen
+  expected = jax.tree.map(jnp.subtract, params, state.variables['params'])
+  chex.assert_trees_all_close(output.update['params'], expected, rtol=2e-5, atol=1e-6)
+  assert float(output.metrics['num_steps']) == layout.num_domains - (align == 'algorithm2')
+
+
+def test_fedevp_bad_align_is_refused(tmp_path):
+  from fedjax_shift import config as config_lib
+  from configs import fedevolve as fedevolve_config
+  config = fedevolve_config.get_config('circle_dirinf,tiny')
+  config.fedevp.align = 'eq5'
+  with pytest.raises(ValueError, match='config.fedevp.align'):
+    config_lib.validate(config, str(tmp_path))
+  config = circle_config(num_domains=2)       # one source domain: Algorithm 2 never steps
+  bench = BENCHMARKS.get('circle')(config.data, 0)
+  module = models.create(config.model, 2)
+  with pytest.raises(ValueError, match=r"config.fedevp.align='algorithm2' steps only"):
+    algorithms.build('fedevp', config, module, bench.splits['train'].max_examples, bench.info)
+
+
 @pytest.mark.parametrize('name', ['fedevolve', 'fedevp'])
 def test_round_trains_and_evaluates_without_nan(name):
   from fedjax_shift.core import evaluation

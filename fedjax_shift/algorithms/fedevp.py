@@ -5,15 +5,17 @@ prototypes C_0 = 0, for m = 1 … M:
 
   A ~ D_m^k
   ℓ_e = CE(w(f_φ(A)), y)                                            (Eq. 7)
-  ℓ_f = −mean_{(x,y) ∈ A} log softmax_y(−d(f_φ(x), C_{m−1}))   (m ≥ 2; Eq. 6: data of the
-                                                                next domain aligned to the
-                                                                prototypes so far)
-  (φ, w) ← (φ, w) − η ∇(ℓ_e + ℓ_f)
   C_m = (m−1)/m · C_{m−1} + 1/m · mean_{x ∈ A_y} f_φ(x)            (Eq. 5, per class)
+  if m ≥ 2:
+    ℓ_f = −mean_{(x,y) ∈ A} log softmax_y(−d(f_φ(x), C_m))         (Eq. 6, Alg. 2 l. 19)
+    (φ, w) ← (φ, w) − η ∇(ℓ_e + ℓ_f)                               (Alg. 2 l. 21)
 
-The running prototypes are state (no gradient flows into past domains); a class not
-yet seen is absent from C and skipped. Algorithm 2 of the paper updates C_m with A
-before aligning A to it; we follow Eq. 6, which aligns domain m to C_{m−1}.
+The running prototypes are state (no gradient flows through them); a class not yet
+seen is absent from C and skipped. ``fedevp.align`` picks between the paper's two
+readings: 'algorithm2' (default, Algorithm 2 as written: C_m is updated with A first
+(line 15) and A is aligned to C_m (line 20), and the step is taken only for m ≥ 2, so
+the first domain moves nothing) and 'eq6' (the text of Eq. 6: domain m aligned to
+C_{m−1}, a cross-entropy step on the first domain too).
 Server: uniform mean of (φ, w). Personalisation (Sec. 4.2): the classifier and the
 encoder's last layer fine-tuned for ``fedevp.finetune_epochs`` (1) epoch on the client's
 data; "client" accuracy uses it, "server" the global model.
@@ -32,6 +34,7 @@ from fedjax_shift.algorithms.domains import domain_batch, layout_from_info
 from fedjax_shift.algorithms.prototypes import class_prototypes, prototype_loss
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean, select
+from fedjax_shift.registry import require
 
 
 def last_layer_selector(module, input_shape: tuple):
@@ -42,8 +45,20 @@ def last_layer_selector(module, input_shape: tuple):
   return lambda path: path[0] == 'head' or is_last(path)
 
 
-@base.ALGORITHMS.register('fedevp', defaults={'finetune_epochs': 1},  # App. D: 1 epoch
-                          layout='domains', batch_norm=False)  # domain-major client data
+ALIGNS = ('algorithm2', 'eq6')
+
+
+def check(hparams: ml_collections.ConfigDict) -> None:
+  require(hparams.align in ALIGNS, 'fedevp.align',
+          f'choose from {list(ALIGNS)}, got {hparams.align!r}')
+  require(hparams.finetune_epochs >= 0, 'fedevp.finetune_epochs',
+          f'must be >= 0, got {hparams.finetune_epochs}')
+
+
+@base.ALGORITHMS.register('fedevp', defaults={
+    'finetune_epochs': 1,       # App. D: 1 epoch
+    'align': 'algorithm2',      # 'algorithm2' (as written) | 'eq6' (the text's C_{m−1})
+}, check=check, layout='domains', batch_norm=False)  # domain-major client data
 def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module = context.module
   layout = layout_from_info(context.info, context.schedule.max_examples, 'fedevp')
@@ -59,12 +74,26 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
       raise ValueError('FedEvp needs a model without BatchNorm statistics (evolve_cnn, mlp)')
     return state
 
-  def domain_loss(params, x, y, weight, prototypes, present, align):
+  algorithm2 = hparams.align == 'algorithm2'
+  if algorithm2 and layout.num_domains < 2:
+    raise ValueError(f"config.fedevp.align='algorithm2' steps only from the second source "
+                     f'domain on, and this benchmark has {layout.num_domains}: add domains '
+                     f"or use align='eq6'")
+
+  def domain_loss(params, x, y, weight, prototypes, domains_seen, align):
+    """ℓ_e + ℓ_f on one domain's batch, and (C_m, the domains each class was seen in):
+    Eq. 5 per class, counting the domains in which the class appeared."""
     features = models.features(module, {'params': params}, x)
     logits = models.head({'params': params}, features)
     ce = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), weight)
-    align_loss = prototype_loss(features, y, weight, prototypes, present)
-    return ce + jnp.where(align, align_loss, 0.0), features
+    batch_protos, batch_counts = class_prototypes(jax.lax.stop_gradient(features), y, weight,
+                                                  num_classes)
+    new_seen = domains_seen + (batch_counts > 0)
+    mixed = prototypes + (batch_protos - prototypes) / jnp.maximum(new_seen, 1)[:, None]
+    new_protos = jnp.where((batch_counts > 0)[:, None], mixed, prototypes)
+    target, seen = (new_protos, new_seen) if algorithm2 else (prototypes, domains_seen)
+    align_loss = prototype_loss(features, y, weight, target, seen > 0)
+    return ce + jnp.where(align, align_loss, 0.0), (new_protos, new_seen)
 
   grad_fn = jax.value_and_grad(domain_loss, has_aux=True)
 
@@ -78,20 +107,15 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
         params, opt_state, protos, counts_seen, loss_sum = carry
         x, y, weight = domain_batch(data, layout, m, jax.random.fold_in(
             jax.random.fold_in(rng, it), m), batch_size)
-        (loss, features), grads = grad_fn(params, x, y, weight, protos, counts_seen > 0, m > 0)
+        (loss, (new_protos, domains_seen)), grads = grad_fn(params, x, y, weight, protos,
+                                                           counts_seen, m > 0)
         updates, new_opt = client_opt.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        batch_protos, batch_counts = class_prototypes(jax.lax.stop_gradient(features), y,
-                                                      weight, num_classes)
-        seen = (batch_counts > 0)[:, None]
-        # Eq. 5 per class, counting the domains in which the class appeared.
-        domains_seen = counts_seen + (batch_counts > 0)
-        mixed = protos + (batch_protos - protos) / jnp.maximum(domains_seen, 1)[:, None]
-        new_protos = jnp.where(seen, mixed, protos)
         active = it < budget
-        return (select(active, new_params, params), select(active, new_opt, opt_state),
+        steps = active & (m > 0) if algorithm2 else active   # Alg. 2: a step only for m ≥ 2
+        return (select(steps, new_params, params), select(steps, new_opt, opt_state),
                 new_protos, domains_seen,
-                loss_sum + jnp.where(active, loss, 0.0).astype(loss_sum.dtype)), None
+                loss_sum + jnp.where(steps, loss, 0.0).astype(loss_sum.dtype)), None
 
       params, opt_state, loss_sum = carry
       empty = (jnp.zeros((num_classes, features_dim)), jnp.zeros((num_classes,)))
@@ -104,7 +128,7 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
     (params, _, loss_sum), _ = jax.lax.scan(
         iteration, (params, client_opt.init(params), jnp.float32(0.0)), jnp.arange(iterations),
         unroll=context.schedule.unroll)
-    steps = budget * layout.num_domains
+    steps = budget * (layout.num_domains - 1 if algorithm2 else layout.num_domains)
     metrics = {'loss': loss_sum / jnp.maximum(steps, 1), 'num_steps': steps.astype(jnp.float32)}
     update = base.tree_sub({'params': params}, server_state.variables)
     return ClientOutput(update, metrics), client_state
