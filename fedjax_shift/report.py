@@ -24,13 +24,15 @@ from fedjax_shift.metrics import read_metrics
 from fedjax_shift.registry import Registry
 
 
-def mean_std(values: Sequence[float]) -> str:
-  values = [v for v in values if v is not None and np.isfinite(v)]
+def mean_std(values: Sequence[float], scale: float = 100.0, digits: int = 2) -> str:
+  """'mean ± std' of ``scale``·values over the finite ones ('n/a' if none; the value
+  alone if one), ``digits`` decimals: accuracies as percentages by default."""
+  values = [scale * v for v in values if v is not None and np.isfinite(v)]
   if not values:
     return 'n/a'
   if len(values) == 1:
-    return f'{100 * values[0]:.2f}'
-  return f'{100 * np.mean(values):.2f} ± {100 * np.std(values):.2f}'
+    return f'{values[0]:.{digits}f}'
+  return f'{np.mean(values):.{digits}f} ± {np.std(values):.{digits}f}'
 
 
 def seeds_cell(runs: List[Dict]) -> str:

@@ -447,3 +447,25 @@ def test_keys_start_as_the_authors_code_or_l2p_initialises_them(key_init, std, b
   assert keys.shape == (200, module.encoder.width)
   np.testing.assert_allclose(keys.std(), std, rtol=0.05)
   assert np.abs(keys).max() <= bound
+
+
+def test_table_gives_the_last_round_the_best_round_and_the_key_selection():
+  """The last round is our protocol's cell; the authors' code keeps the best test
+  accuracy over rounds (a column of its own); the pool methods show their key
+  selection, the others a dash."""
+  from fedjax_shift.papers.fedins.tables import fedins_rows
+  evaluations = [{'round': 10, 'global/test/accuracy': 0.5},
+                 {'round': 20, 'global/test/accuracy': 0.7},
+                 {'round': 30, 'global/test/accuracy': 0.6}]
+  results = [{'algorithm': 'fedins', 'seed': 0, 'uploaded_parameters': 5_357_050,
+              'evaluations': evaluations,
+              'metrics': {'global/test/accuracy': 0.6, 'fedins/test/keys_used': 7.0,
+                          'fedins/test/chosen_cosine': 0.8125, 'fedins/test/purity': 0.5}},
+             {'algorithm': 'fedavg', 'seed': 0, 'uploaded_parameters': 150_000,
+              'evaluations': evaluations[:1], 'metrics': {'global/test/accuracy': 0.5}}]
+  header, rows = fedins_rows(results)
+  assert header == ['Method', '# Com.cost', 'Test (all domains)',
+                    "Test, best round (authors' selection)", 'keys used', 'chosen cos',
+                    'key purity', 'seeds']
+  assert rows == [['FedAvg (w.Full)', '0.15 M', '50.00', '50.00', '—', '—', '—', '1'],
+                  ['FedIns', '5.36 M', '60.00', '70.00', '7.0', '0.812', '0.500', '1']]

@@ -158,8 +158,10 @@ def fedicon_tta(module, temperature: float = 0.1,
     'anchors': 'raw',                 # Eq. 7: raw samples anchor; 'symmetric': views too
     'batch_norm': 'frozen',           # running statistics: training's, or 'test' (updated)
     'weight_decay': 5e-4},            # Sec. 5.1: SGD weight decay 5e-4, as in training
+    # FedICON's methods, and Local and FedAvg: Table 5's cells without local invariance
+    # extraction, adapted by Eq. 7 on their encoder output (they have no projection).
     trained_by=('fedicon', 'fedicon_us', 'fedicon_no_sharing', 'fedicon_ce',
-                'fedicon_ce_no_sharing'), transductive=True)
+                'fedicon_ce_no_sharing', 'local', 'fedavg'), transductive=True)
 def build_fedicon(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.fedicon``."""
   return fedicon_tta(module, hparams.temperature,
