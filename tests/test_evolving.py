@@ -196,6 +196,10 @@ def test_fedevp_bad_align_is_refused(tmp_path):
   config.fedevp.align = 'eq5'
   with pytest.raises(ValueError, match='config.fedevp.align'):
     config_lib.validate(config, str(tmp_path))
+  config.fedevp.align = 'algorithm2'
+  config.fedevp.personalize = 'head'
+  with pytest.raises(ValueError, match='config.fedevp.personalize'):
+    config_lib.validate(config, str(tmp_path))
   config = circle_config(num_domains=2)       # one source domain: Algorithm 2 never steps
   bench = BENCHMARKS.get('circle')(config.data, 0)
   module = models.create(config.model, 2)
@@ -498,6 +502,20 @@ def test_fedevp_personalises_the_last_layer_the_model_defines_on_tree_mapped_sta
                  jax.tree.leaves(tuned[part][layer]), jax.tree.leaves(before[part][layer])))}
   assert changed == {'encoder/Dense_0'}
   assert not np.array_equal(tuned['head']['kernel'], before['head']['kernel'])
+  # Table 8's other choices: the classifier only, everything, nothing.
+  layers = {f'encoder/{layer}' for layer in before['encoder']}
+  for personalize, expected, head_moves in (('classifier', set(), True),
+                                            ('all', layers, True), ('none', set(), False)):
+    config.fedevp.personalize = personalize
+    other = algorithms.build('fedevp', config, module, train.max_examples,
+                             {'num_domains': 2, 'domain_size': size})
+    tuned = other.personalize(state, (), one, jax.random.key(2))['params']
+    changed = {f'encoder/{layer}' for layer in tuned['encoder']
+               if not all(np.array_equal(a, b) for a, b in zip(
+                   jax.tree.leaves(tuned['encoder'][layer]),
+                   jax.tree.leaves(before['encoder'][layer])))}
+    assert changed == expected, personalize
+    assert (not np.array_equal(tuned['head']['kernel'], before['head']['kernel'])) == head_moves
 
 
 def test_domainbed_trunk_gives_fedevolve_table_7_parameter_count():

@@ -18,7 +18,8 @@ the first domain moves nothing) and 'eq6' (the text of Eq. 6: domain m aligned t
 C_{m−1}, a cross-entropy step on the first domain too).
 Server: uniform mean of (φ, w). Personalisation (Sec. 4.2): the classifier and the
 encoder's last layer fine-tuned for ``fedevp.finetune_epochs`` (1) epoch on the client's
-data; "client" accuracy uses it, "server" the global model.
+data (``fedevp.personalize``: Table 8's 'classifier', 'all' or 'none' instead); "client"
+accuracy uses it, "server" the global model.
 """
 from __future__ import annotations
 
@@ -45,6 +46,20 @@ def last_layer_selector(module, input_shape: tuple):
   return lambda path: path[0] == 'head' or is_last(path)
 
 
+# What personalisation fine-tunes (Table 8): the default of Sec. 4.2, and the ablation's
+# three others ('none': the client keeps the global model).
+PERSONALIZE = ('last_layer', 'classifier', 'all', 'none')
+
+
+def tuned_selector(personalize: str, module, input_shape: tuple):
+  """Path predicate of the parameters ``personalize`` fine-tunes."""
+  if personalize == 'last_layer':
+    return last_layer_selector(module, input_shape)
+  if personalize == 'classifier':
+    return lambda path: path[0] == 'head'
+  return lambda path: personalize == 'all'
+
+
 ALIGNS = ('algorithm2', 'eq6')
 
 
@@ -53,11 +68,16 @@ def check(hparams: ml_collections.ConfigDict) -> None:
           f'choose from {list(ALIGNS)}, got {hparams.align!r}')
   require(hparams.finetune_epochs >= 0, 'fedevp.finetune_epochs',
           f'must be >= 0, got {hparams.finetune_epochs}')
+  require(hparams.personalize in PERSONALIZE, 'fedevp.personalize',
+          f'choose from {list(PERSONALIZE)}, got {hparams.personalize!r}')
 
 
 @base.ALGORITHMS.register('fedevp', defaults={
     'finetune_epochs': 1,       # App. D: 1 epoch
     'align': 'algorithm2',      # 'algorithm2' (as written) | 'eq6' (the text's C_{m−1})
+    # Sec. 4.2: the classifier and the encoder's last layer; Table 8: 'classifier',
+    # 'all' or 'none' (no personalisation)
+    'personalize': 'last_layer',
 }, check=check, layout='domains', batch_norm=False)  # domain-major client data
 def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module = context.module
@@ -136,7 +156,9 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
   def personalize(server_state, client_state, data, rng):
     del client_state
     params = server_state.variables['params']
-    is_tuned = last_layer_selector(module, tuple(data.x.shape[1:]))
+    if hparams.personalize == 'none':
+      return {'params': params}
+    is_tuned = tuned_selector(hparams.personalize, module, tuple(data.x.shape[1:]))
     flat = traverse_util.flatten_dict(params)
     tuned = {p: v for p, v in flat.items() if is_tuned(p)}
     frozen = {p: v for p, v in flat.items() if not is_tuned(p)}
