@@ -9,6 +9,8 @@ Variants (comma-separated):
                                   the 165° domain is the target (Table 1)
   rmnist_domains<D>               D domains ending at 165° (Tables 5 and 9: 7 domains = 75°–165°,
                                   10 = 30°–165°, 12 = 0°–165°)
+  unexpected<offset>              App. Table 13: RMNIST in steps of 10° (0°–110°), the
+                                  target rotated <offset> degrees further (10: 120°, 20: 130°)
   circle_dir<α>                   Circle, 30 Gaussian domains × 1,000 points (App. C.2;
                                   Table 3 / 4)
   remnist_dir<α>                  Rotated EMNIST letters from TFDS (emnist/letters in a
@@ -137,6 +139,13 @@ def _domains(c: ml_collections.ConfigDict, match) -> None:
   c.data.rotation_start = 165.0 - (c.data.num_domains - 1) * c.data.rotation_step
 
 
+def _unexpected(c: ml_collections.ConfigDict, match) -> None:
+  # App. Table 13: steps of 10° (0°–110°), the target rotated a further 0, 10 or 20°.
+  c.data.rotation_step = 10.0
+  c.data.rotation_start = 0.0
+  c.data.target_offset = float(match['offset'])
+
+
 def _straggler(c: ml_collections.ConfigDict, match) -> None:
   c.straggler_prob = float(match['ratio'])
   c.straggler_max_steps = c.client.local_epochs
@@ -180,8 +189,9 @@ VARIANTS = (
     (r'(?P<name>rmnist|circle|remnist|portraits|caltran)_dir(?P<alpha>inf|[0-9]+(\.[0-9]*)?)',
      _dataset),
     (r'rmnist_domains(?P<count>\d+)', _domains),
+    (r'unexpected(?P<offset>[0-9]+)', _unexpected),
     (r'straggler(?P<ratio>[0-9]+(\.[0-9]*)?)', _straggler),
     ('mlp', _mlp), ('domainbed', _domainbed), ('cnn_cpu', _cnn_cpu), ('quick', _quick),
     ('tiny', _tiny))
 USAGE = ('rmnist_dir<α>, circle_dir<α>, remnist_dir<α>, portraits_dir<α>, caltran_dir<α>, '
-         'rmnist_domains<D>, straggler<r>, mlp, domainbed, cnn_cpu')
+         'rmnist_domains<D>, unexpected<offset>, straggler<r>, mlp, domainbed, cnn_cpu')

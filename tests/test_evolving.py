@@ -299,6 +299,11 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
   config = fedevolve_config.get_config('rmnist_dir0.1,straggler0.5')
   assert config.data.dirichlet_alpha == 0.1 and config.straggler_prob == 0.5
   assert config.straggler_max_steps == config.client.local_epochs == 10
+  # App. Table 13: the target off the 10° schedule by 20° (130° where 110° was due).
+  unexpected = fedevolve_config.get_config('rmnist_dir1.0,unexpected20').data
+  bench = BENCHMARKS.get('rotated_digits')(unexpected, 0)
+  assert bench.info['angles'] == [10.0 * m for m in range(11)] + [130.0]
+  assert bench.info['target_angle'] == 130.0
   seven = fedevolve_config.get_config('rmnist_domains7').data
   assert seven.num_domains == 7 and seven.rotation_start == 75.0  # App.: 75° … 165°
   from fedjax_shift.benchmarks.evolving import rotation_angles
