@@ -84,7 +84,7 @@ def test_batch_query_picks_one_set_for_the_whole_batch():
   assert not bool(pool['per_instance'])
   x = jnp.asarray(data.x[0])
   queries = module.encoder.apply({'params': server.variables['params']['encoder']}, x)
-  ssf, _ = vit.select_ssf(pool, queries)
+  ssf, _, _ = vit.select_ssf(pool, queries)
   scale = np.asarray(ssf['embedding'][0])
   np.testing.assert_allclose(scale, np.broadcast_to(scale[:1], scale.shape))
 
@@ -216,6 +216,46 @@ def test_vit_b16_communication_matches_the_paper():
   assert sent['fedins'] == 25 * 205_824 + 25 * 768 + 768 * 100 + 100
   assert sent['fedavg'] == 85_798_656 + 768 * 100 + 100   # ViT-B/16 without its head
   assert sent['fedins'] / sent['fedavg'] < 0.062
+  # The authors' head pool, 10 classes: 25 heads of 768·10 + 10 in place of the shared
+  # one: 5,145,600 + 19,200 + 192,250 = 5,357,050.
+  config.fedins.head_pool = True
+  module = models.create(config.model, 10)
+  algorithm = algorithms.build('fedins', config, module, 1, num_clients=1,
+                               example_shape=(224, 224, 3))
+  server = jax.eval_shape(algorithm.init, jax.random.key(0), jnp.zeros((1, 224, 224, 3)))
+  clients = jax.eval_shape(lambda s: stack_client_states(algorithm, s, 1), server)
+  assert uploaded_parameters(algorithm, server, clients, data) == 5_357_050
+
+
+def test_head_pool_predicts_the_mean_of_the_chosen_heads_logits():
+  """With fedins.head_pool each pool member has a head; an instance's logits are the
+  mean over its C chosen members of head_m(f(x)), f the features under its mixed SSF,
+  written out here per instance; a round trains the pool's heads and leaves the
+  module's own head untouched and unsent."""
+  config = small_vit_config()
+  config.fedins.pool_size, config.fedins.top_c, config.fedins.head_pool = 5, 2, True
+  config.fedins.init_std = 0.3
+  data, _, _ = toy_clients([6, 5], shape=(4, 4, 3), num_classes=NUM_CLASSES)
+  module, algorithm, server, clients = make('fedins', config, data)
+  variables = server.variables
+  pool = variables['ssf_pool']
+  chex.assert_shape(pool['head_kernel'], (5, 16, NUM_CLASSES))
+  x = jnp.asarray(data.x[0])
+  logits = models.apply(module, variables, x)[0]
+  features = module.apply(variables, x, method='features')
+  queries = module.apply(variables, x, None, False,
+                         method=lambda m, x, s, t: m.encoder(x, s, t))
+  kernels, biases = np.asarray(pool['head_kernel']), np.asarray(pool['head_bias'])
+  for b in range(x.shape[0]):
+    cos = np.asarray(vit.cosine_similarity(queries[b:b + 1], pool['keys']))[0]
+    chosen = np.argsort(-cos, kind='stable')[:2]
+    expected = np.mean([np.asarray(features[b]) @ kernels[m] + biases[m] for m in chosen], 0)
+    np.testing.assert_allclose(logits[b], expected, rtol=1e-5, atol=1e-5)
+  round_fn = build_round(algorithm, RoundConfig(cohort_size=2))[0]
+  after = round_fn(server, clients, data, jax.random.key(0)).server_state.variables
+  assert not np.allclose(after['ssf_pool']['head_kernel'], pool['head_kernel'])
+  np.testing.assert_array_equal(after['params']['head']['kernel'],
+                                variables['params']['head']['kernel'])
 
 
 @pytest.mark.parametrize('fields, pattern', [

@@ -3,7 +3,8 @@
 A frozen pretrained ViT θ; each client trains FI = {K, Δ}: a pool Δ = {δ¹ … δᴹ} of SSF
 sets (scale γ and shift β at every SSF point, models/vit.py) with keys K = {k¹ … kᴹ},
 and the classification head h (Sec. 3.2: δ = {γ, β, h}; one head shared by the pool, as
-the paper's parameter counts imply: 25 SSF sets of ViT-B/16 are 5.15 M, Table 2's
+the paper's parameter counts imply (``fedins.head_pool``: one head per member, mixed by
+the same top-C, as the authors' code): 25 SSF sets of ViT-B/16 are 5.15 M, Table 2's
 5.16 M new parameters, and 5.35 M sent with keys and head).
 
   instance x:  q(x) = frozen CLS feature;  top-C keys by cos(q(x), k)      (Sec. 3.4)
@@ -51,6 +52,9 @@ DEFAULTS = {
     'init_std': 0.02,         # γ ~ N(1, σ), β ~ N(0, σ) (SSF's initialisation)
     'key_init': 'trunc_normal',  # keys ~ trunc-normal(0.02) (authors' code); 'uniform':
                                  # U(−1, 1) (L2P's), ~29× slower key learning at width 64
+    # One head per pool member, mixed by the same top-C (the authors' code); False: one
+    # head shared by the pool (the paper's parameter counts)
+    'head_pool': False,
 }
 
 
@@ -72,11 +76,13 @@ def check(section: str):
 
 
 def init_pool(encoder: vit.ViTEncoder, hparams: ml_collections.ConfigDict,
-              rng: jax.Array) -> dict:
+              rng: jax.Array, num_classes: int = 0) -> dict:
   """The ``ssf_pool`` collection: γ [M, D] ~ N(1, σ), β [M, D] ~ N(0, σ) at every SSF
   point, keys [M, width] by ``hparams.key_init`` ('trunc_normal': the authors' code's
   trunc_normal_(std=0.02), bounds ±2 absolute; 'uniform': U(−1, 1), L2P's), C and the
-  query mode."""
+  query mode; with ``hparams.head_pool`` one head per member, 'head_kernel'
+  [M, width, num_classes] (LeCun normal, as a Dense) and 'head_bias' [M, num_classes]
+  (zeros)."""
   size, std = hparams.pool_size, hparams.init_std
   ssf = {}
   for i, (point, width) in enumerate(vit.ssf_points(encoder).items()):
@@ -88,26 +94,41 @@ def init_pool(encoder: vit.ViTEncoder, hparams: ml_collections.ConfigDict,
     keys = jax.random.uniform(key_rng, key_shape, minval=-1.0, maxval=1.0)
   else:   # timm's trunc_normal_(std=0.02, a=-2, b=2): bounds at ±100 standard deviations
     keys = 0.02 * jax.random.truncated_normal(key_rng, -100.0, 100.0, key_shape)
-  return {**vit.ssf_tree(ssf), 'keys': keys, 'top_c': jnp.int32(hparams.top_c),
+  pool = {**vit.ssf_tree(ssf), 'keys': keys, 'top_c': jnp.int32(hparams.top_c),
           'per_instance': jnp.bool_(hparams.query == 'instance')}
+  if hparams.head_pool:
+    head_rng = jax.random.fold_in(rng, len(ssf) + 1)
+    pool['head_kernel'] = jax.nn.initializers.lecun_normal(batch_axis=(0,))(
+        head_rng, (size, encoder.width, num_classes))
+    pool['head_bias'] = jnp.zeros((size, num_classes))
+  return pool
+
+
+HEAD_POOL = ('head_kernel', 'head_bias')
 
 
 def trainable(variables) -> dict:
-  """FI and h: {'head': ..., 'ssf_pool': {'scale', 'shift', 'keys'}}."""
+  """FI and h: {'head': ... (without a head pool), 'ssf_pool': {'scale', 'shift',
+  'keys'} and the head pool's 'head_kernel', 'head_bias' (with one)."""
   pool = variables['ssf_pool']
-  return {'head': variables['params']['head'],
-          'ssf_pool': {name: pool[name] for name in ('scale', 'shift', 'keys')}}
+  names = ('scale', 'shift', 'keys') + tuple(n for n in HEAD_POOL if n in pool)
+  heads = {} if 'head_kernel' in pool else {'head': variables['params']['head']}
+  return {**heads, 'ssf_pool': {name: pool[name] for name in names}}
 
 
 def frozen(variables) -> dict:
-  """Everything else: the backbone θ and the pool's C and query mode."""
+  """Everything else: the backbone θ, the pool's C and query mode, and the module's
+  own head when a head pool replaces it (kept, never trained or sent)."""
   pool = variables['ssf_pool']
-  return {'encoder': variables['params']['encoder'],
+  params = variables['params']
+  unused = {'head': params['head']} if 'head_kernel' in pool else {}
+  return {'encoder': params['encoder'], **unused,
           'selection': {name: pool[name] for name in ('top_c', 'per_instance')}}
 
 
 def merge(train: dict, fixed: dict) -> dict:
-  return {'params': {'encoder': fixed['encoder'], 'head': train['head']},
+  head = train['head'] if 'head' in train else fixed['head']
+  return {'params': {'encoder': fixed['encoder'], 'head': head},
           'ssf_pool': {**train['ssf_pool'], **fixed['selection']}}
 
 
@@ -134,7 +155,8 @@ def build(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fed
   def init(rng, example_x):
     model_key, pool_key = jax.random.split(rng)
     variables = models.init(module, model_key, example_x)
-    variables = {**variables, 'ssf_pool': init_pool(module.encoder, hparams, pool_key)}
+    variables = {**variables, 'ssf_pool': init_pool(module.encoder, hparams, pool_key,
+                                                    module.num_classes)}
     return base.ServerState(variables, server_opt.init(trainable(variables)), jnp.int32(0))
 
   def client_update(server_state, client_state, data, rng):

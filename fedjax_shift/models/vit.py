@@ -273,15 +273,15 @@ def choose_keys(pool: dict, queries: jax.Array) -> Tuple[jax.Array, jax.Array]:
   return top_c_weights(jax.lax.stop_gradient(similarity), pool['top_c']), similarity
 
 
-def select_ssf(pool: dict, queries: jax.Array) -> Tuple[SSF, jax.Array]:
+def select_ssf(pool: dict, queries: jax.Array) -> Tuple[SSF, jax.Array, jax.Array]:
   """FedIns' instance-adaptive SSF (Sec. 3.4, Eq. 9): queries [B, F] -> ({point:
   (scale, shift) [B, D]}, match [B] = Σ of the cosine similarities of the chosen keys,
-  the term of the key loss 1 − Σ cos)."""
+  the term of the key loss 1 − Σ cos, the top-C weights [B, M])."""
   weights, similarity = choose_keys(pool, queries)
   match = jnp.sum(similarity * (weights > 0), axis=-1)
   mixed = {point: (weights @ scale, weights @ shift)
            for point, (scale, shift) in tree_ssf(pool).items()}
-  return mixed, match
+  return mixed, match, weights
 
 
 class ViTClassifier(nn.Module):
@@ -293,15 +293,21 @@ class ViTClassifier(nn.Module):
     self.head = nn.Dense(self.num_classes)
 
   def __call__(self, x, train: bool = False):
-    return self.head(self.features(x, train))
+    return self.logits_and_match(x, train)[0]
 
   def features(self, x, train: bool = False):
     return self.features_and_match(x, train)[0]
 
   def logits_and_match(self, x, train: bool = False):
-    """(logits [B, C], match [B]: Σ cos of the chosen keys, 0 without a pool)."""
-    features, match = self.features_and_match(x, train)
-    return self.head(features), match
+    """(logits [B, C], match [B]: Σ cos of the chosen keys, 0 without a pool). With a
+    head pool in the pool (its 'head_kernel' [M, F, C] and 'head_bias' [M, C], the
+    FedIns authors' code) the logits are the mean of the chosen heads' logits."""
+    features, match, weights = self.pooled_forward(x, train)
+    if not self.has_variable('ssf_pool', 'head_kernel'):
+      return self.head(features), match
+    per_head = (jnp.einsum('bf,mfc->bmc', features, self.get_variable('ssf_pool', 'head_kernel'))
+                + self.get_variable('ssf_pool', 'head_bias'))
+    return jnp.einsum('bm,bmc->bc', weights, per_head), match
 
   def selection(self, x):
     """``choose_keys`` for x [B, ...]: (weights [B, M], similarity [B, M]), the choice
@@ -311,13 +317,17 @@ class ViTClassifier(nn.Module):
     return choose_keys(pool, self.encoder(x, None, False))
 
   def features_and_match(self, x, train: bool = False):
+    return self.pooled_forward(x, train)[:2]
+
+  def pooled_forward(self, x, train: bool = False):
+    """(features [B, F], match [B], the top-C weights [B, M] or None without a pool)."""
     if self.has_variable('ssf_pool', 'keys'):
       pool = {name: self.get_variable('ssf_pool', name)
               for name in ('scale', 'shift', 'keys', 'top_c', 'per_instance')}
       query = jax.lax.stop_gradient(self.encoder(x, None, train))   # frozen, no SSF
-      ssf, match = select_ssf(pool, query)
-      return self.encoder(x, ssf, train), match
+      ssf, match, weights = select_ssf(pool, query)
+      return self.encoder(x, ssf, train), match, weights
     ssf = None
     if self.has_variable('ssf', 'scale'):
       ssf = tree_ssf({name: self.get_variable('ssf', name) for name in ('scale', 'shift')})
-    return self.encoder(x, ssf, train), jnp.zeros(x.shape[:1], x.dtype)
+    return self.encoder(x, ssf, train), jnp.zeros(x.shape[:1], x.dtype), None
