@@ -30,9 +30,10 @@ B, FedAvg with SGD):
   fedtta      FedTTA's compiled round on the same cohort: one epoch of steps, each an
               inner step on ‖g(f(X; ψ); φ)‖₂ and the CE of the adapted model
               differentiated through it (second order), next to (a) (opt-in)
-  algorithm:<name>  the compiled round of any registered method (its registered
-              defaults, one epoch) on the same cohort, next to (a) (opt-in; e.g.
-              --cases=round,algorithm:scaffold,algorithm:afl)
+  algorithm:<name>[:<field>=<value>…]  the compiled round of any registered method
+              (its registered defaults but the named fields of its section, one epoch)
+              on the same cohort, next to (a) (opt-in; e.g.
+              --cases=round,algorithm:scaffold,algorithm:fedins:head_pool=True)
   seeds_vmap / seeds_loop  --seeds seeds of the FedAvg round on the same cohort: one
               call vmapped over seeds (engine.vmap_seeds) vs one call per seed (opt-in)
   hetero_fedtta / hetero_fedtta_medium  HeteroFedTTA's grouped round (core/groups.py):
@@ -65,6 +66,7 @@ targets on a GPU: (a)/(e) ≤ 1 at every size and (a)/(c) ≤ 2 at 240 clients).
     python launch/benchmark.py --model=atp_cnn --clients=60,240,1000 --conv=lax,patches \
         --cases=round,fused,torch,torch_vmap --populations= --out=/tmp/bench_sweep.md
 """
+import ast
 import json
 import os
 import platform
@@ -216,7 +218,10 @@ def setup_algorithm(num_clients_data, kind='fedavg'):
   info = {'num_domains': 10} if kind == 'fedevolve' else {}  # 10 source domains of N/10
   name = kind if kind in ('fedevolve', 'fedtta') else 'fedavg'
   if kind.startswith('algorithm:'):
-    name = kind.split(':', 1)[1]
+    name, *fields = kind.split(':')[1:]
+    for field in fields:   # '<field>=<value>' of the method's section
+      key, value = field.split('=', 1)
+      config[name][key] = ast.literal_eval(value)
     config.cohort_size = num_clients_data   # the round below takes every client
   algorithm = algorithms.build(name, config, module, FLAGS.examples, info,
                                num_clients=num_clients_data, example_shape=data.x.shape[2:])
@@ -809,7 +814,9 @@ def label(name: str) -> str:
     _, k, remat = name.split(':')
     return (f"learned-rates round ({FLAGS.tta_adapter if FLAGS.tta_adapter == 'tent' else 'atp'}"
             f"-online), K = {k}, remat {'on' if remat == 'remat' else 'off'}, 1 step")
-  return f"{name.split(':', 1)[1]} round, 1 epoch (registered defaults)"
+  method, *fields = name.split(':')[1:]
+  settings = ', '.join(fields) if fields else 'registered defaults'
+  return f'{method} round, 1 epoch ({settings})'
 
 
 def seconds(results: dict, name: str):
