@@ -8,7 +8,11 @@ Variants (comma-separated):
   rmnist_dir<α> | rmnist_dirinf   Rotated embedded MNIST, 12 domains 0°–165° step 15°,
                                   the 165° domain is the target (Table 1)
   rmnist_domains<D>               D domains ending at 165° (Tables 5 and 9: 7 domains = 75°–165°,
-                                  10 = 30°–165°, 12 = 0°–165°)
+                                  10 = 30°–165°, 12 = 0°–165°): RMNIST's 12-domain split with
+                                  its first 12 − D domains dropped, so a domain keeps its
+                                  ~417 digits
+  resplit                         with rmnist_domains<D>: split the 5,000 digits into D
+                                  domains instead (a domain grows to 5,000 / D digits)
   unexpected<offset>              App. Table 13: RMNIST in steps of 10° (0°–110°), the
                                   target rotated <offset> degrees further (10: 120°, 20: 130°)
   circle_dir<α>                   Circle, 30 Gaussian domains × 1,000 points (App. C.2;
@@ -135,8 +139,14 @@ def _dataset(c: ml_collections.ConfigDict, match) -> None:
 
 def _domains(c: ml_collections.ConfigDict, match) -> None:
   c.data.num_domains = int(match['count'])
-  # Tables 5 / 9: fewer domains drop the earliest angles; the target stays at 165°.
+  # Tables 5 / 9: fewer domains drop the earliest angles; the target stays at 165°, and
+  # each domain keeps the digits it has in the 12-domain split.
   c.data.rotation_start = 165.0 - (c.data.num_domains - 1) * c.data.rotation_step
+  c.data.split_domains = max(12, c.data.num_domains)
+
+
+def _resplit(c: ml_collections.ConfigDict, match) -> None:
+  c.data.split_domains = 0
 
 
 def _unexpected(c: ml_collections.ConfigDict, match) -> None:
@@ -167,6 +177,7 @@ def _cnn_cpu(c: ml_collections.ConfigDict, match) -> None:
 
 
 def _quick(c: ml_collections.ConfigDict, match) -> None:
+  # after the shared 'quick' (fedjax_shift/config.py: one seed, 10 rounds)
   c.client.local_epochs = 1
 
 
@@ -191,7 +202,7 @@ VARIANTS = (
     (r'rmnist_domains(?P<count>\d+)', _domains),
     (r'unexpected(?P<offset>[0-9]+)', _unexpected),
     (r'straggler(?P<ratio>[0-9]+(\.[0-9]*)?)', _straggler),
-    ('mlp', _mlp), ('domainbed', _domainbed), ('cnn_cpu', _cnn_cpu), ('quick', _quick),
+    ('resplit', _resplit), ('mlp', _mlp), ('domainbed', _domainbed), ('cnn_cpu', _cnn_cpu), ('quick', _quick),
     ('tiny', _tiny))
 USAGE = ('rmnist_dir<α>, circle_dir<α>, remnist_dir<α>, portraits_dir<α>, caltran_dir<α>, '
-         'rmnist_domains<D>, unexpected<offset>, straggler<r>, mlp, domainbed, cnn_cpu')
+         'rmnist_domains<D>, resplit, unexpected<offset>, straggler<r>, mlp, domainbed, cnn_cpu')

@@ -110,6 +110,35 @@ def test_rotated_digits_layout_and_bad_input():
     BENCHMARKS.get('rotated_digits')(config, 0)
 
 
+def test_fewer_domains_drop_the_first_domains_of_the_twelve_domain_split():
+  """Tables 5 / 9 (rmnist_domains<D>): D domains are the last D of RMNIST's 12-domain
+  split, so a domain keeps its ~417 digits; ``resplit`` divides all 5,000 into D."""
+  from configs import fedevolve as fedevolve_config
+  full = fedevolve_config.get_config('rmnist_dirinf').data
+  dropped = fedevolve_config.get_config('rmnist_domains7').data
+  assert dropped.split_domains == 12 and dropped.rotation_start == 75.0
+  assert fedevolve_config.get_config('rmnist_domains7,resplit').data.split_domains == 0
+  benches = {}
+  for name, config in (('full', full), ('dropped', dropped)):
+    benches[name] = BENCHMARKS.get('rotated_digits')(config, 0)
+  assert benches['dropped'].info['angles'] == [75.0 + 15 * m for m in range(7)]
+  # The same 165° target images (one piece of the same 12-way split), each once.
+  target = {name: b.splits['test'] for name, b in benches.items()}
+  pixel_sums = {name: np.sort(t.x[t.mask].reshape(int(t.mask.sum()), -1).sum(1))
+                for name, t in target.items()}
+  np.testing.assert_array_equal(pixel_sums['dropped'], pixel_sums['full'])
+  # 7 of 12 pieces of 5,000 digits (417 or 416 each) in all, not all 5,000.
+  count = lambda bench: sum(int(bench.splits[s].num_examples.sum()) for s in ('train', 'test'))
+  assert count(benches['dropped']) == sum(len(p) for p in np.array_split(np.arange(5000), 12)[-7:])
+  resplit = fedevolve_config.get_config('rmnist_domains7,resplit').data
+  assert count(BENCHMARKS.get('rotated_digits')(resplit, 0)) == 5000
+  from fedjax_shift import config as config_lib
+  config = fedevolve_config.get_config('rmnist_domains7,mlp')
+  config.data.split_domains = 5
+  with pytest.raises(ValueError, match='data.split_domains'):
+    config_lib.validate(config)
+
+
 def make(name, config):
   bench = BENCHMARKS.get('circle')(config.data, 0)
   train = bench.splits['train']
@@ -117,6 +146,42 @@ def make(name, config):
   algorithm = algorithms.build(name, config, module, train.max_examples, bench.info)
   state = algorithm.init(jax.random.key(0), jnp.asarray(train.x[0, :1]))
   return bench, module, algorithm, state
+
+
+@pytest.mark.parametrize('name', ['fedevolve', 'fedevp'])
+def test_tau_in_epochs_equals_that_many_iterations(name):
+  """``tau_unit='epochs'`` (App. D): τ = 1 epoch is ⌈largest source domain / B⌉
+  iterations of the client; here 40 points per domain over 3 IID clients, B = 8: a
+  client's largest domain holds 13 or 14 → 2 iterations, and the update equals τ = 2
+  iterations exactly."""
+  config = circle_config()
+  config.client.local_epochs = 1
+  config[name].tau_unit = 'epochs'
+  bench, _, by_epochs, state = make(name, config)
+  train = bench.splits['train']
+  client = ClientData(*(jnp.asarray(a[0]) for a in train), jnp.int32(NO_STEP_LIMIT))
+  layout = bench.info['num_domains'], bench.info['domain_size']
+  largest = int(np.asarray(train.mask[0]).reshape(layout).sum(1).max())
+  per_epoch = -(-largest // config.client.batch_size)
+  assert per_epoch == 2
+  epochs_out, _ = by_epochs.client_update(state, (), client, jax.random.key(3))
+  config[name].tau_unit = 'iterations'
+  config.client.local_epochs = per_epoch
+  _, _, by_iterations, _ = make(name, config)
+  iterations_out, _ = by_iterations.client_update(state, (), client, jax.random.key(3))
+  chex.assert_trees_all_close(epochs_out.update, iterations_out.update, rtol=1e-6, atol=1e-7)
+  steps_per_iteration = layout[0] - 1      # M − 1 pairs (FedEvolve) or domains m ≥ 2 (FedEvp)
+  assert float(epochs_out.metrics['num_steps']) == per_epoch * steps_per_iteration
+  # A straggler's budget counts epochs too: one epoch of two.
+  config[name].tau_unit = 'epochs'
+  config.client.local_epochs = 2
+  _, _, two_epochs, _ = make(name, config)
+  capped, _ = two_epochs.client_update(state, (), client._replace(step_budget=jnp.int32(1)),
+                                       jax.random.key(3))
+  assert float(capped.metrics['num_steps']) == per_epoch * steps_per_iteration
+  config[name].tau_unit = 'rounds'
+  with pytest.raises(ValueError, match=f'{name}.tau_unit'):
+    make(name, config)
 
 
 @pytest.mark.parametrize('name', ['fedevolve', 'fedevp'])

@@ -37,6 +37,29 @@ def domain_batch(data: ClientData, layout: DomainLayout, m, rng: jax.Array, batc
   return x[idx], y[idx], weight
 
 
+# What τ (the schedule's local epochs) counts: 'iterations' of one batch per domain
+# (pair), or 'epochs' (FedEvolve App. D: "10 epochs"), each ⌈client's largest source
+# domain / B⌉ iterations.
+TAU_UNITS = ('iterations', 'epochs')
+
+
+def local_iterations(layout: DomainLayout, tau: int, unit: str, batch_size: int) -> int:
+  """The static scan length: τ iterations, or τ epochs of the largest (padded) block."""
+  return tau if unit == 'iterations' else tau * -(-layout.domain_size // batch_size)
+
+
+def iteration_budget(data: ClientData, layout: DomainLayout, tau: int, unit: str,
+                     batch_size: int) -> jax.Array:
+  """Iterations this client runs (traced int): min(τ, its step budget) in τ's unit (a
+  straggler's budget counts epochs too in 'epochs'), times ⌈its largest source
+  domain's examples / B⌉ in 'epochs'; 0 for a client without data."""
+  budget = jnp.minimum(tau, data.step_budget)
+  if unit == 'epochs':
+    counts = data.mask.reshape(layout.num_domains, layout.domain_size).sum(1)
+    budget = budget * ((jnp.max(counts) + batch_size - 1) // batch_size)
+  return jnp.where(data.num_examples > 0, budget, 0)
+
+
 def layout_from_info(info: dict, max_examples: int, method: str) -> DomainLayout:
   """M = ``info['num_domains']`` source domains (the benchmark's ``Benchmark.info``);
   n = padded examples / M."""

@@ -16,7 +16,10 @@ the target domain S_{M+1}: nearest prototype of f_φ(S_M) to f_ψ(x). "Client"
 (global) uses prototypes averaged over the last cohort's uploads (sum of features
 and counts per class of S_M, a C×F message). Both are expressed as a linear head on
 f_ψ (prototypes.prototype_head), so evaluation is a classifier forward.
-A straggler's budget caps the τ iterations (each iteration = all M−1 domain pairs).
+τ counts iterations (each = one batch of every one of the M−1 domain pairs; default)
+or, with ``tau_unit='epochs'``, epochs as App. D says (⌈client's largest source
+domain / B⌉ iterations each; the batches are drawn at random as in an iteration).
+A straggler's budget caps τ in the same unit.
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ import optax
 
 from fedjax_shift import models
 from fedjax_shift.algorithms import base
-from fedjax_shift.algorithms.domains import domain_batch, domain_block, layout_from_info
+from fedjax_shift.algorithms.domains import (TAU_UNITS, domain_batch, domain_block,
+                                             iteration_budget, layout_from_info,
+                                             local_iterations)
 from fedjax_shift.algorithms.prototypes import (DISTANCES, class_prototypes, prototype_head,
                                                 prototype_loss)
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
@@ -62,24 +67,28 @@ def check_feature_dims(phi_features: jax.Array, psi_features: jax.Array) -> int:
 def check(hparams: ml_collections.ConfigDict) -> None:
   require(hparams.distance in DISTANCES, 'fedevolve.distance',
           f'choose from {list(DISTANCES)}, got {hparams.distance!r}')
+  require(hparams.tau_unit in TAU_UNITS, 'fedevolve.tau_unit',
+          f'choose from {list(TAU_UNITS)}, got {hparams.tau_unit!r}')
 
 
 # d of Eq. 4: 'euclidean' (Sec. 4.1: "we employ Euclidean distance") or
 # 'squared_euclidean' (Snell et al. 2017).
-@base.ALGORITHMS.register('fedevolve', defaults={'distance': 'euclidean'}, check=check,
-                          layout='domains', batch_norm=False)  # domain-major client data
+@base.ALGORITHMS.register('fedevolve', defaults={
+    'distance': 'euclidean',
+    'tau_unit': 'iterations',   # τ = client.local_epochs counts: 'iterations' | 'epochs'
+}, check=check, layout='domains', batch_norm=False)  # domain-major client data
 def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
               ) -> FederatedAlgorithm:
-  """Local iterations τ = the schedule's epochs, batches of its batch size, from
-  domain-major data laid out as ``context.info`` says."""
+  """τ = the schedule's epochs, read as ``hparams.tau_unit`` says; batches of its batch
+  size, from domain-major data laid out as ``context.info`` says."""
   module = context.module
   layout = layout_from_info(context.info, context.schedule.max_examples, 'fedevolve')
   if layout.num_domains < 2:
     raise ValueError('FedEvolve aligns consecutive source domains: config.data.num_domains '
                      'must be >= 3 (two sources and the target)')
   num_classes = module.num_classes
-  iterations = context.schedule.num_epochs
-  batch_size = context.schedule.batch_size
+  tau, batch_size = context.schedule.num_epochs, context.schedule.batch_size
+  iterations = local_iterations(layout, tau, hparams.tau_unit, batch_size)
   client_opt, server_opt = context.client_optimizer, context.server_optimizer
 
   def init(rng, example_x):
@@ -107,8 +116,7 @@ def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
     return onehot.T @ encoder_features(module, phi, x), onehot.sum(0)
 
   def client_update(server_state: FedEvolveState, client_state, data, rng):
-    budget = jnp.minimum(iterations, data.step_budget)
-    budget = jnp.where(data.num_examples > 0, budget, 0)
+    budget = iteration_budget(data, layout, tau, hparams.tau_unit, batch_size)
 
     def iteration(carry, it):
       def pair(carry, m):

@@ -10,6 +10,7 @@ prototypes C_0 = 0, for m = 1 … M:
     ℓ_f = −mean_{(x,y) ∈ A} log softmax_y(−d(f_φ(x), C_m))         (Eq. 6, Alg. 2 l. 19)
     (φ, w) ← (φ, w) − η ∇(ℓ_e + ℓ_f)                               (Alg. 2 l. 21)
 
+τ counts iterations or epochs as FedEvolve's ``tau_unit`` (algorithms/domains.py).
 The running prototypes are state (no gradient flows through them); a class not yet
 seen is absent from C and skipped. ``fedevp.align`` picks between the paper's two
 readings: 'algorithm2' (default, Algorithm 2 as written: C_m is updated with A first
@@ -31,7 +32,8 @@ from flax import traverse_util
 
 from fedjax_shift import models
 from fedjax_shift.algorithms import base
-from fedjax_shift.algorithms.domains import domain_batch, layout_from_info
+from fedjax_shift.algorithms.domains import (TAU_UNITS, domain_batch, iteration_budget,
+                                             layout_from_info, local_iterations)
 from fedjax_shift.algorithms.prototypes import class_prototypes, prototype_loss
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean, select
@@ -70,6 +72,8 @@ def check(hparams: ml_collections.ConfigDict) -> None:
           f'must be >= 0, got {hparams.finetune_epochs}')
   require(hparams.personalize in PERSONALIZE, 'fedevp.personalize',
           f'choose from {list(PERSONALIZE)}, got {hparams.personalize!r}')
+  require(hparams.tau_unit in TAU_UNITS, 'fedevp.tau_unit',
+          f'choose from {list(TAU_UNITS)}, got {hparams.tau_unit!r}')
 
 
 @base.ALGORITHMS.register('fedevp', defaults={
@@ -78,13 +82,14 @@ def check(hparams: ml_collections.ConfigDict) -> None:
     # Sec. 4.2: the classifier and the encoder's last layer; Table 8: 'classifier',
     # 'all' or 'none' (no personalisation)
     'personalize': 'last_layer',
+    'tau_unit': 'iterations',   # τ = client.local_epochs counts: 'iterations' | 'epochs'
 }, check=check, layout='domains', batch_norm=False)  # domain-major client data
 def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module = context.module
   layout = layout_from_info(context.info, context.schedule.max_examples, 'fedevp')
   num_classes = module.num_classes
-  iterations = context.schedule.num_epochs
-  batch_size = context.schedule.batch_size
+  tau, batch_size = context.schedule.num_epochs, context.schedule.batch_size
+  iterations = local_iterations(layout, tau, hparams.tau_unit, batch_size)
   client_opt, server_opt = context.client_optimizer, context.server_optimizer
   finetune_schedule = base.epochs_schedule(context.schedule, hparams.finetune_epochs)
 
@@ -118,8 +123,7 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
   grad_fn = jax.value_and_grad(domain_loss, has_aux=True)
 
   def client_update(server_state, client_state, data, rng):
-    budget = jnp.minimum(iterations, data.step_budget)
-    budget = jnp.where(data.num_examples > 0, budget, 0)
+    budget = iteration_budget(data, layout, tau, hparams.tau_unit, batch_size)
     params = server_state.variables['params']
 
     def iteration(carry, it):
