@@ -63,8 +63,8 @@ from fedjax_shift.config import apply_variant, base_config
 def get_config(arg: str = 'rmnist_dirinf') -> ml_collections.ConfigDict:
   c = base_config()
   # FedEvolve Table 1 rows (MEMO(G), MEMO(P), T3A come from fedavg_ft's eval adapters).
-  c.algorithms = ('fedavg', 'gma', 'fedavg_ft', 'apfl', 'fedrep', 'ditto', 'fedrod', 'fedsr',
-                  'fedevolve', 'fedevp')
+  c.algorithms = ('fedavg', 'gma', 'fedavg_ft', 'apfl', 'fedrep', 'ditto', 'fedrod', 'fedthe',
+                  'fedsr', 'fedevolve', 'fedevp')
   c.rounds = 50                       # FedEvolve App. D: 50 rounds
   c.weighting = 'uniform'             # FedEvolve/FedEvp: (1/|I_t|) Σ
   c.data.benchmark = 'rotated_digits'  # fields: fedjax_shift/benchmarks/evolving.py
@@ -86,9 +86,10 @@ def get_config(arg: str = 'rmnist_dirinf') -> ml_collections.ConfigDict:
   c.client.local_epochs = 10          # App. D: 10 local epochs (τ iterations)
   c.fedavg_ft.epochs = 1              # App. D: personalisation epoch 1
   c.fedevp.finetune_epochs = 1
-  # MEMO(G) = global+memo, MEMO(P) = personalized+memo, T3A = personalized+t3a of FedAvg-FT.
-  c.eval_adapters = ('memo:episodic', 't3a:online')
-  c.eval_adapter_algorithms = ('fedavg_ft',)
+  # MEMO(G) = global+memo, MEMO(P) = personalized+memo, T3A = personalized+t3a of FedAvg-FT;
+  # FedTHE = its own test-time ensemble (personalized+fedthe) of the fedthe models.
+  c.eval_adapters = ('memo:episodic', 't3a:online', 'fedthe:online')
+  c.eval_adapter_algorithms = ('fedavg_ft', 'fedthe')
   c.adapters.memo.num_augmentations = 32   # App. D: 32 augmentations,
   c.adapters.memo.learning_rate = 0.005
   c.adapters.memo.num_steps = 3            # 3 optimisation steps

@@ -148,6 +148,86 @@ def make(name, config):
   return bench, module, algorithm, state
 
 
+def bn_circle_config(num_domains=3):
+  config = circle_config(num_domains=num_domains)
+  config.model = ml_collections.ConfigDict({'name': 'bn_mlp', 'hidden': (16,)})
+  config.client.local_epochs = 1
+  return config
+
+
+def first_batch_norm_mean(encoder_params, old_mean, x):
+  """The running mean of bn_mlp's BatchNorm_0 after one train-mode forward of x [B, 2]:
+  0.9·old + 0.1·(batch mean of Dense_0's output), flax's update with momentum 0.9."""
+  dense = encoder_params['Dense_0']
+  return 0.9 * old_mean + 0.1 * jnp.mean(x @ dense['kernel'] + dense['bias'], 0)
+
+
+def test_fedevolve_trains_each_encoders_batch_norm_statistics():
+  """A BatchNorm encoder pair (the paper's Portraits/Caltran models have BatchNorm):
+  φ's running statistics follow the batch of S_m it embeds, ψ's the batch of S_{m+1}
+  (one pair, τ = 1: M = 2 sources), the server averages them, and the models predict
+  with ψ's running statistics (eval mode: a prediction does not depend on its batch)."""
+  from fedjax_shift.algorithms.domains import domain_batch, layout_from_info
+  config = bn_circle_config()
+  bench, module, algorithm, state = make('fedevolve', config)
+  train = bench.splits['train']
+  assert set(state.batch_stats) == {'phi', 'psi'}
+  clients = [ClientData(*(jnp.asarray(a[k]) for a in train), jnp.int32(NO_STEP_LIMIT))
+             for k in range(2)]
+  rng = jax.random.key(3)
+  layout = layout_from_info(bench.info, train.max_examples, 'fedevolve')
+  key = jax.random.fold_in(jax.random.fold_in(rng, 0), 0)    # iteration 0, pair 0
+  outs = []
+  for client in clients:
+    out, _ = algorithm.client_update(state, (), client, rng)
+    outs.append(out)
+    for name, m in (('phi', 0), ('psi', 1)):
+      x, _, _ = domain_batch(client, layout, m, jax.random.fold_in(key, m), 8)
+      old = state.batch_stats[name]['BatchNorm_0']['mean']
+      new = old + out.update['batch_stats'][name]['BatchNorm_0']['mean']
+      np.testing.assert_allclose(new, first_batch_norm_mean(state.params[name], old, x),
+                                 rtol=1e-5, atol=1e-6)
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+  server = algorithm.server_update(state, stacked, jnp.array([0.25, 0.75]))
+  expected = jax.tree.map(lambda s, a, b: s + 0.25 * a + 0.75 * b, state.batch_stats,
+                          outs[0].update['batch_stats'], outs[1].update['batch_stats'])
+  chex.assert_trees_all_close(server.batch_stats, expected, rtol=1e-6)
+  model = algorithm.global_model(server)
+  chex.assert_trees_all_close(model['batch_stats']['encoder'], server.batch_stats['psi'])
+  x = jnp.asarray(bench.splits['test'].x[0, :4])
+  logits, _ = models.apply(module, model, x)
+  alone, _ = models.apply(module, model, x[:1])
+  np.testing.assert_allclose(alone, logits[:1], rtol=1e-4, atol=1e-4)
+
+
+def test_fedevp_trains_batch_norm_statistics_and_personalises_with_them():
+  """FedEvp with a BatchNorm encoder: the running statistics follow every domain's
+  train-mode forward (Algorithm 2 embeds the first domain without a step), are
+  averaged as FedAvg's are, and personalisation keeps them in the client's model."""
+  from fedjax_shift.algorithms.domains import domain_batch, layout_from_info
+  config = bn_circle_config()
+  bench, module, algorithm, state = make('fedevp', config)
+  train = bench.splits['train']
+  client = ClientData(*(jnp.asarray(a[0]) for a in train), jnp.int32(NO_STEP_LIMIT))
+  rng = jax.random.key(3)
+  layout = layout_from_info(bench.info, train.max_examples, 'fedevp')
+  out, _ = algorithm.client_update(state, (), client, rng)
+  # Domain 0 (no step under Algorithm 2) then domain 1 (a step after its forward): the
+  # mean follows both batches with the parameters unchanged in between.
+  encoder = state.variables['params']['encoder']
+  mean = state.variables['batch_stats']['encoder']['BatchNorm_0']['mean']
+  for m in range(2):
+    x, _, _ = domain_batch(client, layout, m, jax.random.fold_in(jax.random.fold_in(rng, 0), m), 8)
+    mean = first_batch_norm_mean(encoder, mean, x)
+  new = (state.variables['batch_stats']['encoder']['BatchNorm_0']['mean']
+         + out.update['batch_stats']['encoder']['BatchNorm_0']['mean'])
+  np.testing.assert_allclose(new, mean, rtol=1e-5, atol=1e-6)
+  personal = algorithm.personalize(state, (), client, rng)
+  assert set(personal) == {'params', 'batch_stats'}
+  assert not np.allclose(personal['batch_stats']['encoder']['BatchNorm_0']['mean'],
+                         state.variables['batch_stats']['encoder']['BatchNorm_0']['mean'])
+
+
 @pytest.mark.parametrize('name', ['fedevolve', 'fedevp'])
 def test_tau_in_epochs_equals_that_many_iterations(name):
   """``tau_unit='epochs'`` (App. D): τ = 1 epoch is ⌈largest source domain / B⌉
@@ -376,29 +456,41 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
   with pytest.raises(ValueError, match='unknown variant'):
     fedevolve_config.get_config('rmnist_dirx,bogus')
   config = fedevolve_config.get_config('circle_dirinf,tiny')
-  config.algorithms = ('fedavg_ft', 'fedevolve')
+  config.algorithms = ('fedavg_ft', 'fedthe', 'fedevolve')
   out = pipelines.run(config, str(tmp_path))
   methods = [row[0] for row in out.records['table']['rows']]
-  assert methods == ['fedavg_ft', 'fedevolve']
+  assert methods == ['fedavg_ft', 'fedthe', 'fedevolve']
   # MEMO(G), MEMO(P) and T3A on FedAvg-FT: adapted columns, only for FedAvg-FT.
   header = out.records['table']['header']
   for column in ('global+memo/test', 'personalized+memo/test', 'personalized+t3a/test'):
     assert column in header
-    assert out.records['table']['rows'][1][header.index(column)] == 'n/a'
+    assert out.records['table']['rows'][2][header.index(column)] == 'n/a'
     assert out.records['table']['rows'][0][header.index(column)] != 'n/a'
+  # FedTHE's row is its own test-time ensemble on its models (the paper's FedTHE row).
+  assert out.records['table']['rows'][0][header.index('personalized+fedthe/test')] == 'n/a'
+  assert out.records['table']['rows'][1][header.index('personalized+fedthe/test')] != 'n/a'
   # The paper's Table 1 layout: FedAvg-FT gives the FedAvg-FT, MEMO(G), MEMO(P), T3A rows.
   from fedjax_shift.papers.fedevolve import tables as report
   table = report.evolving_table({'Dir=inf': out.records['results']})
   labels = [line.split(' | ')[0].strip('| ') for line in table.splitlines()[2:]]
-  assert labels == ['MEMO(G)', 'FedAvg-FT', 'MEMO(P)', 'T3A', 'FedEvolve']
+  assert labels == ['MEMO(G)', 'FedAvg-FT', 'MEMO(P)', 'T3A', 'FedTHE', 'FedEvolve']
   assert '| T3A |' in table and table.count('n/a') == 2  # MEMO(P), T3A have no Server
   # What launch/train.py prints: this run's Table 3 column, and Table 7 read off the
   # update pytrees (FedEvolve uploads φ and ψ and its C×F prototype sums).
-  uploads = {r['algorithm']: r['uploaded_parameters'] for r in out.records['results']}
-  assert uploads['fedevolve'] > uploads['fedavg_ft']
-  assert 'Table 3 layout' in out.records['paper_tables'] and '| Dir=inf Client |' in out.records['paper_tables']
-  assert (f"| Parameters | {uploads['fedavg_ft']:,} | {uploads['fedevolve']:,} |"
-          in out.records['paper_tables'])
+  uploads = {r['algorithm']: r['uploaded_by_part'] for r in out.records['results']}
+  assert uploads['fedevolve']['params'] == 2 * (2 * 16 + 16)   # φ and ψ: Dense 2→16 each
+  assert uploads['fedavg_ft']['params'] == 2 * 16 + 16 + 16 * 2 + 2
+  # The C×F prototype sums of S_M (2 classes × 16 features) and the C counts.
+  assert uploads['fedevolve']['proto_sums'] + uploads['fedevolve']['proto_counts'] == 34
+  for result in out.records['results']:
+    assert result['uploaded_parameters'] == sum(result['uploaded_by_part'].values())
+  tables = out.records['paper_tables']
+  assert 'Table 3 layout' in tables and '| Dir=inf Client |' in tables
+  assert '|  | FedAvg-FT | FedTHE | FedEvolve |' in tables
+  assert (f"| Model parameters | {uploads['fedavg_ft']['params']:,} | "
+          f"{uploads['fedthe']['params']:,} | {uploads['fedevolve']['params']:,} |" in tables)
+  assert '| Prototype sums and counts | 0 | 0 | 34 |' in tables
+  assert '| Seconds per round | ' in tables and 'n/a' not in tables.split('Seconds per round')[1]
   assert out.records['paper_tables'] in open(tmp_path / 'results.md').read()
   rmnist = report.fedevolve_tables(fedevolve_config.get_config('rmnist_dir1.0,straggler0.5'),
                                    out.records['results'])
@@ -509,21 +601,53 @@ def test_timed_images_bad_input(tmp_path):
     BENCHMARKS.get('timed_images')(timed_config('portraits', tmp_path / 'loose', 9), 0)
 
 
-def test_portraits_config_runs_end_to_end(tmp_path):
+def caltran_folder(root):
+  """A Caltran-shaped folder (the mock data): car/ and empty/ frames, two per 2-hour block."""
+  for label in ('car', 'empty'):
+    write_images(root / label, [f'caltran_2013-03-10-{h:02d}-{m:02d}.jpg'
+                                for h in range(0, 24, 2) for m in (0, 30)], mode='RGB')
+
+
+def run_timed_images(tmp_path, dataset, model=None):
+  """One round of FedAvg, FedEvolve and FedEvp on a generated ``dataset`` folder (8×8
+  images, 2 clients), with the config's model or ``model``; checks every row."""
   from configs import fedevolve as fedevolve_config
   from fedjax_shift import pipelines
-  portraits_folder(tmp_path / 'portraits')
-  config = fedevolve_config.get_config('portraits_dirinf,tiny')
-  config.data.data_dir = str(tmp_path / 'portraits')
+  (portraits_folder if dataset == 'portraits' else caltran_folder)(tmp_path / dataset)
+  config = fedevolve_config.get_config(f'{dataset}_dirinf,tiny')
+  if model:
+    config.model = model
+  config.data.data_dir = str(tmp_path / dataset)
   config.data.image_size = 8
   config.data.num_clients = config.cohort_size = 2
-  config.model = ml_collections.ConfigDict({'name': 'mlp', 'hidden': (8,)})
+  config.rounds = config.eval_every = 1
   config.algorithms = ('fedavg', 'fedevolve', 'fedevp')
   config.eval_adapters = ()
   out = pipelines.run(config, str(tmp_path / 'run'))
   assert [row[0] for row in out.records['table']['rows']] == ['fedavg', 'fedevolve', 'fedevp']
   for result in out.records['results']:
-    assert np.isfinite(result['metrics']['global/test/accuracy'])
+    models_scored = ['global'] + (['personalized'] if result['algorithm'] != 'fedavg' else [])
+    for model in models_scored:
+      assert np.isfinite(result['metrics'][f'{model}/test/accuracy'])
+  return config
+
+
+def test_portraits_config_runs_fedevolve_and_fedevp_with_batch_norm(tmp_path):
+  """The Portraits pipeline end to end with a BatchNorm MLP (seconds); the paper's
+  WideResNet and Caltran's ResNet-18 are the slow test below."""
+  run_timed_images(tmp_path, 'portraits',
+                   ml_collections.ConfigDict({'name': 'bn_mlp', 'hidden': (8,)}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('dataset,model', [('portraits', 'wide_resnet'),
+                                           ('caltran', 'resnet18')])
+def test_timed_image_configs_run_fedevolve_and_fedevp_with_the_papers_models(
+    tmp_path, dataset, model):
+  """Table 3's Portraits (WideResNet-16-4) and Caltran (ResNet-18) rows with the
+  paper's BatchNorm models on generated image folders (1–2 minutes each on 2 cores,
+  compilation): every method trains and evaluates with its running statistics."""
+  assert run_timed_images(tmp_path, dataset).model.name == model
 
 
 @pytest.mark.slow

@@ -48,10 +48,32 @@ class FedEvolveState(NamedTuple):
   prototypes: Any      # [C, F] server prototypes of S_M (averaged uploads)
   present: Any         # [C] bool
   round: jax.Array
+  batch_stats: Any = None  # {'phi': stats, 'psi': stats}: each encoder's BatchNorm
+                           # running statistics ({} without BatchNorm)
 
 
-def encoder_features(module, encoder_params, x):
-  return models.features(module, {'params': {'encoder': encoder_params}}, x)
+def encoder_variables(encoder_params, encoder_stats=None):
+  """The classifier variables of one encoder (and its BatchNorm statistics, if any)."""
+  variables = {'params': {'encoder': encoder_params}}
+  if encoder_stats:
+    variables['batch_stats'] = {'encoder': encoder_stats}
+  return variables
+
+
+def encoder_features(module, encoder_params, x, encoder_stats=None):
+  """f(x) [B, F] in eval mode (BatchNorm with the running statistics)."""
+  return models.features(module, encoder_variables(encoder_params, encoder_stats), x)
+
+
+def train_encoder_features(module, encoder_params, encoder_stats, x):
+  """(f(x) [B, F] in train mode, the encoder's updated running statistics): BatchNorm
+  normalises with the batch's statistics, as a PyTorch encoder in train() mode. Without
+  BatchNorm the eval forward (the same function) and the statistics unchanged."""
+  if not encoder_stats:
+    return encoder_features(module, encoder_params, x), encoder_stats
+  features, variables = models.train_features(
+      module, encoder_variables(encoder_params, encoder_stats), x)
+  return features, variables['batch_stats']['encoder']
 
 
 def check_feature_dims(phi_features: jax.Array, psi_features: jax.Array) -> int:
@@ -76,7 +98,7 @@ def check(hparams: ml_collections.ConfigDict) -> None:
 @base.ALGORITHMS.register('fedevolve', defaults={
     'distance': 'euclidean',
     'tau_unit': 'iterations',   # τ = client.local_epochs counts: 'iterations' | 'epochs'
-}, check=check, layout='domains', batch_norm=False)  # domain-major client data
+}, check=check, layout='domains')  # domain-major client data
 def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
               ) -> FederatedAlgorithm:
   """τ = the schedule's epochs, read as ``hparams.tau_unit`` says; batches of its batch
@@ -94,57 +116,66 @@ def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
   def init(rng, example_x):
     phi_key, psi_key = jax.random.split(rng)
     variables = [models.init(module, key, example_x) for key in (phi_key, psi_key)]
-    if any(set(v) != {'params'} for v in variables):
-      raise ValueError('FedEvolve needs a model without BatchNorm statistics (evolve_cnn, mlp)')
-    params = {'phi': variables[0]['params']['encoder'], 'psi': variables[1]['params']['encoder']}
-    dim = check_feature_dims(encoder_features(module, params['phi'], example_x),
-                             encoder_features(module, params['psi'], example_x))
+    names = ('phi', 'psi')
+    params = {n: v['params']['encoder'] for n, v in zip(names, variables)}
+    stats = {n: v.get('batch_stats', {}).pop('encoder', {}) for n, v in zip(names, variables)}
+    outside = sorted(set(variables[0].get('batch_stats', {})))
+    if outside:
+      raise ValueError(f'FedEvolve keeps BatchNorm statistics of its two encoders only; this '
+                       f'model has statistics outside its encoder: {outside}')
+    dim = check_feature_dims(encoder_features(module, params['phi'], example_x, stats['phi']),
+                             encoder_features(module, params['psi'], example_x, stats['psi']))
     return FedEvolveState(params, server_opt.init(params), jnp.zeros((num_classes, dim)),
-                          jnp.zeros((num_classes,), bool), jnp.int32(0))
+                          jnp.zeros((num_classes,), bool), jnp.int32(0), stats)
 
-  def pair_loss(params, x_a, y_a, w_a, x_b, y_b, w_b):
-    protos, counts = class_prototypes(encoder_features(module, params['phi'], x_a), y_a, w_a,
-                                      num_classes)
-    return prototype_loss(encoder_features(module, params['psi'], x_b), y_b, w_b, protos,
-                          counts > 0, hparams.distance)
+  def pair_loss(params, stats, x_a, y_a, w_a, x_b, y_b, w_b):
+    """Eq. 4's loss on one domain pair, and each encoder's updated statistics."""
+    phi_features, phi_stats = train_encoder_features(module, params['phi'], stats['phi'], x_a)
+    protos, counts = class_prototypes(phi_features, y_a, w_a, num_classes)
+    psi_features, psi_stats = train_encoder_features(module, params['psi'], stats['psi'], x_b)
+    loss = prototype_loss(psi_features, y_b, w_b, protos, counts > 0, hparams.distance)
+    return loss, {'phi': phi_stats, 'psi': psi_stats}
 
-  grad_fn = jax.value_and_grad(pair_loss)
+  grad_fn = jax.value_and_grad(pair_loss, has_aux=True)
 
-  def last_domain_sums(phi, data):
+  def last_domain_sums(phi, phi_stats, data):
     x, y, mask = domain_block(data, layout, layout.num_domains - 1)
     onehot = jax.nn.one_hot(y, num_classes) * mask[:, None]
-    return onehot.T @ encoder_features(module, phi, x), onehot.sum(0)
+    return onehot.T @ encoder_features(module, phi, x, phi_stats), onehot.sum(0)
 
   def client_update(server_state: FedEvolveState, client_state, data, rng):
     budget = iteration_budget(data, layout, tau, hparams.tau_unit, batch_size)
 
     def iteration(carry, it):
       def pair(carry, m):
-        params, opt_state, loss_sum = carry
+        params, stats, opt_state, loss_sum = carry
         key = jax.random.fold_in(jax.random.fold_in(rng, it), m)
         x_a, y_a, w_a = domain_batch(data, layout, m, jax.random.fold_in(key, 0), batch_size)
         x_b, y_b, w_b = domain_batch(data, layout, m + 1, jax.random.fold_in(key, 1),
                                      batch_size)
-        loss, grads = grad_fn(params, x_a, y_a, w_a, x_b, y_b, w_b)
+        (loss, new_stats), grads = grad_fn(params, stats, x_a, y_a, w_a, x_b, y_b, w_b)
         updates, new_opt = client_opt.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         active = it < budget
-        return (select(active, new_params, params), select(active, new_opt, opt_state),
+        return (select(active, new_params, params), select(active, new_stats, stats),
+                select(active, new_opt, opt_state),
                 loss_sum + jnp.where(active, loss, 0.0).astype(loss_sum.dtype)), None
 
       carry, _ = jax.lax.scan(pair, carry, jnp.arange(layout.num_domains - 1),
                               unroll=context.schedule.unroll)
       return carry, None
 
-    params = server_state.params
-    init_carry = (params, client_opt.init(params), jnp.float32(0.0))
-    (params, _, loss_sum), _ = jax.lax.scan(iteration, init_carry, jnp.arange(iterations),
-                                            unroll=context.schedule.unroll)
-    sums, counts = last_domain_sums(params['phi'], data)
+    params, stats = server_state.params, server_state.batch_stats
+    init_carry = (params, stats, client_opt.init(params), jnp.float32(0.0))
+    (params, stats, _, loss_sum), _ = jax.lax.scan(iteration, init_carry,
+                                                   jnp.arange(iterations),
+                                                   unroll=context.schedule.unroll)
+    sums, counts = last_domain_sums(params['phi'], stats['phi'], data)
     steps = budget * (layout.num_domains - 1)
     metrics = {'loss': loss_sum / jnp.maximum(steps, 1), 'num_steps': steps.astype(jnp.float32)}
-    update = {'params': base.tree_sub(params, server_state.params), 'proto_sums': sums,
-              'proto_counts': counts}
+    update = {'params': base.tree_sub(params, server_state.params),
+              'batch_stats': base.tree_sub(stats, server_state.batch_stats),
+              'proto_sums': sums, 'proto_counts': counts}
     return ClientOutput(update, metrics), client_state
 
   def server_update(state: FedEvolveState, outputs: ClientOutput, weights) -> FedEvolveState:
@@ -155,20 +186,24 @@ def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
     sums = jnp.tensordot(included, outputs.update['proto_sums'], axes=1)
     counts = jnp.tensordot(included, outputs.update['proto_counts'], axes=1)
     prototypes = sums / jnp.maximum(counts, 1e-12)[:, None]
+    # Running statistics are not trained: the weighted mean of the clients' directly.
+    stats = jax.tree.map(jnp.add, state.batch_stats,
+                         base.weighted_sum(outputs.update['batch_stats'], weights))
     return FedEvolveState(optax.apply_updates(state.params, updates), opt_state, prototypes,
-                          counts > 0, state.round + 1)
+                          counts > 0, state.round + 1, stats)
 
-  def classifier(psi, prototypes, present):
-    return {'params': {'encoder': psi, 'head': prototype_head(prototypes, present)}}
+  def classifier(state, prototypes, present):
+    """f_ψ (with its statistics) and the prototype head: the predicting model."""
+    variables = encoder_variables(state.params['psi'], state.batch_stats['psi'])
+    variables['params']['head'] = prototype_head(prototypes, present)
+    return variables
 
   def personalize(state: FedEvolveState, client_state, data, rng):
     del client_state, rng
-    sums, counts = last_domain_sums(state.params['phi'], data)
-    return classifier(state.params['psi'], sums / jnp.maximum(counts, 1e-12)[:, None],
-                      counts > 0)
+    sums, counts = last_domain_sums(state.params['phi'], state.batch_stats['phi'], data)
+    return classifier(state, sums / jnp.maximum(counts, 1e-12)[:, None], counts > 0)
 
   return FederatedAlgorithm(
       init=init, init_client_state=lambda state: (), client_update=client_update,
       server_update=server_update, personalize=personalize,
-      global_model=lambda state: classifier(state.params['psi'], state.prototypes,
-                                            state.present))
+      global_model=lambda state: classifier(state, state.prototypes, state.present))

@@ -83,7 +83,7 @@ def check(hparams: ml_collections.ConfigDict) -> None:
     # 'all' or 'none' (no personalisation)
     'personalize': 'last_layer',
     'tau_unit': 'iterations',   # τ = client.local_epochs counts: 'iterations' | 'epochs'
-}, check=check, layout='domains', batch_norm=False)  # domain-major client data
+}, check=check, layout='domains')  # domain-major client data
 def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module = context.module
   layout = layout_from_info(context.info, context.schedule.max_examples, 'fedevp')
@@ -93,11 +93,7 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
   client_opt, server_opt = context.client_optimizer, context.server_optimizer
   finetune_schedule = base.epochs_schedule(context.schedule, hparams.finetune_epochs)
 
-  def init(rng, example_x):
-    state = base.init_server(module, server_opt)(rng, example_x)
-    if set(state.variables) != {'params'}:
-      raise ValueError('FedEvp needs a model without BatchNorm statistics (evolve_cnn, mlp)')
-    return state
+  init = base.init_server(module, server_opt)
 
   algorithm2 = hparams.align == 'algorithm2'
   if algorithm2 and layout.num_domains < 2:
@@ -105,10 +101,11 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
                      f'domain on, and this benchmark has {layout.num_domains}: add domains '
                      f"or use align='eq6'")
 
-  def domain_loss(params, x, y, weight, prototypes, domains_seen, align):
-    """ℓ_e + ℓ_f on one domain's batch, and (C_m, the domains each class was seen in):
-    Eq. 5 per class, counting the domains in which the class appeared."""
-    features = models.features(module, {'params': params}, x)
+  def domain_loss(params, model_state, x, y, weight, prototypes, domains_seen, align):
+    """ℓ_e + ℓ_f on one domain's batch (train mode: BatchNorm with the batch's
+    statistics), and (C_m, the domains each class was seen in: Eq. 5 per class,
+    counting the domains in which the class appeared, the updated running statistics)."""
+    features, variables = models.train_features(module, {'params': params, **model_state}, x)
     logits = models.head({'params': params}, features)
     ce = masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), weight)
     batch_protos, batch_counts = class_prototypes(jax.lax.stop_gradient(features), y, weight,
@@ -118,50 +115,53 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
     new_protos = jnp.where((batch_counts > 0)[:, None], mixed, prototypes)
     target, seen = (new_protos, new_seen) if algorithm2 else (prototypes, domains_seen)
     align_loss = prototype_loss(features, y, weight, target, seen > 0)
-    return ce + jnp.where(align, align_loss, 0.0), (new_protos, new_seen)
+    return ce + jnp.where(align, align_loss, 0.0), (new_protos, new_seen,
+                                                    base.split_variables(variables)[1])
 
   grad_fn = jax.value_and_grad(domain_loss, has_aux=True)
 
   def client_update(server_state, client_state, data, rng):
     budget = iteration_budget(data, layout, tau, hparams.tau_unit, batch_size)
-    params = server_state.variables['params']
+    params, model_state = base.split_variables(server_state.variables)
 
     def iteration(carry, it):
       def domain(carry, m):
-        params, opt_state, protos, counts_seen, loss_sum = carry
+        params, model_state, opt_state, protos, counts_seen, loss_sum = carry
         x, y, weight = domain_batch(data, layout, m, jax.random.fold_in(
             jax.random.fold_in(rng, it), m), batch_size)
-        (loss, (new_protos, domains_seen)), grads = grad_fn(params, x, y, weight, protos,
-                                                           counts_seen, m > 0)
+        (loss, (new_protos, domains_seen, new_state)), grads = grad_fn(
+            params, model_state, x, y, weight, protos, counts_seen, m > 0)
         updates, new_opt = client_opt.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         active = it < budget
         steps = active & (m > 0) if algorithm2 else active   # Alg. 2: a step only for m ≥ 2
-        return (select(steps, new_params, params), select(steps, new_opt, opt_state),
-                new_protos, domains_seen,
+        # Every active domain's forward updates the running statistics (a train-mode
+        # forward in PyTorch does, step or not).
+        return (select(steps, new_params, params), select(active, new_state, model_state),
+                select(steps, new_opt, opt_state), new_protos, domains_seen,
                 loss_sum + jnp.where(steps, loss, 0.0).astype(loss_sum.dtype)), None
 
-      params, opt_state, loss_sum = carry
+      params, model_state, opt_state, loss_sum = carry
       empty = (jnp.zeros((num_classes, features_dim)), jnp.zeros((num_classes,)))
-      (params, opt_state, _, _, loss_sum), _ = jax.lax.scan(
-          domain, (params, opt_state) + empty + (loss_sum,), jnp.arange(layout.num_domains),
-          unroll=context.schedule.unroll)
-      return (params, opt_state, loss_sum), None
+      (params, model_state, opt_state, _, _, loss_sum), _ = jax.lax.scan(
+          domain, (params, model_state, opt_state) + empty + (loss_sum,),
+          jnp.arange(layout.num_domains), unroll=context.schedule.unroll)
+      return (params, model_state, opt_state, loss_sum), None
 
-    features_dim = models.features(module, {'params': params}, data.x[:1]).shape[-1]
-    (params, _, loss_sum), _ = jax.lax.scan(
-        iteration, (params, client_opt.init(params), jnp.float32(0.0)), jnp.arange(iterations),
-        unroll=context.schedule.unroll)
+    features_dim = models.features(module, server_state.variables, data.x[:1]).shape[-1]
+    (params, model_state, _, loss_sum), _ = jax.lax.scan(
+        iteration, (params, model_state, client_opt.init(params), jnp.float32(0.0)),
+        jnp.arange(iterations), unroll=context.schedule.unroll)
     steps = budget * (layout.num_domains - 1 if algorithm2 else layout.num_domains)
     metrics = {'loss': loss_sum / jnp.maximum(steps, 1), 'num_steps': steps.astype(jnp.float32)}
-    update = base.tree_sub({'params': params}, server_state.variables)
+    update = base.tree_sub({'params': params, **model_state}, server_state.variables)
     return ClientOutput(update, metrics), client_state
 
   def personalize(server_state, client_state, data, rng):
     del client_state
-    params = server_state.variables['params']
+    params, model_state = base.split_variables(server_state.variables)
     if hparams.personalize == 'none':
-      return {'params': params}
+      return server_state.variables
     is_tuned = tuned_selector(hparams.personalize, module, tuple(data.x.shape[1:]))
     flat = traverse_util.flatten_dict(params)
     tuned = {p: v for p, v in flat.items() if is_tuned(p)}
@@ -172,8 +172,9 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
     def loss_fn(tuned, model_state, x, y, weight, step_rng):
       return ce(join(tuned), model_state, x, y, weight, step_rng)
 
-    tuned, _, _, _ = local_train(loss_fn, client_opt, tuned, {}, data, rng, finetune_schedule)
-    return {'params': join(tuned)}
+    tuned, model_state, _, _ = local_train(loss_fn, client_opt, tuned, model_state, data, rng,
+                                           finetune_schedule)
+    return {'params': join(tuned), **model_state}
 
   return FederatedAlgorithm(
       init=init, init_client_state=lambda state: (), client_update=client_update,

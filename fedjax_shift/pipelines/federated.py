@@ -82,16 +82,30 @@ def _round_config(config) -> RoundConfig:
                      client_chunk=config.engine.client_chunk)
 
 
-def uploaded_parameters(algorithm: FederatedAlgorithm, server_state, client_states,
-                        train: federated.FederatedData) -> int:
-  """Numbers a client sends per round: the elements of its ``ClientOutput.update``
-  (from the pytree shapes, no computation; FedEvolve Table 7)."""
+def uploaded_by_part(algorithm: FederatedAlgorithm, server_state, client_states,
+                     train: federated.FederatedData) -> Dict[str, int]:
+  """Numbers a client sends per round, by kind, read off the shapes of its
+  ``ClientOutput.update`` with no computation (FedEvolve Table 7): 'params' (every leaf
+  under a 'params' key: the trained model parameters), 'batch_stats' (running
+  statistics), else the leaf's first key ('proto_sums', 'feature', 'control', ...;
+  'update' for a leaf at the top)."""
   one = ClientData(jnp.asarray(train.x[0]), jnp.asarray(train.y[0]), jnp.asarray(train.mask[0]),
                    jnp.asarray(train.num_examples[0]), jnp.int32(NO_STEP_LIMIT))
   state = jax.tree.map(lambda a: a[0], client_states)
-  shapes = jax.eval_shape(algorithm.client_update, server_state, state, one,
-                          jax.random.key(0))
-  return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(shapes[0].update)))
+  update = jax.eval_shape(algorithm.client_update, server_state, state, one,
+                          jax.random.key(0))[0].update
+  counts: Dict[str, int] = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(update):
+    keys = [str(getattr(part, 'key', getattr(part, 'name', part))) for part in path]
+    kind = next((k for k in ('params', 'batch_stats') if k in keys), keys[0] if keys else 'update')
+    counts[kind] = counts.get(kind, 0) + int(np.prod(leaf.shape))
+  return counts
+
+
+def uploaded_parameters(algorithm: FederatedAlgorithm, server_state, client_states,
+                        train: federated.FederatedData) -> int:
+  """Numbers a client sends per round: every element of its ``ClientOutput.update``."""
+  return sum(uploaded_by_part(algorithm, server_state, client_states, train).values())
 
 
 def adapter_section(config: ml_collections.ConfigDict, name: str, algorithm_name: str
@@ -211,7 +225,7 @@ class OpenedRun(NamedTuple):
   bench: Benchmark
   programs: Programs
   train_key: jax.Array
-  upload: int                  # parameters a client uploads per round
+  upload: Dict[str, int]       # numbers a client uploads per round, per update entry
   state: tuple                 # (server_state, client_states), restored or initial
 
 
@@ -300,7 +314,7 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
   if backbone is not None:
     server_state = pretrain.with_backbone(server_state, backbone, algorithm_name)
   client_states = stack_client_states(algorithm, server_state, train.num_clients)
-  upload = uploaded_parameters(algorithm, server_state, client_states, train)
+  upload = uploaded_by_part(algorithm, server_state, client_states, train)
 
   opened = open_run(workdir, config, fields, (server_state, client_states, jnp.float32(0.0)))
   server_state, client_states, elapsed = opened.state
@@ -401,7 +415,7 @@ def single_run_trainer(config: ml_collections.ConfigDict, programs: Programs,
 
 
 def finish_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
-               seed: int, outcome: loop.Outcome, upload: int, clock: CompileClock,
+               seed: int, outcome: loop.Outcome, upload: Dict[str, int], clock: CompileClock,
                **extra) -> Dict[str, object]:
   """Writes ``workdir``/results.json (with ``extra`` fields); returns it with the
   'server_state' (a diverged run: its ``diverged_record``)."""
@@ -412,7 +426,8 @@ def finish_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: 
   result = {'algorithm': algorithm_name, 'seed': seed, 'metrics': outcome.summary,
             'evaluations': evaluated_rounds(workdir, config.rounds),
             'rounds': config.rounds, 'train_seconds': outcome.elapsed, 'hardware': hardware(),
-            'uploaded_parameters': upload, 'compile_seconds': round(clock.seconds, 3),
+            'uploaded_parameters': sum(upload.values()), 'uploaded_by_part': upload,
+            'compile_seconds': round(clock.seconds, 3),
             'compilations': clock.compilations, **extra}
   adapters = applied_adapters(config, algorithm_name)
   if adapters:   # the test-time settings each adapted column used

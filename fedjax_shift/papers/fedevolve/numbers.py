@@ -5,7 +5,7 @@
 # From FedEvolve paper ("Federated Learning under Evolving Distribution Shifts", anonymous
 # submission). Client = mean over clients of the personalised (or global) model's accuracy on
 # the target domain; Server = the global model. Values are the means of 'mean ± s.d.' over
-# three runs. Left out: the paper's FedTHE, Flute, CFL and CFeD rows (no row of ours); Circle's
+# three runs. Left out: the paper's Flute, CFL and CFeD rows (not implemented); Circle's
 # MEMO(G) / MEMO(P) cells, printed '-'; Tables 5/9 (number of domains), 8 (FedEvp ablation)
 # and 13 (target rotation): no layout of ours. Protocol (App. D): 50 rounds, 10-20 clients.
 PAPER_NUMBERS = {
@@ -23,6 +23,7 @@ PAPER_NUMBERS = {
             'FedRoD': {'Dir=inf Client': 52.30, 'Dir=inf Server': 67.93, 'Dir=1.0 Client': 54.00, 'Dir=1.0 Server': 63.32, 'Dir=0.1 Client': 64.11, 'Dir=0.1 Server': 53.02},
             'MEMO(P)': {'Dir=inf Client': 51.70, 'Dir=inf Server': 65.35, 'Dir=1.0 Client': 59.84, 'Dir=1.0 Server': 64.75, 'Dir=0.1 Client': 69.46, 'Dir=0.1 Server': 50.27},
             'T3A': {'Dir=inf Client': 53.94, 'Dir=inf Server': 66.61, 'Dir=1.0 Client': 61.60, 'Dir=1.0 Server': 62.61, 'Dir=0.1 Client': 71.73, 'Dir=0.1 Server': 51.59},
+            'FedTHE': {'Dir=inf Client': 66.84, 'Dir=inf Server': 67.43, 'Dir=1.0 Client': 67.98, 'Dir=1.0 Server': 62.55, 'Dir=0.1 Client': 78.52, 'Dir=0.1 Server': 53.40},
             'FedSR': {'Dir=inf Client': 69.91, 'Dir=inf Server': 71.79, 'Dir=1.0 Client': 67.00, 'Dir=1.0 Server': 68.01, 'Dir=0.1 Client': 61.49, 'Dir=0.1 Server': 59.88},
             'FedEvolve': {'Dir=inf Client': 84.75, 'Dir=inf Server': 84.43, 'Dir=1.0 Client': 79.93, 'Dir=1.0 Server': 77.25, 'Dir=0.1 Client': 83.86, 'Dir=0.1 Server': 71.66},
             'FedEvp': {'Dir=inf Client': 75.99, 'Dir=inf Server': 77.63, 'Dir=1.0 Client': 77.91, 'Dir=1.0 Server': 73.85, 'Dir=0.1 Client': 83.15, 'Dir=0.1 Server': 61.84},
@@ -42,6 +43,7 @@ PAPER_NUMBERS = {
             'FedRoD': {'Dir=inf Client': 44.25, 'Dir=inf Server': 51.79, 'Dir=1.0 Client': 49.53, 'Dir=1.0 Server': 50.32, 'Dir=0.1 Client': 67.31, 'Dir=0.1 Server': 45.74},
             'MEMO(P)': {'Dir=inf Client': 45.42, 'Dir=inf Server': 53.47, 'Dir=1.0 Client': 51.23, 'Dir=1.0 Server': 51.10, 'Dir=0.1 Client': 68.37, 'Dir=0.1 Server': 47.73},
             'T3A': {'Dir=inf Client': 48.80, 'Dir=inf Server': 54.49, 'Dir=1.0 Client': 55.93, 'Dir=1.0 Server': 53.29, 'Dir=0.1 Client': 71.80, 'Dir=0.1 Server': 52.08},
+            'FedTHE': {'Dir=inf Client': 52.40, 'Dir=inf Server': 53.27, 'Dir=1.0 Client': 58.08, 'Dir=1.0 Server': 53.45, 'Dir=0.1 Client': 69.34, 'Dir=0.1 Server': 46.15},
             'FedSR': {'Dir=inf Client': 55.71, 'Dir=inf Server': 56.92, 'Dir=1.0 Client': 51.40, 'Dir=1.0 Server': 55.35, 'Dir=0.1 Client': 44.38, 'Dir=0.1 Server': 49.43},
             'FedEvolve': {'Dir=inf Client': 83.58, 'Dir=inf Server': 82.91, 'Dir=1.0 Client': 82.13, 'Dir=1.0 Server': 78.68, 'Dir=0.1 Client': 87.67, 'Dir=0.1 Server': 72.85},
             'FedEvp': {'Dir=inf Client': 67.30, 'Dir=inf Server': 71.94, 'Dir=1.0 Client': 73.61, 'Dir=1.0 Server': 68.91, 'Dir=0.1 Client': 87.01, 'Dir=0.1 Server': 58.73},
@@ -59,6 +61,7 @@ PAPER_NUMBERS = {
             'Ditto': {'Dir=inf Client': 62.60, 'Dir=inf Server': 63.10, 'Dir=1.0 Client': 69.05, 'Dir=1.0 Server': 64.50},
             'FedRoD': {'Dir=inf Client': 64.60, 'Dir=inf Server': 65.00, 'Dir=1.0 Client': 63.70, 'Dir=1.0 Server': 77.20},
             'T3A': {'Dir=inf Client': 62.20, 'Dir=inf Server': 66.50, 'Dir=1.0 Client': 69.80, 'Dir=1.0 Server': 69.10},
+            'FedTHE': {'Dir=inf Client': 64.03, 'Dir=inf Server': 63.27, 'Dir=1.0 Client': 70.30, 'Dir=1.0 Server': 74.97},
             'FedSR': {'Dir=inf Client': 72.77, 'Dir=inf Server': 71.62, 'Dir=1.0 Client': 73.88, 'Dir=1.0 Server': 72.08},
             'FedEvolve': {'Dir=inf Client': 84.25, 'Dir=inf Server': 81.64, 'Dir=1.0 Client': 82.52, 'Dir=1.0 Server': 83.59},
             'FedEvp': {'Dir=inf Client': 73.30, 'Dir=inf Server': 74.12, 'Dir=1.0 Client': 74.80, 'Dir=1.0 Server': 77.93},
@@ -78,6 +81,7 @@ PAPER_NUMBERS = {
             'FedRoD': {'Dir=inf Client': 91.57, 'Dir=inf Server': 94.78, 'Dir=1.0 Client': 92.64, 'Dir=1.0 Server': 95.26},
             'MEMO(P)': {'Dir=inf Client': 91.30, 'Dir=inf Server': 94.34, 'Dir=1.0 Client': 92.94, 'Dir=1.0 Server': 94.48},
             'T3A': {'Dir=inf Client': 91.84, 'Dir=inf Server': 94.59, 'Dir=1.0 Client': 91.93, 'Dir=1.0 Server': 94.20},
+            'FedTHE': {'Dir=inf Client': 94.13, 'Dir=inf Server': 93.48, 'Dir=1.0 Client': 91.77, 'Dir=1.0 Server': 94.53},
             'FedSR': {'Dir=inf Client': 94.43, 'Dir=inf Server': 94.52, 'Dir=1.0 Client': 93.99, 'Dir=1.0 Server': 94.22},
             'FedEvolve': {'Dir=inf Client': 95.43, 'Dir=inf Server': 96.88, 'Dir=1.0 Client': 93.84, 'Dir=1.0 Server': 96.54},
             'FedEvp': {'Dir=inf Client': 93.54, 'Dir=inf Server': 94.92, 'Dir=1.0 Client': 94.50, 'Dir=1.0 Server': 93.91},
@@ -97,6 +101,7 @@ PAPER_NUMBERS = {
             'FedRoD': {'Dir=inf Client': 64.14, 'Dir=inf Server': 58.29, 'Dir=1.0 Client': 73.27, 'Dir=1.0 Server': 64.88},
             'MEMO(P)': {'Dir=inf Client': 63.66, 'Dir=inf Server': 63.58, 'Dir=1.0 Client': 64.88, 'Dir=1.0 Server': 62.24},
             'T3A': {'Dir=inf Client': 63.90, 'Dir=inf Server': 63.98, 'Dir=1.0 Client': 67.24, 'Dir=1.0 Server': 65.61},
+            'FedTHE': {'Dir=inf Client': 60.48, 'Dir=inf Server': 58.17, 'Dir=1.0 Client': 71.80, 'Dir=1.0 Server': 62.02},
             'FedSR': {'Dir=inf Client': 64.57, 'Dir=inf Server': 66.02, 'Dir=1.0 Client': 62.99, 'Dir=1.0 Server': 68.35},
             'FedEvolve': {'Dir=inf Client': 65.04, 'Dir=inf Server': 63.54, 'Dir=1.0 Client': 75.04, 'Dir=1.0 Server': 64.06},
             'FedEvp': {'Dir=inf Client': 66.59, 'Dir=inf Server': 66.34, 'Dir=1.0 Client': 73.46, 'Dir=1.0 Server': 68.24},

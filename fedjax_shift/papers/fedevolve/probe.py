@@ -63,11 +63,12 @@ def probe_seed(config: ml_collections.ConfigDict, workdir: str, seed: int) -> Di
     return [(train.x[k, part][train.mask[k, part]], train.y[k, part][train.mask[k, part]])
             for k in range(train.num_clients)]
 
-  def features(params, x):
-    return jnp.concatenate([encoder_features(module, params, jnp.asarray(x[i:i + 256]))
+  def features(encoder, x):  # encoder: 'phi' or 'psi', with its BatchNorm statistics
+    params, stats = state.params[encoder], (state.batch_stats or {}).get(encoder)
+    return jnp.concatenate([encoder_features(module, params, jnp.asarray(x[i:i + 256]), stats)
                             for i in range(0, len(x), 256)] or [jnp.zeros((0, 1))])
 
-  phi, psi = state.params['phi'], state.params['psi']
+  phi, psi = 'phi', 'psi'
   s_m, s_prev = block(last), block(last - 1)
   targets = [(test.x[k][test.mask[k]], test.y[k][test.mask[k]])
              for k in range(test.num_clients)]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
+import numpy as np
+
 from fedjax_shift.papers.fedevolve import numbers
 from fedjax_shift.report import (PAPER_TABLES, PaperTable, load_runs, markdown, mean_std,
                                  paper_markdown, run_config)
@@ -38,6 +40,7 @@ EVOLVING_ROWS = (
     ('FedRoD', 'fedrod', 'personalized', 'global'),
     ('MEMO(P)', 'fedavg_ft', 'personalized+memo', None),
     ('T3A', 'fedavg_ft', 'personalized+t3a', None),
+    ('FedTHE', 'fedthe', 'personalized+fedthe', 'global'),
     ('FedSR', 'fedsr', 'global', 'global'),
     ('FedEvolve', 'fedevolve', 'personalized', 'global'),
     ('FedEvp', 'fedevp', 'personalized', 'global'))
@@ -78,14 +81,45 @@ def _evolving(runs_by_column, split, server):
   return header, rows
 
 
+# Table 7's rows: what a client uploads per round, by entry of its update
+# (pipelines/federated.uploaded_by_part): the model's trained parameters (the paper's
+# "Parameters"), FedEvolve's prototype sums and counts of S_M, and anything else
+# (BatchNorm running statistics, control variates, ...).
+UPLOAD_ROWS = (('Model parameters', ('params',)),
+               ('Prototype sums and counts', ('proto_sums', 'proto_counts')))
+
+
 def parameters_table(results: List[Dict]) -> str:
-  """FedEvolve Table 7 layout: parameters each client uploads per round, per
-  method (read off the update pytrees by experiment.uploaded_parameters)."""
-  labels = {method: label for label, method, _, _ in reversed(EVOLVING_ROWS)}
+  """FedEvolve Table 7 layout, one column per method: the numbers each client uploads
+  per round by kind (UPLOAD_ROWS, then 'Other uploads'; read off the update pytrees)
+  and the seconds per training round on this machine (mean over seeds; the paper's
+  row is MPI transmission time, which a single-process run has no counterpart for)."""
+  labels = {}   # a method's own row (FedAvg-FT, not MEMO(G)), else its only row (FedTHE)
+  for label, method, client_model, _ in sorted(EVOLVING_ROWS, key=lambda r: '+' in r[2]):
+    labels.setdefault(method, label)
   methods = list(dict.fromkeys(r['algorithm'] for r in results))
-  header = [''] + [labels.get(m, m) for m in methods]
-  uploads = {r['algorithm']: r.get('uploaded_parameters', 0) for r in results}
-  return markdown(header, [['Parameters'] + [f'{uploads[m]:,}' for m in methods]])
+  first = {m: next(r for r in results if r['algorithm'] == m) for m in methods}
+
+  def parts(method):
+    return first[method].get('uploaded_by_part') or {
+        'params': first[method].get('uploaded_parameters', 0)}
+
+  rows = []
+  named = set()
+  for label, keys in UPLOAD_ROWS:
+    named.update(keys)
+    rows.append([label] + [f'{sum(parts(m).get(k, 0) for k in keys):,}' for m in methods])
+  rows.append(['Other uploads'] + [
+      f'{sum(v for k, v in parts(m).items() if k not in named):,}' for m in methods])
+
+  def seconds(method):
+    runs = [r for r in results if r['algorithm'] == method and r.get('rounds')]
+    values = [r['train_seconds'] / r['rounds'] for r in runs
+              if np.isfinite(r.get('train_seconds', float('nan')))]
+    return f'{np.mean(values):.3f}' if values else 'n/a'
+
+  rows.append(['Seconds per round'] + [seconds(m) for m in methods])
+  return markdown([''] + [labels.get(m, m) for m in methods], rows)
 
 
 def fedevolve_tables(config, results: List[Dict]) -> str:
@@ -104,7 +138,8 @@ def fedevolve_tables(config, results: List[Dict]) -> str:
           f'model over all target data\n\n' +
           paper_markdown(*evolving_rows({label: results}),
                          numbers.PAPER_NUMBERS.get(paper_key(config)), numbers.CLAIMS) +
-          '\n\nFedEvolve Table 7 layout: parameters uploaded per client per round\n\n' +
+          '\n\nFedEvolve Table 7 layout: numbers uploaded per client per round, and '
+          'seconds per training round on this machine\n\n' +
           parameters_table(results))
 
 
