@@ -13,6 +13,8 @@ Variants (comma-separated):
                                   ~417 digits
   resplit                         with rmnist_domains<D>: split the 5,000 digits into D
                                   domains instead (a domain grows to 5,000 / D digits)
+  increment<deg>                  Figure 3: RMNIST with rotation increment <deg> (0 … 25):
+                                  12 domains 0°, deg, …, 11·deg (0: no shift)
   unexpected<offset>              App. Table 13: RMNIST in steps of 10° (0°–110°), the
                                   target rotated <offset> degrees further (10: 120°, 20: 130°)
   circle_dir<α>                   Circle, 30 Gaussian domains × 1,000 points (App. C.2;
@@ -150,6 +152,12 @@ def _resplit(c: ml_collections.ConfigDict, match) -> None:
   c.data.split_domains = 0
 
 
+def _increment(c: ml_collections.ConfigDict, match) -> None:
+  # Figure 3: the same 12 domains rotated in steps of <deg> degrees.
+  c.data.rotation_step = float(match['degrees'])
+  c.data.rotation_start = 0.0
+
+
 def _unexpected(c: ml_collections.ConfigDict, match) -> None:
   # App. Table 13: steps of 10° (0°–110°), the target rotated a further 0, 10 or 20°.
   c.data.rotation_step = 10.0
@@ -201,9 +209,10 @@ VARIANTS = (
     (r'(?P<name>rmnist|circle|remnist|portraits|caltran)_dir(?P<alpha>inf|[0-9]+(\.[0-9]*)?)',
      _dataset),
     (r'rmnist_domains(?P<count>\d+)', _domains),
+    (r'increment(?P<degrees>[0-9]+(\.[0-9]*)?)', _increment),
     (r'unexpected(?P<offset>[0-9]+)', _unexpected),
     (r'straggler(?P<ratio>[0-9]+(\.[0-9]*)?)', _straggler),
     ('resplit', _resplit), ('mlp', _mlp), ('domainbed', _domainbed), ('cnn_cpu', _cnn_cpu), ('quick', _quick),
     ('tiny', _tiny))
 USAGE = ('rmnist_dir<α>, circle_dir<α>, remnist_dir<α>, portraits_dir<α>, caltran_dir<α>, '
-         'rmnist_domains<D>, resplit, unexpected<offset>, straggler<r>, mlp, domainbed, cnn_cpu')
+         'rmnist_domains<D>, resplit, increment<deg>, unexpected<offset>, straggler<r>, mlp, domainbed, cnn_cpu')

@@ -732,3 +732,30 @@ def test_domainbed_trunk_gives_fedevolve_table_7_parameter_count():
       'Conv_0': 640, 'Conv_1': 36_928, 'Conv_2': 36_928, 'Conv_3': 36_928,
       'Dense_0': 65_600, 'GroupNorm_0': 128, 'GroupNorm_1': 128, 'GroupNorm_2': 128,
       'GroupNorm_3': 128}
+
+
+def test_figure3_increment_variant_and_its_table_and_plot(tmp_path):
+  """Figure 3: ``increment<deg>`` rotates RMNIST's 12 domains in steps of deg degrees;
+  launch/report.py --kind=fedevolve_increments puts one Client/Server pair per increment
+  in a table and plots accuracy against the increment."""
+  import json
+  from configs import fedevolve as fedevolve_config
+  from fedjax_shift.papers.fedevolve import tables
+  data = fedevolve_config.get_config('rmnist_dir1.0,increment5').data
+  assert BENCHMARKS.get('rotated_digits')(data, 0).info['angles'] == [5.0 * m for m in range(12)]
+  workdirs = []
+  for increment, accuracy in ((0, 0.9), (10, 0.6)):
+    workdir = tmp_path / f'inc{increment}'
+    for method, bonus in (('fedavg', 0.0), ('fedevolve', 0.1)):
+      (workdir / method / 'seed_0').mkdir(parents=True)
+      metrics = {f'{model}/test/{name}': accuracy + bonus for model in ('global', 'personalized')
+                 for name in ('accuracy', 'client_accuracy')}
+      (workdir / method / 'seed_0' / 'results.json').write_text(json.dumps(
+          {'algorithm': method, 'seed': 0, 'metrics': metrics}))
+    workdirs.append(str(workdir))
+  text = tables.increments_from_workdirs(workdirs, ['0', '10'])
+  assert '| Method | 0 Client | 0 Server | 10 Client | 10 Server |' in text
+  assert '| FedEvolve | 100.00 | 100.00 | 70.00 | 70.00 |' in text
+  assert (tmp_path / 'figure3.png').stat().st_size > 0
+  with pytest.raises(ValueError, match='rotation increment'):
+    tables.increments_from_workdirs(workdirs, ['a', 'b'])

@@ -6,13 +6,14 @@ the paper's numbers beside ours. Registered as the paper tables 'fedevolve' and
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Sequence
 
 import numpy as np
 
 from fedjax_shift.papers.fedevolve import numbers
-from fedjax_shift.report import (PAPER_TABLES, PaperTable, load_runs, markdown, mean_std,
-                                 paper_markdown, run_config)
+from fedjax_shift.report import (PAPER_TABLES, PaperTable, cell_value, load_runs, markdown,
+                                 mean_std, paper_markdown, run_config)
 
 # The paper's table that a benchmark's run is a column of (numbers.PAPER_NUMBERS keys).
 TIMED_SOURCES = {'portraits': 'Portraits', 'caltran': 'Caltran'}
@@ -162,8 +163,55 @@ def straggler_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ())
                         numbers.PAPER_NUMBERS['Table 6'], numbers.CLAIMS)
 
 
+def increments_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
+  """Figure 3: one Client/Server column pair per rotation increment (one workdir per
+  ``increment<deg>`` run; labels: the increments in degrees, e.g. '0,5,10,15,20,25'),
+  and the figure itself, accuracy vs increment per method, written beside the first
+  workdir as figure3.png."""
+  runs = load_runs(workdirs, labels)
+  try:
+    increments = [float(label) for label in runs]
+  except ValueError as err:
+    raise ValueError(f'--labels: the rotation increment of each workdir in degrees, e.g. '
+                     f"'0,5,10' ({err})") from None
+  header, rows = evolving_rows(runs)
+  path = os.path.join(os.path.dirname(os.path.normpath(workdirs[0])), 'figure3.png')
+  plot_increments(increments, header, rows, path)
+  return (f'FedEvolve Figure 3 layout: accuracy (%) on the target domain vs the rotation '
+          f'increment (degrees); the figure: {path}\n\n' + markdown(header, rows))
+
+
+def plot_increments(increments: Sequence[float], header: Sequence[str],
+                    rows: Sequence[Sequence[str]], path: str) -> str:
+  """Figure 3's plot: for each method of ``rows``, its Client (solid) and Server
+  (dashed) accuracy against the increments (the columns of ``evolving_rows``)."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  order = np.argsort(increments)
+  columns = [h[:-len(' Client')] for h in header if h.endswith(' Client')]
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for row in rows:
+    for kind, style in (('Client', '-'), ('Server', '--')):
+      values = [cell_value(row[header.index(f'{column} {kind}')]) for column in columns]
+      if any(v is not None for v in values):
+        ax.plot(np.asarray(increments)[order],
+                [np.nan if values[i] is None else values[i] for i in order], style,
+                marker='o', markersize=3, label=f'{row[0]} ({kind})')
+  ax.set_xlabel('rotation increment (degrees)')
+  ax.set_ylabel('accuracy on the target domain (%)')
+  ax.legend(fontsize=6, ncol=2)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
 PAPER_TABLES.register('fedevolve', pipelines=('federated',))(
     PaperTable(lambda config, records: fedevolve_tables(config, records['results']),
                from_workdirs, needs=('/client_accuracy',)))
 PAPER_TABLES.register('fedevolve_straggler', pipelines=('federated',))(
     PaperTable(None, straggler_from_workdirs, needs=('/client_accuracy',)))
+PAPER_TABLES.register('fedevolve_increments', pipelines=('federated',))(
+    PaperTable(None, increments_from_workdirs, needs=('/client_accuracy',)))
