@@ -195,3 +195,32 @@ def test_tables_rank_ties_and_take_the_table3_diagonal_from_table1():
   # Table 3 rows: train shift; the diagonal is Table 1's ATP-batch, off-diagonal table3.
   assert '| Feature shift | 80.00 ± 0.00 | 40.00 ± 10.00 |' in text
   assert '| Label shift | 60.00 ± 0.00 | 40.00 ± 0.00 |' in text
+
+
+def test_table7_puts_one_column_per_pretraining_method(tmp_path):
+  """ATP Table 7 from finished workdirs: the hybrid column of each run, named after its
+  pretraining method, with the paper's numbers and claims beside it."""
+  from fedjax_shift.papers.atp import tables as report
+  workdirs = []
+  for method, base in (('fedavg', 0.6), ('fedprox', 0.5)):
+    workdir = tmp_path / method
+    workdir.mkdir()
+    table1 = {'no_adapt': {'hybrid': {'0': base, '1': base}},
+              'atp_batch': {'hybrid': {'0': base + 0.1, '1': base + 0.1}},
+              'atp_online': {'hybrid': {'0': base + 0.2, '1': base}}}
+    (workdir / 'results.json').write_text(json.dumps({'table1': table1, 'table3': {}}))
+    (workdir / 'config.json').write_text(json.dumps(
+        {'algorithms': [method], 'tta': {'label': {'no_adapt': 'No adaptation',
+                                                   'atp_batch': 'ATP-batch',
+                                                   'atp_online': 'ATP-online'}}}))
+    workdirs.append(str(workdir))
+  text = report.table7_from_workdirs(workdirs)
+  assert ('| Method | FedAvg | paper: FedAvg | FedProx | paper: FedProx | '
+          "paper's claims, on our numbers |") in text
+  assert '| No adaptation | 60.00 ± 0.00 | 63.68 | 50.00 ± 0.00 | 63.77 | — |' in text
+  # ATP-online 70 ± 10 vs ATP-batch 70: not above it in either column.
+  assert '| ATP-online | 70.00 ± 10.00 | 75.37 | 60.00 ± 10.00 | 75.51 | > ATP-batch ✗' in text
+  (tmp_path / 'fedavg' / 'results.json').write_text(json.dumps(
+      {'table1': {'no_adapt': {'feature': {'0': 0.5}}}, 'table3': {}}))
+  with pytest.raises(ValueError, match='hybrid shift'):
+    report.table7_from_workdirs(workdirs)

@@ -12,7 +12,7 @@ import numpy as np
 
 from fedjax_shift.papers.atp import numbers
 from fedjax_shift.report import (PAPER_TABLES, PaperTable, beside_paper, markdown, mean_std,
-                                 read_result)
+                                 paper_markdown, read_result)
 
 SHIFT_ORDER = ('feature', 'label', 'hybrid')
 
@@ -99,5 +99,38 @@ def from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
   return tta_tables(*load(workdirs), paper=True)
 
 
+# Table 7's columns: the pretraining method (config.algorithms) of each workdir.
+PRETRAINING_LABELS = {'fedavg': 'FedAvg', 'fedprox': 'FedProx', 'qffl': 'q-FFL'}
+TABLE7_ROWS = ('no_adapt', 'atp_batch', 'atp_online')
+
+
+def table7_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
+  """ATP Table 7: No adaptation, ATP-batch and ATP-online under hybrid shift (rows), one
+  column per workdir named after its pretraining method (``--labels`` to rename); a
+  workdir run with several shifts contributes its hybrid column."""
+  header, columns = ['Method'], []
+  for i, workdir in enumerate(workdirs):
+    table1, _, row_labels, shifts, seeds = load([workdir])
+    if 'hybrid' not in shifts:
+      raise ValueError(f'{workdir}: ATP Table 7 is under hybrid shift; this run has '
+                       f'{list(shifts)}')
+    missing = [key for key in TABLE7_ROWS if key not in table1]
+    if missing:
+      raise ValueError(f'{workdir}: rows {missing} of ATP Table 7 were not run '
+                       f'(config.tta.rows)')
+    pretraining = read_result(os.path.join(workdir, 'config.json'))['algorithms'][0]
+    header.append(labels[i] if labels else PRETRAINING_LABELS.get(pretraining, pretraining))
+    columns.append({key: mean_std([table1[key]['hybrid'].get(s) for s in seeds])
+                    for key in TABLE7_ROWS})
+    column_labels = row_labels
+  rows = [[column_labels.get(key, key)] + [column[key] for column in columns]
+          for key in TABLE7_ROWS]
+  return ('Table 7 (ATP layout): accuracy on target clients under hybrid shift, by the '
+          'pretraining of the global model\n\n' +
+          paper_markdown(header, rows, numbers.TABLE7, numbers.TABLE7_CLAIMS))
+
+
 PAPER_TABLES.register('atp', pipelines=('atp',))(
     PaperTable(from_run, from_workdirs, needs=('table1', 'table3')))
+PAPER_TABLES.register('atp_table7', pipelines=('atp',))(
+    PaperTable(None, table7_from_workdirs, needs=('table1',)))
