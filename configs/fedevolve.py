@@ -42,6 +42,10 @@ Variants (comma-separated):
                                   741,120 parameters, Table 7's figure. FedEvp's "last
                                   layer" on it is GroupNorm_3 (the last module the trunk
                                   defines), not yet checked against the paper
+  domainbed64                     the same trunk + a bias-free Linear 128→64 + ReLU before
+                                  the head (App. D's two linear layers): FedAvg and FedEvp
+                                  count 379,402 = Table 7's 379,392 + the 10 biases of
+                                  our head (the paper's counts imply bias-free layers)
   cnn_cpu                         the paper's CNN reduced for a 2-core CPU: τ = 2 local
                                   iterations (not 10), 15 rounds (not 50), local steps
                                   unrolled; ~13 minutes per seed for FedAvg, FedEvp and
@@ -176,6 +180,8 @@ def _mlp(c: ml_collections.ConfigDict, match) -> None:
 
 def _domainbed(c: ml_collections.ConfigDict, match) -> None:
   c.model = ml_collections.ConfigDict({'name': 'domainbed_cnn'})
+  if match['hidden']:
+    c.model.hidden = int(match['hidden'])
 
 
 def _cnn_cpu(c: ml_collections.ConfigDict, match) -> None:
@@ -212,7 +218,8 @@ VARIANTS = (
     (r'increment(?P<degrees>[0-9]+(\.[0-9]*)?)', _increment),
     (r'unexpected(?P<offset>[0-9]+)', _unexpected),
     (r'straggler(?P<ratio>[0-9]+(\.[0-9]*)?)', _straggler),
-    ('resplit', _resplit), ('mlp', _mlp), ('domainbed', _domainbed), ('cnn_cpu', _cnn_cpu), ('quick', _quick),
+    ('resplit', _resplit), ('mlp', _mlp), (r'domainbed(?P<hidden>[0-9]*)', _domainbed),
+    ('cnn_cpu', _cnn_cpu), ('quick', _quick),
     ('tiny', _tiny))
 USAGE = ('rmnist_dir<α>, circle_dir<α>, remnist_dir<α>, portraits_dir<α>, caltran_dir<α>, '
-         'rmnist_domains<D>, resplit, increment<deg>, unexpected<offset>, straggler<r>, mlp, domainbed, cnn_cpu')
+         'rmnist_domains<D>, resplit, increment<deg>, unexpected<offset>, straggler<r>, mlp, domainbed[64], cnn_cpu')

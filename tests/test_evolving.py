@@ -726,6 +726,16 @@ def test_domainbed_trunk_gives_fedevolve_table_7_parameter_count():
   algorithm = algorithms.build('fedevolve', config, module, 9, {'num_domains': 3})
   state = algorithm.init(jax.random.key(0), x[:1])
   assert models.num_parameters(state.params) == 741_120
+  # FedEvp's and the baselines' 379,392 = the trunk + Linear 128→64 + Linear 64→10, both
+  # without bias (8,192 + 640); `domainbed64` has them, our head adds its 10 biases, and
+  # FedEvp's "last layer of the feature extractor" is that Linear.
+  from configs import fedevolve as fedevolve_config
+  config = fedevolve_config.get_config('rmnist_dirinf,domainbed64')
+  with_hidden = models.create(config.model, 10)
+  params = models.init(with_hidden, jax.random.key(0), x)['params']
+  assert models.num_parameters(params) == 379_392 + 10
+  assert 'bias' not in params['encoder']['Dense_0']
+  assert models.layer_order(with_hidden, (28, 28, 1))[-2:] == ('encoder/Dense_0', 'head')
   evolve = models.create(ml_collections.ConfigDict({'name': 'evolve_cnn'}), 10)
   layers = models.init(evolve, jax.random.key(0), x)['params']['encoder']
   assert {name: models.num_parameters(p) for name, p in layers.items()} == {

@@ -58,11 +58,14 @@ def evolve_cnn(num_classes: int, pool: str = 'flatten', conv: str = 'lax') -> nn
 
 
 @MODELS.register('domainbed_cnn')
-def domainbed_cnn(num_classes: int, conv: str = 'lax') -> nn.Module:
+def domainbed_cnn(num_classes: int, conv: str = 'lax', hidden: int = 0) -> nn.Module:
   """DomainBed's MNIST CNN trunk (FedEvolve's Table 7 network), a linear head on its
-  128 pooled features."""
+  128 pooled features; ``hidden`` > 0 puts a bias-free Linear 128→hidden + ReLU before
+  the head (App. D's "two linear layers", hidden 64: Table 7's 379,392 for FedEvp and
+  the baselines is the trunk + 128·64 + 64·10, both layers without bias)."""
   return Classifier(EvolveCNNEncoder(widths=(64, 128, 128, 128), strides=(1, 2, 1, 1),
-                                     features=0, pool='mean', conv=conv), num_classes)
+                                     features=hidden, feature_bias=False, pool='mean',
+                                     conv=conv), num_classes)
 
 
 @MODELS.register('lenet5')

@@ -215,6 +215,7 @@ class EvolveCNNEncoder(nn.Module):
   features: int = 64
   pool: str = 'flatten'
   conv: str = 'lax'
+  feature_bias: bool = True     # the Linear's bias (domainbed_cnn's hidden layer: none)
 
   @nn.compact
   def __call__(self, x, train: bool = False):
@@ -231,7 +232,9 @@ class EvolveCNNEncoder(nn.Module):
       x = jnp.mean(x, axis=(1, 2))
     else:
       raise ValueError(f"config.model.pool: 'flatten' or 'mean', got {self.pool!r}")
-    return nn.relu(nn.Dense(self.features)(x)) if self.features else x
+    if not self.features:
+      return x
+    return nn.relu(nn.Dense(self.features, use_bias=self.feature_bias)(x))
 
 
 class LeNetEncoder(nn.Module):
