@@ -509,3 +509,33 @@ def test_table_gives_the_last_round_the_best_round_and_the_key_selection():
                     'key purity', 'seeds']
   assert rows == [['FedAvg (w.Full)', '0.15 M', '50.00', '50.00', '—', '—', '—', '1'],
                   ['FedIns', '5.36 M', '60.00', '70.00', '7.0', '0.812', '0.500', '1']]
+
+
+@pytest.mark.parametrize('variant, per_image', [
+    ('per_image', ('fedins_ssf', 'fedins')),
+    ('per_image_all', ('local', 'fedavg', 'fedprox', 'scaffold', 'fedbn', 'moon', 'feddc',
+                       'fedins_ssf', 'fedins'))])
+def test_per_image_schedule_steps_once_per_image(variant, per_image):
+  """The authors' release (pool_train): one SGD step per image. `per_image` gives it to
+  the SSF methods, `per_image_all` to every method; a client of 7 images then takes 7
+  steps an epoch where batch 3 takes ⌈7/3⌉ = 3, and the others keep the shared batch."""
+  config = fedins_config.get_config(variant)
+  for name in config.algorithms:
+    batch = algorithms.base.method_client(config, name).batch_size
+    assert batch == (1 if name in per_image else 32), name
+  from fedjax_shift.pipelines.base import check_run
+  check_run(config)
+  config = small_vit_config()
+  data, _, _ = toy_clients([7, 5], shape=(4, 4, 3), num_classes=NUM_CLASSES)
+  one = ClientData(*(jnp.asarray(a[0]) for a in data), jnp.int32(NO_STEP_LIMIT))
+  steps = {}
+  for batch in (0, 1):
+    config.fedins.client_batch_size = batch
+    _, algorithm, server, _ = make('fedins', config, data)
+    steps[batch] = float(algorithm.client_update(server, (), one, jax.random.key(0))[0]
+                         .metrics['num_steps'])
+  assert steps == {0: 3.0, 1: 7.0}
+  config.fedins.client_batch_size = -1
+  config.algorithms = ('fedins',)
+  with pytest.raises(ValueError, match='fedins.client_batch_size'):
+    check_run(config)

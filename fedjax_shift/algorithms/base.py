@@ -71,17 +71,23 @@ class BuildContext(NamedTuple):
 # start from); pretrained_model=True (trains around a pretrained global model,
 # ``BuildContext.global_variables``); models=(...) (the models it needs).
 # Every method's section also has ``client_learning_rate``: its own local η (e.g. a
-# paper's per-method tuned rates), 0 = the shared ``config.client.learning_rate``.
-ALGORITHMS: Registry = Registry('algorithm', common_defaults={'client_learning_rate': 0.0})
+# paper's per-method tuned rates), 0 = the shared ``config.client.learning_rate``, and
+# ``client_batch_size``: its own local batch (e.g. 1 for a release that steps once per
+# image), 0 = the shared ``config.client.batch_size``.
+ALGORITHMS: Registry = Registry('algorithm', common_defaults={'client_learning_rate': 0.0,
+                                                             'client_batch_size': 0})
 
 
 def method_client(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
-  """``config.client`` as method ``name`` trains with it: its learning rate replaced by
-  ``config.<name>.client_learning_rate`` when that is set (> 0)."""
+  """``config.client`` as method ``name`` trains with it: its learning rate and batch
+  size replaced by ``config.<name>.client_learning_rate`` / ``client_batch_size`` when
+  set (> 0)."""
   client = ml_collections.ConfigDict(config.client.to_dict())
-  own = config[name].get('client_learning_rate', 0.0) if name in config else 0.0
-  if own:
-    client.learning_rate = float(own)
+  section = config[name] if name in config else {}
+  if section.get('client_learning_rate', 0.0):
+    client.learning_rate = float(section['client_learning_rate'])
+  if section.get('client_batch_size', 0):
+    client.batch_size = int(section['client_batch_size'])
   return client
 
 
@@ -132,6 +138,10 @@ def check_training(config: ml_collections.ConfigDict) -> None:
       rate = config[name].client_learning_rate
       require(rate >= 0, f'{name}.client_learning_rate',
               f'must be >= 0 (0: client.learning_rate), got {rate}')
+    if name in config and 'client_batch_size' in config[name]:
+      batch = config[name].client_batch_size
+      require(batch >= 0 and int(batch) == batch, f'{name}.client_batch_size',
+              f'must be an integer >= 0 (0: client.batch_size), got {batch}')
 
 
 # The Benchmark.info fields a builder may read. Only these reach BuildContext.info,

@@ -186,7 +186,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
                   if config.data.store == 'host' else None)
     try:
       trainer = single_run_trainer(config, opened.programs, train, opened.train_key,
-                                   host_store)
+                                   host_store, algorithm_name)
       outcome, = loop.train([opened.run], opened.state, trainer, config.rounds,
                             config.eval_every, config.checkpoint_every, keep_going,
                             config.progress, f'{algorithm_name} seed {seed}')
@@ -381,9 +381,18 @@ def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, modul
                   new_client_chunk)
 
 
+def examples_per_step(config: ml_collections.ConfigDict, algorithm_name: str) -> int:
+  """Examples one local step of a round touches over the cohort (the progress bar's
+  examples/s): the method's own batch size (``client_batch_size``) × cohort."""
+  client = (algorithms.base.method_client(config, algorithm_name) if algorithm_name
+            else config.client)
+  return client.batch_size * config.cohort_size
+
+
 def single_run_trainer(config: ml_collections.ConfigDict, programs: Programs,
                        train: federated.FederatedData, train_key: jax.Array,
-                       host_store: Optional[HostStore]) -> loop.Trainer:
+                       host_store: Optional[HostStore], algorithm_name: str = ''
+                       ) -> loop.Trainer:
   """The loop's Trainer of one run: the compiled round over the device store (R rounds
   per call with ``engine.rounds_per_call``) or over cohorts gathered from
   ``host_store``."""
@@ -411,7 +420,7 @@ def single_run_trainer(config: ml_collections.ConfigDict, programs: Programs,
     return (out.server_state, out.client_states), metrics
 
   return loop.Trainer(advance, loop.only_run, per_call,
-                      config.client.batch_size * config.cohort_size)
+                      examples_per_step(config, algorithm_name))
 
 
 def finish_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
@@ -528,8 +537,7 @@ def train_seeds(config: ml_collections.ConfigDict, workdir: str, name: str,
         return (out.server_state, out.client_states), loop.one_round(out.metrics,
                                                                      ('loss', 'num_steps'))
 
-      trainer = loop.Trainer(advance, take_run, 1,
-                             config.client.batch_size * config.cohort_size)
+      trainer = loop.Trainer(advance, take_run, 1, examples_per_step(config, name))
       outcomes = loop.train([o.run for o in opened], stack_runs([o.state for o in opened]),
                             trainer, config.rounds, config.eval_every,
                             config.checkpoint_every, config.on_divergence == 'continue',
