@@ -539,3 +539,69 @@ def test_per_image_schedule_steps_once_per_image(variant, per_image):
   config.algorithms = ('fedins',)
   with pytest.raises(ValueError, match='fedins.client_batch_size'):
     check_run(config)
+
+
+def test_domainnet_variant_is_fedbn_ten_classes_one_domain_per_client():
+  """configs/fedins.py:domainnet as the authors' code (after FedBN): only the 10 classes
+  (relabelled 0–9 in FedBN's order), client k holds domain k alone (26 images), and
+  tests on its domain's whole test split (mock data)."""
+  import tensorflow_datasets as tfds
+  from fedjax_shift.data import sources
+  config = fedins_config.get_config('domainnet')
+  assert config.data.classes == fedins_config.FEDBN_DOMAINNET_CLASSES
+  data = override(config.data, domains=config.data.domains[:2], client_sizes=(6, 8),
+                  domain_examples=30, image_size=16)
+  BENCHMARKS.check('mixed_domains', data, 'config.data', known_fields_only=False)
+  ids = sources.tfds_class_ids('domainnet/real', data.classes)
+  with tfds.testing.mock_data(num_examples=1500):
+    bench = BENCHMARKS.get('mixed_domains')(data, 0)
+    full = sources.tfds_source('domainnet/clipart', 'test', image_size=8)
+    first = sources.tfds_source('domainnet/clipart', 'test', image_size=8, classes=data.classes)
+  assert bench.num_classes == 10 and bench.example_shape == (16, 16, 3)
+  train, test = bench.splits['train'], bench.splits['test']
+  np.testing.assert_array_equal(train.num_examples, [6, 8])
+  assert train.y[train.mask].max() < 10
+  # One domain per client: client 0's test examples are all clipart, client 1's sketch…
+  names = [d.split('/')[-1] for d in data.domains]
+  for k, name in enumerate(names):
+    per_domain = bench.splits[f'test_{name}'].num_examples
+    assert per_domain[k] == test.num_examples[k] and per_domain[1 - k] == 0
+    assert bench.info['client_domain_counts'][k][k] == data.client_sizes[k]
+  # … and its domain's whole test split of the 10 classes (the same images, relabelled).
+  kept = np.isin(full.y, ids)
+  assert test.num_examples[0] == kept.sum() == len(first.y)
+  np.testing.assert_array_equal(first.y, [ids.index(label) for label in full.y[kept]])
+  with pytest.raises(ValueError, match='data.classes'):
+    sources.tfds_class_ids('domainnet/real', ('bird', 'unicorn'))
+  with pytest.raises(ValueError, match='data.client_sizes'):
+    BENCHMARKS.check('mixed_domains', override(data, client_sizes=(6,)), 'config.data',
+                     known_fields_only=False)
+  with pytest.raises(ValueError, match='data.classes'):
+    BENCHMARKS.check('mixed_domains', override(data, domains=('mnist', 'uci'), client_sizes=(6, 8)),
+                     'config.data', known_fields_only=False)
+  with pytest.raises(ValueError, match='data.client_domains'):
+    BENCHMARKS.check('mixed_domains', override(data, client_domains='some'), 'config.data',
+                     known_fields_only=False)
+
+
+def test_cifar100_variant_deals_ten_images_per_class_and_tests_on_the_test_split():
+  """configs/fedins.py:cifar100 as the authors' code: the first 10 images of each class,
+  each class split over 5 clients by Dirichlet(0.2) (client sizes follow from the
+  draw), and the whole test split dealt over the clients (mock data)."""
+  import tensorflow_datasets as tfds
+  config = fedins_config.get_config('cifar100')
+  assert (config.data.dirichlet_alpha, config.data.images_per_class,
+          config.data.num_clients, config.data.test_split) == (0.2, 10, 5, 'test')
+  with tfds.testing.mock_data(num_examples=3000):
+    bench = BENCHMARKS.get('small_clients')(config.data, 0)
+  train, test = bench.splits['train'], bench.splits['test']
+  assert int(train.num_examples.sum()) == 1000 and train.num_clients == 5
+  counts = np.asarray(bench.info['client_class_counts'])
+  assert (counts.sum(0) == 10).all()                       # every class: its 10 images
+  assert (counts.max(0) >= 4).mean() > 0.8                 # Dir(0.2): mostly one client
+  assert int(test.num_examples.sum()) == 3000             # the whole mock test split
+  assert bench.example_shape == (32, 32, 3)
+  from fedjax_shift import config as config_lib
+  config.data.source = 'mnist_embedded'
+  with pytest.raises(ValueError, match='data.test_split'):
+    BENCHMARKS.check('small_clients', config.data, 'config.data', known_fields_only=False)

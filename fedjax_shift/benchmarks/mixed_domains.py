@@ -15,6 +15,13 @@ clients); ``data.num_clients`` is not read (the clients are ``client_sizes``).
 Splits: 'train', 'test' (each client's own mixture) and 'test_<domain>' (client k's
 test examples of that domain only, empty for clients without it: the per-domain
 columns of the intra-client picture).
+
+FedIns' DomainNet protocol (its authors' code, after FedBN): ``data.classes`` keeps only
+those label names of TFDS domains (FedBN's 10 DomainNet classes), ``client_domains=
+'one_each'`` gives client k domain k alone (one domain per client, as FedIns Table 1),
+and ``test_split`` (a TFDS split, e.g. 'test') tests each client on that split of its
+domains — with 'one_each' the whole split of its domain, else ``test_examples`` drawn
+from its mixture — instead of on held-back training images.
 """
 from __future__ import annotations
 
@@ -48,6 +55,22 @@ def check(data_config: ml_collections.ConfigDict) -> None:
   check_client_sizes(data_config)
   require(data_config.domain_alpha > 0, 'data.domain_alpha',
           f'must be > 0, got {data_config.domain_alpha}')
+  require(data_config.client_domains in CLIENT_DOMAINS, 'data.client_domains',
+          f'choose from {list(CLIENT_DOMAINS)}, got {data_config.client_domains!r}')
+  if data_config.client_domains == 'one_each':
+    require(len(tuple(data_config.client_sizes)) == len(domains), 'data.client_sizes',
+            f"client_domains='one_each' gives client k domain k: need one size per domain "
+            f'({len(domains)}), got {tuple(data_config.client_sizes)}')
+  require(not (data_config.classes or data_config.test_split) or bool(tfds),
+          'data.classes' if data_config.classes else 'data.test_split',
+          'selects classes / a test split of TFDS domains (tfds:<name>); these domains are '
+          f'{domains}')
+  require(len(set(data_config.classes)) == len(tuple(data_config.classes)), 'data.classes',
+          f'names a class twice: {tuple(data_config.classes)}')
+
+
+# How a client's domains are chosen: a Dirichlet(domain_alpha) mixture, or client k = domain k.
+CLIENT_DOMAINS = ('dirichlet', 'one_each')
 
 
 def check_client_sizes(data_config: ml_collections.ConfigDict) -> None:
@@ -95,19 +118,30 @@ def domain_label(name: str) -> str:
   return name.split(':', 1)[-1].split('/')[-1]
 
 
-def load_mixed(data_config: ml_collections.ConfigDict, seed: int):
+def load_mixed(data_config: ml_collections.ConfigDict, seed: int, split: str = ''):
   """{domain: Source}: digit domains (``load_domains``) or TFDS domains (``domain_examples``
-  each from ``data.tfds_split``), all at ``data.image_size`` (0: 28, the digits' size)."""
+  each of ``data.classes`` from ``split``, default ``data.tfds_split``; every example of
+  a given ``split``), all at ``data.image_size`` (0: 28, the digits' size)."""
   size = data_config.image_size or digit_domains.SIZE
   if not any(name.startswith('tfds:') for name in data_config.domains):
     out = load_domains(data_config, seed)
   else:
-    out = {name: sources.tfds_source(name[5:], data_config.tfds_split,
+    out = {name: sources.tfds_source(name[5:], split or data_config.tfds_split,
                                      data_config.data_dir or None,
-                                     data_config.domain_examples, image_size=size)
+                                     None if split else data_config.domain_examples,
+                                     image_size=size, classes=tuple(data_config.classes))
            for name in data_config.domains}
   return {name: src._replace(x=sources.to_channels(sources.resize_images(src.x, size, size), 3))
           for name, src in out.items()}
+
+
+def pooled(domains: dict):
+  """(x, y, [example indices of each domain]) of {domain: Source} concatenated."""
+  names = list(domains)
+  x = np.concatenate([domains[name].x for name in names])
+  y = np.concatenate([domains[name].y for name in names])
+  offsets = np.cumsum([0] + [len(domains[name].y) for name in names])
+  return x, y, [np.arange(offsets[d], offsets[d + 1]) for d in range(len(names))]
 
 
 @BENCHMARKS.register('mixed_domains', defaults={
@@ -116,28 +150,48 @@ def load_mixed(data_config: ml_collections.ConfigDict, seed: int):
     'client_sizes': (123, 209, 168, 222, 278),        # FedIns Sec. 4.1 (CIFAR-100 clients)
     'domain_alpha': 1.0,                              # Dirichlet over domains per client
     'test_examples': 100,                             # per client, from its own mixture
+    'classes': (),                  # TFDS domains: only these label names (e.g. FedBN's 10)
+    'client_domains': 'dirichlet',  # 'dirichlet' (domain_alpha) | 'one_each' (client k = domain k)
+    'test_split': '',               # '': test images held back from the training pools;
+                                    # a TFDS split (e.g. 'test'): tested on that split
 }, check=check, pipelines=('federated',))
 def mixed_domains(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """See the module docstring. ``info['client_domain_counts']``: [K][domain] train counts."""
   rng = np.random.default_rng([seed, 0])
   domains = load_mixed(data_config, seed)
   names = list(domains)
-  x = np.concatenate([domains[name].x for name in names])
-  y = np.concatenate([domains[name].y for name in names])
-  offsets = np.cumsum([0] + [len(domains[name].y) for name in names])
-  groups = [np.arange(offsets[d], offsets[d + 1]) for d in range(len(names))]
+  x, y, groups = pooled(domains)
   sizes = tuple(data_config.client_sizes)
-  proportions = rng.dirichlet(np.full(len(names), float(data_config.domain_alpha)), len(sizes))
+  if data_config.client_domains == 'one_each':
+    proportions = np.eye(len(names))
+  else:
+    proportions = rng.dirichlet(np.full(len(names), float(data_config.domain_alpha)),
+                                len(sizes))
+  separate_test = bool(data_config.test_split)
   indices, domain_ids, counts = draw_clients(groups, proportions, sizes,
-                                             data_config.test_examples, rng,
-                                             'data.domain_examples', 'domain')
+                                             0 if separate_test else data_config.test_examples,
+                                             rng, 'data.domain_examples', 'domain')
+  test_x, test_y = x, y
+  if separate_test:
+    test_x, test_y, test_groups = pooled(load_mixed(data_config, seed, data_config.test_split))
+    if data_config.client_domains == 'one_each':   # each client: its domain's whole split
+      indices['test'] = list(test_groups)
+      domain_ids['test'] = [np.full(len(g), d) for d, g in enumerate(test_groups)]
+    else:
+      test_indices, test_ids, _ = draw_clients(test_groups, proportions, (0,) * len(sizes),
+                                               data_config.test_examples, rng,
+                                               'data.test_split', 'domain')
+      indices['test'], domain_ids['test'] = test_indices['test'], test_ids['test']
   shape = x.shape[1:]
-  out = {split: stack_clients([x[i] for i in parts], [y[i] for i in parts], example_shape=shape)
+  arrays = {'train': (x, y), 'test': (test_x, test_y)}
+  out = {split: stack_clients([arrays[split][0][i] for i in parts],
+                              [arrays[split][1][i] for i in parts], example_shape=shape)
          for split, parts in indices.items()}
   for d, name in enumerate(names):
     parts = [i[ids == d] for i, ids in zip(indices['test'], domain_ids['test'])]
-    out[f'test_{domain_label(name)}'] = stack_clients([x[i] for i in parts], [y[i] for i in parts],
-                                        pad_to=out['test'].max_examples, example_shape=shape)
+    out[f'test_{domain_label(name)}'] = stack_clients(
+        [test_x[i] for i in parts], [test_y[i] for i in parts],
+        pad_to=out['test'].max_examples, example_shape=shape)
   info = {'domains': [domain_label(name) for name in names], 'client_domain_counts': counts,
           'domain_proportions': proportions.round(4).tolist()}
   return Benchmark(out, domains[names[0]].num_classes, shape, info)

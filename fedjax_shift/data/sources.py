@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -123,14 +123,30 @@ TFDS_DATASETS = {
 }
 
 
+def tfds_class_ids(name: str, classes: Sequence[str]) -> List[int]:
+  """The label ids of ``classes`` (names of TFDS dataset ``name``'s label feature, e.g.
+  DomainNet's 'bird'); an unknown name is an error naming ``data.classes``."""
+  import tensorflow_datasets as tfds
+  names = list(tfds.builder(name).info.features['label'].names)
+  unknown = [c for c in classes if c not in names]
+  if unknown:
+    raise ValueError(f'config.data.classes: {unknown} are not classes of {name!r} (e.g. '
+                     f'{names[:5]} …)')
+  return [names.index(c) for c in classes]
+
+
 def tfds_source(name: str, split: str, data_dir: Optional[str] = None,
-                max_examples: Optional[int] = None, image_size: int = 0) -> Source:
+                max_examples: Optional[int] = None, image_size: int = 0,
+                classes: Sequence[str] = ()) -> Source:
   """Loads a TFDS split with ``tfds.data_source`` (array_record; no TensorFlow).
 
   ``name`` may carry a config, e.g. ``cifar10_corrupted/gaussian_noise_5`` or
   ``emnist/letters``. ``image_size`` > 0 resizes every image to that square as it is
-  read (needed for datasets of varying image sizes, e.g. DomainNet). Raises
-  FileNotFoundError with instructions when the prepared dataset is not in ``data_dir``.
+  read (needed for datasets of varying image sizes, e.g. DomainNet). ``classes``: keep
+  only the examples of these label names, relabelled 0 … len(classes) − 1 in that order
+  (e.g. FedBN's 10 DomainNet classes); ``max_examples`` then counts the kept ones.
+  Raises FileNotFoundError with instructions when the prepared dataset is not in
+  ``data_dir``.
   """
   import tensorflow_datasets as tfds
   base = name.split('/')[0].split(':')[0]
@@ -150,17 +166,30 @@ def tfds_source(name: str, split: str, data_dir: Optional[str] = None,
         f'tfds build {name} --data_dir=<DIR> --file_format=array_record\n'
         f'then copy <DIR> here and pass --config.data.data_dir=<DIR> '
         f'(or set TFDS_DATA_DIR). Original error: {err}') from err
-  count = len(source) if max_examples is None else min(len(source), max_examples)
+  keep = {label: i for i, label in enumerate(tfds_class_ids(name, classes))} if classes else None
+  if keep is not None:
+    num_classes = len(classes)
+  limit = len(source) if max_examples is None else max_examples
   images, labels = [], []
-  for i in range(count):
+  for i in range(len(source)):
+    if len(labels) >= limit:
+      break
     element = source[i]
+    label = int(element[label_key])
+    if keep is not None:
+      if label not in keep:
+        continue
+      label = keep[label]
     image = np.asarray(element[image_key])
     if image_size:
       image = image[..., None] if image.ndim == 2 else image
       scaled = image.astype(np.float32) / (255.0 if image.dtype == np.uint8 else 1.0)
       image = resize_images(scaled[None], image_size, image_size)[0]
     images.append(image)
-    labels.append(int(element[label_key]))
+    labels.append(label)
+  if not images:
+    raise ValueError(f'TFDS dataset {name!r} (split {split!r}) has no example of '
+                     f'config.data.classes {list(classes)}')
   if len({im.shape for im in images}) > 1:
     raise ValueError(f'TFDS dataset {name!r} has images of several sizes; set '
                      f'config.data.image_size to read them resized to one square')
