@@ -199,3 +199,52 @@ def test_every_tfds_loader_with_mock_data(name):
 def test_tfds_missing_dataset_says_how_to_get_it(tmp_path):
   with pytest.raises(FileNotFoundError, match='tfds build cifar10'):
     sources.tfds_source('cifar10', 'train', data_dir=str(tmp_path))
+
+
+def test_image_folders_read_images_as_users_store_them(tmp_path):
+  """16-bit greyscale PNGs keep their scale (1 of 65535, not clipped at 255), palette,
+  greyscale and RGBA files convert to RGB, an EXIF-rotated JPEG is turned upright,
+  hidden folders and files ('.ipynb_checkpoints', '__MACOSX', '._x.png') are no classes
+  or images, and errors name the class folder and the file."""
+  from PIL import Image
+  from fedjax_shift.data import sources
+  root = tmp_path / 'images'
+  for name in ('cat', 'dog', '.ipynb_checkpoints', '__MACOSX'):
+    (root / name).mkdir(parents=True)
+  half = np.full((4, 4), 32768, np.uint16)                    # 16-bit mid-grey
+  Image.fromarray(half).save(root / 'cat' / 'a16.png')
+  palette = Image.new('P', (4, 4))
+  palette.putpalette([0, 0, 0, 255, 0, 0] + [0] * 762)
+  palette.putpixel((0, 0), 1)
+  palette.save(root / 'cat' / 'b_palette.png')
+  Image.new('RGBA', (4, 4), (0, 0, 255, 10)).save(root / 'dog' / 'c_rgba.png')
+  Image.new('L', (4, 4), 51).save(root / 'dog' / 'd_grey.png')
+  tall = np.zeros((4, 2, 3), np.uint8)                        # stored 2 wide × 4 tall …
+  tall[0, :, 0] = 255                                         # … red top row
+  exif = Image.Exif()
+  exif[0x0112] = 6                                            # "rotate 90° CW to view"
+  Image.fromarray(tall).save(root / 'dog' / 'e_exif.jpg', exif=exif, quality=100)
+  Image.new('RGB', (4, 4)).save(root / 'dog' / '._e_exif.png')   # a resource fork
+  Image.new('RGB', (4, 4)).save(root / '.ipynb_checkpoints' / 'x.png')
+  Image.new('RGB', (4, 4)).save(root / '__MACOSX' / 'y.png')
+  src = sources.image_folder(str(root), 4)
+  assert src.num_classes == 2 and src.class_names == ('cat', 'dog') and len(src.y) == 5
+  np.testing.assert_allclose(src.x[0], 32768 / 65535, atol=1e-6)   # not 1.0
+  np.testing.assert_allclose(src.x[1][0, 0], [1, 0, 0])            # the palette's red
+  np.testing.assert_allclose(src.x[1][1, 1], [0, 0, 0])
+  np.testing.assert_allclose(src.x[2][0, 0], [0, 0, 1])            # RGBA: alpha dropped
+  np.testing.assert_allclose(src.x[3], 0.2)                         # grey 51 → RGB
+  upright = sources.read_image(str(root / 'dog' / 'e_exif.jpg'), 4, 3)
+  # Rotated 90° clockwise, the stored red top row becomes the right column.
+  assert upright[:, -1, 0].mean() > 0.5 and upright[:, 0, 0].mean() < 0.3
+  (root / 'dog' / 'f_broken.png').write_bytes(b'not a png')
+  with pytest.raises(ValueError, match=r'dog/f_broken\.png: cannot be read'):
+    sources.image_folder(str(root), 4)
+  (root / 'dog' / 'f_broken.png').unlink()
+  from helpers import data_config
+  from fedjax_shift.benchmarks import BENCHMARKS
+  config = data_config(benchmark='small_clients', source='folder:images', data_dir=str(tmp_path),
+                       image_size=4, client_sizes=(2, 2), test_examples=1, dirichlet_alpha=1.0,
+                       images_per_class=3, num_clients=2)
+  with pytest.raises(ValueError, match=r"class 0 \('cat'\) has only 2 examples"):
+    BENCHMARKS.get('small_clients')(config, 0)

@@ -103,7 +103,7 @@ def load_source(data_config: ml_collections.ConfigDict) -> sources.Source:
   channels = data_config.channels
   if channels:
     x = sources.to_channels(x, channels)
-  return sources.Source(x, src.y, src.num_classes)
+  return src._replace(x=x)
 
 
 def partition(labels: np.ndarray, data_config: ml_collections.ConfigDict, num_classes: int,

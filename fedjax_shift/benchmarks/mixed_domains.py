@@ -83,13 +83,13 @@ def check_client_sizes(data_config: ml_collections.ConfigDict) -> None:
 
 
 def draw_clients(groups, proportions: np.ndarray, sizes, test_examples: int,
-                 rng: np.random.Generator, field: str, group_name: str):
+                 rng: np.random.Generator, field: str, group_name: str, names=()):
   """Clients drawn from ``groups`` (one array of example indices per group: a domain or
   a class) without replacement: client k takes ``sizes[k]`` train and ``test_examples``
   test indices, multinomial over the groups with ``proportions[k]``. Returns
   {split: [K arrays of indices]}, {split: [K arrays of group ids]}, train counts [K][G].
   Too few examples in a group is an error naming ``field`` and the group (``group_name``
-  and its index)."""
+  and its index, and its name where ``names`` gives one, e.g. a class folder)."""
   pools = [list(rng.permutation(g)) for g in groups]
   indices = {'train': [], 'test': []}
   group_ids = {'train': [], 'test': []}
@@ -102,7 +102,8 @@ def draw_clients(groups, proportions: np.ndarray, sizes, test_examples: int,
       taken, ids = [], []
       for g, count in enumerate(counts):
         if count > len(pools[g]):
-          raise ValueError(f'config.{field}: {group_name} {g} has too few examples left for '
+          named = f' ({names[g]!r})' if g < len(names) else ''
+          raise ValueError(f'config.{field}: {group_name} {g}{named} has too few examples left for '
                            f'client {k}\'s {split} draw ({count} needed, {len(pools[g])} left); '
                            f'raise it or lower data.client_sizes / data.test_examples')
         taken += [pools[g].pop() for _ in range(count)]

@@ -44,14 +44,15 @@ def check(data_config: ml_collections.ConfigDict) -> None:
 
 
 def per_class_clients(labels: np.ndarray, num_classes: int, per_class: int, num_clients: int,
-                      alpha: float, rng: np.random.Generator):
+                      alpha: float, rng: np.random.Generator, names=()):
   """The FedIns authors' partition: the first ``per_class`` examples of each class, each
   class split over the clients by Dirichlet(α) proportions. Returns [K index arrays]."""
   parts = [[] for _ in range(num_clients)]
   for c in range(num_classes):
     idx = np.flatnonzero(labels == c)[:per_class]
     if len(idx) < per_class:
-      raise ValueError(f'config.data.images_per_class={per_class}: class {c} has only '
+      named = f' ({names[c]!r})' if c < len(names) else ''
+      raise ValueError(f'config.data.images_per_class={per_class}: class {c}{named} has only '
                        f'{len(idx)} examples')
     cuts = (np.cumsum(rng.dirichlet(np.full(num_clients, alpha)))[:-1] * len(idx))
     for k, piece in enumerate(np.split(idx, cuts.round().astype(int))):
@@ -73,7 +74,7 @@ def small_clients(data_config: ml_collections.ConfigDict, seed: int) -> Benchmar
   alpha = float(data_config.dirichlet_alpha)
   if data_config.images_per_class:
     train = per_class_clients(src.y, src.num_classes, data_config.images_per_class,
-                              data_config.num_clients, alpha, rng)
+                              data_config.num_clients, alpha, rng, src.class_names)
     indices = {'train': train}
     counts = [np.bincount(src.y[i], minlength=src.num_classes).tolist() for i in train]
   else:
@@ -81,7 +82,7 @@ def small_clients(data_config: ml_collections.ConfigDict, seed: int) -> Benchmar
     proportions = rng.dirichlet(np.full(src.num_classes, alpha), len(sizes))
     indices, _, counts = draw_clients(classes, proportions, sizes,
                                       0 if data_config.test_split else data_config.test_examples,
-                                      rng, 'data.source', 'class')
+                                      rng, 'data.source', 'class', src.class_names)
   shape = src.x.shape[1:]
   arrays = {split: (src.x, src.y) for split in ('train', 'test')}
   if data_config.test_split:   # the whole split, dealt in order over the clients

@@ -26,6 +26,7 @@ class Source(NamedTuple):
   x: np.ndarray  # [M, H, W, C] float32 in [0, 1] (or [M, D] for vector data)
   y: np.ndarray  # [M] int32
   num_classes: int
+  class_names: tuple = ()   # where the source names its classes (class folders)
 
 
 @functools.lru_cache(maxsize=None)
@@ -241,6 +242,36 @@ class TimedImages(NamedTuple):
   class_names: tuple
 
 
+def is_hidden(name: str) -> bool:
+  """Folders and files that are not data: '.ipynb_checkpoints', '.DS_Store', macOS's
+  '__MACOSX' and '._<file>' resource forks."""
+  return name.startswith('.') or name.startswith('__')
+
+
+def read_image(path: str, size: int, channels: int) -> np.ndarray:
+  """One image file as float32 [size, size, channels] in [0, 1], as users store them:
+  EXIF orientation applied, 16-bit greyscale scaled by 65535 (not clipped at 255),
+  palette / greyscale / RGBA converted to ``channels`` (1 grey, 3 RGB; alpha dropped),
+  resized bilinearly. An unreadable file is an error naming it."""
+  from PIL import Image, ImageOps
+  try:
+    with Image.open(path) as image:
+      image = ImageOps.exif_transpose(image)
+      if image.mode.startswith('I'):   # 16/32-bit integer greyscale ('I;16', 'I')
+        grey = np.asarray(image, np.float32)
+        peak = 255.0 if image.mode == 'I' and grey.max() <= 255 else 65535.0
+        if grey.max() > 65535:
+          raise ValueError(f'integer pixels up to {grey.max():.0f}: more than 16 bits')
+        plane = Image.fromarray(grey / peak, 'F').resize((size, size), Image.BILINEAR)
+        out = np.clip(np.asarray(plane, np.float32), 0.0, 1.0)[..., None]
+        return np.repeat(out, channels, -1)
+      image = image.convert('L' if channels == 1 else 'RGB').resize((size, size),
+                                                                    Image.BILINEAR)
+      return np.asarray(image, np.float32).reshape(size, size, channels) / 255.0
+  except (OSError, ValueError) as err:
+    raise ValueError(f'{path}: cannot be read as an image ({err})') from err
+
+
 def timed_image_folder(data_dir: str, timestamp: str, size: int, channels: int) -> TimedImages:
   """Reads ``<data_dir>/<class>/<file>`` images, resized to size×size (bilinear)
   with ``channels`` 1 (grey) or 3 (RGB), and parses each file name with
@@ -256,26 +287,23 @@ def timed_image_folder(data_dir: str, timestamp: str, size: int, channels: int) 
         f'image folder {data_dir!r} not found: pass --config.data.data_dir=<DIR> holding one '
         f'sub-folder per class (see fedjax_shift/data/sources.py TIMESTAMP_FORMATS)')
   pattern = re.compile(TIMESTAMP_FORMATS[timestamp])
-  entries = sorted(os.listdir(data_dir))
+  entries = sorted(e for e in os.listdir(data_dir) if not is_hidden(e))
   loose = [f for f in entries if f.lower().endswith(IMAGE_EXTENSIONS)]
   if loose:
     raise ValueError(f'{data_dir!r} holds images outside any class sub-folder (e.g. '
                      f'{loose[0]!r}): put each image in <data_dir>/<class name>/')
   class_names = tuple(d for d in entries if os.path.isdir(os.path.join(data_dir, d)))
   images, labels, stamps = [], [], []
-  mode = {1: 'L', 3: 'RGB'}[channels]
   for label, name in enumerate(class_names):
     folder = os.path.join(data_dir, name)
     for file in sorted(os.listdir(folder)):
-      if not file.lower().endswith(IMAGE_EXTENSIONS):
+      if is_hidden(file) or not file.lower().endswith(IMAGE_EXTENSIONS):
         continue
       match = pattern.search(file)
       if match is None:
         raise ValueError(f'{os.path.join(folder, file)}: file name does not match the '
                          f'{timestamp!r} format {pattern.pattern!r}')
-      with Image.open(os.path.join(folder, file)) as image:
-        image = image.convert(mode).resize((size, size), Image.BILINEAR)
-        images.append(np.asarray(image, np.float32).reshape(size, size, channels) / 255.0)
+      images.append(read_image(os.path.join(folder, file), size, channels))
       labels.append(label)
       stamps.append({k: int(v) for k, v in match.groupdict().items()})
   if not images:
@@ -289,22 +317,21 @@ def image_folder(root: str, size: int, max_examples: Optional[int] = None) -> So
   sub-folder names; files found at any depth below them, so Tiny-ImageNet's
   ``train/<wnid>/images/`` reads as is), resized to size×size RGB in [0, 1]; the first
   ``max_examples`` of a fixed (sorted) order when given."""
-  from PIL import Image
   if not os.path.isdir(root):
     raise FileNotFoundError(f'config.data.source: image folder {root!r} does not exist; set '
                             f'config.data.data_dir to the folder that holds it')
-  classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+  classes = sorted(d for d in os.listdir(root)
+                   if os.path.isdir(os.path.join(root, d)) and not is_hidden(d))
   files, labels = [], []
   for label, name in enumerate(classes):
-    for folder, _, names in sorted(os.walk(os.path.join(root, name))):
+    for folder, subfolders, names in os.walk(os.path.join(root, name)):
+      subfolders[:] = sorted(d for d in subfolders if not is_hidden(d))   # walked in order
       for file in sorted(names):
-        if file.lower().endswith(IMAGE_EXTENSIONS):
+        if not is_hidden(file) and file.lower().endswith(IMAGE_EXTENSIONS):
           files.append(os.path.join(folder, file))
           labels.append(label)
   if not files:
     raise FileNotFoundError(f'config.data.source: no images under the class folders of {root!r}')
   files, labels = files[:max_examples or None], labels[:max_examples or None]
-  images = np.stack([np.asarray(Image.open(f).convert('RGB').resize((size, size),
-                                                                    Image.BILINEAR))
-                     for f in files]).astype(np.float32) / 255.0
-  return Source(images, np.asarray(labels, np.int32), len(classes))
+  images = np.stack([read_image(f, size, 3) for f in files])
+  return Source(images, np.asarray(labels, np.int32), len(classes), tuple(classes))
