@@ -4,7 +4,9 @@
         --config.rounds=50 --config.seeds='(0,1,2)'
 
 Any config field can be overridden with --config.<field>=<value>. Re-running the
-same command resumes from the checkpoints in --workdir. ``config.pipeline`` picks the
+same command resumes from the checkpoints in --workdir. SIGTERM or SIGUSR1 (a
+scheduler's warning before it kills the job) stops training at the end of the current
+round with a checkpoint and exits with status 143; re-running resumes from there. ``config.pipeline`` picks the
 run loop from ``fedjax_shift.pipelines.PIPELINES``; every pipeline's results print
 the same way.
 """
@@ -21,6 +23,11 @@ from ml_collections import config_flags  # noqa: E402
 import ml_collections  # noqa: E402
 
 from fedjax_shift import pipelines  # noqa: E402
+from fedjax_shift.pipelines import loop  # noqa: E402
+
+# The exit status of a run stopped by SIGTERM / SIGUSR1 after checkpointing (128 + 15, as a
+# shell reports a SIGTERM'd job): a scheduler sees a failure and re-queues the command.
+PREEMPTED_STATUS = 143
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file[:variant].')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics, results.')
@@ -67,7 +74,11 @@ def main(argv):
     import jax
     jax.config.update('jax_compilation_cache_dir', os.path.expanduser(_COMPILATION_CACHE.value))
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
-  train(config, _WORKDIR.value)
+  try:
+    train(config, _WORKDIR.value)
+  except loop.Preempted as stopped:
+    log.warning('%s', stopped)
+    sys.exit(PREEMPTED_STATUS)
 
 
 if __name__ == '__main__':

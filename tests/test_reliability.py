@@ -306,14 +306,16 @@ def uninterrupted(tmp_path_factory):
   return metrics_of(workdir)
 
 
-def kill_corrupt_resume(workdir, trial: int):
-  """One trial; returns (kill round, corruption kind, resumed metrics)."""
+def kill_corrupt_resume(workdir, trial: int, sig=signal.SIGKILL):
+  """One trial; returns (kill round, corruption kind, resumed metrics). With SIGTERM
+  (or SIGUSR1) the run must stop itself after checkpointing its round, exit 143 and
+  say so."""
   rng = np.random.default_rng(trial)
   kill_after = int(rng.integers(3, ROUNDS - 2))
   kind = ['none', 'delete_default', 'delete_manifest', 'truncate_data'][trial % 4]
   metrics_path = os.path.join(workdir, RUN, 'metrics.jsonl')
   proc = subprocess.Popen(_launch(workdir), cwd=ROOT, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+                          stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
   while time.time() < deadline:
     try:
@@ -322,19 +324,24 @@ def kill_corrupt_resume(workdir, trial: int):
     except ValueError:
       pass
     time.sleep(0.02 + 0.03 * random.Random(trial).random())
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
+  proc.send_signal(sig)
+  _, stderr = proc.communicate()
   steps = sorted(int(p) for p in os.listdir(os.path.join(workdir, RUN, 'checkpoints'))
                  if p.isdigit())
+  if sig != signal.SIGKILL and proc.returncode != 0:   # it had not finished: it stopped itself
+    assert proc.returncode == 143, stderr[-2000:]
+    assert f'{signal.Signals(sig).name} received: stopped after round {steps[-1]}' in stderr
+    assert len(read_metrics(metrics_path)) == steps[-1]  # checkpointed the round it ended
   if kind != 'none' and steps:
     corrupt(os.path.join(workdir, RUN, 'checkpoints', str(steps[-1])), kind, rng)
   subprocess.run(_launch(workdir), check=True, capture_output=True, cwd=ROOT)
   return kill_after, kind, metrics_of(workdir)
 
 
-@pytest.mark.parametrize('trial', [1, 2])
-def test_kill_corrupt_resume_matches_an_uninterrupted_run(trial, uninterrupted, tmp_path):
-  _, _, metrics = kill_corrupt_resume(str(tmp_path), trial)
+@pytest.mark.parametrize('trial, sig', [(1, signal.SIGKILL), (2, signal.SIGKILL),
+                                        (3, signal.SIGTERM)])
+def test_kill_corrupt_resume_matches_an_uninterrupted_run(trial, sig, uninterrupted, tmp_path):
+  _, _, metrics = kill_corrupt_resume(str(tmp_path), trial, sig)
   assert [r['round'] for r in metrics] == list(range(1, ROUNDS + 1))
   assert metrics == uninterrupted  # exact equality of every loss and accuracy
 
@@ -342,8 +349,9 @@ def test_kill_corrupt_resume_matches_an_uninterrupted_run(trial, uninterrupted, 
 @pytest.mark.slow
 @pytest.mark.parametrize('trial', range(100, 120))
 def test_kill_corrupt_resume_twenty_trials(trial, uninterrupted, tmp_path):
-  kill_after, kind, metrics = kill_corrupt_resume(str(tmp_path), trial)
-  assert metrics == uninterrupted, f'trial {trial}: kill after {kill_after}, {kind}'
+  sig = (signal.SIGKILL, signal.SIGTERM, signal.SIGUSR1)[trial % 3]
+  kill_after, kind, metrics = kill_corrupt_resume(str(tmp_path), trial, sig)
+  assert metrics == uninterrupted, f'trial {trial}: {sig.name} after {kill_after}, {kind}'
 
 
 def test_resuming_on_rebuilt_data_that_differs_is_refused(tmp_path):

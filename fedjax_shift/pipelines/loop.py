@@ -15,7 +15,10 @@ evaluation of a run resumed after its last round.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -27,6 +30,38 @@ log = logging.getLogger('fedjax_shift')
 
 class DivergenceError(FloatingPointError):
   """Training produced a non-finite loss."""
+
+
+class Preempted(Exception):
+  """SIGTERM or SIGUSR1 (what SLURM, Kubernetes and preemptible VMs send before a kill)
+  stopped training after a round whose checkpoints were saved; re-running the same
+  command resumes from them."""
+
+
+# The signals that stop training at the end of the current round, checkpointed.
+PREEMPT_SIGNALS = ('SIGTERM', 'SIGUSR1')
+
+
+@contextlib.contextmanager
+def stop_requests():
+  """Yields a list that collects the names of PREEMPT_SIGNALS received while inside
+  (their previous handlers restored on exit). Signals can only be caught on the main
+  thread; elsewhere the list stays empty and the default handling applies."""
+  received: List[str] = []
+  if threading.current_thread() is not threading.main_thread():
+    yield received
+    return
+  previous = {}
+  for name in PREEMPT_SIGNALS:
+    number = getattr(signal, name, None)
+    if number is not None:
+      previous[number] = signal.signal(number, lambda sig, frame: received.append(
+          signal.Signals(sig).name))
+  try:
+    yield received
+  finally:
+    for number, handler in previous.items():
+      signal.signal(number, handler)
 
 
 class Run(NamedTuple):
@@ -136,6 +171,13 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
     runs[i].checkpointer.save(round_index, (*trainer.take(state, i), jnp.float32(elapsed[i])),
                               force=True)
 
+  def save_live() -> None:
+    for i, run in enumerate(runs):
+      if i not in diverged and completed > run.start_round:
+        save(completed, i)
+
+  signals = contextlib.ExitStack()
+  requests = signals.enter_context(stop_requests())
   try:
     while completed < rounds:
       tick = time.perf_counter()
@@ -184,14 +226,18 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
           steps = float(np.sum(metrics['num_steps'][:, live])) / len(live)
           postfix['examples_per_s'] = f'{steps * trainer.examples_per_step / seconds:.0f}'
         bar.set_postfix(**postfix)
+      if requests and completed < rounds:
+        save_live()
+        raise Preempted(f'{requests[0]} received: stopped after round {completed} of '
+                        f'{rounds} with checkpoints saved ({", ".join(r.label for r in runs)}); '
+                        f'run the same command again to resume')
   except KeyboardInterrupt:
-    for i, run in enumerate(runs):
-      if i not in diverged and completed > run.start_round:
-        save(completed, i)
+    save_live()
     log.warning('interrupted: saved round %d of %s', completed,
                 ', '.join(run.label for run in runs))
     raise
   finally:
+    signals.close()
     if bar is not None:
       bar.close()
   outcomes = []
