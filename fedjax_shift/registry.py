@@ -89,6 +89,15 @@ def require(condition: bool, field: str, message: str) -> None:
     raise ValueError(f'config.{field}: {message}')
 
 
+def require_distinct(values, field: str, what: str = 'one run') -> None:
+  """Refuses a tuple that names one run or column twice (``what``: what each entry
+  stands for), naming ``config.<field>`` and the repeated values."""
+  values = tuple(values)
+  repeated = sorted({repr(v) for v in values if values.count(v) > 1})
+  require(not repeated, field, f'names {", ".join(repeated)} more than once '
+                               f'({list(values)}): each entry is {what}')
+
+
 def check_fields(section: ml_collections.ConfigDict, defaults: Mapping[str, Any],
                  where: str) -> None:
   """Every field of ``section`` must be one of ``defaults`` (``where``: its config

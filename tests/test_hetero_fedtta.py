@@ -316,6 +316,7 @@ def test_new_clients_labels_are_never_read():
     ('engine.backend', 'loop', 'engine.backend'),
     ('eval_adapters', ('tent:online',), 'eval_adapters'),
     ('hetero.kd_lambdas', (0.5, -0.1), 'hetero.kd_lambdas'),
+    ('hetero.kd_lambdas', (0.8, 0.8), 'hetero.kd_lambdas: names 0.8 more than once'),
     ('model.name', 'bn_mlp', 'model.name'),
     ('data.benchmark', 'label_skew_corrupted', 'data.benchmark'),
     ('algorithms', ('fedtta',), 'algorithms'),

@@ -116,8 +116,13 @@ def test_checkpoint_of_other_shapes_is_an_error_naming_them(tmp_path):
 
 
 @pytest.mark.parametrize('field, value, pattern', [
-    ('seeds', (0, 0), r'config.seeds: names a seed twice'),
-    ('algorithms', ('fedavg', 'fedavg'), r'config.algorithms: names a method twice'),
+    ('seeds', (0, 0), r'config.seeds: names 0 more than once'),
+    ('seeds', (-1,), r'config.seeds: seeds are integers >= 0, got \[-1\]'),
+    ('seeds', (0, 1.5), r'config.seeds: seeds are integers >= 0, got \[1.5\]'),
+    ('algorithms', ('fedavg', 'fedavg'), r"config.algorithms: names 'fedavg' more than once"),
+    ('eval_adapters', ('tent:online', 'tent:online'),
+     r"config.eval_adapters: names \('tent', 'online'\) more than once"),
+    ('engine.eval_batch_size', 0, r'config.engine.eval_batch_size: must be >= 1'),
     ('keep_checkpoints', 0, r'config.keep_checkpoints: must be >= 1'),
     ('keep_checkpoints', -1, r'config.keep_checkpoints: must be >= 1'),
     ('client.learning_rate', float('inf'), r'config.client.learning_rate: must be a finite'),

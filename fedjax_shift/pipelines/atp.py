@@ -49,6 +49,7 @@ from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext, mode_p
 from fedjax_shift.data import federated
 from fedjax_shift.pipelines.base import (PIPELINES, Results, algorithm_names, check_run,
                                          hardware, require)
+from fedjax_shift.registry import require_distinct
 from fedjax_shift.pipelines import pretrain
 from fedjax_shift.pipelines.federated import train_and_evaluate
 
@@ -113,7 +114,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
           f'name shifts from {list(SHIFTS)}, got {tuple(tta.shifts)}')
   require(tta.batch_size >= 1, 'tta.batch_size', f'must be >= 1, got {tta.batch_size}')
   require(tta.client_chunk >= 0, 'tta.client_chunk', f'must be >= 0, got {tta.client_chunk}')
+  require_distinct(tta.shifts, 'tta.shifts', 'one Table 1 column')
   require(len(tta.rows) >= 1, 'tta.rows', 'name at least one row')
+  require_distinct(tta.rows, 'tta.rows', 'one Table 1 row')
   for key in tta.rows:
     for field in ('label', 'adapter', 'mode'):
       require(key in tta[field], f'tta.{field}', f'has no entry for row {key!r}')
@@ -144,6 +147,7 @@ def validate_learned(config: ml_collections.ConfigDict) -> None:
           f'unknown {learned.optimizer!r}; choose from {list(LEARNED_OPTIMIZERS)}')
   require(learned.learning_rate > 0, 'learned.learning_rate',
           f'must be > 0, got {learned.learning_rate}')
+  require_distinct(learned.rows, 'learned.rows', 'one learned-rates row')
   for key in learned.rows:
     for field in ('base', 'rates', 'label', 'num_batches'):
       require(key in learned[field], f'learned.{field}', f'has no entry for row {key!r}')

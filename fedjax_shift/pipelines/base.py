@@ -26,7 +26,7 @@ from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS
 from fedjax_shift.core.round import BACKENDS, SAMPLING, WEIGHTING
 from fedjax_shift.core.test_time import ADAPTERS, mode_problem
 from fedjax_shift.pipelines import workdir as workdir_lib
-from fedjax_shift.registry import Registry, require
+from fedjax_shift.registry import Registry, require, require_distinct
 
 log = logging.getLogger('fedjax_shift')
 
@@ -170,14 +170,20 @@ def adapts(adapter: str, algorithm: str) -> bool:
   return algorithm in ADAPTERS.meta(adapter).get('trained_by', (algorithm,))
 
 
+def check_seeds(config: ml_collections.ConfigDict) -> None:
+  """``config.seeds``: one or more distinct integers >= 0 (each (method, seed) one run)."""
+  seeds = tuple(config.seeds)
+  require(len(seeds) >= 1, 'seeds', 'name at least one seed')
+  bad = [s for s in seeds if isinstance(s, bool) or not float(s).is_integer() or s < 0]
+  require(not bad, 'seeds', f'seeds are integers >= 0, got {bad} in {list(seeds)}')
+  require_distinct(seeds, 'seeds', 'one (method, seed) run')
+
+
 def check_run_loop(config: ml_collections.ConfigDict) -> None:
   """The run-loop fields every training pipeline reads (federated, hetero): seeds,
   finite floats, checkpoints and resuming, rounds, cohort, weighting, evaluation and
   checkpoint periods, divergence, the client / server optimizers."""
-  seeds = tuple(config.seeds)
-  require(len(seeds) >= 1, 'seeds', 'name at least one seed')
-  require(len(set(seeds)) == len(seeds), 'seeds',
-          f'names a seed twice ({list(seeds)}): each (method, seed) is one run')
+  check_seeds(config)
   check_finite(config)
   checkpoint.check_keep(config.keep_checkpoints)
   require(config.resume in workdir_lib.RESUME_CHOICES, 'resume',
@@ -225,8 +231,7 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   checkpoints and resuming."""
   names = algorithm_names(config)
   require(len(names) > 0, 'algorithms', 'name at least one algorithm')
-  require(len(set(names)) == len(names), 'algorithms',
-          f'names a method twice ({list(names)}): each (method, seed) is one run')
+  require_distinct(names, 'algorithms', 'one (method, seed) run')
   check_run_loop(config)
   check_sections(config)
   models.MODELS.get(config.model.name, 'config.model.name')
@@ -276,10 +281,14 @@ def check_run(config: ml_collections.ConfigDict) -> None:
             f"> 1 scans the compiled round: it needs engine.backend='vmap' (here "
             f"'{engine.backend}' runs the {round_backend(config)} backend)")
   check_vmap_seeds(config)
+  require(engine.eval_batch_size >= 1, 'engine.eval_batch_size',
+          f'must be >= 1, got {engine.eval_batch_size}')
   chunk = engine.client_chunk
   require(chunk >= 0 and (chunk == 0 or config.cohort_size % chunk == 0), 'engine.client_chunk',
           f'must be 0 or divide cohort_size={config.cohort_size}, got {chunk}')
   specs = eval_adapter_specs(config)
+  require_distinct(specs, 'eval_adapters', "one adapted column ('<adapter>:<mode>')")
+  require_distinct(config.eval_adapter_algorithms, 'eval_adapter_algorithms', 'one method')
   for name, mode in specs:
     ADAPTERS.get(name, 'config.eval_adapters')
     ADAPTERS.check(name, config.adapters[name], f'config.adapters.{name}')

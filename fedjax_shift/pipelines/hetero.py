@@ -55,7 +55,7 @@ from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algor
                                          check_run_dir, check_run_loop, check_sections,
                                          hardware, open_run)
 from fedjax_shift.pipelines.federated import build_data, diverged_record, evaluated_rounds
-from fedjax_shift.registry import check_fields, require
+from fedjax_shift.registry import check_fields, require, require_distinct
 
 SECTIONS = {
     'hetero_fedtta': hetero_fedtta.DEFAULTS,
@@ -86,6 +86,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
           f'{config.data.public_examples}')
   for value in config.hetero.kd_lambdas:
     require(value >= 0, 'hetero.kd_lambdas', f'each λ must be >= 0, got {value}')
+  require_distinct(config.hetero.kd_lambdas, 'hetero.kd_lambdas', 'one run per seed')
   # Fields of the federated pipeline that the grouped round does not implement: refused
   # rather than ignored.
   unsupported = (('data.store', config.data.store, 'device'),
