@@ -230,3 +230,19 @@ def test_a_batch_norm_backbone_replaces_the_encoders_parameters_and_statistics(t
   mlp = models.MODELS.get('mlp')(10)
   with pytest.raises(ValueError, match=r'backbone.weights: .*a torchvision ResNet-18'):
     pretrain.load_encoder(path, mlp, jnp.zeros((1, 28, 28, 1)))
+
+
+def test_conv_initialises_as_nn_conv_with_and_without_x64():
+  """The library's Conv has nn.Conv's parameters: float32 by default and the same
+  numbers for a seed whether or not x64 is on (its kernel once drew float64 numbers
+  from other random bits under x64), equal to nn.Conv's own initialisation."""
+  from flax import linen as nn
+  from fedjax_shift.models.classifiers import Conv
+  x = jnp.zeros((1, 6, 6, 3))
+  ours = Conv(4, (3, 3)).init(jax.random.key(0), x)
+  reference = nn.Conv(4, (3, 3)).init(jax.random.key(0), x)
+  chex.assert_trees_all_equal(ours, reference)
+  with jax.enable_x64(True):
+    wide = Conv(4, (3, 3)).init(jax.random.key(0), x.astype(jnp.float64))
+  chex.assert_trees_all_equal_dtypes(wide, ours)
+  chex.assert_trees_all_equal(wide, ours)

@@ -122,3 +122,25 @@ def test_global_learning_rate_scales_the_model_step_and_bad_values_are_errors():
     assert 'scaffold.global_learning_rate' in str(e)
   else:
     raise AssertionError('η_g = 0 was accepted')
+
+
+def test_float64_control_variate_agrees_with_a_float64_reference():
+  """In a float64 run, c_i⁺ = c_i − c + (x − y)/(K·η_l) with K·η_l in float64: K = 4
+  steps of η_l = 0.1 (0.4, which float32 rounds to 0.4000000060) give the client's
+  control to 1e-12 of the formula evaluated in numpy float64 on its own delta."""
+  config = tiny_config(**{'client.batch_size': 2, 'client.local_epochs': 1,
+                          'client.learning_rate': 0.1})
+  data, _, _ = toy_clients([8], num_classes=NUM_CLASSES)
+  with jax.enable_x64(True):
+    data = data._replace(x=data.x.astype(np.float64))
+    _, scaffold, server, controls = make('scaffold', config, data)
+    server = jax.tree.map(lambda a: a.astype(jnp.float64) if jnp.issubdtype(
+        a.dtype, jnp.floating) else a, server)
+    controls = jax.tree.map(lambda a: a.astype(jnp.float64), controls)
+    out, control = scaffold.client_update(server, jax.tree.map(lambda c: c[0], controls),
+                                          client_data(data, 0), jax.random.key(1))
+    assert float(out.metrics['num_steps']) == 4
+    expected = jax.tree.map(lambda d: -np.asarray(d, np.float64) / (4 * 0.1),
+                            out.update.model['params'])
+    chex.assert_trees_all_equal_dtypes(control, expected)
+    chex.assert_trees_all_close(control, expected, rtol=1e-12, atol=0)

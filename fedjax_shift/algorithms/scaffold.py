@@ -81,8 +81,11 @@ def scaffold(hparams: ml_collections.ConfigDict, context: base.BuildContext
     steps = jnp.maximum(metrics['num_steps'], 1.0)
     # Option II; a client that ran no step keeps its c_i (Δc = 0).
     ran = metrics['num_steps'] > 0
+    # K·η_l in the parameters' dtype: the step count comes as a float32 metric, and a
+    # float64 run must not divide by its float32 rounding.
     new_control = jax.tree.map(
-        lambda ci, c, d: jnp.where(ran, ci - c - d / (steps * local_learning_rate), ci),
+        lambda ci, c, d: jnp.where(ran, ci - c - d / (steps.astype(d.dtype) *
+                                                      local_learning_rate), ci),
         client_control, server_state.control, delta['params'])
     update = ScaffoldUpdate(delta, base.tree_sub(new_control, client_control))
     return ClientOutput(update, metrics), new_control

@@ -91,18 +91,21 @@ lax_conv_patch_grad.defvjp(_patch_grad_fwd, _patch_grad_bwd)
 
 class Conv(nn.Module):
   """A 2-D convolution with ``nn.Conv``'s parameters (kernel [kh, kw, C, O] with
-  lecun-normal init, bias zeros) and names, computed by ``impl`` (CONV_IMPLS)."""
+  lecun-normal init, bias zeros, ``param_dtype`` float32 as nn.Conv's, so a seed gives the
+  same numbers with and without x64) and names, computed by ``impl`` (CONV_IMPLS)."""
   features: int
   kernel_size: Tuple[int, int]
   strides: Tuple[int, int] = (1, 1)
   padding: Any = 'SAME'
   use_bias: bool = True
   impl: str = 'lax'
+  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     kernel = self.param('kernel', nn.initializers.lecun_normal(),
-                        tuple(self.kernel_size) + (x.shape[-1], self.features))
+                        tuple(self.kernel_size) + (x.shape[-1], self.features),
+                        self.param_dtype)
     x, kernel = nn.dtypes.promote_dtype(x, kernel)  # as nn.Conv: compute in the wider type
     padding = self.padding
     if isinstance(padding, int):
@@ -118,7 +121,8 @@ class Conv(nn.Module):
       raise ValueError(f'config.model.conv: unknown {self.impl!r}; choose from '
                        f'{list(CONV_IMPLS)} or auto')
     if self.use_bias:
-      y = y + self.param('bias', nn.initializers.zeros_init(), (self.features,))
+      y = y + self.param('bias', nn.initializers.zeros_init(), (self.features,),
+                         self.param_dtype)
     return y
 
 
