@@ -375,3 +375,20 @@ def test_resuming_on_rebuilt_data_that_differs_is_refused(tmp_path):
   json.dump(record, open(path, 'w'))
   with pytest.raises(ValueError, match='trained on other data than this config builds now'):
     pipelines.run(config, workdir)
+
+
+def test_a_workdir_never_holds_seeds_of_different_configurations(tmp_path):
+  """Seeds of one method in one workdir are averaged together: a run of another seed
+  with another `rounds` (or another field) beside a finished seed is refused before it
+  trains, naming the other seed's directory and the change."""
+  config = tiny_config(**{'rounds': 2, 'eval_every': 2})
+  pipelines.run(config, str(tmp_path))
+  other = tiny_config(**{'rounds': 3, 'eval_every': 3, 'seeds': (1,)})
+  with pytest.raises(ValueError, match=r'(?s)fedavg/seed_0 holds another seed.*rounds: 2 → 3'):
+    pipelines.run(other, str(tmp_path))
+  other = tiny_config(**{'rounds': 2, 'eval_every': 2, 'seeds': (1,),
+                         'client.learning_rate': 0.07})
+  with pytest.raises(ValueError, match=r'(?s)seed_0 holds another seed.*client.learning_rate'):
+    pipelines.run(other, str(tmp_path))
+  assert not os.path.exists(tmp_path / 'fedavg' / 'seed_1' / 'run.json')
+  pipelines.run(tiny_config(**{'rounds': 2, 'eval_every': 2, 'seeds': (1,)}), str(tmp_path))

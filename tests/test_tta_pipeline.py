@@ -227,3 +227,36 @@ def test_table7_puts_one_column_per_pretraining_method(tmp_path):
       {'table1': {'no_adapt': {'feature': {'0': 0.5}}}, 'table3': {}}))
   with pytest.raises(ValueError, match='hybrid shift'):
     report.table7_from_workdirs(workdirs)
+
+
+def test_alpha_is_never_reused_after_its_global_model_changed(tmp_path):
+  """α (and a learned-rates row) records the pretraining run's fingerprint and round: a
+  re-run that extends the pretraining (rounds 2 → 3, resume=extend) or trains it with
+  another configuration is refused before anything is touched, naming the α run and
+  the change; the same command resumes as before."""
+  config = tiny()
+  config.tta.rows = ('no_adapt', 'atp_batch')
+  workdir = str(tmp_path)
+  first = pipelines.run(config, workdir)
+  alpha_dir = os.path.join(workdir, 'hybrid', 'seed_0', 'alpha')
+  with open(os.path.join(alpha_dir, 'run.json')) as f:
+    recorded = json.load(f)['fields']
+  assert json.loads(recorded['depends_on.global_model'])['round'] == 2
+  extended = override(tiny(), **{'tta.rows': ('no_adapt', 'atp_batch'), 'rounds': 3,
+                                 'resume': 'extend'})
+  with pytest.raises(ValueError, match=r'(?s)alpha holds a run of another configuration.*'
+                                       r'depends_on.global_model: .*"round": 2.* → .*"round": 3'):
+    pipelines.run(extended, workdir)
+  # Pretraining retrained with another rate of its own (its run deleted first): α's
+  # global model is another one.
+  import shutil
+  saved = os.path.join(workdir, 'kept_pretrain')
+  shutil.copytree(os.path.join(workdir, 'hybrid', 'seed_0', 'pretrain'), saved)
+  shutil.rmtree(os.path.join(workdir, 'hybrid', 'seed_0', 'pretrain'))
+  other = override(tiny(), **{'tta.rows': ('no_adapt', 'atp_batch'),
+                              'fedavg.client_learning_rate': 0.05})
+  with pytest.raises(ValueError, match=r'alpha holds a run.*\n  depends_on.global_model: '
+                                       r'{"fingerprint"'):
+    pipelines.run(other, workdir)
+  shutil.copytree(saved, os.path.join(workdir, 'hybrid', 'seed_0', 'pretrain'))
+  assert pipelines.run(config, workdir).records['table1'] == first.records['table1']

@@ -48,9 +48,10 @@ from fedjax_shift.core import evaluation
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext, mode_problem
 from fedjax_shift.data import federated
 from fedjax_shift.pipelines.base import (PIPELINES, Results, algorithm_names, check_run,
-                                         hardware, require)
+                                         hardware, require, run_fields)
 from fedjax_shift.registry import require_distinct
 from fedjax_shift.pipelines import pretrain
+from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.federated import train_and_evaluate
 
 log = logging.getLogger('fedjax_shift')
@@ -202,9 +203,11 @@ def run_dirs(config: ml_collections.ConfigDict, workdir: str):
       run_dir = os.path.join(workdir, shift, f'seed_{seed}')
       out.append((os.path.join(run_dir, 'pretrain'), shift_config,
                   algorithm_names(config)[0]))
-      out.append((os.path.join(run_dir, 'alpha'), alpha_config(shift_config), 'atp'))
-      out.extend((os.path.join(run_dir, f'learned_{key}'), alpha_config(shift_config), 'atp')
-                 for key in config.learned.rows)
+      global_model = pretrained_identity(shift_config)
+      out.append((os.path.join(run_dir, 'alpha'), alpha_config(shift_config), 'atp',
+                  global_model))
+      out.extend((os.path.join(run_dir, f'learned_{key}'), alpha_config(shift_config), 'atp',
+                  global_model) for key in config.learned.rows)
   return out
 
 
@@ -364,8 +367,18 @@ def train_learned_rates(config, shift_config, workdir: str, key: str, module,
                                'atp', seed,
                                bench=Benchmark({'train': val}, data.source.num_classes,
                                                data.source.example_shape, data.info),
-                               algorithm=algorithm, log_state=record)
+                               algorithm=algorithm, log_state=record,
+                               depends_on=pretrained_identity(shift_config))
   return trained['server_state'].rates
+
+
+def pretrained_identity(shift_config: ml_collections.ConfigDict) -> Dict[str, object]:
+  """What α (and a learned-rates row) trains on: the pretraining run's fingerprint and
+  the round of its global model, so that α is never reused after the global model
+  changed (pretraining extended or cut, another configuration)."""
+  fields = run_fields(shift_config, algorithm_names(shift_config)[0])
+  return {'global_model': {'fingerprint': workdir_lib.fingerprint(fields),
+                           'round': int(shift_config.rounds)}}
 
 
 def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callable):
@@ -393,6 +406,7 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
   pre = train_and_evaluate(shift_config, os.path.join(workdir, 'pretrain'), algorithm_name,
                            seed, bench=data.source, backbone=backbone)
   variables = pre['server_state'].variables
+  global_model = pretrained_identity(shift_config)
 
   a_config = alpha_config(shift_config)
   val = data.source.splits['val']
@@ -402,7 +416,8 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
   trained = train_and_evaluate(a_config, os.path.join(workdir, 'alpha'), 'atp', seed,
                                bench=Benchmark({'train': val}, data.source.num_classes,
                                                data.source.example_shape, data.info),
-                               algorithm=algorithm, log_state=alpha_record(names))
+                               algorithm=algorithm, log_state=alpha_record(names),
+                               depends_on=global_model)
   alpha = trained['server_state'].alpha
   with open(os.path.join(workdir, 'alpha.json'), 'w') as f:
     json.dump(dict(zip(names, map(float, jax.tree.leaves(alpha)))), f, indent=1)

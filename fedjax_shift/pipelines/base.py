@@ -15,7 +15,7 @@ import math
 import os
 import platform
 import time
-from typing import Any, Dict, NamedTuple, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import ml_collections
@@ -31,7 +31,7 @@ from fedjax_shift.registry import Registry, require, require_distinct
 log = logging.getLogger('fedjax_shift')
 
 # name -> run(config, workdir) -> Results; ``check(config)`` validates what it reads;
-# meta ``run_dirs(config, workdir)`` -> [(run_dir, run_config, own section)] names the
+# meta ``run_dirs(config, workdir)`` -> [(run_dir, run_config, own section[, depends_on])] names the
 # run directories it will train, so their fingerprints are checked before anything.
 PIPELINES: Registry = Registry('pipeline')
 # Float fields where infinity is a meaningful value (Dirichlet α = ∞: IID).
@@ -358,10 +358,13 @@ def run_fields(config: ml_collections.ConfigDict, section: str) -> dict:
 
 
 def check_run_dir(run_dir: str, run_config: ml_collections.ConfigDict, section: str,
-                  resume: str) -> dict:
+                  resume: str, depends_on: Optional[dict] = None) -> dict:
   """Checks ``run_dir`` against its ``run.json`` (fingerprint, round target) and kept
-  checkpoints (read-only); returns the run's fingerprinted fields."""
+  checkpoints (read-only); returns the run's fingerprinted fields, with
+  ``depends_on.<key>`` for what the run reads from another run (``depends_on``)."""
   fields = run_fields(run_config, section)
+  fields.update({f'depends_on.{key}': json.dumps(value, sort_keys=True)
+                 for key, value in (depends_on or {}).items()})
   workdir_lib.check_run_dir(run_dir, fields, run_config.rounds, resume,
                             other_benchmark_fields(run_config.data.benchmark))
   workdir_lib.check_rounds(run_dir, run_config.rounds)
@@ -394,9 +397,12 @@ def open_run(run_dir: str, config: ml_collections.ConfigDict, fields: dict, stat
 
 def preflight(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Checks every run directory the pipeline will train before anything is written."""
-  for run_dir, run_config, section in PIPELINES.meta(config.pipeline)['run_dirs'](
-      config, workdir):
-    check_run_dir(run_dir, run_config, section, config.resume)
+  entries = PIPELINES.meta(config.pipeline)['run_dirs'](config, workdir)
+  running = [entry[0] for entry in entries]
+  for run_dir, run_config, section, *depends_on in entries:
+    fields = check_run_dir(run_dir, run_config, section, config.resume, *depends_on)
+    workdir_lib.check_other_seeds(run_dir, fields, run_config.rounds,
+                                  other_benchmark_fields(run_config.data.benchmark), running)
 
 
 # Names a pipeline had before; a config that still uses one is told the new name.

@@ -157,7 +157,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
                        log_state: Optional[Callable[[object], Dict[str, float]]] = None,
                        programs: Optional[Dict] = None,
                        backbone: Optional[dict] = None,
-                       keep_going: bool = False) -> Dict[str, object]:
+                       keep_going: bool = False,
+                       depends_on: Optional[Dict[str, object]] = None) -> Dict[str, object]:
   """Trains one method with one seed in ``workdir`` (resuming if it holds a
   checkpoint); returns {'algorithm', 'seed', 'metrics', 'rounds', 'train_seconds',
   'compile_seconds', 'compilations', …, 'server_state'} ('server_state' is not written
@@ -173,6 +174,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   functions are kept there under a ``ProgramKey``, so a later seed with the same
   shapes reuses their compilations instead of compiling again. ``keep_going``: a
   non-finite loss gives a diverged record instead of raising DivergenceError.
+  ``depends_on``: what the trained state depends on outside ``config`` (ATP's α: the
+  pretrained run's fingerprint and rounds), fingerprinted as ``depends_on.<key>``.
 
   ``workdir/run.json`` records the config fields that determine the trained state; a
   re-run whose fields differ, or that raises ``rounds`` without
@@ -180,7 +183,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   """
   with CompileClock() as clock:
     opened = setup_run(config, workdir, algorithm_name, seed, bench, algorithm, programs,
-                       backbone, log_state)
+                       backbone, log_state, depends_on)
     train = opened.bench.splits['train']
     host_store = (HostStore(train, opened.train_key, _round_config(config))
                   if config.data.store == 'host' else None)
@@ -263,13 +266,14 @@ def check_same_data(path: str, digest: str) -> None:
 def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str, seed: int,
               bench: Optional[Benchmark] = None, algorithm=None,
               programs: Optional[Dict] = None, backbone: Optional[dict] = None,
-              log_state: Optional[Callable] = None) -> OpenedRun:
+              log_state: Optional[Callable] = None,
+              depends_on: Optional[Dict[str, object]] = None) -> OpenedRun:
   """Opens one (method, seed) run: checks ``workdir``, builds the data (unless given),
   writes partition.json, builds (or reuses from ``programs``) the method, its compiled
   round and evaluation, initialises the state (from the pretrained encoder
   ``backbone`` when given: pipelines/pretrain.py) and restores it from the latest
   checkpoint."""
-  fields = check_run_dir(workdir, config, algorithm_name, config.resume)
+  fields = check_run_dir(workdir, config, algorithm_name, config.resume, depends_on)
   os.makedirs(workdir, exist_ok=True)
   if bench is None:
     bench = build_data(config, seed)

@@ -109,6 +109,38 @@ def check_run_dir(run_dir: str, fields: Dict[str, str], rounds: int, resume: str
         f'a new --workdir.')
 
 
+def check_other_seeds(run_dir: str, fields: Dict[str, str], rounds: int,
+                      ignored: Iterable[str] = (), running: Iterable[str] = ()) -> None:
+  """Raises RunMismatchError when a sibling ``seed_<s>`` directory of ``run_dir`` that
+  this run does not train (not in ``running``) holds the same method trained with
+  other fields or another ``rounds``: its results would be averaged with this run's
+  as seeds of one configuration. Reads only."""
+  parent, name = os.path.split(os.path.normpath(run_dir))
+  if not name.startswith('seed_') or not os.path.isdir(parent):
+    return
+  running = {os.path.normpath(r) for r in running}
+  ignored = set(ignored)
+  for sibling in sorted(os.listdir(parent)):
+    other = os.path.join(parent, sibling)
+    path = os.path.join(other, 'run.json')
+    if not sibling.startswith('seed_') or os.path.normpath(other) in running or \
+        not os.path.exists(path):
+      continue
+    recorded = _read_json(path)
+    old = {k: v for k, v in recorded['fields'].items() if k not in ignored}
+    changed = [f'{k}: {old.get(k, "(absent)")} → {fields.get(k, "(absent)")}'
+               for k in sorted(set(old) | set(fields)) if old.get(k) != fields.get(k)]
+    if recorded['rounds'] != rounds:
+      changed.append(f'rounds: {recorded["rounds"]} → {rounds}')
+    if changed:
+      raise RunMismatchError(
+          f'{other} holds another seed of this method trained with another configuration '
+          f'(its results would be averaged with this run\'s as seeds of one); changed:\n  ' +
+          '\n  '.join(changed) + '\nUse a new --workdir, or run every seed with the same '
+          'configuration (config.seeds naming them all; --config.resume=extend to extend '
+          'them together).')
+
+
 def record_run(run_dir: str, fields: Dict[str, str], rounds: int) -> None:
   """Writes (or updates) ``run.json`` after ``check_run_dir`` passed."""
   path = os.path.join(run_dir, 'run.json')
