@@ -348,6 +348,20 @@ def test_loader_round_trips_a_saved_backbone_and_names_a_wrong_shape(tmp_path):
   vit.save_npz(str(tmp_path / 'bb.npz'), params['encoder'])
   from_npz = pretrain.load_encoder(str(tmp_path / 'bb.npz'), module, example)
   chex.assert_trees_all_equal(from_npz, loaded)
+  # A damaged saved backbone: one error saying what to delete, not a tensorstore dump.
+  import shutil
+  damaged = tmp_path / 'damaged'
+  shutil.copytree(tmp_path / 'bb', damaged)
+  for root, _, files in os.walk(damaged / 'params'):
+    for name in files:
+      if name != '_METADATA':
+        with open(os.path.join(root, name), 'r+b') as f:
+          f.truncate(max(0, os.path.getsize(os.path.join(root, name)) // 3))
+  with pytest.raises(pretrain.BackboneReadError,
+                     match=rf'cannot be read .*delete {damaged} and re-run'):
+    pretrain.load_encoder(str(damaged), module, example)
+  with pytest.raises(pretrain.BackboneReadError, match='holds no saved backbone'):
+    pretrain.load_encoder(str(tmp_path / 'nowhere'), module, example)
 
 
 def test_pipeline_pretrains_once_starts_every_method_from_it_and_prints_table_1(tmp_path):

@@ -149,6 +149,29 @@ def save(directory: str, params, record: dict) -> None:
     json.dump(record, f, indent=1, sort_keys=True)
 
 
+class BackboneReadError(ValueError):
+  """A saved backbone directory that cannot be read (damaged or partly written)."""
+
+
+def read_backbone(path: str) -> dict:
+  """The flat {'a/b/c': array} parameters ``save`` wrote in ``path``; a damaged or
+  incomplete directory is one clear error saying what to delete or re-run, not the
+  checkpoint library's traceback."""
+  params = os.path.join(os.path.abspath(path), 'params')
+  if not os.path.isdir(params):
+    raise BackboneReadError(f'config.backbone.weights: {path} holds no saved backbone '
+                            f'(no {params}): point it at a directory the pretrain pipeline '
+                            f'wrote, a ViT-B/16 .npz or a torchvision ResNet-18 .npz')
+  try:
+    return ocp.PyTreeCheckpointer().restore(params)
+  except Exception as err:  # orbax / tensorstore raise many types for a damaged file
+    first_line = str(err).strip().splitlines()[0][:300] if str(err).strip() else repr(err)
+    raise BackboneReadError(
+        f'config.backbone.weights: the backbone in {path} cannot be read ({type(err).__name__}: '
+        f'{first_line}). It is damaged or was cut off while being written: delete {path} and '
+        f're-run (with backbone.weights=\'pretrain\' the run pretrains it again).') from None
+
+
 def load_encoder(path: str, module, example_x: jax.Array) -> dict:
   """The encoder variables {'params', ['batch_stats']} of ``module`` from ``path`` (a
   .npz in the ViT-B/16 layout, a .npz of torchvision's ResNet-18 state dict, or a
@@ -165,7 +188,7 @@ def load_encoder(path: str, module, example_x: jax.Array) -> dict:
                      f'(config.model.name = "resnet18", stem = "imagenet")')
   expected = traverse_util.flatten_dict(
       jax.eval_shape(lambda: models.init(module, jax.random.key(0), example_x))['params'])
-  stored = ocp.PyTreeCheckpointer().restore(os.path.join(os.path.abspath(path), 'params'))
+  stored = read_backbone(path)
   encoder_specs = {key: spec for key, spec in expected.items() if key[0] == 'encoder'}
   encoder = vit.checked_params(encoder_specs, stored, '/'.join,
                                f'config.backbone.weights: {path}',
