@@ -102,3 +102,30 @@ def test_a_diverging_seed_is_named_or_recorded_and_the_others_go_on(tmp_path):
     else:
       np.testing.assert_allclose(record['metrics']['global/test/accuracy'],
                                  sequential[key]['metrics']['global/test/accuracy'], rtol=1e-5)
+
+
+def test_vmapped_seeds_resume_at_the_newest_round_every_seed_has(tmp_path):
+  """A kill between the per-seed saves leaves the seeds' newest checkpoints at different
+  rounds (here seed 1 lost its round-4 checkpoint): the re-run resumes every seed at
+  round 2, the newest they all have, and ends with the uninterrupted run's results; a
+  diverged seed (on_divergence='continue') stays recorded when the run is repeated."""
+  import shutil
+  config = config_for(**{'engine.vmap_seeds': True})
+  straight = run(config, tmp_path / 'straight')
+  shutil.copytree(tmp_path / 'straight', tmp_path / 'cut')
+  shutil.rmtree(tmp_path / 'cut' / 'fedavg' / 'seed_1' / 'checkpoints' / '4')
+  for seed in (0, 2):    # a finished run's results must not be what the re-run reports
+    os.remove(tmp_path / 'cut' / 'fedavg' / f'seed_{seed}' / 'results.json')
+  resumed = run(config, tmp_path / 'cut')
+  for key in straight:
+    np.testing.assert_array_equal(resumed[key]['metrics']['global/test/accuracy'],
+                                  straight[key]['metrics']['global/test/accuracy'])
+    records = read_metrics(os.path.join(tmp_path / 'cut', 'fedavg', f'seed_{key[1]}',
+                                        'metrics.jsonl'))
+    assert [r['round'] for r in records] == [1, 2, 3, 4]
+  config = config_for(**{'client.learning_rate': 1e8, 'engine.vmap_seeds': True,
+                         'on_divergence': 'continue'})
+  first = run(config, tmp_path / 'diverged')
+  again = run(config, tmp_path / 'diverged')
+  assert {k for k, r in again.items() if 'diverged' in r} == {
+      k for k, r in first.items() if 'diverged' in r} == {('fedavg', 0), ('fedavg', 1)}

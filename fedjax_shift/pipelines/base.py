@@ -379,14 +379,17 @@ class OpenRun(NamedTuple):
   writer: Any              # metrics.MetricsWriter, None when no round is left to train
 
 
-def open_run(run_dir: str, config: ml_collections.ConfigDict, fields: dict, state) -> OpenRun:
+def open_run(run_dir: str, config: ml_collections.ConfigDict, fields: dict, state,
+             max_round: Optional[int] = None) -> OpenRun:
   """Restores ``state`` (a tuple whose last element is the elapsed seconds) from the
-  latest checkpoint of ``run_dir`` up to ``config.rounds``, records run.json and opens
+  latest checkpoint of ``run_dir`` up to ``config.rounds`` (and ``max_round``: runs
+  trained in lockstep resume at a round they all have), records run.json and opens
   metrics.jsonl from the restored round."""
   from fedjax_shift.metrics import MetricsWriter
   checkpointer = checkpoint.Checkpointer(os.path.join(run_dir, 'checkpoints'),
                                          config.checkpoint_every, config.keep_checkpoints)
-  start_round, state = checkpointer.restore(state, max_round=config.rounds)
+  limit = config.rounds if max_round is None else min(config.rounds, max_round)
+  start_round, state = checkpointer.restore(state, max_round=limit)
   start_round = start_round or 0
   if start_round:
     log.info('resumed from round %d in %s', start_round, run_dir)

@@ -32,6 +32,7 @@ from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
 from fedjax_shift.metrics import read_metrics
 from fedjax_shift.pipelines import loop, pretrain
+from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.loop import DivergenceError  # noqa: F401  (importers catch it here)
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, adapts,
                                          algorithm_names, check_run, check_run_dir,
@@ -267,7 +268,8 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
               bench: Optional[Benchmark] = None, algorithm=None,
               programs: Optional[Dict] = None, backbone: Optional[dict] = None,
               log_state: Optional[Callable] = None,
-              depends_on: Optional[Dict[str, object]] = None) -> OpenedRun:
+              depends_on: Optional[Dict[str, object]] = None,
+              max_round: Optional[int] = None) -> OpenedRun:
   """Opens one (method, seed) run: checks ``workdir``, builds the data (unless given),
   writes partition.json, builds (or reuses from ``programs``) the method, its compiled
   round and evaluation, initialises the state (from the pretrained encoder
@@ -320,7 +322,8 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
   client_states = stack_client_states(algorithm, server_state, train.num_clients)
   upload = uploaded_by_part(algorithm, server_state, client_states, train)
 
-  opened = open_run(workdir, config, fields, (server_state, client_states, jnp.float32(0.0)))
+  opened = open_run(workdir, config, fields, (server_state, client_states, jnp.float32(0.0)),
+                    max_round)
   server_state, client_states, elapsed = opened.state
 
   def evaluate(state) -> Dict[str, float]:
@@ -525,8 +528,10 @@ def train_seeds(config: ml_collections.ConfigDict, workdir: str, name: str,
   let the seeds share one built method and round."""
   seeds = tuple(config.seeds)
   run_dirs = [os.path.join(workdir, name, f'seed_{seed}') for seed in seeds]
+  common = common_checkpoint_round(run_dirs, config.rounds)
   with CompileClock() as clock:
-    opened = [setup_run(config, run_dir, name, seed, programs=programs, backbone=backbone)
+    opened = [setup_run(config, run_dir, name, seed, programs=programs, backbone=backbone,
+                        max_round=common)
               for seed, run_dir in zip(seeds, run_dirs)]
     try:
       check_lockstep(opened, seeds)
@@ -566,10 +571,20 @@ def check_lockstep(opened: Sequence[OpenedRun], seeds) -> None:
           f'config.data.pad_to to a bound on every client of every seed so that they share '
           f'one shape')
   rounds = {seed: o.run.start_round for seed, o in zip(seeds, opened)}
-  if len(set(rounds.values())) > 1:
-    raise ValueError(f'config.engine.vmap_seeds: the seeds\' checkpoints are at different '
-                     f'rounds {rounds}; finish them without engine.vmap_seeds, or use a '
-                     f'new workdir')
+  if len(set(rounds.values())) > 1:   # common_checkpoint_round chose a round all have
+    raise ValueError(f'config.engine.vmap_seeds: the seeds resumed at different rounds '
+                     f'{rounds}')
+
+
+def common_checkpoint_round(run_dirs: Sequence[str], rounds: int) -> int:
+  """The newest checkpointed round (<= ``rounds``) that every run of ``run_dirs`` has
+  (0: none), where seeds trained in lockstep resume: after a kill between the per-seed
+  saves, or a seed that diverged (with on_divergence='continue') and stopped saving,
+  the seeds ahead go back to it (training is deterministic, so they retrain the same
+  rounds) and the diverged seed diverges again, recorded as before."""
+  kept = [set(r for r in workdir_lib.checkpoint_rounds(d) if r <= rounds) for d in run_dirs]
+  common = set.intersection(*kept) if kept else set()
+  return max(common, default=0)
 
 
 def run_dirs(config: ml_collections.ConfigDict, workdir: str):
