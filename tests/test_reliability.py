@@ -392,3 +392,32 @@ def test_a_workdir_never_holds_seeds_of_different_configurations(tmp_path):
     pipelines.run(other, str(tmp_path))
   assert not os.path.exists(tmp_path / 'fedavg' / 'seed_1' / 'run.json')
   pipelines.run(tiny_config(**{'rounds': 2, 'eval_every': 2, 'seeds': (1,)}), str(tmp_path))
+
+
+def test_backbone_weights_are_fingerprinted_by_content_hashed_once(tmp_path, monkeypatch):
+  """backbone.weights=<path> enters a run's fingerprint by its bytes, not its path:
+  weights rewritten in place make the run another configuration. The file is hashed
+  once; a re-run reads the cached digest (keyed by path, size and modification time)."""
+  from fedjax_shift.pipelines import base, workdir as workdir_lib
+  monkeypatch.setattr(workdir_lib, 'DIGEST_CACHE', str(tmp_path / 'cache' / 'digests.json'))
+  weights = tmp_path / 'weights.npz'
+  weights.write_bytes(b'first weights' * 1000)
+  config = tiny_config(**{'backbone.weights': str(weights)})
+  first = base.run_fields(config, 'fedavg')
+  assert 'backbone.content' in first and first['backbone.weights'] == json.dumps(str(weights))
+  hashed = []
+  monkeypatch.setattr(workdir_lib, '_hash_file', lambda path: hashed.append(path) or 'x')
+  assert base.run_fields(config, 'fedavg') == first and hashed == []   # read from the cache
+  weights.write_bytes(b'other weights' * 1000)                          # same path, new bytes
+  os.utime(weights, ns=(1, 10 ** 18))
+  assert base.run_fields(config, 'fedavg')['backbone.content'] != first['backbone.content']
+  assert hashed == [str(weights)]
+  # A directory: the digest covers every file in it.
+  folder = tmp_path / 'saved'
+  (folder / 'params').mkdir(parents=True)
+  (folder / 'params' / 'a').write_bytes(b'1')
+  monkeypatch.undo()
+  monkeypatch.setattr(workdir_lib, 'DIGEST_CACHE', str(tmp_path / 'cache' / 'digests.json'))
+  before = workdir_lib.content_digest(str(folder))
+  (folder / 'params' / 'b').write_bytes(b'2')
+  assert workdir_lib.content_digest(str(folder)) != before

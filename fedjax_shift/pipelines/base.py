@@ -353,6 +353,10 @@ def run_fields(config: ml_collections.ConfigDict, section: str) -> dict:
   # The pretrained backbone (pipelines/pretrain.py) belongs to a run that starts from it.
   own = (section,) + (('backbone',) if 'backbone' in config and config.backbone.weights else ())
   fields = workdir_lib.state_fields(config, method_sections(), own)
+  weights = config.backbone.weights if 'backbone' in config else ''
+  if weights and weights != 'pretrain' and os.path.exists(weights):
+    # a path is not an identity: the same file may be rewritten with other weights
+    fields['backbone.content'] = json.dumps(workdir_lib.content_digest(weights))
   unused = other_benchmark_fields(config.data.benchmark)
   return {path: value for path, value in fields.items() if path not in unused}
 

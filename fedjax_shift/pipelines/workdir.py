@@ -74,6 +74,55 @@ def state_fields(config: ml_collections.ConfigDict, method_sections: Iterable[st
   return out
 
 
+# Where content digests of large input files are cached, keyed by path, size and
+# modification time, so that a re-run reads the digest instead of hashing the file again.
+DIGEST_CACHE = os.path.join(os.path.expanduser('~'), '.cache', 'fedjax_shift', 'digests.json')
+
+
+def _hash_file(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, 'rb') as f:
+    for block in iter(lambda: f.read(1 << 20), b''):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def content_digest(path: str, cache: Optional[str] = None) -> str:
+  """sha256 of a file's bytes, or of a directory's files (relative names and digests, in
+  order): what a run reads from ``path`` (e.g. ``backbone.weights``), so rewriting the
+  file in place changes the run's fingerprint. Each file is hashed once per (path,
+  size, modification time); later calls read the digest from ``cache``."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'{path} does not exist')
+  cache = cache or DIGEST_CACHE
+  files = ([path] if os.path.isfile(path) else
+           sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names))
+  try:
+    with open(cache) as f:
+      known = json.load(f)
+  except (OSError, ValueError):
+    known = {}
+  parts, changed = [], False
+  for name in files:
+    stat = os.stat(name)
+    key = f'{os.path.abspath(name)}|{stat.st_size}|{stat.st_mtime_ns}'
+    if key not in known:
+      known[key] = _hash_file(name)
+      changed = True
+    parts.append(f'{os.path.relpath(name, path) if name != path else ""}:{known[key]}')
+  if changed:
+    try:
+      os.makedirs(os.path.dirname(cache), exist_ok=True)
+      tmp = f'{cache}.{os.getpid()}.tmp'
+      with open(tmp, 'w') as f:
+        json.dump(known, f)
+      os.replace(tmp, cache)
+    except OSError as err:   # a read-only home: digests are recomputed next time
+      log.warning('could not cache content digests in %s (%s)', cache, err)
+  return parts[0].split(':', 1)[1] if os.path.isfile(path) else hashlib.sha256(
+      '\n'.join(parts).encode()).hexdigest()
+
+
 def fingerprint(fields: Dict[str, str]) -> str:
   return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
