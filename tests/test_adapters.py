@@ -347,7 +347,10 @@ def test_pipeline_accuracy_skips_empty_target_clients():
     ('adapters.bn_adapt.mixing', 'sequential', 'unknown'),
     ('adapters.tent.parameters', 'encoder', 'unknown'),
     ('adapters.tent.clip', -1.0, 'must be'),
-    ('adapters.tent.entropy_units', 'bans', 'unknown')])
+    ('adapters.tent.entropy_units', 'bans', 'unknown'),
+    ('adapters.tent.learning_rate', -1.0, 'must be'),
+    ('adapters.t3a.filter_k', 0, 'must be >= 1'),
+    ('adapters.em.num_iterations', 0, 'must be >= 1')])
 def test_adapter_ranges_and_choices_are_refused_before_anything_trains(field, value, message,
                                                                        tmp_path):
   from configs import atp as atp_configs

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_shift import models
+from fedjax_shift.adapters.common import check_fields
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 
 
@@ -54,7 +55,9 @@ def em(module, num_classes: int, num_iterations: int = 100, source_prior=None) -
   return Adapter(init, step)
 
 
-@ADAPTERS.register('em', defaults={'num_iterations': 100})  # Saerens et al. EM iterations
+@ADAPTERS.register('em', defaults={'num_iterations': 100},  # Saerens et al. EM iterations
+                   check=lambda h: check_fields('em', at_least={
+                       'num_iterations': (h.num_iterations, 1)}))
 def build_em(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.em``."""
   return em(module, context.num_classes, hparams.num_iterations)
