@@ -118,9 +118,10 @@ def test_every_method_section_holds_its_registered_defaults():
                                r"'label_skew_corrupted'"),
     ('data.benchmark', 'atp_shift', r"config.data.benchmark: 'atp_shift' feeds the "
                                     r"\['atp'\] pipeline"),
-    ('fedprox.nu', 0.1, r"config.fedprox.nu: unknown field; config.fedprox has \['client_learning_rate', 'mu'\]"),
+    ('fedprox.nu', 0.1, r"config.fedprox.nu: unknown field; config.fedprox has "
+                        r"\['client_batch_size', 'client_learning_rate', 'mu'\]"),
     ('fedavg.mu', 0.1, r"config.fedavg.mu: unknown field; config.fedavg has "
-                        r"\['client_learning_rate'\]"),
+                        r"\['client_batch_size', 'client_learning_rate'\]"),
     ('adapters.tent.lr', 0.1, r'config.adapters.tent.lr: unknown field'),
     ('eval_adapters', ('tent:sometimes',), r"config.eval_adapters: unknown mode 'sometimes'"),
     ('eval_adapters', ('tnet:online',), r"config.eval_adapters: unknown adapter 'tnet'"),
@@ -266,8 +267,9 @@ def test_builders_take_their_section_and_the_engine_context():
     algorithms.build('toy_recorder', config, module, 7, {'num_domains': 2})
   finally:
     ALGORITHMS.unregister('toy_recorder')
-  # its own fields and the field every method has (0: the shared client rate)
-  assert seen['hparams'].to_dict() == {'strength': 0.5, 'client_learning_rate': 0.0}
+  # its own fields and the fields every method has (0: the shared client rate and batch)
+  assert seen['hparams'].to_dict() == {'strength': 0.5, 'client_learning_rate': 0.0,
+                                       'client_batch_size': 0}
   assert seen['context'].info == {'num_domains': 2}
   assert seen['context'].schedule.batch_size == config.client.batch_size
   assert seen['context'].schedule.max_examples == 7
