@@ -132,6 +132,16 @@ def _read_json(path: str) -> dict:
                          'or use a new --workdir')
 
 
+def changed_fields(recorded: Dict[str, str], fields: Dict[str, str],
+                   ignored: Iterable[str] = ()) -> list:
+  """'field: old → new' for every field a recorded run and ``fields`` disagree on
+  (recorded fields in ``ignored`` are not compared), sorted."""
+  ignored = set(ignored)
+  old = {k: v for k, v in recorded.items() if k not in ignored}
+  return [f'{k}: {old.get(k, "(absent)")} → {fields.get(k, "(absent)")}'
+          for k in sorted(set(old) | set(fields)) if old.get(k) != fields.get(k)]
+
+
 def check_run_dir(run_dir: str, fields: Dict[str, str], rounds: int, resume: str,
                   ignored: Iterable[str] = ()) -> None:
   """Raises RunMismatchError when ``run_dir`` holds a run whose state fields differ
@@ -142,10 +152,7 @@ def check_run_dir(run_dir: str, fields: Dict[str, str], rounds: int, resume: str
   if not os.path.exists(path):
     return
   recorded = _read_json(path)
-  ignored = set(ignored)
-  old = {k: v for k, v in recorded['fields'].items() if k not in ignored}
-  changed = [f'{k}: {old.get(k, "(absent)")} → {fields.get(k, "(absent)")}'
-             for k in sorted(set(old) | set(fields)) if old.get(k) != fields.get(k)]
+  changed = changed_fields(recorded['fields'], fields, ignored)
   if changed:
     raise RunMismatchError(
         f'{run_dir} holds a run of another configuration; changed fields:\n  ' +
@@ -168,7 +175,6 @@ def check_other_seeds(run_dir: str, fields: Dict[str, str], rounds: int,
   if not name.startswith('seed_') or not os.path.isdir(parent):
     return
   running = {os.path.normpath(r) for r in running}
-  ignored = set(ignored)
   for sibling in sorted(os.listdir(parent)):
     other = os.path.join(parent, sibling)
     path = os.path.join(other, 'run.json')
@@ -176,9 +182,7 @@ def check_other_seeds(run_dir: str, fields: Dict[str, str], rounds: int,
         not os.path.exists(path):
       continue
     recorded = _read_json(path)
-    old = {k: v for k, v in recorded['fields'].items() if k not in ignored}
-    changed = [f'{k}: {old.get(k, "(absent)")} → {fields.get(k, "(absent)")}'
-               for k in sorted(set(old) | set(fields)) if old.get(k) != fields.get(k)]
+    changed = changed_fields(recorded['fields'], fields, ignored)
     if recorded['rounds'] != rounds:
       changed.append(f'rounds: {recorded["rounds"]} → {rounds}')
     if changed:
