@@ -119,6 +119,7 @@ def _domainnet(c: ml_collections.ConfigDict, match=None) -> None:
   c.data.domain_examples = 500
   c.data.test_split = 'test'
   c.cohort_size = 6
+  c.client.augmentation = ('horizontal_flip', 'rotate30')  # their train transform
   _cpu_patches(c)
 
 
@@ -132,6 +133,7 @@ def _cifar100(c: ml_collections.ConfigDict, match=None) -> None:
   c.data.images_per_class = 10
   c.data.num_clients = 5
   c.data.test_split = 'test'
+  c.client.augmentation = ('horizontal_flip', 'rotate15')  # their train transform
   _cpu_patches(c)
 
 
@@ -139,8 +141,8 @@ def _tiny_imagenet(c: ml_collections.ConfigDict, match=None) -> None:
   """Label shift (Table 1, Tiny-ImageNet) from the dataset's train folders
   (<data_dir>/tiny-imagenet-200/train/<wnid>/images/): the first 10 images of each of
   the 200 classes dealt to five clients by Dirichlet(0.2) per class, as the authors'
-  code. Not as theirs: the test images are held back from the train folders (the val
-  folder's layout is not read)."""
+  code (no training augmentation, as theirs). Not as theirs: the test images are held
+  back from the train folders (the val folder's layout is not read)."""
   c.data.benchmark = 'small_clients'
   c.data.source = 'folder:tiny-imagenet-200/train'
   c.data.dirichlet_alpha = 0.2

@@ -65,6 +65,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.client.batch_size = 20          # ATP: batch 20
   c.client.local_epochs = 1
   c.client.local_steps = 0          # > 0: fixed steps per round instead of epochs
+  c.client.augmentation = ()        # data/augment.py VIEW_AUGMENTATIONS names, applied in
+                                    # order to every training image (e.g. flip, rotate15)
 
   c.server = ml_collections.ConfigDict()
   c.server.optimizer = 'sgd'        # 'sgd' with lr 1 is FedAvg; 'fedavgm'; 'fedadam'

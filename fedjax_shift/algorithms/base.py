@@ -16,6 +16,7 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.core.algorithm import ClientData, ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import LocalSchedule, local_train, masked_mean
+from fedjax_shift.data import augment
 from fedjax_shift.parts.trees import tree_sub, weighted_sum  # noqa: F401
 from fedjax_shift.registry import Registry, require
 
@@ -133,6 +134,7 @@ def check_training(config: ml_collections.ConfigDict) -> None:
            'client.local_epochs', 'need local_epochs >= 1 or local_steps >= 1')
   require(config.client.local_steps >= 0, 'client.local_steps',
            f'must be >= 0, got {config.client.local_steps}')
+  augment.check_view_names(config.client.augmentation, 'client.augmentation')
   for name in config.algorithms:
     if name in config and 'client_learning_rate' in config[name]:
       rate = config[name].client_learning_rate
@@ -166,7 +168,7 @@ def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
   c = method_client(config, name) if name else config.client
   schedule = LocalSchedule(batch_size=c.batch_size, num_epochs=c.local_epochs,
                            num_steps=c.local_steps, max_examples=max_examples,
-                           unroll=config.engine.unroll)
+                           unroll=config.engine.unroll, augmentation=tuple(c.augmentation))
   fraction = min(1.0, config.cohort_size / num_clients) if num_clients else 1.0
   return BuildContext(module, client_optimizer(c), server_optimizer(config.server), schedule,
                       float(c.learning_rate), build_info(info), fraction, num_clients or 0,

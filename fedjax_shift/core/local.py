@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_shift.core.algorithm import ClientData
+from fedjax_shift.data import augment
 
 PyTree = Any
 # (params, model_state, x [B, ...], y [B], example_weight [B], rng) -> (loss, model_state)
@@ -38,12 +39,15 @@ class LocalSchedule(NamedTuple):
     max_examples: N, the padded client size (bounds the static step count).
     unroll: ``lax.scan`` unroll (True/False/int). XLA:CPU runs convolutions in
       rolled loops ~11x slower (BENCHMARKS.md); rolled loops compile faster on GPU/TPU.
+    augmentation: names of ``data.augment.VIEW_AUGMENTATIONS`` applied in order to
+      every training image of every batch (a fresh draw per example and step); () none.
   """
   batch_size: int
   num_epochs: int
   num_steps: int
   max_examples: int
   unroll: Any = 1
+  augmentation: Tuple[str, ...] = ()
 
   @property
   def max_steps(self) -> int:
@@ -114,6 +118,8 @@ def local_train(loss_fn: LossFn, optimizer: optax.GradientTransformation, params
   def step_fn(carry, step):
     params, model_state, opt_state, loss_sum = carry
     x, y, weight = batch_at(schedule, data, order, step)
+    x = augment.augment_batch(jax.random.fold_in(jax.random.fold_in(rng, 2), step), x,
+                              schedule.augmentation)
     step_rng = jax.random.fold_in(jax.random.fold_in(rng, 1), step)
     (loss, new_model_state), grads = grad_fn(params, model_state, x, y, weight, step_rng)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)

@@ -157,6 +157,21 @@ def horizontal_flip(key: jax.Array, image: jax.Array) -> jax.Array:
   return jnp.where(jax.random.bernoulli(key), image[:, ::-1], image)
 
 
+# The FedIns authors' training rotations (torchvision ``RandomRotation(15)`` for
+# CIFAR-100, ``RandomRotation(30)`` for DomainNet): an angle U(−d°, d°), here bilinear
+# with edges extended where torchvision fills the corners black.
+@VIEW_AUGMENTATIONS.register('rotate15')
+def rotate15(key: jax.Array, image: jax.Array) -> jax.Array:
+  """A rotation by U(−15°, 15°) about the centre."""
+  return rotate(image, jax.random.uniform(key, (), minval=-15.0, maxval=15.0))
+
+
+@VIEW_AUGMENTATIONS.register('rotate30')
+def rotate30(key: jax.Array, image: jax.Array) -> jax.Array:
+  """A rotation by U(−30°, 30°) about the centre."""
+  return rotate(image, jax.random.uniform(key, (), minval=-30.0, maxval=30.0))
+
+
 def _gray(image: jax.Array) -> jax.Array:
   """Luma [H, W, 1] (ITU-R 601 weights; a 1-channel image is its own gray)."""
   if image.shape[-1] == 1:
@@ -233,3 +248,16 @@ def two_views(key: jax.Array, x: jax.Array, names) -> jax.Array:
   batch = x.shape[0]
   return jnp.concatenate([many(jax.random.split(first, batch), x),
                           many(jax.random.split(second, batch), x)])
+
+
+def augment_batch(key: jax.Array, x: jax.Array, names) -> jax.Array:
+  """x [B, H, W, C] with every example replaced by one random ``view`` of it (one key
+  per example, split from ``key``); x itself when ``names`` is empty. Training-time
+  augmentation (``config.client.augmentation``)."""
+  if not names:
+    return x
+  if x.ndim != 4:
+    raise ValueError(f'config.client.augmentation {tuple(names)} needs images [B, H, W, C]; '
+                     f'got inputs of shape {x.shape}: set it to ()')
+  return jax.vmap(lambda k, image: view(k, image, names))(
+      jax.random.split(key, x.shape[0]), x).astype(x.dtype)

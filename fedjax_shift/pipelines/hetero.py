@@ -170,7 +170,7 @@ def setup(config: ml_collections.ConfigDict, bench, seed: int) -> Setup:
   public_x, public_y = upfl.public_set(config.data, bench.info)
   c = config.client
   schedule = LocalSchedule(c.batch_size, c.local_epochs, c.local_steps, train.max_examples,
-                           config.engine.unroll)
+                           config.engine.unroll, tuple(c.augmentation))
   base_optimizer = base.client_optimizer(c)
   example_x = jnp.asarray(train.x[0, :1])
   algorithm = hetero_fedtta.build(hp, bench.num_classes, public_x, base_optimizer, schedule,

@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from fedjax_shift import models
-from fedjax_shift.data import digit_domains
+from fedjax_shift.data import digit_domains, sources
 from fedjax_shift.models import torchvision_resnet, vit
 from fedjax_shift.pipelines.base import PIPELINES, Results, check_sections, hardware
 from fedjax_shift.registry import check_fields, require
@@ -73,18 +73,31 @@ def check(config: ml_collections.ConfigDict) -> None:
             f"saved by the pretrain pipeline)")
 
 
+def image_size(config: ml_collections.ConfigDict) -> int:
+  """The side of the pretraining images: the run's ``data.image_size`` (0: the digits'
+  28), so that the backbone's input layer (a ViT's patch grid) fits the clients' data."""
+  return config.data.image_size or digit_domains.SIZE
+
+
 def fingerprint(config: ml_collections.ConfigDict) -> dict:
-  """What determines pretrained weights: the model and the backbone section."""
-  return {'model': config.model.to_dict(), 'backbone': config.backbone.to_dict()}
+  """What determines pretrained weights: the model, the backbone section and the image
+  side (recorded only when it is not the digits' 28, the size of every earlier record)."""
+  size = image_size(config)
+  return {'model': config.model.to_dict(), 'backbone': config.backbone.to_dict(),
+          **({'image_size': size} if size != digit_domains.SIZE else {})}
 
 
 def source_data(config: ml_collections.ConfigDict):
-  """(train, held-out) pairs of (x [N, 28, 28, 3], y [N]) from ``backbone.domains``."""
+  """(train, held-out) pairs of (x [N, S, S, 3], y [N]) from ``backbone.domains``, S =
+  ``image_size(config)`` (the domains' 28-px images resized bilinearly)."""
   b = config.backbone
   rng = np.random.default_rng([b.seed, 91])
   parts = [digit_domains.domain(name, b.examples, rng, config.data.data_dir or None)
            for name in b.domains]
   x = np.concatenate([p.x for p in parts])
+  size = image_size(config)
+  if x.shape[1:3] != (size, size):
+    x = sources.resize_images(x, size, size)
   y = np.concatenate([p.y for p in parts])
   order = rng.permutation(len(y))
   cut = int(round(len(y) * (1 - HELD_OUT)))
