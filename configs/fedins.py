@@ -31,8 +31,9 @@ six clients of 26 images, one domain each, tested on its domain's test split),
 cifar100 (the first 10 images of each class dealt to five clients by Dirichlet(0.2) per
 class, the global model tested on the test split), tiny_imagenet (the same from
 Tiny-ImageNet's train folders under data_dir; test images held back from them). At
-32 px and patch 4 for the CPU ViT, 224 px with vit_b16. Not built: the authors' training
-augmentation (flip, ±15° / ±30° rotation).
+32 px and patch 4 for the CPU ViT, 224 px with vit_b16; with the authors' training
+augmentation (client.augmentation: flip and ±15° rotation on cifar100, ±30° on
+domainnet, none on tiny_imagenet).
 ablation (Table 2's rows we have: SSF; SSF pool without the instance query; SSF pool),
 per_image (the authors' release: one SGD step per image for the SSF methods, the
 baselines at batch 32), per_image_all (every method one step per image; each method's
