@@ -38,7 +38,9 @@ ablation (Table 2's rows we have: SSF; SSF pool without the instance query; SSF 
 per_image (the authors' release: one SGD step per image for the SSF methods, the
 baselines at batch 32), per_image_all (every method one step per image; each method's
 section has client_batch_size, 0 = client.batch_size),
-pool_<M> (pool size M), top_<C> (C chosen SSFs), alpha_<a> (domain Dirichlet α), tiny.
+pool_<M> (pool size M), top_<C> (C chosen SSFs), alpha_<a> (domain Dirichlet α),
+backbone_<d1+d2…> (the backbone study: the backbone pretrained on those domains, the real
+ones from a reserve of half of each real domain that no client holds), tiny.
 """
 import ml_collections
 
@@ -74,7 +76,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
                        'quick, paper, vit_b16, domainnet, cifar100, tiny_imagenet, ablation, '
                        'per_image, per_image_all, '
                        'pool_<M>, '
-                       'top_<C>, alpha_<a>, tiny')
+                       'top_<C>, alpha_<a>, backbone_<d1+d2...>, tiny')
 
 
 def _quick(c: ml_collections.ConfigDict, match=None) -> None:
@@ -184,6 +186,18 @@ def _alpha(c: ml_collections.ConfigDict, match) -> None:
   c.data.domain_alpha = float(match['alpha'])
 
 
+# The backbone study's reserve: half of each real digit domain (mnist, uci, mnistm) is kept
+# for pretraining and never dealt to a client, at every coverage level alike.
+BACKBONE_RESERVE = 0.5
+
+
+def _backbone(c: ml_collections.ConfigDict, match) -> None:
+  """The backbone pretrained on the named domains ('+'-joined; the real ones from their
+  reserve, synth from new renders), the clients drawing from the rest."""
+  c.data.backbone_reserve = BACKBONE_RESERVE
+  c.backbone.domains = tuple(match['domains'].split('+'))
+
+
 def _tiny(c: ml_collections.ConfigDict, match=None) -> None:
   """Seconds-long runs for tests: a 2-block ViT of width 16, 40 pretraining renders."""
   c.seeds = (0,)
@@ -213,4 +227,4 @@ VARIANTS = (('quick', _quick), ('paper', _paper), ('vit_b16', _vit_b16),
             ('ablation', _ablation), (r'per_image(?P<all>_all)?', _per_image),
             (r'pool_(?P<size>\d+)', _pool),
             (r'top_(?P<count>\d+)', _top), (r'alpha_(?P<alpha>[\d.]+)', _alpha),
-            ('tiny', _tiny))
+            (r'backbone_(?P<domains>[a-z]+(?:\+[a-z]+)*)', _backbone), ('tiny', _tiny))

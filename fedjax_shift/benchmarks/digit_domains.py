@@ -39,6 +39,7 @@ def check(data_config: ml_collections.ConfigDict) -> None:
             f'MNIST-M are not on PyPI or in TFDS)')
   require(data_config.domain_examples >= 10, 'data.domain_examples',
           f'must be >= 10, got {data_config.domain_examples}')
+  check_reserve(data_config)
   require(data_config.clients_per_domain >= 1, 'data.clients_per_domain',
           f'must be >= 1, got {data_config.clients_per_domain}')
   held_out = data_config.held_out_domain
@@ -55,13 +56,31 @@ def check(data_config: ml_collections.ConfigDict) -> None:
           'the covariate-shift benchmark (data.held_out_domain="") needs corruptions')
 
 
+# The domains whose images can be split into a backbone share and a clients' share.
+RESERVABLE = ('mnist', 'uci', 'mnistm')
+
+
+def check_reserve(data_config: ml_collections.ConfigDict) -> None:
+  """``data.backbone_reserve`` in [0, 1), and only with digit domains that have a
+  reserve (the real ones) or need none (synth, generated anew)."""
+  reserve = data_config.backbone_reserve
+  require(0.0 <= reserve < 1.0, 'data.backbone_reserve', f'must be in [0, 1), got {reserve}')
+  if reserve > 0:
+    others = [name for name in data_config.domains if name not in RESERVABLE + ('synth',)]
+    require(not others, 'data.backbone_reserve',
+            f'only {list(RESERVABLE)} are split into a backbone and a clients\' share (synth '
+            f'draws new images); {others} cannot be')
+
+
 def load_domains(data_config: ml_collections.ConfigDict, seed: int):
   """{domain: Source} with ``domain_examples`` each (numpy generator [seed, 43])."""
   rng = np.random.default_rng([seed, 43])
   count = data_config.domain_examples
+  reserve = data_config.backbone_reserve
   out = {}
   for name in data_config.domains:
-    out[name] = digit_domains.domain(name, count, rng, data_config.data_dir or None)
+    out[name] = digit_domains.domain(name, count, rng, data_config.data_dir or None, reserve,
+                                     'clients' if reserve > 0 else 'all')
   return out
 
 
@@ -70,6 +89,9 @@ def load_domains(data_config: ml_collections.ConfigDict, seed: int):
     'domain_examples': 1500,          # examples per domain (UCI has 1,797)
     'clients_per_domain': 1,          # FedICON Table 1: 5 clients, one per domain
     'held_out_domain': '',            # '' covariate shift; a domain: leave-one-domain-out
+    # A fraction of each real domain (mnist, uci, mnistm) kept for backbone pretraining
+    # (pipelines/pretrain.py draws backbone.domains from it): the clients never see it.
+    'backbone_reserve': 0.0,
 }, check=check, pipelines=('federated',))
 def digit_domains_benchmark(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """See the module docstring. ``info['client_domain']`` names each client's domain."""

@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_shift.benchmarks.base import BENCHMARKS, Benchmark
-from fedjax_shift.benchmarks.digit_domains import load_domains
+from fedjax_shift.benchmarks.digit_domains import check_reserve, load_domains
 from fedjax_shift.data import digit_domains, sources
 from fedjax_shift.data.federated import stack_clients
 from fedjax_shift.registry import require
@@ -53,6 +53,7 @@ def check(data_config: ml_collections.ConfigDict) -> None:
   require(not tfds or len(tfds) == len(domains), 'data.domains',
           f'digit domains and TFDS domains have different label spaces: got {domains}')
   check_client_sizes(data_config)
+  check_reserve(data_config)
   require(data_config.domain_alpha > 0, 'data.domain_alpha',
           f'must be > 0, got {data_config.domain_alpha}')
   require(data_config.client_domains in CLIENT_DOMAINS, 'data.client_domains',
@@ -155,6 +156,8 @@ def pooled(domains: dict):
     'client_domains': 'dirichlet',  # 'dirichlet' (domain_alpha) | 'one_each' (client k = domain k)
     'test_split': '',               # '': test images held back from the training pools;
                                     # a TFDS split (e.g. 'test'): tested on that split
+    'backbone_reserve': 0.0,        # as digit_domains: each real domain's share kept for
+                                    # the pretrained backbone, never dealt to a client
 }, check=check, pipelines=('federated',))
 def mixed_domains(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """See the module docstring. ``info['client_domain_counts']``: [K][domain] train counts."""

@@ -122,25 +122,54 @@ def balanced_labels(count: int, rng: np.random.Generator) -> np.ndarray:
   return rng.permutation(np.arange(count) % 10).astype(np.int32)
 
 
+# The parts of a real domain's images: 'all' of them, or with a reserve fraction r the
+# 'backbone' share (a fixed r of the pool, the same for every seed) and the 'clients'
+# share (the rest). Generated domains (synth) draw new images for every call.
+PARTS = ('all', 'backbone', 'clients')
+RESERVE_SEED = 77
+
+
+def pool_part(pool: np.ndarray, reserve: float, part: str) -> np.ndarray:
+  """The indices of ``pool`` [P] that ``part`` may draw from: all of them ('all' or
+  reserve 0), the first round(reserve·P) of one fixed permutation ('backbone') or the
+  rest ('clients'); disjoint for one pool and reserve."""
+  if part not in PARTS:
+    raise ValueError(f'unknown part {part!r}; choose from {list(PARTS)}')
+  if part == 'all' or reserve <= 0:
+    if part == 'backbone':
+      raise ValueError('config.data.backbone_reserve: the backbone part of a real domain '
+                       'needs a reserve > 0')
+    return np.asarray(pool)
+  order = np.random.default_rng(RESERVE_SEED).permutation(np.asarray(pool))
+  cut = int(round(reserve * len(order)))
+  return order[:cut] if part == 'backbone' else order[cut:]
+
+
 def domain(name: str, count: int, rng: np.random.Generator,
-           data_dir: Optional[str] = None) -> sources.Source:
-  """``count`` examples of domain ``name`` (all a real domain has when it has fewer).
-  The mnist domain and mnistm draw from the two halves of ``mnist_halves``."""
+           data_dir: Optional[str] = None, reserve: float = 0.0,
+           part: str = 'all') -> sources.Source:
+  """``count`` examples of domain ``name`` (all a real domain has when it has fewer),
+  drawn from ``part`` of its images (``pool_part``: with ``reserve`` r > 0 a real
+  domain's 'backbone' and 'clients' parts are disjoint). The mnist domain and mnistm
+  draw from the two halves of ``mnist_halves``."""
   if name == 'mnist':
     src = sources.mnist_embedded()
-    order = rng.permutation(mnist_halves(src.y)[0])[:count]
+    order = rng.permutation(pool_part(mnist_halves(src.y)[0], reserve, part))[:count]
     return sources.Source(_grey_to_rgb(src.x[order]), src.y[order], 10)
   if name == 'uci':
     src = sources.uci_digits_mnist_frame(SIZE)
-    order = rng.permutation(len(src.y))[:count]
+    order = rng.permutation(pool_part(np.arange(len(src.y)), reserve, part))[:count]
     return sources.Source(_grey_to_rgb(src.x[order]), src.y[order], 10)
   if name == 'mnistm':
     src = sources.mnist_embedded()
-    order = rng.permutation(mnist_halves(src.y)[1])[:count]
+    order = rng.permutation(pool_part(mnist_halves(src.y)[1], reserve, part))[:count]
     return sources.Source(mnistm(src.x[order], rng), src.y[order], 10)
   if name == 'synth':
     labels = balanced_labels(count, rng)
     return sources.Source(synth(labels, rng), labels, 10)
+  if reserve > 0 and part != 'all':
+    raise ValueError(f'config.data.backbone_reserve: domain {name!r} has no reserve (only '
+                     f'mnist, uci and mnistm are split; synth draws new images)')
   if name.startswith('folder:'):
     return folder_domain(name[len('folder:'):], count, rng, data_dir)
   if name == 'svhn':

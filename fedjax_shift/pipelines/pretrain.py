@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from fedjax_shift import models
+from fedjax_shift.benchmarks.digit_domains import RESERVABLE
 from fedjax_shift.data import digit_domains, sources
 from fedjax_shift.models import torchvision_resnet, vit
 from fedjax_shift.pipelines.base import PIPELINES, Results, check_sections, hardware
@@ -62,6 +63,11 @@ def check(config: ml_collections.ConfigDict) -> None:
     for name in b.domains:
       require(name in digit_domains.DOMAINS or name.startswith('folder:'), 'backbone.domains',
               f'unknown digit domain {name!r}; choose from {list(digit_domains.DOMAINS)}')
+    if config.data.get('backbone_reserve', 0.0) > 0:
+      others = [name for name in b.domains if name not in RESERVABLE + ('synth',)]
+      require(not others, 'backbone.domains',
+              f'with data.backbone_reserve > 0 the backbone draws from the reserve of '
+              f'{list(RESERVABLE)} (or new synth images); {others} have none')
     require(b.examples >= 20, 'backbone.examples', f'must be >= 20, got {b.examples}')
     require(b.epochs >= 1, 'backbone.epochs', f'must be >= 1, got {b.epochs}')
     require(b.batch_size >= 1, 'backbone.batch_size', f'must be >= 1, got {b.batch_size}')
@@ -80,19 +86,25 @@ def image_size(config: ml_collections.ConfigDict) -> int:
 
 
 def fingerprint(config: ml_collections.ConfigDict) -> dict:
-  """What determines pretrained weights: the model, the backbone section and the image
-  side (recorded only when it is not the digits' 28, the size of every earlier record)."""
-  size = image_size(config)
+  """What determines pretrained weights: the model, the backbone section, the image side
+  and the real domains' reserve (these two recorded only when they are not 28 and 0,
+  the values of every earlier record)."""
+  size, reserve = image_size(config), config.data.get('backbone_reserve', 0.0)
   return {'model': config.model.to_dict(), 'backbone': config.backbone.to_dict(),
-          **({'image_size': size} if size != digit_domains.SIZE else {})}
+          **({'image_size': size} if size != digit_domains.SIZE else {}),
+          **({'backbone_reserve': reserve} if reserve else {})}
 
 
 def source_data(config: ml_collections.ConfigDict):
   """(train, held-out) pairs of (x [N, S, S, 3], y [N]) from ``backbone.domains``, S =
-  ``image_size(config)`` (the domains' 28-px images resized bilinearly)."""
+  ``image_size(config)`` (the domains' 28-px images resized bilinearly); with
+  ``data.backbone_reserve`` > 0 the real domains' images come from their reserve, which
+  no client holds."""
   b = config.backbone
   rng = np.random.default_rng([b.seed, 91])
-  parts = [digit_domains.domain(name, b.examples, rng, config.data.data_dir or None)
+  reserve = config.data.get('backbone_reserve', 0.0)
+  parts = [digit_domains.domain(name, b.examples, rng, config.data.data_dir or None, reserve,
+                                'backbone' if reserve > 0 and name != 'synth' else 'all')
            for name in b.domains]
   x = np.concatenate([p.x for p in parts])
   size = image_size(config)

@@ -4,12 +4,15 @@ sends, with the paper's numbers beside ours. Registered as the paper table 'fedi
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Sequence
+
+import numpy as np
 
 from fedjax_shift.benchmarks.mixed_domains import domain_label
 from fedjax_shift.papers.fedins import numbers
-from fedjax_shift.report import (PAPER_TABLES, PaperTable, markdown, mean_std, paper_markdown,
-                                 seeds_cell)
+from fedjax_shift.report import (PAPER_TABLES, PaperTable, load_runs, markdown, mean_std,
+                                 paper_markdown, run_config, seeds_cell)
 
 
 # FedIns Table 1 rows: (label, method, model). SOLO and FedBN are scored with
@@ -101,6 +104,75 @@ def paper_key(data_config) -> str:
   return {'tfds:cifar100': 'Table 1 (CIFAR-100)'}.get(source, 'Table 1 (Tiny-ImageNet)')
 
 
+# The backbone study: FedIns against the methods it is compared with, per test domain.
+BACKBONE_BASELINES = (('fedavg', 'FedAvg'), ('fedins_ssf', 'SSF'))
+
+
+def seed_differences(runs: List[Dict], method: str, baseline: str, key: str) -> List[float]:
+  """[method − baseline] of ``key`` per seed both ran (paired by seed)."""
+  by_seed = lambda name: {r['seed']: r['metrics'].get(key) for r in runs
+                          if r['algorithm'] == name}
+  ours, theirs = by_seed(method), by_seed(baseline)
+  return [ours[s] - theirs[s] for s in sorted(ours) if s in theirs and
+          ours[s] is not None and theirs[s] is not None]
+
+
+def backbones_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
+  """The backbone study: one row per workdir (a run of configs/fedins.py whose backbone
+  was pretrained on other domains' reserve: labels name the coverage, e.g.
+  'mnist,mnist+uci,all four'); per test domain, FedIns − FedAvg and FedIns − SSF in
+  points, mean ± std over the paired seeds; the figure of both against the coverage,
+  written beside the first workdir as backbones.png."""
+  runs = load_runs(workdirs, labels)
+  domains = [domain_label(d) for d in run_config(workdirs[0]).data.domains]
+  splits = [('test', 'all')] + [(f'test_{d}', d) for d in domains]
+  header = ['Backbone pretrained on', 'backbone domains'] + [
+      f'{split_label}: FedIns − {name}' for _, split_label in splits
+      for _, name in BACKBONE_BASELINES] + ['seeds']
+  rows, means = [], {}
+  for (label, results), workdir in zip(runs.items(), workdirs):
+    covered = tuple(run_config(workdir).backbone.domains)
+    row = [label, ', '.join(domain_label(d) for d in covered)]
+    for split, split_label in splits:
+      for baseline, name in BACKBONE_BASELINES:
+        diffs = seed_differences(results, 'fedins', baseline, f'global/{split}/accuracy')
+        row.append(mean_std(diffs) if diffs else 'n/a')
+        means[(label, split_label, name)] = 100 * np.mean(diffs) if diffs else np.nan
+    row.append(str(len({r['seed'] for r in results if r['algorithm'] == 'fedins'})))
+    rows.append(row)
+  path = os.path.join(os.path.dirname(os.path.normpath(workdirs[0])), 'backbones.png')
+  plot_backbones(list(runs), [s for _, s in splits], means, path)
+  return ('FedIns backbone study: FedIns − baseline accuracy (points) on each test domain, '
+          'against the domains the backbone was pretrained on (their reserve, never a '
+          f'client\'s image); the figure: {path}\n\n' + markdown(header, rows))
+
+
+def plot_backbones(coverages: Sequence[str], splits: Sequence[str], means: Dict, path: str):
+  """FedIns − FedAvg (solid) and − SSF (dashed) per test domain against the coverage."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 4))
+  positions = np.arange(len(coverages))
+  for index, split in enumerate(splits):
+    colour = f'C{index}'
+    for (_, name), style in zip(BACKBONE_BASELINES, ('-', '--')):
+      ax.plot(positions, [means[(c, split, name)] for c in coverages], style, color=colour,
+              marker='o', markersize=3, label=f'{split}: − {name}')
+  ax.axhline(0.0, color='k', linewidth=0.5)
+  ax.set_xticks(positions, coverages, fontsize=7)
+  ax.set_xlabel('backbone pretrained on')
+  ax.set_ylabel('FedIns − baseline (points)')
+  ax.legend(fontsize=6, ncol=2)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+PAPER_TABLES.register('fedins_backbones', pipelines=('federated',))(
+    PaperTable(None, backbones_from_workdirs, needs=('/test/accuracy',)))
 PAPER_TABLES.register('fedins', pipelines=('federated',))(
     PaperTable(lambda config, records: fedins_tables(config, records['results']), None,
                needs=('/test/accuracy',)))
