@@ -228,8 +228,33 @@ def load_runs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> Dict[str, 
     paths = sorted(glob.glob(os.path.join(workdir, '*', 'seed_*', 'results.json')))
     if not paths:
       raise FileNotFoundError(f'no <method>/seed_<s>/results.json under {workdir!r}')
+    check_seeds_agree(paths)
     out[label] = [read_result(path) for path in paths]
   return out
+
+
+def check_seeds_agree(paths: Sequence[str]) -> None:
+  """Raises ValueError when two seeds of one method (``<method>/seed_<s>/results.json``
+  paths, each beside its run.json) were trained with fingerprinted fields or a round
+  target that differ: their mean would mix two configurations. Names the field."""
+  from fedjax_shift.pipelines.workdir import changed_fields
+  by_method = {}
+  for path in paths:
+    run_json = os.path.join(os.path.dirname(path), 'run.json')
+    if os.path.exists(run_json):
+      method = os.path.basename(os.path.dirname(os.path.dirname(path)))
+      by_method.setdefault(method, []).append((os.path.dirname(path), read_result(run_json)))
+  for method, ((first_dir, first), *others) in by_method.items():
+    for other_dir, other in others:
+      changed = changed_fields(first['fields'], other['fields'])
+      if first['rounds'] != other['rounds']:
+        changed.append(f'rounds: {first["rounds"]} → {other["rounds"]}')
+      if changed:
+        raise ValueError(
+            f'{first_dir} and {other_dir} are seeds of {method} trained with different '
+            f'configurations; their mean would mix them. Changed:\n  ' + '\n  '.join(changed) +
+            '\nRe-run the seeds with one configuration (or report them from separate '
+            'workdirs).')
 
 
 def run_config(workdir: str):

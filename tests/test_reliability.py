@@ -421,3 +421,55 @@ def test_backbone_weights_are_fingerprinted_by_content_hashed_once(tmp_path, mon
   before = workdir_lib.content_digest(str(folder))
   (folder / 'params' / 'b').write_bytes(b'2')
   assert workdir_lib.content_digest(str(folder)) != before
+
+
+def _write_seed(workdir, method, seed, accuracy, fields, rounds=10):
+  run_dir = workdir / method / f'seed_{seed}'
+  run_dir.mkdir(parents=True)
+  (run_dir / 'results.json').write_text(json.dumps(
+      {'algorithm': method, 'seed': seed,
+       'metrics': {f'{m}/test/{k}': accuracy for m in ('global', 'personalized')
+                   for k in ('accuracy', 'client_accuracy')}}))
+  (run_dir / 'run.json').write_text(json.dumps({'fields': fields, 'rounds': rounds}))
+
+
+def test_report_refuses_to_average_seeds_of_different_configurations(tmp_path):
+  """Two seeds of fedavg trained with another learning rate (or another round target)
+  are refused by every report layout, naming the field; equal fields are averaged."""
+  from fedjax_shift.report import load_runs
+  same = tmp_path / 'same'
+  for seed in (0, 1):
+    _write_seed(same, 'fedavg', seed, 0.5, {'client.learning_rate': '0.1'})
+  assert len(load_runs([str(same)])['same']) == 2
+  mixed = tmp_path / 'mixed'
+  _write_seed(mixed, 'fedavg', 0, 0.5, {'client.learning_rate': '0.1'})
+  _write_seed(mixed, 'fedavg', 1, 0.6, {'client.learning_rate': '0.05'})
+  with pytest.raises(ValueError, match=r'seeds of fedavg trained with different configurations'
+                                       r'(.|\n)*client.learning_rate: 0.1 → 0.05'):
+    load_runs([str(mixed)])
+  longer = tmp_path / 'longer'
+  _write_seed(longer, 'fedavg', 0, 0.5, {}, rounds=10)
+  _write_seed(longer, 'fedavg', 1, 0.6, {}, rounds=20)
+  from fedjax_shift.papers.fedevolve import tables
+  with pytest.raises(ValueError, match=r'rounds: 10 → 20'):
+    tables.straggler_from_workdirs([str(longer)])
+
+
+def test_fedevolve_layouts_say_how_many_seeds_each_row_averages(tmp_path):
+  """Table 6 over two straggler ratios: FedEvolve with seeds {0, 1} in one and {0} in the
+  other says '2 / 1'; a diverged seed is counted as such."""
+  from fedjax_shift.papers.fedevolve import tables
+  first, second = tmp_path / 'r0', tmp_path / 'r1'
+  for seed in (0, 1):
+    _write_seed(first, 'fedevolve', seed, 0.5, {})
+  _write_seed(second, 'fedevolve', 0, 0.5, {})
+  text = tables.straggler_from_workdirs([str(first), str(second)], ['0', '0.1'])
+  header = next(line for line in text.splitlines() if line.startswith('| Method |'))
+  assert '| seeds |' in header
+  row = next(line for line in text.splitlines() if line.startswith('| FedEvolve |'))
+  assert '| 2 / 1 |' in row
+  diverged = json.loads((second / 'fedevolve' / 'seed_0' / 'results.json').read_text())
+  diverged['diverged'] = {'round': 3}
+  (second / 'fedevolve' / 'seed_0' / 'results.json').write_text(json.dumps(diverged))
+  text = tables.straggler_from_workdirs([str(first), str(second)], ['0', '0.1'])
+  assert '2 / 1 (1 diverged)' in text

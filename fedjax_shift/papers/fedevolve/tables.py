@@ -13,7 +13,7 @@ import numpy as np
 
 from fedjax_shift.papers.fedevolve import numbers
 from fedjax_shift.report import (PAPER_TABLES, PaperTable, cell_value, load_runs, markdown,
-                                 mean_std, paper_markdown, run_config)
+                                 mean_std, paper_markdown, run_config, seeds_cell)
 
 # The paper's table that a benchmark's run is a column of (numbers.PAPER_NUMBERS keys).
 TIMED_SOURCES = {'portraits': 'Portraits', 'caltran': 'Caltran'}
@@ -68,17 +68,20 @@ def _evolving(runs_by_column, split, server):
   header = ['Method']
   for label in runs_by_column:
     header += [f'{label} Client', f'{label} Server'] if server else [label]
+  header.append('seeds')
   rows = []
   for row_label, method, client_model, server_model in EVOLVING_ROWS:
-    row = [row_label]
+    row, seeds = [row_label], []
     for runs in runs_by_column.values():
       mine = [r for r in runs if r['algorithm'] == method]
       models = ((client_model, 'client_accuracy'), (server_model, 'accuracy'))
       for model, metric in (models if server else models[:1]):
         values = [r['metrics'].get(f'{model}/{split}/{metric}') for r in mine] if model else []
         row.append(mean_std(values))
+      seeds.append(seeds_cell(mine) if mine else '0')
     if any(cell != 'n/a' for cell in row[1:]):
-      rows.append(row)
+      # runs averaged per column group ('3', or '3 / 1' when the groups differ)
+      rows.append(row + [seeds[0] if len(set(seeds)) == 1 else ' / '.join(seeds)])
   return header, rows
 
 
