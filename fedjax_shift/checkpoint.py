@@ -12,6 +12,7 @@ template's shapes is an error (another model's state), never restored.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -28,6 +29,21 @@ log = logging.getLogger('fedjax_shift')
 
 class CheckpointMismatchError(ValueError):
   """A checkpoint holds a state of other shapes than the run's template."""
+
+
+class DiskFullError(OSError):
+  """The disk under a checkpoint directory filled up while saving."""
+
+
+def _is_disk_full(err: BaseException) -> bool:
+  """Whether ``err`` or an exception it was raised from is ENOSPC / EDQUOT."""
+  while err is not None:
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    if 'No space left on device' in str(err):
+      return True
+    err = err.__cause__ or err.__context__
+  return False
 
 
 def check_keep(keep: int) -> None:
@@ -60,9 +76,23 @@ class Checkpointer:
       return False
     if round_index in self.manager.all_steps():
       return False
-    self.manager.save(round_index, args=ocp.args.StandardSave(self._as_leaves(state)),
-                      force=True)
-    self.manager.wait_until_finished()
+    leaves = self._as_leaves(state)
+    try:
+      self.manager.save(round_index, args=ocp.args.StandardSave(leaves), force=True)
+      self.manager.wait_until_finished()
+    except Exception as err:   # orbax wraps the OSError of a full disk
+      if not _is_disk_full(err):
+        raise
+      needed = sum(leaf.nbytes for leaf in leaves.values()) / 2 ** 20
+      free = shutil.disk_usage(self.directory).free / 2 ** 20
+      raise DiskFullError(
+          errno.ENOSPC,
+          f'the disk is full: saving the round-{round_index} checkpoint into '
+          f'{self.directory} needs about {needed:.1f} MiB and {free:.1f} MiB are free. The '
+          f'run keeps config.keep_checkpoints={self.options.max_to_keep} checkpoints of this '
+          f'size per run: free space (or lower keep_checkpoints, or pass another --workdir) '
+          f'and re-run the same command; it resumes from the newest complete checkpoint.'
+      ) from err
     return True
 
   def latest_round(self) -> Optional[int]:

@@ -473,3 +473,31 @@ def test_fedevolve_layouts_say_how_many_seeds_each_row_averages(tmp_path):
   (second / 'fedevolve' / 'seed_0' / 'results.json').write_text(json.dumps(diverged))
   text = tables.straggler_from_workdirs([str(first), str(second)], ['0', '0.1'])
   assert '2 / 1 (1 diverged)' in text
+
+
+def test_full_disk_while_checkpointing_is_one_clear_error(tmp_path, monkeypatch):
+  """orbax's save failing with ENOSPC (raised from deep inside, as orbax wraps it) becomes
+  DiskFullError naming the directory, the checkpoint's size (two float32 leaves of 2^18
+  values = 2 MiB), keep_checkpoints and what to do; other errors pass unchanged."""
+  import errno
+  from fedjax_shift.checkpoint import DiskFullError
+  checkpointer = Checkpointer(str(tmp_path / 'ckpt'), every=1, keep=3)
+  state = (np.zeros(2 ** 18, np.float32), np.zeros(2 ** 18, np.float32))
+
+  def full(*args, **kwargs):
+    try:
+      raise OSError(errno.ENOSPC, 'No space left on device')
+    except OSError as err:
+      raise RuntimeError('orbax: write failed') from err
+
+  monkeypatch.setattr(checkpointer.manager, 'save', full)
+  with pytest.raises(DiskFullError, match=r'the disk is full: saving the round-4 checkpoint '
+                     r'into .*ckpt needs about 2.0 MiB .*config.keep_checkpoints=3 .* re-run'):
+    checkpointer.save(4, state)
+
+  def broken(*args, **kwargs):
+    raise RuntimeError('something else')
+
+  monkeypatch.setattr(checkpointer.manager, 'save', broken)
+  with pytest.raises(RuntimeError, match='something else'):
+    checkpointer.save(5, state)
