@@ -83,13 +83,33 @@ def write_csv(table: Dict[str, object], path: str) -> str:
   return path
 
 
-def plot_curves(run_dirs: Dict[str, List[str]], path: str, metric_suffix: str = 'accuracy'
-                ) -> str:
-  """Accuracy vs round, one line per (method, model/split), mean over seeds."""
+def new_plot(figsize=(6, 4)):
+  """(fig, ax) of a fresh matplotlib figure drawn off-screen (the Agg backend)."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(7, 4))
+  return plt.subplots(figsize=figsize)
+
+
+def save_plot(fig, ax, path: str, xlabel: str, ylabel: str, legend_size: int = 6,
+              legend_columns: int = 1) -> str:
+  """Labels the axes, adds the legend and a light grid, writes ``path`` (120 dpi) and
+  closes ``fig``; returns ``path``."""
+  import matplotlib.pyplot as plt
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.legend(fontsize=legend_size, ncol=legend_columns)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def plot_curves(run_dirs: Dict[str, List[str]], path: str, metric_suffix: str = 'accuracy'
+                ) -> str:
+  """Accuracy vs round, one line per (method, model/split), mean over seeds."""
+  fig, ax = new_plot((7, 4))
   for method, dirs in run_dirs.items():
     series: Dict[str, Dict[int, List[float]]] = {}
     for d in dirs:
@@ -101,14 +121,7 @@ def plot_curves(run_dirs: Dict[str, List[str]], path: str, metric_suffix: str = 
       rounds = sorted(points)
       ax.plot(rounds, [100 * np.mean(points[r]) for r in rounds], marker='o', markersize=3,
               label=f'{method} {key[:-len(metric_suffix) - 1]}')
-  ax.set_xlabel('round')
-  ax.set_ylabel(f'{metric_suffix} (%)')
-  ax.legend(fontsize=6)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
+  return save_plot(fig, ax, path, 'round', f'{metric_suffix} (%)')
 
 
 def markdown(header: List[str], rows: List[List[str]]) -> str:

@@ -13,7 +13,8 @@ import numpy as np
 
 from fedjax_shift.papers.fedevolve import numbers
 from fedjax_shift.report import (PAPER_TABLES, PaperTable, cell_value, load_runs, markdown,
-                                 mean_std, paper_markdown, run_config, seeds_cell)
+                                 mean_std, new_plot, paper_markdown, run_config, save_plot,
+                                 seeds_cell)
 
 # The paper's table that a benchmark's run is a column of (numbers.PAPER_NUMBERS keys).
 TIMED_SOURCES = {'portraits': 'Portraits', 'caltran': 'Caltran'}
@@ -188,12 +189,9 @@ def plot_increments(increments: Sequence[float], header: Sequence[str],
                     rows: Sequence[Sequence[str]], path: str) -> str:
   """Figure 3's plot: for each method of ``rows``, its Client (solid) and Server
   (dashed) accuracy against the increments (the columns of ``evolving_rows``)."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
   order = np.argsort(increments)
   columns = [h[:-len(' Client')] for h in header if h.endswith(' Client')]
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = new_plot()
   for row in rows:
     for kind, style in (('Client', '-'), ('Server', '--')):
       values = [cell_value(row[header.index(f'{column} {kind}')]) for column in columns]
@@ -201,14 +199,8 @@ def plot_increments(increments: Sequence[float], header: Sequence[str],
         ax.plot(np.asarray(increments)[order],
                 [np.nan if values[i] is None else values[i] for i in order], style,
                 marker='o', markersize=3, label=f'{row[0]} ({kind})')
-  ax.set_xlabel('rotation increment (degrees)')
-  ax.set_ylabel('accuracy on the target domain (%)')
-  ax.legend(fontsize=6, ncol=2)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
+  return save_plot(fig, ax, path, 'rotation increment (degrees)',
+                   'accuracy on the target domain (%)', legend_columns=2)
 
 
 PAPER_TABLES.register('fedevolve', pipelines=('federated',))(

@@ -12,7 +12,7 @@ import numpy as np
 from fedjax_shift.benchmarks.mixed_domains import domain_label
 from fedjax_shift.papers.fedins import numbers
 from fedjax_shift.report import (PAPER_TABLES, PaperTable, load_runs, markdown, mean_std,
-                                 paper_markdown, run_config, seeds_cell)
+                                 new_plot, paper_markdown, run_config, save_plot, seeds_cell)
 
 
 # FedIns Table 1 rows: (label, method, model). SOLO and FedBN are scored with
@@ -149,10 +149,7 @@ def backbones_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ())
 
 def plot_backbones(coverages: Sequence[str], splits: Sequence[str], means: Dict, path: str):
   """FedIns − FedAvg (solid) and − SSF (dashed) per test domain against the coverage."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = new_plot()
   positions = np.arange(len(coverages))
   for index, split in enumerate(splits):
     colour = f'C{index}'
@@ -161,14 +158,8 @@ def plot_backbones(coverages: Sequence[str], splits: Sequence[str], means: Dict,
               marker='o', markersize=3, label=f'{split}: − {name}')
   ax.axhline(0.0, color='k', linewidth=0.5)
   ax.set_xticks(positions, coverages, fontsize=7)
-  ax.set_xlabel('backbone pretrained on')
-  ax.set_ylabel('FedIns − baseline (points)')
-  ax.legend(fontsize=6, ncol=2)
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
+  return save_plot(fig, ax, path, 'backbone pretrained on', 'FedIns − baseline (points)',
+                   legend_columns=2)
 
 
 PAPER_TABLES.register('fedins_backbones', pipelines=('federated',))(
