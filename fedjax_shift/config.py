@@ -109,7 +109,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.resume = ''                     # '' | 'extend': continue finished runs to a larger rounds
   c.on_divergence = 'stop'          # 'stop' | 'continue': a NaN run stops the pipeline, or is
                                     # recorded as diverged and the other runs go on
-  c.progress = True
+  c.progress = True                 # a bar on a terminal; in a log file, plain lines:
+  c.log_every = 0                   # every log_every rounds (0: about a tenth of the run)
   return c
 
 

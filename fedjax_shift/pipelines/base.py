@@ -197,6 +197,8 @@ def check_run_loop(config: ml_collections.ConfigDict) -> None:
   require(config.weighting in WEIGHTING, 'weighting',
           f'unknown {config.weighting!r}; choose from {list(WEIGHTING)}')
   require(config.eval_every >= 1, 'eval_every', f'must be >= 1, got {config.eval_every}')
+  require(config.log_every >= 0, 'log_every',
+          f'must be >= 0 (0: about a tenth of the run), got {config.log_every}')
   require(config.checkpoint_every >= 1, 'checkpoint_every',
           f'must be >= 1, got {config.checkpoint_every}')
   require(config.eval_adapter_batch_size >= 1, 'eval_adapter_batch_size',

@@ -193,7 +193,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
                                    host_store, algorithm_name)
       outcome, = loop.train([opened.run], opened.state, trainer, config.rounds,
                             config.eval_every, config.checkpoint_every, keep_going,
-                            config.progress, f'{algorithm_name} seed {seed}')
+                            config.progress, f'{algorithm_name} seed {seed}',
+                            config.log_every)
     finally:
       if host_store is not None:
         host_store.close()
@@ -550,7 +551,8 @@ def train_seeds(config: ml_collections.ConfigDict, workdir: str, name: str,
       outcomes = loop.train([o.run for o in opened], stack_runs([o.state for o in opened]),
                             trainer, config.rounds, config.eval_every,
                             config.checkpoint_every, config.on_divergence == 'continue',
-                            config.progress, f'{name} seeds {seeds} (vmapped)')
+                            config.progress, f'{name} seeds {seeds} (vmapped)',
+                            config.log_every)
     finally:
       for o in opened:
         o.run.checkpointer.close()

@@ -231,7 +231,8 @@ def _train_and_evaluate(config, run_dir: str, seed: int) -> Dict[str, object]:
     outcome, = loop.train([run], (server_state, group_states),
                           loop.Trainer(advance, loop.only_run), config.rounds,
                           config.eval_every, config.checkpoint_every,
-                          config.on_divergence == 'continue', config.progress, label)
+                          config.on_divergence == 'continue', config.progress, label,
+                          config.log_every)
   finally:
     opened.checkpointer.close()
   if outcome.diverged is not None:

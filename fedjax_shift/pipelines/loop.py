@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -144,14 +145,57 @@ def _divergence(run: Run, loss: float, round_index: int) -> DivergenceError:
        if kept is not None else 'no checkpoint was saved before it'))
 
 
+class Progress:
+  """The round counter a person reads. On a terminal, tqdm's bar; without one (a job's
+  log file, a pipe) a plain log line every ``log_every`` rounds — 0: about a tenth of
+  the run, at most one a second — and one at the end, with the bar's fields and the ETA.
+  ``terminal`` None: whether stderr is a terminal."""
+
+  def __init__(self, total: int, initial: int, description: str, log_every: int = 0,
+               terminal: Optional[bool] = None):
+    self.total, self.done, self.description = total, initial, description
+    self.terminal = sys.stderr.isatty() if terminal is None else terminal
+    self.bar = None
+    if self.terminal:
+      from tqdm import tqdm
+      self.bar = tqdm(total=total, initial=initial, unit='round', desc=description, leave=False)
+    self.every = log_every or max(1, -(-total // 10))
+    self.min_seconds = 0.0 if log_every else 1.0
+    self.next = (initial // self.every + 1) * self.every
+    self.start, self.start_round, self.last = time.perf_counter(), initial, -float('inf')
+
+  def update(self, count: int, fields: Dict[str, str]) -> None:
+    """``count`` more rounds done; ``fields`` (e.g. loss, examples_per_s) to show."""
+    self.done += count
+    if self.bar is not None:
+      self.bar.update(count)
+      self.bar.set_postfix(**fields)
+      return
+    now = time.perf_counter()
+    if self.done < self.total and (self.done < self.next or now - self.last < self.min_seconds):
+      return
+    seconds_per_round = (now - self.start) / max(self.done - self.start_round, 1)
+    eta = seconds_per_round * (self.total - self.done)
+    log.info('%s: round %d/%d, %s, %.2f s/round, ETA %s', self.description, self.done,
+             self.total, ', '.join(f'{k} {v}' for k, v in fields.items()), seconds_per_round,
+             time.strftime('%H:%M:%S', time.gmtime(eta)))
+    self.last = now
+    self.next = (self.done // self.every + 1) * self.every
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+
+
 def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every: int,
           checkpoint_every: int, keep_going: bool = False, progress: bool = True,
-          description: str = '') -> List[Outcome]:
+          description: str = '', log_every: int = 0) -> List[Outcome]:
   """Trains every run of ``runs`` from their common start round to ``rounds``.
 
   ``keep_going``: a run whose loss turns non-finite is marked diverged (its Outcome
   carries the error) and the others go on; otherwise the DivergenceError is raised.
-  Returns one Outcome per run, in order.
+  ``progress``: show ``Progress`` (a bar on a terminal, else a line every ``log_every``
+  rounds). Returns one Outcome per run, in order.
   """
   starts = {run.label: run.start_round for run in runs}
   if len(set(starts.values())) > 1:
@@ -162,10 +206,7 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
   elapsed = [run.elapsed for run in runs]
   summaries: List[Dict[str, float]] = [{} for _ in runs]
   diverged: Dict[int, DivergenceError] = {}
-  bar = None
-  if progress:
-    from tqdm import tqdm
-    bar = tqdm(total=rounds, initial=completed, unit='round', desc=description, leave=False)
+  bar = Progress(rounds, completed, description, log_every) if progress else None
 
   def save(round_index: int, i: int) -> None:
     runs[i].checkpointer.save(round_index, (*trainer.take(state, i), jnp.float32(elapsed[i])),
@@ -219,13 +260,12 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
       if len(diverged) == count:   # nothing left to train
         break
       if bar is not None:
-        bar.update(calls)
         live = [i for i in range(count) if i not in diverged]
         postfix = {'loss': f'{np.nanmean(losses[-1, live]) if live else float("nan"):.3f}'}
         if trainer.examples_per_step and 'num_steps' in metrics and live:
           steps = float(np.sum(metrics['num_steps'][:, live])) / len(live)
           postfix['examples_per_s'] = f'{steps * trainer.examples_per_step / seconds:.0f}'
-        bar.set_postfix(**postfix)
+        bar.update(calls, postfix)
       if requests and completed < rounds:
         save_live()
         raise Preempted(f'{requests[0]} received: stopped after round {completed} of '
