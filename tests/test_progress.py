@@ -65,3 +65,16 @@ def test_negative_log_every_is_refused():
   config.log_every = -1
   with pytest.raises(ValueError, match=r'config.log_every: must be >= 0'):
     check_run(config)
+
+
+def test_accelerator_extras_name_the_base_jax_requirement():
+  """pyproject's cuda12 and tpu extras install jax[cuda12] / jax[tpu] with the same
+  version bound as the base jax requirement (no mismatched jaxlib)."""
+  tomllib = pytest.importorskip('tomllib')
+  with open(os.path.join(ROOT, 'pyproject.toml'), 'rb') as f:
+    project = tomllib.load(f)['project']
+  (base,) = [d for d in project['dependencies'] if d.startswith('jax>') or d.startswith('jax=')]
+  bound = base[len('jax'):]
+  extras = project['optional-dependencies']
+  assert extras['cuda12'] == [f'jax[cuda12]{bound}']
+  assert extras['tpu'] == [f'jax[tpu]{bound}']
