@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import shutil
-from typing import Dict, List
+from typing import Dict, Iterable, List
 
 log = logging.getLogger('fedjax_shift')
 
@@ -109,3 +109,21 @@ def parse_metrics(text: str, path: str) -> List[Dict]:
                        f'after it hold {len(lines) - i - 1} more records. Repair or remove '
                        f'the line, then re-run') from None
   return records
+
+
+# Fields added to the configuration after runs were recorded, each with the (JSON) value
+# that trains as those runs trained: a run.json without the field matches a configuration
+# that sets it to that value, so a workdir survives an upgrade that adds an option.
+FIELDS_ADDED_AT = {'client.augmentation': '[]'}
+
+
+def changed_fields(recorded: Dict[str, str], fields: Dict[str, str],
+                   ignored: Iterable[str] = ()) -> list:
+  """'field: old → new' for every field a recorded run and ``fields`` disagree on
+  (recorded fields in ``ignored`` are not compared; a field of FIELDS_ADDED_AT that the
+  record lacks counts as recorded at its value), sorted."""
+  ignored = set(ignored)
+  old = {k: v for k, v in recorded.items() if k not in ignored}
+  old.update({k: v for k, v in FIELDS_ADDED_AT.items() if k not in old and k in fields})
+  return [f'{k}: {old.get(k, "(absent)")} → {fields.get(k, "(absent)")}'
+          for k in sorted(set(old) | set(fields)) if old.get(k) != fields.get(k)]

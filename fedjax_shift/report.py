@@ -250,7 +250,6 @@ def check_seeds_agree(paths: Sequence[str]) -> None:
   """Raises ValueError when two seeds of one method (``<method>/seed_<s>/results.json``
   paths, each beside its run.json) were trained with fingerprinted fields or a round
   target that differ: their mean would mix two configurations. Names the field."""
-  from fedjax_shift.pipelines.workdir import changed_fields
   by_method = {}
   for path in paths:
     run_json = os.path.join(os.path.dirname(path), 'run.json')
@@ -259,7 +258,7 @@ def check_seeds_agree(paths: Sequence[str]) -> None:
       by_method.setdefault(method, []).append((os.path.dirname(path), read_result(run_json)))
   for method, ((first_dir, first), *others) in by_method.items():
     for other_dir, other in others:
-      changed = changed_fields(first['fields'], other['fields'])
+      changed = metrics.changed_fields(first['fields'], other['fields'])
       if first['rounds'] != other['rounds']:
         changed.append(f'rounds: {first["rounds"]} → {other["rounds"]}')
       if changed:

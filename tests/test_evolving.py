@@ -499,7 +499,7 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
   assert remnist.startswith('FedEvolve Table 2 layout')
   # Table 6 layout: Client columns alone, one per straggler ratio.
   table6 = report.evolving_table({'0': out.records['results'], '0.5': out.records['results']}, server=False)
-  assert table6.splitlines()[0] == '| Method | 0 | 0.5 |'
+  assert table6.splitlines()[0] == '| Method | 0 | 0.5 | seeds |'
 
 
 def test_more_clients_than_examples_is_an_error():

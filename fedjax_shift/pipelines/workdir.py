@@ -28,7 +28,7 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import ml_collections
 
-from fedjax_shift.metrics import read_json
+from fedjax_shift.metrics import FIELDS_ADDED_AT, changed_fields, read_json  # noqa: F401
 
 log = logging.getLogger('fedjax_shift')
 
@@ -130,24 +130,6 @@ def fingerprint(fields: Dict[str, str]) -> str:
 def _read_json(path: str) -> dict:
   return read_json(path, 'it records which configuration this run belongs to: restore it '
                          'or use a new --workdir')
-
-
-# Fields added to the configuration after runs were recorded, each with the (JSON) value
-# that trains as those runs trained: a run.json without the field matches a configuration
-# that sets it to that value, so a workdir survives an upgrade that adds an option.
-FIELDS_ADDED_AT = {'client.augmentation': '[]'}
-
-
-def changed_fields(recorded: Dict[str, str], fields: Dict[str, str],
-                   ignored: Iterable[str] = ()) -> list:
-  """'field: old → new' for every field a recorded run and ``fields`` disagree on
-  (recorded fields in ``ignored`` are not compared; a field of FIELDS_ADDED_AT that the
-  record lacks counts as recorded at its value), sorted."""
-  ignored = set(ignored)
-  old = {k: v for k, v in recorded.items() if k not in ignored}
-  old.update({k: v for k, v in FIELDS_ADDED_AT.items() if k not in old and k in fields})
-  return [f'{k}: {old.get(k, "(absent)")} → {fields.get(k, "(absent)")}'
-          for k in sorted(set(old) | set(fields)) if old.get(k) != fields.get(k)]
 
 
 def check_run_dir(run_dir: str, fields: Dict[str, str], rounds: int, resume: str,
