@@ -56,20 +56,16 @@ def check(data_config: ml_collections.ConfigDict) -> None:
           'the covariate-shift benchmark (data.held_out_domain="") needs corruptions')
 
 
-# The domains whose images can be split into a backbone share and a clients' share.
-RESERVABLE = ('mnist', 'uci', 'mnistm')
-
-
 def check_reserve(data_config: ml_collections.ConfigDict) -> None:
   """``data.backbone_reserve`` in [0, 1), and only with digit domains that have a
   reserve (the real ones) or need none (synth, generated anew)."""
   reserve = data_config.backbone_reserve
   require(0.0 <= reserve < 1.0, 'data.backbone_reserve', f'must be in [0, 1), got {reserve}')
   if reserve > 0:
-    others = [name for name in data_config.domains if name not in RESERVABLE + ('synth',)]
+    others = digit_domains.without_reserve(data_config.domains)
     require(not others, 'data.backbone_reserve',
-            f'only {list(RESERVABLE)} are split into a backbone and a clients\' share (synth '
-            f'draws new images); {others} cannot be')
+            f'only {list(digit_domains.RESERVABLE)} are split into a backbone and a '
+            f'clients\' share (synth draws new images); {others} cannot be')
 
 
 def load_domains(data_config: ml_collections.ConfigDict, seed: int):

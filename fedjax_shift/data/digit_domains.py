@@ -127,6 +127,13 @@ def balanced_labels(count: int, rng: np.random.Generator) -> np.ndarray:
 # share (the rest). Generated domains (synth) draw new images for every call.
 PARTS = ('all', 'backbone', 'clients')
 RESERVE_SEED = 77
+RESERVABLE = ('mnist', 'uci', 'mnistm')   # the real domains that are split
+
+
+def without_reserve(names) -> list:
+  """The domains of ``names`` that cannot serve a reserve: neither split (RESERVABLE)
+  nor generated anew (synth)."""
+  return [name for name in names if name not in RESERVABLE + ('synth',)]
 
 
 def pool_part(pool: np.ndarray, reserve: float, part: str) -> np.ndarray:
@@ -169,7 +176,7 @@ def domain(name: str, count: int, rng: np.random.Generator,
     return sources.Source(synth(labels, rng), labels, 10)
   if reserve > 0 and part != 'all':
     raise ValueError(f'config.data.backbone_reserve: domain {name!r} has no reserve (only '
-                     f'mnist, uci and mnistm are split; synth draws new images)')
+                     f'{list(RESERVABLE)} are split; synth draws new images)')
   if name.startswith('folder:'):
     return folder_domain(name[len('folder:'):], count, rng, data_dir)
   if name == 'svhn':

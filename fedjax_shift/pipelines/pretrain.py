@@ -35,7 +35,6 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from fedjax_shift import models
-from fedjax_shift.benchmarks.digit_domains import RESERVABLE
 from fedjax_shift.data import digit_domains, sources
 from fedjax_shift.models import torchvision_resnet, vit
 from fedjax_shift.pipelines.base import PIPELINES, Results, check_sections, hardware
@@ -64,10 +63,10 @@ def check(config: ml_collections.ConfigDict) -> None:
       require(name in digit_domains.DOMAINS or name.startswith('folder:'), 'backbone.domains',
               f'unknown digit domain {name!r}; choose from {list(digit_domains.DOMAINS)}')
     if config.data.get('backbone_reserve', 0.0) > 0:
-      others = [name for name in b.domains if name not in RESERVABLE + ('synth',)]
+      others = digit_domains.without_reserve(b.domains)
       require(not others, 'backbone.domains',
               f'with data.backbone_reserve > 0 the backbone draws from the reserve of '
-              f'{list(RESERVABLE)} (or new synth images); {others} have none')
+              f'{list(digit_domains.RESERVABLE)} (or new synth images); {others} have none')
     require(b.examples >= 20, 'backbone.examples', f'must be >= 20, got {b.examples}')
     require(b.epochs >= 1, 'backbone.epochs', f'must be >= 1, got {b.epochs}')
     require(b.batch_size >= 1, 'backbone.batch_size', f'must be >= 1, got {b.batch_size}')
