@@ -127,3 +127,13 @@ def changed_fields(recorded: Dict[str, str], fields: Dict[str, str],
   old.update({k: v for k, v in FIELDS_ADDED_AT.items() if k not in old and k in fields})
   return [f'{k}: {old.get(k, "(absent)")} → {fields.get(k, "(absent)")}'
           for k in sorted(set(old) | set(fields)) if old.get(k) != fields.get(k)]
+
+
+def record_changes(recorded: dict, fields: Dict[str, str], rounds: int,
+                   ignored: Iterable[str] = ()) -> list:
+  """``changed_fields`` of a run.json record (``{'fields', 'rounds'}``) against
+  ``fields``, plus 'rounds: old → new' when the round targets differ."""
+  changed = changed_fields(recorded['fields'], fields, ignored)
+  if recorded['rounds'] != rounds:
+    changed.append(f'rounds: {recorded["rounds"]} → {rounds}')
+  return changed

@@ -258,9 +258,7 @@ def check_seeds_agree(paths: Sequence[str]) -> None:
       by_method.setdefault(method, []).append((os.path.dirname(path), read_result(run_json)))
   for method, ((first_dir, first), *others) in by_method.items():
     for other_dir, other in others:
-      changed = metrics.changed_fields(first['fields'], other['fields'])
-      if first['rounds'] != other['rounds']:
-        changed.append(f'rounds: {first["rounds"]} → {other["rounds"]}')
+      changed = metrics.record_changes(first, other['fields'], other['rounds'])
       if changed:
         raise ValueError(
             f'{first_dir} and {other_dir} are seeds of {method} trained with different '

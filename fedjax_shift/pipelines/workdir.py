@@ -28,7 +28,8 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import ml_collections
 
-from fedjax_shift.metrics import FIELDS_ADDED_AT, changed_fields, read_json  # noqa: F401
+from fedjax_shift.metrics import (FIELDS_ADDED_AT, changed_fields,  # noqa: F401
+                                  read_json, record_changes)
 
 log = logging.getLogger('fedjax_shift')
 
@@ -172,9 +173,7 @@ def check_other_seeds(run_dir: str, fields: Dict[str, str], rounds: int,
         not os.path.exists(path):
       continue
     recorded = _read_json(path)
-    changed = changed_fields(recorded['fields'], fields, ignored)
-    if recorded['rounds'] != rounds:
-      changed.append(f'rounds: {recorded["rounds"]} → {rounds}')
+    changed = record_changes(recorded, fields, rounds, ignored)
     if changed:
       raise RunMismatchError(
           f'{other} holds another seed of this method trained with another configuration '
