@@ -1,43 +1,143 @@
 """Name -> value registries that raise on unknown and duplicate names.
 
 An entry may carry its config defaults (a method's hyperparameters with the paper's
-values, a benchmark's ``config.data`` fields, a pipeline's sections) and a ``check``
-of its config section; ``fedjax_shift.config.base_config`` fills the config from
-the registries, so adding a method, adapter, benchmark or pipeline is one file.
+values, a benchmark's ``config.data`` fields, a pipeline's sections), the ``ranges``
+those fields may take (a ``Range`` per field, checked before anything compiles) and a
+``check`` of its config section for what a range cannot say (one field against
+another); ``fedjax_shift.config.base_config`` fills the config from the registries,
+so adding a method, adapter, benchmark or pipeline is one file.
+
+    ALGORITHMS.register('fedprox', defaults={'mu': 0.01}, ranges={'mu': NONNEGATIVE})
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, Generic, Mapping, Optional, TypeVar
+import math
+from typing import (Any, Callable, Dict, Generic, Iterator, List, Mapping, NamedTuple,
+                    Optional, Tuple, TypeVar)
 
 import ml_collections
 
 T = TypeVar('T')
 
 
+class Range(NamedTuple):
+  """The values a config field may take. ``accepts(value)`` says whether ``value`` is
+  one; ``description`` completes "must be ..." in the error; ``invalid`` is a value
+  outside the range (the registry test sets each field to it and expects a refusal)."""
+  description: str
+  accepts: Callable[[Any], bool]
+  invalid: Any
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def interval(low: Optional[float] = None, high: Optional[float] = None, *,
+             low_open: bool = False, high_open: bool = False, integer: bool = False,
+             infinite: bool = False) -> Range:
+  """Numbers in [low, high] (``low_open``/``high_open``: that end excluded; None: no
+  bound); ``integer``: whole numbers only; ``infinite``: +inf allowed too. NaN never."""
+  def accepts(value) -> bool:
+    if not _is_number(value) or math.isnan(value):
+      return False
+    if math.isinf(value):
+      return infinite and value > 0 and high is None
+    if integer and value != int(value):
+      return False
+    if low is not None and (value < low or (low_open and value == low)):
+      return False
+    return high is None or (value < high or (not high_open and value == high))
+  kind = 'an integer' if integer else 'a number'
+  bounds = []
+  if low is not None:
+    bounds.append(f'{">" if low_open else ">="} {low:g}')
+  if high is not None:
+    bounds.append(f'{"<" if high_open else "<="} {high:g}')
+  description = ' '.join([kind] + [' and '.join(bounds)] * bool(bounds)) + \
+      (' (or inf)' if infinite else '')
+  if low is not None:
+    invalid = low - 1 if integer or not low_open else low
+  elif high is not None:
+    invalid = high + 1 if integer or not high_open else high
+  else:
+    invalid = float('nan')
+  return Range(description, accepts, invalid)
+
+
+def one_of(*choices) -> Range:
+  """Exactly one of ``choices`` (strings or numbers)."""
+  invalid = 'unknown' if all(isinstance(c, str) for c in choices) else -12345
+  return Range(f'one of {list(choices)}', lambda value: value in choices, invalid)
+
+
+def sequence_of(item: Range, min_length: int = 0) -> Range:
+  """A tuple or list, at least ``min_length`` long, of values in ``item``."""
+  def accepts(value) -> bool:
+    return (isinstance(value, (tuple, list)) and len(value) >= min_length and
+            all(item.accepts(v) for v in value))
+  at_least = f'at least {min_length} ' if min_length else ''
+  return Range(f'a tuple of {at_least}values each {item.description}', accepts,
+               (item.invalid,) * max(min_length, 1))
+
+
+def registered(registry: 'Registry') -> Range:
+  """A name registered in ``registry`` (looked up when checked, so entries registered
+  later count)."""
+  return Range(f'a registered {registry.kind} name', lambda value: value in registry,
+               'no_such_name')
+
+
+POSITIVE = interval(0, low_open=True)
+NONNEGATIVE = interval(0)
+FRACTION = interval(0, 1)                      # [0, 1]
+OPEN_FRACTION = interval(0, 1, low_open=True)  # (0, 1]
+POSITIVE_INT = interval(1, integer=True)
+NONNEGATIVE_INT = interval(0, integer=True)
+BOOL = Range('True or False', lambda value: isinstance(value, bool), 'yes')
+TEXT = Range('a string', lambda value: isinstance(value, str), 3)
+
+
+def leaf_paths(tree: Mapping[str, Any], prefix: str = '') -> Iterator[Tuple[str, Any]]:
+  """(dotted path, value) of every leaf of nested mappings (an empty mapping is a leaf)."""
+  for key, value in tree.items():
+    if isinstance(value, Mapping) and value:
+      yield from leaf_paths(value, f'{prefix}{key}.')
+    else:
+      yield f'{prefix}{key}', value
+
+
 class Registry(Generic[T]):
   """A named table of values (algorithms, models, benchmarks) for config lookup."""
 
-  def __init__(self, kind: str, common_defaults: Optional[Mapping[str, Any]] = None):
+  def __init__(self, kind: str, common_defaults: Optional[Mapping[str, Any]] = None,
+               common_ranges: Optional[Mapping[str, Range]] = None):
     """``common_defaults``: config fields every entry has (its own defaults override
-    them), e.g. each method's own client learning rate."""
+    them), e.g. each method's own client learning rate; ``common_ranges``: theirs."""
     self.kind = kind
     self._common = copy.deepcopy(dict(common_defaults or {}))
+    self._common_ranges = dict(common_ranges or {})
     self._entries: Dict[str, T] = {}
     self._defaults: Dict[str, dict] = {}
+    self._ranges: Dict[str, Dict[str, Range]] = {}
     self._checks: Dict[str, Optional[Callable]] = {}
     self._meta: Dict[str, dict] = {}
 
   def register(self, name: str, defaults: Optional[Mapping[str, Any]] = None,
-               check: Optional[Callable] = None, **meta) -> Callable[[T], T]:
+               check: Optional[Callable] = None,
+               ranges: Optional[Mapping[str, Range]] = None, **meta) -> Callable[[T], T]:
     """Decorator. ``defaults``: the entry's config fields and their default values;
-    ``check(section)``: raises ValueError naming ``config.<field>`` on a bad value;
-    ``meta``: anything else the caller looks up with ``meta(name)``."""
+    ``ranges``: {dotted field path: Range}, a path naming a nested mapping covering
+    each of its leaves; ``check(section)``: raises ValueError naming
+    ``config.<field>`` on what ranges cannot say; ``meta``: anything else the caller
+    looks up with ``meta(name)``."""
     def decorator(value: T) -> T:
       if name in self._entries:
         raise ValueError(f'{self.kind} {name!r} is registered twice')
       self._entries[name] = value
       self._defaults[name] = copy.deepcopy({**self._common, **dict(defaults or {})})
+      self._ranges[name] = {**self._common_ranges, **dict(ranges or {})}
       self._checks[name] = check
       self._meta[name] = dict(meta)
       return value
@@ -46,8 +146,36 @@ class Registry(Generic[T]):
   def unregister(self, name: str) -> None:
     """Removes an entry (tests that register toy entries clean up with this)."""
     self.get(name)
-    for table in (self._entries, self._defaults, self._checks, self._meta):
+    for table in (self._entries, self._defaults, self._ranges, self._checks, self._meta):
       del table[name]
+
+  def ranges(self, name: str) -> Dict[str, Range]:
+    """{dotted field path: Range} the entry declared."""
+    self.get(name)
+    return dict(self._ranges[name])
+
+  def range_of(self, name: str, path: str) -> Optional[Range]:
+    """The declared range covering field ``path`` (its own or a parent mapping's)."""
+    ranges = self._ranges[name]
+    parts = path.split('.')
+    for end in range(len(parts), 0, -1):
+      if '.'.join(parts[:end]) in ranges:
+        return ranges['.'.join(parts[:end])]
+    return None
+
+  def undeclared(self, name: str) -> List[str]:
+    """The entry's default fields (dotted leaf paths) that no declared range covers."""
+    self.get(name)
+    return [path for path, _ in leaf_paths(self._defaults[name])
+            if self.range_of(name, path) is None]
+
+  def check_ranges(self, name: str, section: Mapping[str, Any], where: str) -> None:
+    """Raises ValueError naming ``<where>.<field>`` for a value of ``section`` outside
+    its declared range."""
+    for path, value in leaf_paths(dict(_plain(section))):
+      declared = self.range_of(name, path)
+      if declared is not None and not declared.accepts(value):
+        raise ValueError(f'{where}.{path}: must be {declared.description}, got {value!r}')
 
   def get(self, name: str, field: str = '') -> T:
     if name not in self._entries:
@@ -67,11 +195,12 @@ class Registry(Generic[T]):
   def check(self, name: str, section: ml_collections.ConfigDict, where: str,
             run_check: bool = True, known_fields_only: bool = True) -> None:
     """Raises ValueError for a field of ``section`` (config path ``where``) that the
-    entry does not define (``known_fields_only``), then runs the entry's own
-    ``check(section)`` (``run_check``)."""
+    entry does not define (``known_fields_only``) or whose value is outside its declared
+    range, then runs the entry's own ``check(section)`` (``run_check``)."""
     self.get(name)
     if known_fields_only:
       check_fields(section, self._defaults[name], where)
+    self.check_ranges(name, section, where)
     if run_check and self._checks[name] is not None:
       self._checks[name](section)
 
@@ -109,3 +238,11 @@ def check_fields(section: ml_collections.ConfigDict, defaults: Mapping[str, Any]
     if isinstance(defaults[field], Mapping) and defaults[field] and \
         isinstance(section[field], (ml_collections.ConfigDict, Mapping)):
       check_fields(section[field], defaults[field], f'{where}.{field}')
+
+
+def _plain(section) -> dict:
+  """``section`` (a ConfigDict or mapping) as nested plain dicts."""
+  if hasattr(section, 'to_dict'):
+    return section.to_dict()
+  return {key: _plain(value) if isinstance(value, Mapping) else value
+          for key, value in section.items()}

@@ -73,7 +73,7 @@ def test_no_client_holds_an_image_of_the_backbones_reserve():
 def test_reserve_fields_are_checked_before_anything_trains():
   config = fedins_config.get_config('backbone_mnist')
   config.data.backbone_reserve = 1.0
-  with pytest.raises(ValueError, match=r'data.backbone_reserve: must be in \[0, 1\)'):
+  with pytest.raises(ValueError, match=r'data.backbone_reserve: must be a number >= 0 and < 1'):
     BENCHMARKS.check('mixed_domains', config.data, 'config.data', known_fields_only=False)
   config.data.backbone_reserve = 0.5
   config.data.domains = ('mnist', 'folder:usps')

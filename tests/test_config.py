@@ -27,7 +27,7 @@ from helpers import tiny_config
     ('data.severity', 0, r'config.data.severity'),
     ('data.dirichlet_alpha', 0.0, r'config.data.dirichlet_alpha: must be > 0'),
     ('data.dirichlet_alpha', -1.0, r'config.data.dirichlet_alpha'),
-    ('data.corruptions', ('fog', 'rain'), r"config.data.corruptions: unknown corruption 'rain'"),
+    ('data.corruptions', ('fog', 'rain'), r"config.data.corruptions: must be a tuple .*'rain'"),
     ('sampling', 'roundrobin', r'config.sampling'),
     ('straggler_prob', 1.5, r'config.straggler_prob'),
     ('client.optimizer', 'lbfgs', r'config.client.optimizer'),

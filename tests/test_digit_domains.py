@@ -3,7 +3,7 @@ benchmarks/digit_domains.py)."""
 import numpy as np
 import pytest
 
-from fedjax_shift.benchmarks import BENCHMARKS, digit_domains as benchmark
+from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.data import digit_domains, sources
 from tests.helpers import data_config
 
@@ -13,7 +13,7 @@ DOMAINS = ('mnist', 'uci', 'mnistm', 'synth')
 def build(**fields):
   config = data_config(benchmark='digit_domains', domain_examples=60,
                        corruptions=('gaussian_noise', 'contrast'), **fields)
-  benchmark.check(config)
+  BENCHMARKS.check('digit_domains', config, 'config.data', known_fields_only=False)
   return BENCHMARKS.get('digit_domains')(config, 0)
 
 

@@ -103,7 +103,7 @@ def test_a_methods_own_client_learning_rate_replaces_the_shared_one(tmp_path):
   chex.assert_trees_all_close(out.server_state.variables['params'], expected, atol=1e-5)
   assert ALGORITHMS.defaults('fedprox').client_learning_rate == 0.0   # every method has it
   config.fedavg.client_learning_rate = -0.1
-  with pytest.raises(ValueError, match=r'config.fedavg.client_learning_rate: must be >= 0'):
+  with pytest.raises(ValueError, match=r'fedavg.client_learning_rate: must be a number >= 0'):
     config_lib.validate(config, str(tmp_path))
 
 

@@ -429,7 +429,8 @@ def test_pooled_out_of_client_sets_are_a_share_of_the_other_clients_tests():
     assert int(ooc.num_examples[k]) == round(pool_size / 5)
   assert bench.info['ooc_source'] == 'pooled'
   with pytest.raises(ValueError, match='data.ooc_source'):
-    label_skew.check(data_config(ooc_source='all'))
+    BENCHMARKS.check('label_skew_corrupted', data_config(ooc_source='all'), 'config.data',
+                     known_fields_only=False)
 
 
 def test_shifted_test_sets_follow_their_definitions():
@@ -483,14 +484,16 @@ def test_corruption_per_example_draws_several_corruptions_and_keeps_the_other_sp
     np.testing.assert_array_equal(np.bincount(matches[1:].argmax(0)[deterministic] + 1,
                                               minlength=3)[1:], counts[k, 1:])
   with pytest.raises(ValueError, match='data.corruption_draw'):
-    label_skew.check(data_config(corruption_draw='domain'))
+    BENCHMARKS.check('label_skew_corrupted', data_config(corruption_draw='domain'), 'config.data',
+                     known_fields_only=False)
 
 
 def test_natural_shift_errors_name_the_field():
   with pytest.raises(ValueError, match='data.natural_source'):
     label_skew.check(data_config(source='uci_digits', shift_tests=('natural',)))
   with pytest.raises(ValueError, match='data.shift_tests'):
-    label_skew.check(data_config(shift_tests=('ood',)))
+    BENCHMARKS.check('label_skew_corrupted', data_config(shift_tests=('ood',)), 'config.data',
+                     known_fields_only=False)
   config = data_config(num_clients=4, min_examples_per_client=2, shift_tests=('natural',),
                        natural_source='tfds:cifar10_1', data_dir='/nonexistent')
   with pytest.raises(FileNotFoundError, match='natural_source'):

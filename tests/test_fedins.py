@@ -260,10 +260,10 @@ def test_head_pool_predicts_the_mean_of_the_chosen_heads_logits():
 
 @pytest.mark.parametrize('fields, pattern', [
     ({'fedins.top_c': 4, 'fedins.pool_size': 3}, r'config.fedins.top_c: .*C ≤ M'),
-    ({'fedins.pool_size': 0}, r'config.fedins.pool_size: must be >= 1'),
-    ({'fedins.query': 'client'}, r"config.fedins.query: unknown 'client'"),
-    ({'fedins.key_loss_weight': 1.0}, r'config.fedins.key_loss_weight: must be in \[0, 1\)'),
-    ({'fedins.key_init': 'xavier'}, r"config.fedins.key_init: unknown 'xavier'"),
+    ({'fedins.pool_size': 0}, r'config.fedins.pool_size: must be an integer >= 1'),
+    ({'fedins.query': 'client'}, r"config.fedins.query: must be one of .*got 'client'"),
+    ({'fedins.key_loss_weight': 1.0}, r'config.fedins.key_loss_weight: must be .* < 1'),
+    ({'fedins.key_init': 'xavier'}, r"config.fedins.key_init: must be one of .*got 'xavier'"),
 ])
 def test_bad_hyperparameters_name_the_field(fields, pattern):
   config = override(small_vit_config(), **fields)
@@ -413,7 +413,7 @@ def test_backbone_errors_name_the_field(tmp_path):
   with pytest.raises(ValueError, match=r"config.backbone.weights: .* does not exist"):
     pipelines.validate(config)
   config = override(tiny_pretrain_config(), **{'backbone.examples': 5})
-  with pytest.raises(ValueError, match='config.backbone.examples: must be >= 20'):
+  with pytest.raises(ValueError, match='config.backbone.examples: must be an integer >= 20'):
     pipelines.validate(config)
   with pytest.raises(ValueError, match='keeps no model variables with an encoder'):
     pretrain.with_backbone(algorithms.base.ServerState({'params': {}}, (), 0), {}, 'toy')

@@ -254,7 +254,7 @@ def test_fill_batch_defaults_to_the_training_batch_and_bad_values_are_refused(tm
   config.adapters.fedtta.fill_batch = 0
   assert adapter_section(config, 'fedtta', 'fedtta').fill_batch == 0
   config.adapters.fedtta_pp.fill_batch = -2
-  with pytest.raises(ValueError, match=r'config.adapters.fedtta_pp.fill_batch: must be >= 0'):
+  with pytest.raises(ValueError, match=r'fedtta_pp.fill_batch: must be an integer >= 0, or -1'):
     config_lib.validate(config, str(tmp_path))
 
 
@@ -338,7 +338,7 @@ def test_adapter_on_a_model_without_g_and_bad_fields_are_errors():
   with pytest.raises(ValueError, match='trained by fedtta'):
     adapter.init({'params': variables['params']}, jax.random.key(0))
   config.adapters.fedtta_pp.max_steps = 0
-  with pytest.raises(ValueError, match=r'config.adapters.fedtta_pp.max_steps: E must be >= 1'):
+  with pytest.raises(ValueError, match=r'fedtta_pp.max_steps: must be an integer >= 1'):
     ADAPTERS.check('fedtta_pp', config.adapters.fedtta_pp, 'config.adapters.fedtta_pp')
   config.adapters.fedtta_pp.max_steps = 5
   config.adapters.fedtta_pp.loop = 'for'

@@ -98,9 +98,9 @@ def test_feddc_drift_penalty_pulls_towards_w_minus_h():
 
 
 @pytest.mark.parametrize('name, field, value, pattern', [
-    ('moon', 'mu', -1.0, 'config.moon.mu: must be >= 0'),
-    ('moon', 'temperature', 0.0, 'config.moon.temperature: must be > 0'),
-    ('feddc', 'alpha', -0.1, 'config.feddc.alpha: must be >= 0'),
+    ('moon', 'mu', -1.0, 'config.moon.mu: must be a number >= 0'),
+    ('moon', 'temperature', 0.0, 'config.moon.temperature: must be a number > 0'),
+    ('feddc', 'alpha', -0.1, 'config.feddc.alpha: must be a number >= 0'),
 ])
 def test_bad_hyperparameters_name_the_field(name, field, value, pattern):
   config = tiny_config(**{'model.name': 'mlp', f'{name}.{field}': value})

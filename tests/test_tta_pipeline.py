@@ -94,7 +94,7 @@ def test_cifar10c_protocol_reads_tfds_mock_data():
 
 
 @pytest.mark.parametrize('field, value, message', [
-    ('tta.adapter.tent', 'tent2', "config.tta.adapter.tent: unknown adapter 'tent2'"),
+    ('tta.adapter.tent', 'tent2', "config.tta.adapter.tent: must be a registered adapter name"),
     ('tta.mode.tent', 'sometimes', 'config.tta.mode.tent'),
     ('tta.shifts', ('covariate',), 'config.tta.shifts'),
     ('tta.shifts', ('hybrid', 'hybrid'), "config.tta.shifts: names 'hybrid' more than once"),

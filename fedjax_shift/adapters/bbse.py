@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from fedjax_shift import models
 from fedjax_shift.adapters.em import reweight
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
-from fedjax_shift.registry import require
+from fedjax_shift.registry import one_of
 
 
 def confusion_matrix(module, variables, x: jax.Array, y: jax.Array, num_classes: int,
@@ -98,13 +98,8 @@ def bbse(module, confusion: jax.Array, projection: str = 'clip') -> Adapter:
   return Adapter(init, step)
 
 
-def check(hparams) -> None:
-  """config.adapters.bbse's choices (errors name the field)."""
-  require(hparams.projection in PROJECTIONS, 'adapters.bbse.projection',
-          f'unknown {hparams.projection!r}; choose from {list(PROJECTIONS)}')
-
-
-@ADAPTERS.register('bbse', defaults={'projection': 'clip'}, check=check)  # Lipton et al.
+@ADAPTERS.register('bbse', defaults={'projection': 'clip'},  # Lipton et al.
+                   ranges={'projection': one_of(*PROJECTIONS)})
 def build_bbse(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.bbse``."""
   return bbse(module, confusion_matrix(module, context.variables, context.source_x,

@@ -19,7 +19,7 @@ import jax
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
-from fedjax_shift.registry import require
+from fedjax_shift.registry import NONNEGATIVE, one_of
 
 
 def prior_weight(prior_strength, batch_size: int):
@@ -59,18 +59,12 @@ def bn_adapt(module, prior, mixing: str = 'batch') -> Adapter:
   return Adapter(init, step)
 
 
-def check(hparams) -> None:
-  """config.adapters.bn_adapt's choices and ranges (errors name the field)."""
-  require(hparams.mixing in MIXING, 'adapters.bn_adapt.mixing',
-          f'unknown {hparams.mixing!r}; choose from {list(MIXING)}')
-  if isinstance(hparams.prior_strength, (int, float)):
-    require(hparams.prior_strength >= 0, 'adapters.bn_adapt.prior_strength',
-            f'must be >= 0, got {hparams.prior_strength}')
-
-
 @ADAPTERS.register('bn_adapt', defaults={
     'prior_strength': 16.0,           # ATP code: p = N/(N+B), N = 16
-    'mixing': 'batch'}, check=check, learnable={'prior_strength': 'log'})
+    'mixing': 'batch'},
+    ranges={'prior_strength': NONNEGATIVE,   # 0: the test batch's statistics alone
+            'mixing': one_of(*MIXING)},
+    learnable={'prior_strength': 'log'})
 def build_bn_adapt(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.bn_adapt``."""
   return bn_adapt(module, prior_weight(hparams.prior_strength, context.batch_size),

@@ -12,11 +12,14 @@ from flax import traverse_util
 from fedjax_shift import models
 from fedjax_shift.core.test_time import Adapter
 from fedjax_shift.parts.losses import entropy, weighted_entropy  # noqa: F401
-from fedjax_shift.registry import require
+from fedjax_shift.registry import POSITIVE, one_of
 
 PREDICT = ('before', 'after')
 # An adapter's ``optimizer`` field: the step direction, scaled by the learning rate.
 DIRECTIONS = {'adam': optax.scale_by_adam, 'sgd': optax.identity}
+# The ranges of an adapter's ``optimizer``, ``learning_rate`` and ``predict`` fields.
+OPTIMIZER_RANGES = {'optimizer': one_of(*DIRECTIONS), 'learning_rate': POSITIVE}
+PREDICT_RANGE = one_of(*PREDICT)
 
 
 def split_params(params, is_selected: Callable[[Tuple[str, ...]], bool], field: str):
@@ -57,16 +60,6 @@ def make_optimizer(name: str, learning_rate) -> optax.GradientTransformation:
   if isinstance(learning_rate, dict):
     return per_layer_rates(DIRECTIONS[name](), learning_rate)
   return optax.adam(learning_rate) if name == 'adam' else optax.sgd(learning_rate)
-
-
-def check_optimizer(name: str, hparams) -> None:
-  """config.adapters.<name>'s ``optimizer`` and a float ``learning_rate`` (errors name
-  the field)."""
-  require(hparams.optimizer in DIRECTIONS, f'adapters.{name}.optimizer',
-          f'unknown {hparams.optimizer!r}; choose from {sorted(DIRECTIONS)}')
-  if isinstance(hparams.learning_rate, (int, float)):
-    require(hparams.learning_rate > 0, f'adapters.{name}.learning_rate',
-            f'must be > 0, got {hparams.learning_rate}')
 
 
 def check_predict(name: str, predict: str) -> None:

@@ -26,7 +26,7 @@ from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
-from fedjax_shift.registry import require
+from fedjax_shift.registry import NONNEGATIVE, POSITIVE, POSITIVE_INT, interval
 
 
 class EATAExtra(NamedTuple):
@@ -103,20 +103,6 @@ def eata(module, num_classes: int, fisher=None, learning_rate: float = 0.005,
       step_if=lambda extra: extra.kept)
 
 
-def check(hparams) -> None:
-  """config.adapters.eata's ranges (errors name the field)."""
-  require(hparams.learning_rate > 0, 'adapters.eata.learning_rate',
-          f'must be > 0, got {hparams.learning_rate}')
-  require(hparams.lr_batch_size >= 1, 'adapters.eata.lr_batch_size',
-          f'must be >= 1, got {hparams.lr_batch_size}')
-  require(0 <= hparams.momentum < 1, 'adapters.eata.momentum',
-          f'must be in [0, 1), got {hparams.momentum}')
-  require(hparams.fisher_weight >= 0, 'adapters.eata.fisher_weight',
-          f'must be >= 0 (β), got {hparams.fisher_weight}')
-  require(hparams.entropy_margin > 0, 'adapters.eata.entropy_margin',
-          f'must be > 0, got {hparams.entropy_margin}')
-
-
 @ADAPTERS.register('eata', defaults={
     'learning_rate': 0.00025,                  # EATA's code: SGD 0.00025 ...
     'lr_batch_size': 64,                       # ... at batch 64, scaled linearly to B
@@ -126,7 +112,13 @@ def check(hparams) -> None:
     'fisher_weight': 2000.0,                   # EATA: β = 2000
     'fisher_samples': 2000,                    # EATA: 2000 source samples
     'predict': 'before'},
-    check=check, learnable={'learning_rate': 'log'})
+    ranges={'learning_rate': POSITIVE, 'lr_batch_size': POSITIVE_INT,
+            'momentum': interval(0, 1, high_open=True), 'entropy_margin': POSITIVE,
+            # ε > 0: at 0 every example after the first kept batch counts as redundant
+            'redundancy_epsilon': POSITIVE,
+            'fisher_weight': NONNEGATIVE,   # 0: no regulariser (no source data needed)
+            'fisher_samples': POSITIVE_INT, 'predict': common.PREDICT_RANGE},
+    learnable={'learning_rate': 'log'})
 def build_eata(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.eata``, SGD's rate
   scaled linearly from ``lr_batch_size`` to the test batch."""

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_shift import models
-from fedjax_shift.adapters.common import check_fields
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.registry import POSITIVE_INT
 
 
 def reweight(log_probs: jax.Array, ratio: jax.Array) -> jax.Array:
@@ -56,8 +56,7 @@ def em(module, num_classes: int, num_iterations: int = 100, source_prior=None) -
 
 
 @ADAPTERS.register('em', defaults={'num_iterations': 100},  # Saerens et al. EM iterations
-                   check=lambda h: check_fields('em', at_least={
-                       'num_iterations': (h.num_iterations, 1)}))
+                   ranges={'num_iterations': POSITIVE_INT})
 def build_em(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.em``."""
   return em(module, context.num_classes, hparams.num_iterations)

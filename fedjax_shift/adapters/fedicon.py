@@ -43,6 +43,8 @@ from fedjax_shift.adapters import common
 from fedjax_shift.parts.contrastive import MIN_BATCH, projection_of, representation, supcon_loss
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 from fedjax_shift.data import augment
+from fedjax_shift.registry import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, one_of,
+                                   registered, sequence_of)
 
 
 class ContrastiveState(NamedTuple):
@@ -158,6 +160,13 @@ def fedicon_tta(module, temperature: float = 0.1,
     'anchors': 'raw',                 # Eq. 7: raw samples anchor; 'symmetric': views too
     'batch_norm': 'frozen',           # running statistics: training's, or 'test' (updated)
     'weight_decay': 5e-4},            # Sec. 5.1: SGD weight decay 5e-4, as in training
+    ranges={'temperature': POSITIVE, 'learning_rate': POSITIVE, 'steps': POSITIVE_INT,
+            # 0: no memory; else at least the test batch (fedicon_tta checks)
+            'memory_size': NONNEGATIVE_INT,
+            'augmentations': sequence_of(registered(augment.VIEW_AUGMENTATIONS)),
+            'predict': common.PREDICT_RANGE, 'epochs': POSITIVE_INT,
+            'anchors': one_of(*ANCHORS), 'batch_norm': one_of(*BATCH_NORM),
+            'weight_decay': NONNEGATIVE},
     # FedICON's methods, and Local and FedAvg: Table 5's cells without local invariance
     # extraction, adapted by Eq. 7 on their encoder output (they have no projection).
     trained_by=('fedicon', 'fedicon_us', 'fedicon_no_sharing', 'fedicon_ce',

@@ -41,7 +41,7 @@ from fedjax_shift.parts.fedthe_extras import EXTRA
 from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 from fedjax_shift.data.augment import augment_many
-from fedjax_shift.registry import require
+from fedjax_shift.registry import FRACTION, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, one_of
 
 GRADIENT_TOLERANCE = 1e-5   # authors' code: stop when ‖∇w‖ < 1e-5
 
@@ -193,15 +193,17 @@ DEFAULTS = {
 }
 
 
-def checker(name: str):
-  def check(hparams) -> None:
-    check_history(hparams.history, f'config.adapters.{name}')
-    require(0.0 <= hparams.beta <= 1.0, f'adapters.{name}.beta',
-            f'must be in [0, 1], got {hparams.beta}')
-  return check
+RANGES = {
+    'learning_rate': POSITIVE,
+    'steps': NONNEGATIVE_INT,                # 0: the fixed initial_global_weight mixture
+    'alpha': FRACTION, 'beta': FRACTION,
+    'initial_global_weight': FRACTION,       # 1: the global head, 0: the personal head
+    'history': one_of(*HISTORY_RULES),
+    'tune_steps': NONNEGATIVE_INT,           # 0: no FedTHE+ tuning
+}
 
 
-@ADAPTERS.register('fedthe', defaults={**DEFAULTS, 'tune_steps': 0}, check=checker('fedthe'),
+@ADAPTERS.register('fedthe', defaults={**DEFAULTS, 'tune_steps': 0}, ranges=RANGES,
                    trained_by=('fedthe',), adapts_models=('personalized',))
 def build_fedthe(module, hparams, context: SourceContext) -> Adapter:
   """FedTHE: the learned two-head ensemble, from ``config.adapters.fedthe``."""
@@ -215,8 +217,9 @@ def build_fedthe(module, hparams, context: SourceContext) -> Adapter:
     **DEFAULTS,
     'tune_steps': 3,                  # authors' code: _test_time_tune num_steps = 3
     'tune_learning_rate': 0.0005,     # authors' code: SGD lr 0.0005
-    'num_augmentations': 16}, check=checker('fedthe_plus'), trained_by=('fedthe',),
-    adapts_models=('personalized',))
+    'num_augmentations': 16},
+    ranges={**RANGES, 'tune_learning_rate': POSITIVE, 'num_augmentations': POSITIVE_INT},
+    trained_by=('fedthe',), adapts_models=('personalized',))
 def build_fedthe_plus(module, hparams, context: SourceContext) -> Adapter:
   """FedTHE+: the ensemble, then per-sample marginal-entropy tuning."""
   del context

@@ -38,7 +38,8 @@ from fedjax_shift.adapters import common
 from fedjax_shift.parts.fedtta_step import ADAPTATION, inner_step
 from fedjax_shift.core.local import select
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
-from fedjax_shift.registry import require
+from fedjax_shift.registry import (BOOL, NONNEGATIVE, NONNEGATIVE_INT, POSITIVE_INT, Range,
+                                   one_of)
 
 
 TRAINED_BY = ('fedtta', 'fedtta_prox')   # the methods that train g
@@ -184,26 +185,27 @@ def for_method(name: str, hparams, config, algorithm_name: str):
   return out
 
 
-def check(name: str):
-  def check_fields(hparams) -> None:
-    for field in SHARED_WITH_TRAINING:
-      require(hparams[field] >= 0 or hparams[field] == FROM_TRAINING,
-              f'adapters.{name}.{field}',
-              f'must be >= 0 (or {FROM_TRAINING}: the trained method\'s), got {hparams[field]}')
-    require(hparams.fill_batch >= 0 or hparams.fill_batch == FROM_TRAINING,
-            f'adapters.{name}.fill_batch', f'must be >= 0 (or {int(FROM_TRAINING)}: '
-            f'config.client.batch_size), got {hparams.fill_batch}')
-    require(hparams.max_steps >= 1, f'adapters.{name}.max_steps',
-            f'E must be >= 1 (with no step and ψ_0 excluded there is no candidate), got '
-            f'{hparams.max_steps}')
-    require(hparams.patience >= 0, f'adapters.{name}.patience',
-            f'must be >= 0 (0: no early stopping), got {hparams.patience}')
-    require(hparams.loop in LOOPS, f'adapters.{name}.loop',
-            f'choose from {list(LOOPS)}, got {hparams.loop!r}')
-    for field in ('clip_norm', 'weight_decay'):
-      require(hparams[field] >= 0, f'adapters.{name}.{field}', f'must be >= 0, got '
-              f'{hparams[field]}')
-  return check_fields
+def or_from_training(declared: Range, meaning: str) -> Range:
+  """``declared``'s values and FROM_TRAINING (``meaning``: what it stands for)."""
+  def accepts(value) -> bool:
+    return declared.accepts(value) or (isinstance(value, (int, float)) and
+                                       not isinstance(value, bool) and value == FROM_TRAINING)
+  return Range(f'{declared.description}, or {FROM_TRAINING:g} ({meaning})', accepts,
+               FROM_TRAINING - 1)
+
+
+RANGES = {
+    'inner_learning_rate': or_from_training(NONNEGATIVE, "the trained method's"),
+    'norm_epsilon': or_from_training(NONNEGATIVE, "the trained method's"),
+    'fill_batch': or_from_training(NONNEGATIVE_INT, 'config.client.batch_size'),
+    # E >= 1: with no step and ψ_0 excluded there is no candidate
+    'max_steps': POSITIVE_INT,
+    'patience': NONNEGATIVE_INT,   # 0: no early stopping
+    'loop': one_of(*LOOPS),
+    'restore_best': BOOL, 'include_initial': BOOL, 'override_training': BOOL,
+    'clip_norm': NONNEGATIVE,      # 0: no clip
+    'weight_decay': NONNEGATIVE,
+}
 
 
 def build(module, hparams, context: SourceContext) -> Adapter:
@@ -232,7 +234,7 @@ ADAPTERS.register('fedtta', defaults={
     'clip_norm': 0.0,             # Eq. 11 = Eq. 5: the step training differentiates
     'weight_decay': 0.0,
     'fill_batch': int(FROM_TRAINING)},   # config.client.batch_size (module docstring)
-    check=check('fedtta'), trained_by=TRAINED_BY,
+    ranges=RANGES, trained_by=TRAINED_BY,
     for_method=lambda hparams, config, method: for_method('fedtta', hparams, config, method))(
         build)
 ADAPTERS.register('fedtta_pp', defaults={
@@ -255,6 +257,6 @@ ADAPTERS.register('fedtta_pp', defaults={
     'clip_norm': 10.0,            # the authors' test loop: clip_grad_norm_(…, 10)
     'weight_decay': 1e-4,         # and SGD(weight_decay=1e-4)
     'fill_batch': int(FROM_TRAINING)},   # config.client.batch_size (module docstring)
-    check=check('fedtta_pp'), trained_by=TRAINED_BY,
+    ranges=RANGES, trained_by=TRAINED_BY,
     for_method=lambda hparams, config, method: for_method('fedtta_pp', hparams, config, method))(
         build)

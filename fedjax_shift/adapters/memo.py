@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from fedjax_shift import models
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 from fedjax_shift.data.augment import MARGINAL_AUGMENTATIONS, augment_many
-from fedjax_shift.registry import require
+from fedjax_shift.registry import POSITIVE, POSITIVE_INT, one_of
 
 
 def marginal_entropy(logits: jax.Array) -> jax.Array:
@@ -67,24 +67,14 @@ def memo(module, num_augmentations: int = 32, learning_rate: float = 0.005,
   return Adapter(init, step)
 
 
-def check(hparams) -> None:
-  """config.adapters.memo's ranges (errors name the field)."""
-  require(hparams.num_augmentations >= 1, 'adapters.memo.num_augmentations',
-          f'must be >= 1, got {hparams.num_augmentations}')
-  require(hparams.learning_rate > 0, 'adapters.memo.learning_rate',
-          f'must be > 0, got {hparams.learning_rate}')
-  require(hparams.num_steps >= 1, 'adapters.memo.num_steps',
-          f'must be >= 1, got {hparams.num_steps}')
-  require(hparams.augmentation in MARGINAL_AUGMENTATIONS, 'adapters.memo.augmentation',
-          f'unknown {hparams.augmentation!r}; choose from {sorted(MARGINAL_AUGMENTATIONS)}')
-
-
 @ADAPTERS.register('memo', defaults={
     'num_augmentations': 32,          # MEMO: 32 augmentations
     'learning_rate': 0.005,           # MEMO: lr 0.005
     'num_steps': 1,                   # MEMO: one step per test point
     'augmentation': 'translate_rotate_jitter'},
-    check=check, learnable={'learning_rate': 'log'})
+    ranges={'num_augmentations': POSITIVE_INT, 'learning_rate': POSITIVE,
+            'num_steps': POSITIVE_INT, 'augmentation': one_of(*MARGINAL_AUGMENTATIONS)},
+    learnable={'learning_rate': 'log'})
 def build_memo(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.memo``."""
   return memo(module, hparams.num_augmentations, hparams.learning_rate,

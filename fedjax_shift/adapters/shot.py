@@ -24,7 +24,7 @@ from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
-from fedjax_shift.registry import require
+from fedjax_shift.registry import NONNEGATIVE
 
 
 def cluster_pseudo_labels(features: jax.Array, probs: jax.Array, weight: jax.Array
@@ -73,19 +73,15 @@ def shot(module, learning_rate: float = 1e-3, pseudo_label_weight: float = 0.3,
       lambda variables, x: forward(variables, x)[1], optimizer, predict)
 
 
-def check(hparams) -> None:
-  """config.adapters.shot's choices and ranges (errors name the field)."""
-  common.check_optimizer('shot', hparams)
-  require(hparams.pseudo_label_weight >= 0, 'adapters.shot.pseudo_label_weight',
-          f'must be >= 0, got {hparams.pseudo_label_weight}')
-
-
 @ADAPTERS.register('shot', defaults={
     'learning_rate': 1e-3,            # Tent's optimizer
     'optimizer': 'adam',
     'pseudo_label_weight': 0.3,       # SHOT: β = 0.3
     'predict': 'before'},             # ATP code: logits before the update
-    check=check, learnable={'learning_rate': 'log'})
+    ranges={**common.OPTIMIZER_RANGES,
+            'pseudo_label_weight': NONNEGATIVE,   # 0: information maximisation only (ATP)
+            'predict': common.PREDICT_RANGE},
+    learnable={'learning_rate': 'log'})
 def build_shot(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.shot``."""
   return shot(module, hparams.learning_rate, hparams.pseudo_label_weight, hparams.predict,

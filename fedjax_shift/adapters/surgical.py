@@ -22,7 +22,7 @@ from flax import traverse_util
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
-from fedjax_shift.registry import require
+from fedjax_shift.registry import POSITIVE_INT, Range, one_of, require, sequence_of
 
 
 def block_selector(module, block, input_shape: tuple):
@@ -161,17 +161,19 @@ def source_selected(module, context: SourceContext, learning_rate: float, predic
 
 
 SELECT = ('fixed', 'source_accuracy')
+# A block as ``models.layer_selector`` reads it (whether it names a layer is known only
+# with the model); a candidate may also be a layer index.
+BLOCK = Range("a layer's path prefix ('encoder/Dense_0', 'head'), 'first' or 'last'",
+              lambda value: isinstance(value, str) and value != '', '')
+CANDIDATE = Range("a layer's path prefix, 'first', 'last' or a layer index",
+                  lambda value: BLOCK.accepts(value) or (
+                      isinstance(value, int) and not isinstance(value, bool)), '')
 
 
 def check(hparams) -> None:
-  """config.adapters.surgical's choices and ranges (errors name the field)."""
-  require(hparams.select in SELECT, 'adapters.surgical.select',
-          f'unknown {hparams.select!r}; choose from {list(SELECT)}')
-  common.check_optimizer('surgical', hparams)
+  """config.adapters.surgical's optimizer for its selection rule (errors name the field)."""
   require(hparams.select == 'fixed' or hparams.optimizer == 'sgd', 'adapters.surgical.optimizer',
           "select='source_accuracy' takes the authors' SGD step: set optimizer='sgd'")
-  require(hparams.selection_examples >= 1, 'adapters.surgical.selection_examples',
-          f'must be >= 1, got {hparams.selection_examples}')
 
 
 @ADAPTERS.register('surgical', defaults={
@@ -182,7 +184,12 @@ def check(hparams) -> None:
     # 'fixed': ``block``; 'source_accuracy': the ATP release's rule, the candidate whose
     # one-step adaptation scores best on labelled source held-out data (``candidates``:
     # block names, () = every layer of the model; the first ``selection_examples``)
-    'select': 'fixed', 'candidates': (), 'selection_examples': 1000}, check=check)
+    'select': 'fixed', 'candidates': (), 'selection_examples': 1000},
+    ranges={**common.OPTIMIZER_RANGES, 'predict': common.PREDICT_RANGE,
+            'block': BLOCK,   # each shift's, or one for all
+            'select': one_of(*SELECT), 'candidates': sequence_of(CANDIDATE),
+            'selection_examples': POSITIVE_INT},
+    check=check)
 def build_surgical(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.surgical``."""
   if hparams.select == 'source_accuracy':

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_shift import models
-from fedjax_shift.adapters.common import check_fields, entropy
+from fedjax_shift.adapters.common import entropy
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.registry import POSITIVE_INT
 
 
 class Supports(NamedTuple):
@@ -83,7 +84,7 @@ def t3a(module, filter_k: int = 100) -> Adapter:
 
 
 @ADAPTERS.register('t3a', defaults={'filter_k': 100},  # T3A / DomainBed default K
-                   check=lambda h: check_fields('t3a', at_least={'filter_k': (h.filter_k, 1)}))
+                   ranges={'filter_k': POSITIVE_INT})
 def build_t3a(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.t3a``."""
   return t3a(module, hparams.filter_k)

@@ -28,7 +28,7 @@ from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 from fedjax_shift.parts.trees import clipped_and_decayed
-from fedjax_shift.registry import require
+from fedjax_shift.registry import NONNEGATIVE, one_of
 
 PARAMETERS = ('batch_norm', 'all')
 ENTROPY_UNITS = {'nats': 1.0, 'bits': 1.0 / math.log(2.0)}
@@ -63,17 +63,6 @@ def tent(module, learning_rate: Union[float, Dict[str, Any]] = 1e-3, predict: st
       check=common.require_batch_norm('tent'))
 
 
-def check(hparams) -> None:
-  """config.adapters.tent's choices and ranges (errors name the field)."""
-  common.check_optimizer('tent', hparams)
-  require(hparams.parameters in PARAMETERS, 'adapters.tent.parameters',
-          f'unknown {hparams.parameters!r}; choose from {list(PARAMETERS)}')
-  require(hparams.entropy_units in ENTROPY_UNITS, 'adapters.tent.entropy_units',
-          f'unknown {hparams.entropy_units!r}; choose from {list(ENTROPY_UNITS)}')
-  for field in ('clip', 'weight_decay'):
-    require(hparams[field] >= 0, f'adapters.tent.{field}', f'must be >= 0, got {hparams[field]}')
-
-
 @ADAPTERS.register('tent', defaults={
     'learning_rate': 1e-3,            # Tent: Adam 1e-3 (CIFAR)
     'optimizer': 'adam',
@@ -82,7 +71,10 @@ def check(hparams) -> None:
     'weight_decay': 0.0,
     'entropy_units': 'nats',
     'predict': 'before'},             # ATP code: logits before the update
-    check=check, learnable={'learning_rate': 'log_per_bn_layer'})
+    ranges={**common.OPTIMIZER_RANGES, 'parameters': one_of(*PARAMETERS),
+            'clip': NONNEGATIVE, 'weight_decay': NONNEGATIVE,
+            'entropy_units': one_of(*ENTROPY_UNITS), 'predict': common.PREDICT_RANGE},
+    learnable={'learning_rate': 'log_per_bn_layer'})
 def build_tent(module, hparams, context: SourceContext) -> Adapter:
   """The registry's builder: this method from its ``config.adapters.tent``."""
   return tent(module, hparams.learning_rate, hparams.predict, hparams.optimizer,

@@ -30,7 +30,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import masked_mean
-from fedjax_shift.registry import require
+from fedjax_shift.registry import NONNEGATIVE
 
 PyTree = Any
 
@@ -60,14 +60,9 @@ def simplex_threshold(values: jax.Array) -> jax.Array:
   return (cumulative[support - 1] - 1.0) / support
 
 
-def check(hparams: ml_collections.ConfigDict) -> None:
-  require(hparams.lambda_learning_rate >= 0, 'afl.lambda_learning_rate',
-          f'must be >= 0, got {hparams.lambda_learning_rate}')
-
-
 @base.ALGORITHMS.register('afl', defaults={
     'lambda_learning_rate': 0.001},   # γ_λ (FedTTA App. table, MNIST; γ_w = 0.3 there)
-    check=check)
+    ranges={'lambda_learning_rate': NONNEGATIVE})   # 0: λ stays uniform
 def afl(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module, server_opt = context.module, context.server_optimizer
   if context.num_clients < 1 or context.cohort_fraction < 1.0:

@@ -18,19 +18,15 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean
-from fedjax_shift.registry import require
+from fedjax_shift.registry import FRACTION
 
 
 def mix(alpha: float, personal, global_params):
   return jax.tree.map(lambda v, w: alpha * v + (1.0 - alpha) * w, personal, global_params)
 
 
-def check(hparams: ml_collections.ConfigDict) -> None:
-  require(0.0 <= hparams.alpha <= 1.0, 'apfl.alpha', f'must be in [0, 1], got {hparams.alpha}')
-
-
 @base.ALGORITHMS.register('apfl', defaults={'alpha': 0.5},  # fixed mixing α (our default)
-                          check=check)
+                          ranges={'alpha': FRACTION})
 def apfl(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   alpha = hparams.alpha
   module = context.module

@@ -27,7 +27,8 @@ from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import LocalSchedule, local_train
 from fedjax_shift.parts import atp_rates as atp_adapter
-from fedjax_shift.registry import require
+from fedjax_shift.registry import (NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, one_of,
+                                   require)
 
 OPTIMIZERS = ('sgd', 'adam')
 # config.atp: α training (Algorithm 1; the authors' code for what the paper leaves out).
@@ -46,19 +47,23 @@ DEFAULTS = {
 }
 
 
+RANGES = {
+    'rounds': POSITIVE_INT,
+    'cohort_size': POSITIVE_INT,       # and <= data.num_clients (the atp pipeline)
+    'optimizer': one_of(*OPTIMIZERS),
+    'learning_rate': POSITIVE,
+    'scaling': one_of(*atp_adapter.SCALINGS),
+    'batch_size': POSITIVE_INT,
+    'local_epochs': NONNEGATIVE_INT,   # 0 with local_steps > 0
+    'local_steps': NONNEGATIVE_INT,    # 0: local_epochs
+    'variance_clamp': one_of(*atp_adapter.VARIANCE_CLAMPS),
+}
+
+
 def check(hparams: ml_collections.ConfigDict) -> None:
-  """config.atp's values (errors name the field)."""
-  require(hparams.scaling in atp_adapter.SCALINGS, 'atp.scaling',
-          f'unknown {hparams.scaling!r}; choose from {list(atp_adapter.SCALINGS)}')
-  require(hparams.optimizer in OPTIMIZERS, 'atp.optimizer',
-          f'unknown {hparams.optimizer!r}; choose from {list(OPTIMIZERS)}')
-  require(hparams.variance_clamp in atp_adapter.VARIANCE_CLAMPS, 'atp.variance_clamp',
-          f'unknown {hparams.variance_clamp!r}; choose from '
-          f'{list(atp_adapter.VARIANCE_CLAMPS)}')
-  require(hparams.rounds >= 1, 'atp.rounds', f'must be >= 1, got {hparams.rounds}')
-  require(hparams.learning_rate > 0, 'atp.learning_rate',
-          f'must be > 0, got {hparams.learning_rate}')
-  require(hparams.batch_size >= 1, 'atp.batch_size', f'must be >= 1, got {hparams.batch_size}')
+  """config.atp's schedule: epochs or steps (errors name the field)."""
+  require(hparams.local_epochs >= 1 or hparams.local_steps >= 1, 'atp.local_epochs',
+          'need local_epochs >= 1 or local_steps >= 1')
 
 
 class ATPServerState(NamedTuple):
@@ -130,7 +135,8 @@ def atp_training(atp_config: ml_collections.ConfigDict, module, max_examples: in
       personalize=None, global_model=lambda server_state: server_state.variables)
 
 
-@base.ALGORITHMS.register('atp', defaults=DEFAULTS, check=check, pretrained_model=True)
+@base.ALGORITHMS.register('atp', defaults=DEFAULTS, ranges=RANGES, check=check,
+                          pretrained_model=True)
 def atp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   """The registry's builder: α training around ``context.global_variables``, with its
   own schedule (``config.atp``'s batch, epochs and steps) over the padded N and unroll

@@ -18,7 +18,7 @@ from fedjax_shift.core.algorithm import ClientData, ClientOutput, FederatedAlgor
 from fedjax_shift.core.local import LocalSchedule, local_train, masked_mean
 from fedjax_shift.data import augment
 from fedjax_shift.parts.trees import tree_sub, weighted_sum  # noqa: F401
-from fedjax_shift.registry import Registry, require
+from fedjax_shift.registry import NONNEGATIVE, NONNEGATIVE_INT, Registry, require
 
 PyTree = Any
 SERVER_OPTIMIZERS = ('sgd', 'fedavgm', 'fedadam')
@@ -75,8 +75,9 @@ class BuildContext(NamedTuple):
 # paper's per-method tuned rates), 0 = the shared ``config.client.learning_rate``, and
 # ``client_batch_size``: its own local batch (e.g. 1 for a release that steps once per
 # image), 0 = the shared ``config.client.batch_size``.
-ALGORITHMS: Registry = Registry('algorithm', common_defaults={'client_learning_rate': 0.0,
-                                                             'client_batch_size': 0})
+ALGORITHMS: Registry = Registry(
+    'algorithm', common_defaults={'client_learning_rate': 0.0, 'client_batch_size': 0},
+    common_ranges={'client_learning_rate': NONNEGATIVE, 'client_batch_size': NONNEGATIVE_INT})
 
 
 def method_client(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
@@ -135,15 +136,6 @@ def check_training(config: ml_collections.ConfigDict) -> None:
   require(config.client.local_steps >= 0, 'client.local_steps',
            f'must be >= 0, got {config.client.local_steps}')
   augment.check_view_names(config.client.augmentation, 'client.augmentation')
-  for name in config.algorithms:
-    if name in config and 'client_learning_rate' in config[name]:
-      rate = config[name].client_learning_rate
-      require(rate >= 0, f'{name}.client_learning_rate',
-              f'must be >= 0 (0: client.learning_rate), got {rate}')
-    if name in config and 'client_batch_size' in config[name]:
-      batch = config[name].client_batch_size
-      require(batch >= 0 and int(batch) == batch, f'{name}.client_batch_size',
-              f'must be an integer >= 0 (0: client.batch_size), got {batch}')
 
 
 # The Benchmark.info fields a builder may read. Only these reach BuildContext.info,
@@ -179,7 +171,7 @@ def build(name: str, config: ml_collections.ConfigDict, module, max_examples: in
           info: Optional[dict] = None, num_clients: Optional[int] = None,
           example_shape: tuple = (), global_variables=None):
   """The registered algorithm ``name`` with its section ``config.<name>``, checked
-  first (unknown fields, the method's registered ``check``)."""
+  first (unknown fields, the declared ranges, the method's registered ``check``)."""
   builder = ALGORITHMS.get(name, 'config.algorithms')
   ALGORITHMS.check(name, config[name], f'config.{name}')
   return builder(config[name], build_context(config, module, max_examples, info, num_clients,

@@ -17,15 +17,11 @@ from fedjax_shift.algorithms.fedavg import fedavg
 from fedjax_shift.algorithms.fedprox import proximal_term
 from fedjax_shift.core.algorithm import FederatedAlgorithm
 from fedjax_shift.core.local import local_train
-from fedjax_shift.registry import require
-
-
-def check(hparams: ml_collections.ConfigDict) -> None:
-  require(hparams.lam >= 0, 'ditto.lam', f'must be >= 0, got {hparams.lam}')
+from fedjax_shift.registry import NONNEGATIVE
 
 
 @base.ALGORITHMS.register('ditto', defaults={'lam': 0.1},  # λ (FedEvolve App. D: 0.1)
-                          check=check)
+                          ranges={'lam': NONNEGATIVE})   # 0: local training
 def ditto(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   lam = hparams.lam
   module = context.module

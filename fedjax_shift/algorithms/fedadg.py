@@ -31,7 +31,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import FederatedAlgorithm
 from fedjax_shift.core.local import masked_mean
-from fedjax_shift.registry import require
+from fedjax_shift.registry import FRACTION, POSITIVE, POSITIVE_INT
 
 LABEL_SCALE = 0.6   # ỹ = 0.6 · onehot(y), D's and G's label input
 
@@ -57,20 +57,13 @@ class Discriminator(nn.Module):
     return nn.sigmoid(nn.Dense(1)(h))[..., 0]
 
 
-def check(hparams: ml_collections.ConfigDict) -> None:
-  require(0 <= hparams.lambda_0 <= 1, 'fedadg.lambda_0', f'must be in [0, 1], got {hparams.lambda_0}')
-  for field in ('noise_dim', 'hidden'):
-    require(hparams[field] >= 1, f'fedadg.{field}', f'must be >= 1, got {hparams[field]}')
-  require(hparams.adversarial_learning_rate > 0, 'fedadg.adversarial_learning_rate',
-          f'must be > 0, got {hparams.adversarial_learning_rate}')
-
-
 @base.ALGORITHMS.register('fedadg', defaults={
     'lambda_0': 0.5,                  # weight of L_advf against L_err (not in FedTTA's App. B)
     'noise_dim': 10,                  # FedTTA App. B: "dimension of the random noise 10"
     'hidden': 128,                    # G's and D's hidden width
     'adversarial_learning_rate': 0.1, # SGD for D and G (not given)
-}, check=check, batch_norm=False)
+}, ranges={'lambda_0': FRACTION, 'noise_dim': POSITIVE_INT, 'hidden': POSITIVE_INT,
+           'adversarial_learning_rate': POSITIVE}, batch_norm=False)
 def fedadg(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module = context.module
   num_classes = module.num_classes

@@ -11,9 +11,11 @@ import ml_collections
 from fedjax_shift.algorithms import base
 from fedjax_shift.algorithms.fedavg import fedavg
 from fedjax_shift.core.algorithm import FederatedAlgorithm
+from fedjax_shift.registry import POSITIVE_INT
 
 
-@base.ALGORITHMS.register('fedavg_ft', defaults={'epochs': 1})  # FedEvolve App. D: 1 epoch
+@base.ALGORITHMS.register('fedavg_ft', defaults={'epochs': 1},  # FedEvolve App. D: 1 epoch
+                          ranges={'epochs': POSITIVE_INT})
 def fedavg_ft(hparams: ml_collections.ConfigDict, context: base.BuildContext
               ) -> FederatedAlgorithm:
   finetune = base.epochs_schedule(context.schedule, hparams.epochs)

@@ -15,7 +15,7 @@ from flax import traverse_util
 from fedjax_shift.algorithms import base
 from fedjax_shift.models import is_batch_norm_path
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
-from fedjax_shift.registry import require
+from fedjax_shift.registry import one_of
 
 LOCAL_NORMS = ('batch_norm', 'all')
 
@@ -45,12 +45,8 @@ def merge_local(variables, local):
   return traverse_util.unflatten_dict(flat)
 
 
-def check(hparams: ml_collections.ConfigDict) -> None:
-  require(hparams.local_norms in LOCAL_NORMS, 'fedbn.local_norms',
-          f'unknown {hparams.local_norms!r}; choose from {list(LOCAL_NORMS)}')
-
-
-@base.ALGORITHMS.register('fedbn', defaults={'local_norms': 'batch_norm'}, check=check)
+@base.ALGORITHMS.register('fedbn', defaults={'local_norms': 'batch_norm'},
+                          ranges={'local_norms': one_of(*LOCAL_NORMS)})
 def fedbn(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module, server_opt = context.module, context.server_optimizer
   norms = hparams.local_norms

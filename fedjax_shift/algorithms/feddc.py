@@ -36,7 +36,7 @@ from fedjax_shift.algorithms import base
 from fedjax_shift.algorithms.fedprox import proximal_term
 from fedjax_shift.algorithms.scaffold import add_to_gradient
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
-from fedjax_shift.registry import require
+from fedjax_shift.registry import NONNEGATIVE
 
 PyTree = Any
 
@@ -59,11 +59,7 @@ class FedDCUpdate(NamedTuple):
   correction: PyTree  # Δc = c_i⁺ − c_i
 
 
-def check(hparams: ml_collections.ConfigDict) -> None:
-  require(hparams.alpha >= 0, 'feddc.alpha', f'must be >= 0, got {hparams.alpha}')
-
-
-@base.ALGORITHMS.register('feddc', defaults={'alpha': 0.01}, check=check)
+@base.ALGORITHMS.register('feddc', defaults={'alpha': 0.01}, ranges={'alpha': NONNEGATIVE})
 def feddc(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module, server_opt = context.module, context.server_optimizer
   alpha, local_learning_rate = hparams.alpha, context.client_learning_rate

@@ -39,7 +39,7 @@ from fedjax_shift.algorithms.prototypes import (DISTANCES, class_prototypes, pro
                                                 prototype_loss)
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import select
-from fedjax_shift.registry import require
+from fedjax_shift.registry import one_of
 
 
 class FedEvolveState(NamedTuple):
@@ -86,19 +86,13 @@ def check_feature_dims(phi_features: jax.Array, psi_features: jax.Array) -> int:
   return phi_features.shape[-1]
 
 
-def check(hparams: ml_collections.ConfigDict) -> None:
-  require(hparams.distance in DISTANCES, 'fedevolve.distance',
-          f'choose from {list(DISTANCES)}, got {hparams.distance!r}')
-  require(hparams.tau_unit in TAU_UNITS, 'fedevolve.tau_unit',
-          f'choose from {list(TAU_UNITS)}, got {hparams.tau_unit!r}')
-
-
 # d of Eq. 4: 'euclidean' (Sec. 4.1: "we employ Euclidean distance") or
 # 'squared_euclidean' (Snell et al. 2017).
 @base.ALGORITHMS.register('fedevolve', defaults={
     'distance': 'euclidean',
     'tau_unit': 'iterations',   # τ = client.local_epochs counts: 'iterations' | 'epochs'
-}, check=check, layout='domains')  # domain-major client data
+}, ranges={'distance': one_of(*DISTANCES), 'tau_unit': one_of(*TAU_UNITS)},
+    layout='domains')  # domain-major client data
 def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
               ) -> FederatedAlgorithm:
   """τ = the schedule's epochs, read as ``hparams.tau_unit`` says; batches of its batch

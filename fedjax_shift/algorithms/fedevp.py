@@ -37,7 +37,7 @@ from fedjax_shift.algorithms.domains import (TAU_UNITS, domain_batch, iteration_
 from fedjax_shift.algorithms.prototypes import class_prototypes, prototype_loss
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean, select
-from fedjax_shift.registry import require
+from fedjax_shift.registry import NONNEGATIVE_INT, one_of
 
 
 def last_layer_selector(module, input_shape: tuple):
@@ -65,17 +65,6 @@ def tuned_selector(personalize: str, module, input_shape: tuple):
 ALIGNS = ('algorithm2', 'eq6')
 
 
-def check(hparams: ml_collections.ConfigDict) -> None:
-  require(hparams.align in ALIGNS, 'fedevp.align',
-          f'choose from {list(ALIGNS)}, got {hparams.align!r}')
-  require(hparams.finetune_epochs >= 0, 'fedevp.finetune_epochs',
-          f'must be >= 0, got {hparams.finetune_epochs}')
-  require(hparams.personalize in PERSONALIZE, 'fedevp.personalize',
-          f'choose from {list(PERSONALIZE)}, got {hparams.personalize!r}')
-  require(hparams.tau_unit in TAU_UNITS, 'fedevp.tau_unit',
-          f'choose from {list(TAU_UNITS)}, got {hparams.tau_unit!r}')
-
-
 @base.ALGORITHMS.register('fedevp', defaults={
     'finetune_epochs': 1,       # App. D: 1 epoch
     'align': 'algorithm2',      # 'algorithm2' (as written) | 'eq6' (the text's C_{m−1})
@@ -83,7 +72,11 @@ def check(hparams: ml_collections.ConfigDict) -> None:
     # 'all' or 'none' (no personalisation)
     'personalize': 'last_layer',
     'tau_unit': 'iterations',   # τ = client.local_epochs counts: 'iterations' | 'epochs'
-}, check=check, layout='domains')  # domain-major client data
+}, ranges={
+    'finetune_epochs': NONNEGATIVE_INT,   # 0: the global model, not fine-tuned
+    'align': one_of(*ALIGNS), 'personalize': one_of(*PERSONALIZE),
+    'tau_unit': one_of(*TAU_UNITS),
+}, layout='domains')  # domain-major client data
 def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module = context.module
   layout = layout_from_info(context.info, context.schedule.max_examples, 'fedevp')

@@ -42,7 +42,8 @@ from fedjax_shift.algorithms.fedrep import body_only, train_part, with_head
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean
 from fedjax_shift.data import augment
-from fedjax_shift.registry import require
+from fedjax_shift.registry import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, one_of,
+                                   registered, sequence_of)
 
 from fedjax_shift.parts.contrastive import (  # noqa: F401
     MIN_BATCH, Projection, projection_of, representation, supcon_loss)
@@ -65,29 +66,6 @@ def contrastive_loss(module, projection: Optional[Projection], head, names, temp
   return loss_fn
 
 
-def check(section: str):
-  """The check of config.<section> (fedicon or fedicon_us)."""
-
-  def check_section(hparams: ml_collections.ConfigDict) -> None:
-    augment.check_view_names(hparams.augmentations, f'{section}.augmentations')
-    require(hparams.temperature > 0, f'{section}.temperature',
-            f'must be > 0, got {hparams.temperature}')
-    require(hparams.projection_dim >= 0, f'{section}.projection_dim',
-            f'must be >= 0 (0: no projection), got {hparams.projection_dim}')
-    require(hparams.learning_rate > 0 and hparams.head_learning_rate > 0,
-            f'{section}.learning_rate',
-            f'learning_rate and head_learning_rate must be > 0, got {hparams.learning_rate}, '
-            f'{hparams.head_learning_rate}')
-    require(hparams.head_epochs >= 1, f'{section}.head_epochs',
-            f'must be >= 1, got {hparams.head_epochs}')
-    require(hparams.personal_epochs >= 1, f'{section}.personal_epochs',
-            f'must be >= 1, got {hparams.personal_epochs}')
-    require(hparams.head_sharing in HEAD_SHARING, f'{section}.head_sharing',
-            f'choose from {list(HEAD_SHARING)}, got {hparams.head_sharing!r}')
-
-  return check_section
-
-
 HEAD_SHARING = ('federated_then_personal', 'local')
 
 
@@ -108,6 +86,17 @@ DEFAULTS = {
     'personal_epochs': 10,
     # SimCLR's chain without the flip (digits): data/augment.py VIEW_AUGMENTATIONS.
     'augmentations': ('random_resized_crop', 'colour_jitter', 'grayscale', 'gaussian_blur'),
+}
+RANGES = {
+    'temperature': POSITIVE,
+    'projection_dim': NONNEGATIVE_INT,   # 0: no projection
+    'learning_rate': POSITIVE,
+    'head_learning_rate': POSITIVE,
+    'weight_decay': NONNEGATIVE,
+    'head_epochs': POSITIVE_INT,
+    'head_sharing': one_of(*HEAD_SHARING),
+    'personal_epochs': POSITIVE_INT,
+    'augmentations': sequence_of(registered(augment.VIEW_AUGMENTATIONS)),   # (): two raw views
 }
 
 
@@ -244,7 +233,7 @@ def _register(name: str, objective: str, share: bool) -> None:
     return fedicon_algorithm(hparams, context, objective, share)
   builder.__name__ = builder.__qualname__ = name
   builder.__doc__ = f'FedICON variant {name!r}: objective {objective!r}, shared encoder {share}.'
-  base.ALGORITHMS.register(name, defaults=DEFAULTS, check=check(name))(builder)
+  base.ALGORITHMS.register(name, defaults=DEFAULTS, ranges=RANGES)(builder)
 
 
 for _name, (_objective, _share) in VARIANTS.items():

@@ -39,7 +39,7 @@ from fedjax_shift import models
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean
 from fedjax_shift.models import vit
-from fedjax_shift.registry import require
+from fedjax_shift.registry import BOOL, NONNEGATIVE, POSITIVE_INT, interval, one_of, require
 
 PyTree = Any
 QUERIES = ('instance', 'batch')
@@ -56,22 +56,21 @@ DEFAULTS = {
     # head shared by the pool (the paper's parameter counts)
     'head_pool': False,
 }
+RANGES = {
+    'pool_size': POSITIVE_INT,
+    'top_c': POSITIVE_INT,                               # and <= pool_size (check)
+    'key_loss_weight': interval(0, 1, high_open=True),   # 1 would leave no CE term
+    'query': one_of(*QUERIES),
+    'init_std': NONNEGATIVE,                             # 0: every SSF set the identity
+    'key_init': one_of(*KEY_INITS),
+    'head_pool': BOOL,
+}
 
 
 def check(section: str):
   def run(hparams: ml_collections.ConfigDict) -> None:
-    require(hparams.pool_size >= 1, f'{section}.pool_size',
-            f'must be >= 1, got {hparams.pool_size}')
-    require(1 <= hparams.top_c <= hparams.pool_size, f'{section}.top_c',
+    require(hparams.top_c <= hparams.pool_size, f'{section}.top_c',
             f'must be between 1 and pool_size={hparams.pool_size} (C ≤ M), got {hparams.top_c}')
-    require(0.0 <= hparams.key_loss_weight < 1.0, f'{section}.key_loss_weight',
-            f'must be in [0, 1), got {hparams.key_loss_weight}')
-    require(hparams.query in QUERIES, f'{section}.query',
-            f'unknown {hparams.query!r}; choose from {list(QUERIES)}')
-    require(hparams.init_std >= 0.0, f'{section}.init_std',
-            f'must be >= 0, got {hparams.init_std}')
-    require(hparams.key_init in KEY_INITS, f'{section}.key_init',
-            f'unknown {hparams.key_init!r}; choose from {list(KEY_INITS)}')
   return run
 
 
@@ -229,7 +228,7 @@ def selection_diagnostics(module) -> Callable[..., Dict[str, float]]:
 def _register(name: str, **overrides) -> None:
   diagnostics = {} if overrides.get('pool_size') == 1 else {'diagnostics': selection_diagnostics}
   base.ALGORITHMS.register(name, defaults={**DEFAULTS, **overrides}, check=check(name),
-                           models=('vit',), **diagnostics)(build)
+                           ranges=RANGES, models=('vit',), **diagnostics)(build)
 
 
 _register('fedins')

@@ -12,7 +12,7 @@ import ml_collections
 from fedjax_shift.algorithms import base
 from fedjax_shift.algorithms.fedavg import fedavg
 from fedjax_shift.core.algorithm import FederatedAlgorithm
-from fedjax_shift.registry import require
+from fedjax_shift.registry import NONNEGATIVE
 
 
 def proximal_term(mu: float):
@@ -27,12 +27,8 @@ def proximal_term(mu: float):
   return bind
 
 
-def check(hparams: ml_collections.ConfigDict) -> None:
-  require(hparams.mu >= 0, 'fedprox.mu', f'must be >= 0, got {hparams.mu}')
-
-
 @base.ALGORITHMS.register('fedprox', defaults={'mu': 0.01},  # μ (ATP Table 7: 0.01)
-                          check=check, pretrains=True)
+                          ranges={'mu': NONNEGATIVE}, pretrains=True)   # 0: FedAvg
 def fedprox(hparams: ml_collections.ConfigDict, context: base.BuildContext
             ) -> FederatedAlgorithm:
   return fedavg(hparams, context, extra_loss_fn=proximal_term(hparams.mu))

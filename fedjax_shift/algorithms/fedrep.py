@@ -16,6 +16,7 @@ import ml_collections
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train
+from fedjax_shift.registry import POSITIVE_INT
 
 
 def with_head(variables, head):
@@ -37,7 +38,8 @@ def train_part(context: base.BuildContext, variables, part: str, epochs: int, da
   return {'params': {**frozen, part: trained}, **model_state}, metrics
 
 
-@base.ALGORITHMS.register('fedrep', defaults={'head_epochs': 10})  # head epochs (our default)
+@base.ALGORITHMS.register('fedrep', defaults={'head_epochs': 10},  # head epochs (our default)
+                          ranges={'head_epochs': POSITIVE_INT})
 def fedrep(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   head_epochs, body_epochs = hparams.head_epochs, context.schedule.num_epochs
 

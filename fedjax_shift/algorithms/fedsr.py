@@ -22,6 +22,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import FederatedAlgorithm
 from fedjax_shift.core.local import masked_mean
+from fedjax_shift.registry import NONNEGATIVE
 
 
 def gaussian_kl(mean_q, std_q, mean_p, std_p) -> jax.Array:
@@ -31,6 +32,7 @@ def gaussian_kl(mean_q, std_q, mean_p, std_p) -> jax.Array:
 
 
 @base.ALGORITHMS.register('fedsr', defaults={'l2r': 0.01, 'cmi': 0.001},  # FedEvolve App. D
+                          ranges={'l2r': NONNEGATIVE, 'cmi': NONNEGATIVE},  # 0: term off
                           batch_norm=False)  # its probabilistic head
 def fedsr(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   l2r, cmi = hparams.l2r, hparams.cmi

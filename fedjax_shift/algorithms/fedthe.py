@@ -37,7 +37,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.algorithms.fedrep import train_part, with_head
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
-from fedjax_shift.registry import require
+from fedjax_shift.registry import BOOL, NONNEGATIVE, POSITIVE, POSITIVE_INT, one_of
 
 from fedjax_shift.parts.fedthe_extras import EXTRA  # the collection the adapter reads
 
@@ -81,19 +81,6 @@ PERSONAL_ON = ('received', 'local')
 FEATURE_WEIGHTINGS = ('uniform', 'num_examples')
 
 
-def check(hparams: ml_collections.ConfigDict) -> None:
-  require(hparams.head_epochs >= 1, 'fedthe.head_epochs',
-          f'must be >= 1, got {hparams.head_epochs}')
-  require(hparams.head_learning_rate > 0, 'fedthe.head_learning_rate',
-          f'must be > 0, got {hparams.head_learning_rate}')
-  require(hparams.head_weight_decay >= 0, 'fedthe.head_weight_decay',
-          f'must be >= 0, got {hparams.head_weight_decay}')
-  for field, choices in (('global_loss', GLOBAL_LOSSES), ('personal_on', PERSONAL_ON),
-                         ('feature_weighting', FEATURE_WEIGHTINGS)):
-    require(hparams[field] in choices, f'fedthe.{field}',
-            f'choose from {list(choices)}, got {hparams[field]!r}')
-
-
 def balanced_softmax_adjustment(data, num_classes: int) -> jax.Array:
   """[C] log(n_c + 1), n_c the client's count of label c (its real examples): the
   balanced softmax's shift of the logits (the official code's brm_loss)."""
@@ -121,7 +108,10 @@ def head_optimizer(hparams: ml_collections.ConfigDict) -> optax.GradientTransfor
     'global_loss': 'balanced_softmax',  # authors' code: brm_loss (THE_worker)
     'personal_on': 'received',        # authors' code: head and f_k on the received model
     'feature_weighting': 'uniform',   # authors' code: master.py, f_G the plain mean
-}, check=check)
+}, ranges={'head_epochs': POSITIVE_INT, 'head_learning_rate': POSITIVE,
+           'head_weight_decay': NONNEGATIVE, 'head_bias': BOOL,
+           'global_loss': one_of(*GLOBAL_LOSSES), 'personal_on': one_of(*PERSONAL_ON),
+           'feature_weighting': one_of(*FEATURE_WEIGHTINGS)})
 def fedthe(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module = context.module
   head_context = context._replace(client_optimizer=head_optimizer(hparams))

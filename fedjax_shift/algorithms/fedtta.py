@@ -30,7 +30,7 @@ from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean
 from fedjax_shift.parts.trees import clipped_and_decayed
-from fedjax_shift.registry import require
+from fedjax_shift.registry import NONNEGATIVE, interval, one_of
 
 from fedjax_shift.parts.fedtta_step import (  # noqa: F401
     ADAPTATION, ADAPTATION_SIZES, inner_step, personalization_loss)
@@ -68,25 +68,20 @@ def meta_optimizer(base_optimizer: optax.GradientTransformation,
   return groups
 
 
-def check_meta_optimizer(section: str, hparams: ml_collections.ConfigDict) -> None:
-  """``meta_optimizer``'s fields of ``config.<section>`` (errors name the field)."""
-  for field in ('adapt_learning_rate', 'clip_norm', 'weight_decay'):
-    require(hparams[field] >= 0, f'{section}.{field}', f'must be >= 0, got {hparams[field]}')
-  require(0 <= hparams.adapt_momentum < 1, f'{section}.adapt_momentum',
-          f'must be in [0, 1), got {hparams.adapt_momentum}')
-  require(hparams.clip_groups in CLIP_GROUPS, f'{section}.clip_groups',
-          f'choose from {list(CLIP_GROUPS)}, got {hparams.clip_groups!r}')
-
-
-def checker(section: str):
-  """The registered check of ``config.<section>`` (fedtta, fedtta_prox)."""
-  def check(hparams: ml_collections.ConfigDict) -> None:
-    check_meta_optimizer(section, hparams)
-    for field in ('inner_learning_rate', 'mu', 'norm_epsilon'):
-      require(hparams[field] >= 0, f'{section}.{field}', f'must be >= 0, got {hparams[field]}')
-    require(hparams.adaptation_size in ADAPTATION_SIZES, f'{section}.adaptation_size',
-            f'choose from {list(ADAPTATION_SIZES)}, got {hparams.adaptation_size!r}')
-  return check
+# ``meta_optimizer``'s fields (also HeteroFedTTA's).
+META_OPTIMIZER_RANGES = {
+    'adapt_learning_rate': NONNEGATIVE,             # 0: φ is not trained
+    'adapt_momentum': interval(0, 1, high_open=True),
+    'clip_norm': NONNEGATIVE,                       # 0: no clip
+    'clip_groups': one_of(*CLIP_GROUPS),
+    'weight_decay': NONNEGATIVE,
+}
+# η_inner and ε of Eq. 5 (also HeteroFedTTA's): η_inner = 0 takes no personalisation
+# step; ε = 0 is Eq. 4's plain norm.
+INNER_STEP_RANGES = {'inner_learning_rate': NONNEGATIVE, 'norm_epsilon': NONNEGATIVE}
+RANGES = {**META_OPTIMIZER_RANGES, **INNER_STEP_RANGES,
+          'mu': NONNEGATIVE,   # 0: FedTTA (no proximal term)
+          'adaptation_size': one_of(*ADAPTATION_SIZES)}
 
 
 def adaptation_model(size: str) -> models.AdaptationMLP:
@@ -160,8 +155,8 @@ FEDTTA_DEFAULTS = {
 }
 
 
-@base.ALGORITHMS.register('fedtta', defaults=FEDTTA_DEFAULTS,
-                          check=checker('fedtta'), batch_norm=False)
+@base.ALGORITHMS.register('fedtta', defaults=FEDTTA_DEFAULTS, ranges=RANGES,
+                          batch_norm=False)
 def fedtta(hparams: ml_collections.ConfigDict, context: base.BuildContext
            ) -> FederatedAlgorithm:
   return build(hparams, context)
@@ -171,7 +166,7 @@ def fedtta(hparams: ml_collections.ConfigDict, context: base.BuildContext
     **FEDTTA_DEFAULTS,
     'adapt_learning_rate': 0.001,  # η_adapt (App. table, MNIST FedTTA-Prox)
     'mu': 0.01},                   # μ (App. table, MNIST FedTTA-Prox)
-    check=checker('fedtta_prox'), batch_norm=False)
+    ranges=RANGES, batch_norm=False)
 def fedtta_prox(hparams: ml_collections.ConfigDict, context: base.BuildContext
                 ) -> FederatedAlgorithm:
   return build(hparams, context)

@@ -16,7 +16,7 @@ import optax
 from fedjax_shift.algorithms import base
 from fedjax_shift.algorithms.fedavg import fedavg
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
-from fedjax_shift.registry import require
+from fedjax_shift.registry import FRACTION
 
 
 def agreement_mask(stacked_deltas, weights, threshold: float):
@@ -31,13 +31,8 @@ def agreement_mask(stacked_deltas, weights, threshold: float):
   return jax.tree.map(mask, stacked_deltas)
 
 
-def check(hparams: ml_collections.ConfigDict) -> None:
-  require(0.0 <= hparams.threshold <= 1.0, 'gma.threshold',
-          f'must be in [0, 1], got {hparams.threshold}')
-
-
 @base.ALGORITHMS.register('gma', defaults={'threshold': 0.1},  # τ (FedEvolve App. D: 0.1)
-                          check=check)
+                          ranges={'threshold': FRACTION})
 def gma(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   threshold = hparams.threshold
   server_opt = context.server_optimizer

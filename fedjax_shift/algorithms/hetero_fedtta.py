@@ -37,7 +37,8 @@ from fedjax_shift.algorithms import fedtta
 from fedjax_shift.core.algorithm import ClientOutput
 from fedjax_shift.core.groups import ClientGroup, GroupedAlgorithm
 from fedjax_shift.core.local import LocalSchedule, local_train
-from fedjax_shift.registry import require
+from fedjax_shift.registry import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE_INT, one_of,
+                                   sequence_of)
 
 # The three complexity levels (App. G "by controlling the hidden channels", Table 3):
 # base_model 'lenet5' is Table 3's, conv 5x5 of these channels → MLP(512) → MLP(C) (the
@@ -68,24 +69,17 @@ DEFAULTS = {
     'ensemble': 'logits',
 }
 ENSEMBLES = ('logits', 'probabilities')
-
-
-def check(hparams: ml_collections.ConfigDict) -> None:
-  sizes = tuple(hparams.sizes)
-  require(len(sizes) >= 1, 'hetero_fedtta.sizes', 'name at least one architecture')
-  for size in sizes:
-    require(size in BASE_HIDDEN, 'hetero_fedtta.sizes',
-            f'unknown model size {size!r}; choose from {list(SIZES)}')
-  require(hparams.base_model in BASE_MODELS, 'hetero_fedtta.base_model',
-          f'choose from {list(BASE_MODELS)}, got {hparams.base_model!r}')
-  fedtta.check_meta_optimizer('hetero_fedtta', hparams)
-  for field in ('kd_lambda', 'inner_learning_rate', 'norm_epsilon', 'digest_steps',
-                'new_client_digest_steps'):
-    require(hparams[field] >= 0, f'hetero_fedtta.{field}', f'must be >= 0, got {hparams[field]}')
-  require(hparams.ensemble in ENSEMBLES, 'hetero_fedtta.ensemble',
-          f'choose from {list(ENSEMBLES)}, got {hparams.ensemble!r}')
-  require(hparams.public_batch_size >= 1, 'hetero_fedtta.public_batch_size',
-          f'must be >= 1, got {hparams.public_batch_size}')
+# config.hetero_fedtta's ranges (the hetero pipeline declares them under that section).
+RANGES = {
+    **fedtta.META_OPTIMIZER_RANGES, **fedtta.INNER_STEP_RANGES,
+    'sizes': sequence_of(one_of(*SIZES), 1),
+    'base_model': one_of(*BASE_MODELS),
+    'kd_lambda': NONNEGATIVE,                 # 0: distil F_per only
+    'digest_steps': NONNEGATIVE_INT,          # 0: no digest (clients train alone)
+    'new_client_digest_steps': NONNEGATIVE_INT,
+    'public_batch_size': POSITIVE_INT,        # and divides data.public_examples (the pipeline)
+    'ensemble': one_of(*ENSEMBLES),
+}
 
 
 class Knowledge(NamedTuple):

@@ -25,13 +25,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean
-from fedjax_shift.registry import require
-
-
-def check(hparams: ml_collections.ConfigDict) -> None:
-  require(hparams.mu >= 0, 'moon.mu', f'must be >= 0, got {hparams.mu}')
-  require(hparams.temperature > 0, 'moon.temperature',
-          f'must be > 0, got {hparams.temperature}')
+from fedjax_shift.registry import NONNEGATIVE, POSITIVE
 
 
 def cosine(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -46,7 +40,8 @@ def contrastive_loss(z, z_glob, z_prev, temperature: float) -> jax.Array:
   return -jax.nn.log_softmax(logits, axis=-1)[:, 0]
 
 
-@base.ALGORITHMS.register('moon', defaults={'mu': 1.0, 'temperature': 0.5}, check=check)
+@base.ALGORITHMS.register('moon', defaults={'mu': 1.0, 'temperature': 0.5},
+                          ranges={'mu': NONNEGATIVE, 'temperature': POSITIVE})
 def moon(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   module, server_opt = context.module, context.server_optimizer
   mu, temperature = hparams.mu, hparams.temperature

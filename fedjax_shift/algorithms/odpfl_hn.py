@@ -33,19 +33,12 @@ import ml_collections
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train
-from fedjax_shift.registry import require
+from fedjax_shift.registry import POSITIVE, POSITIVE_INT
 
 PyTree = Any
 from fedjax_shift.parts.hypernetwork import (  # noqa: F401
     HYPERNETWORK, client_embedding, dense_init, generate, init_parameters, mlp_apply,
     mlp_init, personalized_params, target_template)
-
-
-def check(hparams: ml_collections.ConfigDict) -> None:
-  for field in ('encoder_learning_rate', 'hypernetwork_learning_rate'):
-    require(hparams[field] > 0, f'odpfl_hn.{field}', f'must be > 0, got {hparams[field]}')
-  for field in ('embedding_dim', 'hidden', 'trunk_layers'):
-    require(hparams[field] >= 1, f'odpfl_hn.{field}', f'must be >= 1, got {hparams[field]}')
 
 
 @base.ALGORITHMS.register('odpfl_hn', defaults={
@@ -54,7 +47,9 @@ def check(hparams: ml_collections.ConfigDict) -> None:
     'embedding_dim': 32,                 # "client embedding size 32 across all datasets"
     'hidden': 100,                       # pFedHN's hypernetwork width (and E's hidden layer)
     'trunk_layers': 3,                   # pFedHN's hypernetwork depth
-}, check=check, batch_norm=False)
+}, ranges={'encoder_learning_rate': POSITIVE, 'hypernetwork_learning_rate': POSITIVE,
+           'embedding_dim': POSITIVE_INT, 'hidden': POSITIVE_INT, 'trunk_layers': POSITIVE_INT},
+    batch_norm=False)
 def odpfl_hn(hparams: ml_collections.ConfigDict, context: base.BuildContext
              ) -> FederatedAlgorithm:
   module, server_opt = context.module, context.server_optimizer

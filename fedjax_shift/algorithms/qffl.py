@@ -22,7 +22,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import masked_mean
-from fedjax_shift.registry import require
+from fedjax_shift.registry import NONNEGATIVE
 
 
 def client_loss(module, variables, data) -> jax.Array:
@@ -32,12 +32,8 @@ def client_loss(module, variables, data) -> jax.Array:
                      data.mask.astype(jnp.float32))
 
 
-def check(hparams: ml_collections.ConfigDict) -> None:
-  require(hparams.q >= 0, 'qffl.q', f'must be >= 0, got {hparams.q}')
-
-
 @base.ALGORITHMS.register('qffl', defaults={'q': 1.0},  # q (ATP Table 7: q = 1)
-                          check=check, pretrains=True)
+                          ranges={'q': NONNEGATIVE}, pretrains=True)   # 0: FedAvg
 def qffl(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
   q = float(hparams.q)
   lipschitz = 1.0 / context.client_learning_rate

@@ -30,7 +30,7 @@ import optax
 
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
-from fedjax_shift.registry import require
+from fedjax_shift.registry import POSITIVE
 
 PyTree = Any
 
@@ -54,14 +54,9 @@ def add_to_gradient(correction: PyTree) -> optax.GradientTransformation:
       update=lambda grads, state, params=None: (jax.tree.map(jnp.add, grads, correction), state))
 
 
-def check(hparams: ml_collections.ConfigDict) -> None:
-  require(hparams.global_learning_rate > 0, 'scaffold.global_learning_rate',
-          f'must be > 0, got {hparams.global_learning_rate}')
-
-
 @base.ALGORITHMS.register('scaffold', defaults={
     'global_learning_rate': 1.5},   # η_g (FedTTA App. table: η_l 0.1, η_g 1.5, every dataset)
-    check=check)
+    ranges={'global_learning_rate': POSITIVE})
 def scaffold(hparams: ml_collections.ConfigDict, context: base.BuildContext
              ) -> FederatedAlgorithm:
   module, server_opt = context.module, context.server_optimizer

@@ -36,11 +36,12 @@ from typing import Dict, List, NamedTuple, Tuple
 import ml_collections
 import numpy as np
 
-from fedjax_shift.benchmarks.base import (BENCHMARKS, Benchmark, check_source,
+from fedjax_shift.benchmarks.base import (BENCHMARKS, SEVERITY, Benchmark, check_source,
                                           load_source)
 from fedjax_shift.data import corruptions, sources
 from fedjax_shift.data.federated import FederatedData, stack_clients
-from fedjax_shift.registry import require
+from fedjax_shift.registry import (BOOL, FRACTION, POSITIVE_INT, TEXT, one_of, require,
+                                   sequence_of)
 
 SHIFTS = ('feature', 'label', 'hybrid')
 
@@ -138,20 +139,10 @@ def _tfds_corrupted(data_config, names, severities, indices) -> List[np.ndarray]
 
 
 def check(data_config: ml_collections.ConfigDict) -> None:
-  """The shift, client counts and sizes, corruptions and severities of ``config.data``."""
-  require(data_config.shift in SHIFTS, 'data.shift',
-          f'unknown {data_config.shift!r}; choose from {list(SHIFTS)}')
-  for field in ('num_clients', 'num_target_clients', 'source_train', 'source_heldout',
-                'target_test'):
-    require(data_config[field] >= 1, f'data.{field}', f'must be >= 1, got {data_config[field]}')
+  """The source clients, the data source and the targets' share of ``config.data``."""
+  require(data_config.num_clients >= 1, 'data.num_clients',
+          f'must be >= 1, got {data_config.num_clients}')
   check_source(data_config)
-  for field in ('source_corruptions', 'target_corruptions'):
-    for name in data_config[field]:
-      require(name in corruptions.ALL_CORRUPTIONS, f'data.{field}',
-              f'unknown corruption {name!r}; choose from {list(corruptions.ALL_CORRUPTIONS)}')
-  require(len(data_config.severities) >= 1 and
-          all(isinstance(s, int) and 1 <= s <= 5 for s in data_config.severities),
-          'data.severities', f'name severities in 1..5, got {tuple(data_config.severities)}')
   require(0 < data_config.target_data_fraction < 1 or bool(data_config.target_split),
           'data.target_data_fraction',
           f'must be in (0, 1), got {data_config.target_data_fraction}')
@@ -169,11 +160,21 @@ def check(data_config: ml_collections.ConfigDict) -> None:
     'source_corruptions': corruptions.SOURCE_CORRUPTIONS,   # ATP: 15 source corruptions
     'target_corruptions': corruptions.HELDOUT_CORRUPTIONS,  # ATP: 4 held-out ones
     'severities': (1, 2, 3, 4, 5),    # one severity per client, drawn uniformly
+}, ranges={
+    'shift': one_of(*SHIFTS),
+    'num_target_clients': POSITIVE_INT, 'source_train': POSITIVE_INT,
+    'source_heldout': POSITIVE_INT, 'target_test': POSITIVE_INT,
+    'target_data_fraction': FRACTION,   # in (0, 1) unless target_split (check)
+    'target_split': TEXT,               # '': the pooled data
+    'target_corrupted_tfds': BOOL,
+    'source_corruptions': sequence_of(one_of(*corruptions.ALL_CORRUPTIONS), 1),
+    'target_corruptions': sequence_of(one_of(*corruptions.ALL_CORRUPTIONS), 1),
+    'severities': sequence_of(SEVERITY, 1),
 }, check=check, pipelines=('atp',))
 def atp_protocol(data_config: ml_collections.ConfigDict, seed: int) -> ShiftData:
   """Source clients (train + held-out) and disjoint target clients under
   ``data_config.shift`` (see the module docstring)."""
-  check(data_config)
+  BENCHMARKS.check('atp_shift', data_config, 'config.data', known_fields_only=False)
   shift = data_config.shift
   rng = np.random.default_rng([seed, 7])
   pooled = load_source(data_config)

@@ -17,12 +17,15 @@ import numpy as np
 
 from fedjax_shift.data import partitions, sources
 from fedjax_shift.data.federated import FederatedData
-from fedjax_shift.registry import Registry, require
+from fedjax_shift.registry import Range, Registry, require
 
 BENCHMARKS: Registry = Registry('benchmark')
 
 EMBEDDED_SOURCES = ('mnist_embedded', 'uci_digits')
 PARTITIONS = ('dirichlet', 'iid', 'pathological', 'step')
+# A CIFAR-10-C severity: an int, as the corruptions index their parameters with it.
+SEVERITY = Range('an integer in 1..5', lambda value: isinstance(value, int) and
+                 not isinstance(value, bool) and 1 <= value <= 5, 0)
 
 # config.data fields shared by the benchmarks (each adds its own when registered).
 DATA_DEFAULTS = {

@@ -25,23 +25,23 @@ import numpy as np
 from fedjax_shift.benchmarks.base import BENCHMARKS, Benchmark
 from fedjax_shift.data import corruptions, digit_domains
 from fedjax_shift.data.federated import split_clients, stack_clients
-from fedjax_shift.registry import require
+from fedjax_shift.registry import (POSITIVE_INT, TEXT, Range, interval, require,
+                                   require_distinct, sequence_of)
+
+
+# A digit domain: one of data/digit_domains.py's, or a user's folder of digits.
+DOMAIN = Range(f'one of {list(digit_domains.DOMAINS)} or folder:<name> (a user folder '
+               f'<data_dir>/<name>/<digit>/: USPS and the real MNIST-M are not on PyPI or in '
+               f'TFDS)', lambda value: isinstance(value, str) and (
+                   value in digit_domains.DOMAINS or value.startswith('folder:')), 'unknown')
+# data.backbone_reserve: a share of each real domain; 1 would leave the clients nothing.
+RESERVE = interval(0, 1, high_open=True)
 
 
 def check(data_config: ml_collections.ConfigDict) -> None:
   domains = tuple(data_config.domains)
-  require(len(domains) >= 2 and len(set(domains)) == len(domains), 'data.domains',
-          f'need at least two distinct domains, got {domains}')
-  for name in domains:
-    require(name in digit_domains.DOMAINS or name.startswith('folder:'), 'data.domains',
-            f'unknown digit domain {name!r}; choose from {list(digit_domains.DOMAINS)} or '
-            f'folder:<name> (a user folder <data_dir>/<name>/<digit>/: USPS and the real '
-            f'MNIST-M are not on PyPI or in TFDS)')
-  require(data_config.domain_examples >= 10, 'data.domain_examples',
-          f'must be >= 10, got {data_config.domain_examples}')
+  require_distinct(domains, 'data.domains', 'one domain')
   check_reserve(data_config)
-  require(data_config.clients_per_domain >= 1, 'data.clients_per_domain',
-          f'must be >= 1, got {data_config.clients_per_domain}')
   held_out = data_config.held_out_domain
   require(held_out == '' or held_out in domains, 'data.held_out_domain',
           f'must be "" (covariate shift) or one of data.domains {domains}, got {held_out!r}')
@@ -57,10 +57,9 @@ def check(data_config: ml_collections.ConfigDict) -> None:
 
 
 def check_reserve(data_config: ml_collections.ConfigDict) -> None:
-  """``data.backbone_reserve`` in [0, 1), and only with digit domains that have a
-  reserve (the real ones) or need none (synth, generated anew)."""
+  """``data.backbone_reserve`` > 0 only with digit domains that have a reserve (the
+  real ones) or need none (synth, generated anew)."""
   reserve = data_config.backbone_reserve
-  require(0.0 <= reserve < 1.0, 'data.backbone_reserve', f'must be in [0, 1), got {reserve}')
   if reserve > 0:
     others = digit_domains.without_reserve(data_config.domains)
     require(not others, 'data.backbone_reserve',
@@ -88,6 +87,12 @@ def load_domains(data_config: ml_collections.ConfigDict, seed: int):
     # A fraction of each real domain (mnist, uci, mnistm) kept for backbone pretraining
     # (pipelines/pretrain.py draws backbone.domains from it): the clients never see it.
     'backbone_reserve': 0.0,
+}, ranges={
+    'domains': sequence_of(DOMAIN, 2),      # distinct (check)
+    'domain_examples': interval(10, integer=True),
+    'clients_per_domain': POSITIVE_INT,
+    'held_out_domain': TEXT,                # '' or one of data.domains (check)
+    'backbone_reserve': RESERVE,
 }, check=check, pipelines=('federated',))
 def digit_domains_benchmark(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """See the module docstring. ``info['client_domain']`` names each client's domain."""

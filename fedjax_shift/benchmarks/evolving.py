@@ -36,7 +36,7 @@ from fedjax_shift.benchmarks.base import (BENCHMARKS, Benchmark, check_dirichlet
                                           load_source)
 from fedjax_shift.data import sources
 from fedjax_shift.data.federated import FederatedData, stack_clients
-from fedjax_shift.registry import require
+from fedjax_shift.registry import NONNEGATIVE_INT, POSITIVE_INT, interval, one_of, require
 
 log = logging.getLogger('fedjax_shift')
 
@@ -127,11 +127,14 @@ EVOLVING_DEFAULTS = {
     'rotation_step': 15.0,            # RMNIST: 0°, 15°, …, 165° (REMNIST: step 8°)
     'rotation_start': 0.0,            # the first domain's angle
 }
+EVOLVING_RANGES = {
+    'num_domains': interval(2, integer=True),   # at least one source and the target
+    'rotation_step': interval(),                # degrees, either direction
+    'rotation_start': interval(),
+}
 
 
 def check_domains(data_config: ml_collections.ConfigDict) -> None:
-  require(data_config.num_domains >= 2, 'data.num_domains',
-          f'need >= 2 (sources + the target), got {data_config.num_domains}')
   check_dirichlet(data_config)
   require(data_config.num_clients >= 1, 'data.num_clients',
           f'must be >= 1, got {data_config.num_clients}')
@@ -153,7 +156,9 @@ def check_rotated(data_config: ml_collections.ConfigDict) -> None:
     # into N equal domains as for N, the first N − num_domains dropped (Tables 5 / 9:
     # fewer domains at the same per-domain size)
     'split_domains': 0,
-}, check=check_rotated, pipelines=('federated',))
+}, ranges={**EVOLVING_RANGES, 'target_offset': interval(),
+           'split_domains': NONNEGATIVE_INT},   # and 0 or >= num_domains (check)
+    check=check_rotated, pipelines=('federated',))
 def rotated_digits(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """RMNIST (FedEvolve Sec. 5.1): ``num_domains`` domains rotated 0, step, 2·step …
   degrees; the last is the target, rotated ``target_offset`` degrees further (App.
@@ -184,8 +189,6 @@ def check_circle(data_config: ml_collections.ConfigDict) -> None:
   require(data_config.source == 'circle', 'data.source',
           f"the circle benchmark generates its data: set 'circle', got {data_config.source!r}")
   check_domains(data_config)
-  require(data_config.circle_generator in sources.CIRCLE_GENERATORS, 'data.circle_generator',
-          f'choose from {list(sources.CIRCLE_GENERATORS)}, got {data_config.circle_generator!r}')
   require(data_config.points_per_domain >= data_config.num_clients, 'data.points_per_domain',
           f'each domain is dealt to data.num_clients={data_config.num_clients} clients: need '
           f'at least that many points, got {data_config.points_per_domain}')
@@ -195,7 +198,10 @@ def check_circle(data_config: ml_collections.ConfigDict) -> None:
     **EVOLVING_DEFAULTS,
     'points_per_domain': 1000,        # App. C.2: 30,000 instances over 30 domains
     'circle_generator': 'gaussian',   # App. C.2's Gaussians; 'annulus': the earlier one
-}, check=check_circle, pipelines=('federated',))
+}, ranges={**EVOLVING_RANGES,
+           'points_per_domain': POSITIVE_INT,   # and >= data.num_clients (check)
+           'circle_generator': one_of(*sources.CIRCLE_GENERATORS)},
+    check=check_circle, pipelines=('federated',))
 def circle(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """Circle (FedEvolve Table 3, App. C.2): ``num_domains`` domains of
   ``points_per_domain`` points (``sources.circle``), the last domain the target."""
@@ -242,8 +248,8 @@ def check_timed(data_config: ml_collections.ConfigDict) -> None:
   check_domains(data_config)
 
 
-@BENCHMARKS.register('timed_images', defaults=EVOLVING_DEFAULTS, check=check_timed,
-                     pipelines=('federated',))
+@BENCHMARKS.register('timed_images', defaults=EVOLVING_DEFAULTS, ranges=EVOLVING_RANGES,
+                     check=check_timed, pipelines=('federated',))
 def timed_images(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """Portraits / Caltran (FedEvolve Table 3) from ``data_config.data_dir``: images
   binned into ``num_domains`` time domains in order, the last is the target."""

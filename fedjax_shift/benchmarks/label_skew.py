@@ -25,39 +25,26 @@ import math
 import ml_collections
 import numpy as np
 
-from fedjax_shift.benchmarks.base import (BENCHMARKS, Benchmark, check_partition, check_source,
-                                          load_source, partition)
+from fedjax_shift.benchmarks.base import (BENCHMARKS, SEVERITY, Benchmark, check_partition,
+                                          check_source, load_source, partition)
 from fedjax_shift.data import corruptions, partitions, sources
 from fedjax_shift.data.federated import split_clients, stack_clients
-from fedjax_shift.registry import require
+from fedjax_shift.registry import FRACTION, Range, one_of, require, sequence_of
 
 
 def check(data_config: ml_collections.ConfigDict) -> None:
   """Source, partition, splits and corruptions of ``config.data``."""
   check_source(data_config)
   check_partition(data_config)
-  severity = data_config.severity
-  require(isinstance(severity, int) and 1 <= severity <= 5, 'data.severity',
-          f'must be an integer in 1..5, got {severity!r}')
-  for name in data_config.corruptions:
-    require(name in corruptions.ALL_CORRUPTIONS, 'data.corruptions',
-            f'unknown corruption {name!r}; choose from {list(corruptions.ALL_CORRUPTIONS)}')
-  require(data_config.corruption_draw in CORRUPTION_DRAWS, 'data.corruption_draw',
-          f'choose from {list(CORRUPTION_DRAWS)}, got {data_config.corruption_draw!r}')
-  require(data_config.ooc_source in OOC_SOURCES, 'data.ooc_source',
-          f'choose from {list(OOC_SOURCES)}, got {data_config.ooc_source!r}')
-  for name in data_config.shift_tests:
-    require(name in SHIFT_TESTS, 'data.shift_tests',
-            f'unknown test set {name!r}; choose from {list(SHIFT_TESTS)}')
   if 'natural' in data_config.shift_tests:
     natural_source(data_config)
   fractions = dict(data_config.split_fractions)
   require('test' in fractions or not data_config.shift_tests, 'data.shift_tests',
           f'the shifted test sets are built from each client\'s test split; '
           f'data.split_fractions has none ({fractions})')
-  require('train' in fractions and all(v >= 0 for v in fractions.values()) and
-          math.isclose(sum(fractions.values()), 1.0), 'data.split_fractions',
-          f'need a "train" split and non-negative fractions summing to 1, got {fractions}')
+  require('train' in fractions and math.isclose(sum(fractions.values()), 1.0),
+          'data.split_fractions',
+          f'need a "train" split and fractions summing to 1, got {fractions}')
 
 
 SHIFT_TESTS = ('ooc', 'natural', 'mixture')
@@ -66,6 +53,11 @@ OOC_SOURCES = ('pooled', 'donor')
 # data.source -> the natural shift 'auto' picks (FedTHE: CIFAR-10 -> CIFAR-10.1).
 NATURAL_SOURCES = {'mnist_embedded': 'uci_digits', 'tfds:mnist': 'uci_digits',
                    'tfds:cifar10': 'tfds:cifar10_1'}
+NATURAL_SOURCE = Range(
+    f"'auto', 'uci_digits' or tfds:<name> with <name> in {sorted(sources.TFDS_DATASETS)}",
+    lambda value: isinstance(value, str) and (value in ('auto', 'uci_digits') or (
+        value.startswith('tfds:') and value[5:].split('/')[0] in sources.TFDS_DATASETS)),
+    'unknown')
 
 
 def natural_source(data_config: ml_collections.ConfigDict) -> str:
@@ -180,6 +172,14 @@ def mixture(test_sets, rng: np.random.Generator):
     'ooc_source': 'pooled',           # test_ooc: 'pooled' (FedTHE) | 'donor' (one client)
     # test_corrupted: one corruption per 'client' | per 'example' (FedTHE's corr_data)
     'corruption_draw': 'client',
+}, ranges={
+    'split_fractions': FRACTION,   # each split's; they sum to 1 (check)
+    'corruptions': sequence_of(one_of(*corruptions.ALL_CORRUPTIONS)),   # (): no test_corrupted
+    'severity': SEVERITY,
+    'shift_tests': sequence_of(one_of(*SHIFT_TESTS)),
+    'natural_source': NATURAL_SOURCE,
+    'ooc_source': one_of(*OOC_SOURCES),
+    'corruption_draw': one_of(*CORRUPTION_DRAWS),
 }, check=check, pipelines=('federated',))
 def label_skew_corrupted(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """Label-skewed clients evaluated on clean and corrupted test splits (FedTHE-style).

@@ -29,35 +29,33 @@ import ml_collections
 import numpy as np
 
 from fedjax_shift.benchmarks.base import BENCHMARKS, Benchmark
-from fedjax_shift.benchmarks.digit_domains import check_reserve, load_domains
+from fedjax_shift.benchmarks.digit_domains import DOMAIN, RESERVE, check_reserve, load_domains
 from fedjax_shift.data import digit_domains, sources
 from fedjax_shift.data.federated import stack_clients
-from fedjax_shift.registry import require
+from fedjax_shift.registry import (POSITIVE, POSITIVE_INT, TEXT, Range, one_of, require,
+                                   require_distinct, sequence_of)
+
+
+# A domain: a digit domain (digit_domains.DOMAIN) or a TFDS one (tfds:domainnet/clipart).
+MIXED_DOMAIN = Range(
+    f'one of {list(digit_domains.DOMAINS)}, folder:<name> or tfds:<name> with <name> in '
+    f'{sorted(sources.TFDS_DATASETS)} (e.g. tfds:domainnet/clipart)',
+    lambda value: DOMAIN.accepts(value) or (isinstance(value, str) and value.startswith(
+        'tfds:') and value[5:].split('/')[0] in sources.TFDS_DATASETS), 'unknown')
+# data.client_sizes (mixed_domains, small_clients): one or more clients' training examples.
+CLIENT_SIZES = sequence_of(POSITIVE_INT, 1)
 
 
 def check(data_config: ml_collections.ConfigDict) -> None:
   domains = tuple(data_config.domains)
-  require(len(domains) >= 2 and len(set(domains)) == len(domains), 'data.domains',
-          f'need at least two distinct domains, got {domains}')
-  for name in domains:
-    require(name in digit_domains.DOMAINS or name.startswith('folder:') or (
-        name.startswith('tfds:') and name[5:].split('/')[0] in sources.TFDS_DATASETS),
-            'data.domains',
-            f'unknown domain {name!r}; choose from {list(digit_domains.DOMAINS)}, '
-            f'folder:<name> or tfds:<name> with <name> in {sorted(sources.TFDS_DATASETS)} '
-            f'(e.g. tfds:domainnet/clipart)')
+  require_distinct(domains, 'data.domains', 'one domain')
   labels = [domain_label(name) for name in domains]
   require(len(set(labels)) == len(labels), 'data.domains',
           f'two domains share the column name: {labels}')
   tfds = [name for name in domains if name.startswith('tfds:')]
   require(not tfds or len(tfds) == len(domains), 'data.domains',
           f'digit domains and TFDS domains have different label spaces: got {domains}')
-  check_client_sizes(data_config)
   check_reserve(data_config)
-  require(data_config.domain_alpha > 0, 'data.domain_alpha',
-          f'must be > 0, got {data_config.domain_alpha}')
-  require(data_config.client_domains in CLIENT_DOMAINS, 'data.client_domains',
-          f'choose from {list(CLIENT_DOMAINS)}, got {data_config.client_domains!r}')
   if data_config.client_domains == 'one_each':
     require(len(tuple(data_config.client_sizes)) == len(domains), 'data.client_sizes',
             f"client_domains='one_each' gives client k domain k: need one size per domain "
@@ -72,15 +70,6 @@ def check(data_config: ml_collections.ConfigDict) -> None:
 
 # How a client's domains are chosen: a Dirichlet(domain_alpha) mixture, or client k = domain k.
 CLIENT_DOMAINS = ('dirichlet', 'one_each')
-
-
-def check_client_sizes(data_config: ml_collections.ConfigDict) -> None:
-  """``data.client_sizes`` and ``data.test_examples`` (mixed_domains, small_clients)."""
-  sizes = tuple(data_config.client_sizes)
-  require(len(sizes) >= 1 and all(int(s) >= 1 for s in sizes), 'data.client_sizes',
-          f'need one or more positive client sizes, got {sizes}')
-  require(data_config.test_examples >= 1, 'data.test_examples',
-          f'must be >= 1, got {data_config.test_examples}')
 
 
 def draw_clients(groups, proportions: np.ndarray, sizes, test_examples: int,
@@ -158,6 +147,16 @@ def pooled(domains: dict):
                                     # a TFDS split (e.g. 'test'): tested on that split
     'backbone_reserve': 0.0,        # as digit_domains: each real domain's share kept for
                                     # the pretrained backbone, never dealt to a client
+}, ranges={
+    'domains': sequence_of(MIXED_DOMAIN, 2),   # distinct, one label space (check)
+    'domain_examples': POSITIVE_INT,
+    'client_sizes': CLIENT_SIZES,
+    'domain_alpha': POSITIVE,
+    'test_examples': POSITIVE_INT,
+    'classes': sequence_of(TEXT),              # (): every class
+    'client_domains': one_of(*CLIENT_DOMAINS),
+    'test_split': TEXT,                        # '': held-back training images
+    'backbone_reserve': RESERVE,
 }, check=check, pipelines=('federated',))
 def mixed_domains(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """See the module docstring. ``info['client_domain_counts']``: [K][domain] train counts."""

@@ -23,18 +23,15 @@ import ml_collections
 import numpy as np
 
 from fedjax_shift.benchmarks.base import BENCHMARKS, Benchmark, check_source, load_source
-from fedjax_shift.benchmarks.mixed_domains import check_client_sizes, draw_clients
+from fedjax_shift.benchmarks.mixed_domains import CLIENT_SIZES, draw_clients
 from fedjax_shift.data.federated import stack_clients
-from fedjax_shift.registry import require
+from fedjax_shift.registry import NONNEGATIVE_INT, POSITIVE_INT, TEXT, require
 
 
 def check(data_config: ml_collections.ConfigDict) -> None:
   check_source(data_config)
-  check_client_sizes(data_config)
   require(data_config.dirichlet_alpha > 0, 'data.dirichlet_alpha',
           f'must be > 0, got {data_config.dirichlet_alpha}')
-  require(data_config.images_per_class >= 0, 'data.images_per_class',
-          f'must be >= 0 (0: client_sizes), got {data_config.images_per_class}')
   if data_config.images_per_class:
     require(data_config.num_clients >= 1, 'data.num_clients',
             f'must be >= 1, got {data_config.num_clients}')
@@ -65,7 +62,10 @@ def per_class_clients(labels: np.ndarray, num_classes: int, per_class: int, num_
     'test_examples': 100,                        # as mixed_domains
     'images_per_class': 0,   # > 0: the FedIns authors' first-N-per-class Dirichlet split
     'test_split': '',        # '': per-client test draws; a TFDS split: that whole split
-}, check=check, pipelines=('federated',))
+}, ranges={'client_sizes': CLIENT_SIZES, 'test_examples': POSITIVE_INT,
+           'images_per_class': NONNEGATIVE_INT,   # 0: client_sizes
+           'test_split': TEXT},                   # of a TFDS source only (check)
+    check=check, pipelines=('federated',))
 def small_clients(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """See the module docstring. ``info['client_class_counts']``: [K][class] train counts."""
   rng = np.random.default_rng([seed, 0])

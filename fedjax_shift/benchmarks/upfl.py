@@ -49,36 +49,22 @@ from fedjax_shift.benchmarks.base import (BENCHMARKS, Benchmark, check_partition
                                           load_source, partition)
 from fedjax_shift.data import partitions, sources
 from fedjax_shift.data.federated import split_clients, stack_clients
-from fedjax_shift.registry import require
+from fedjax_shift.registry import (NONNEGATIVE, NONNEGATIVE_INT, interval, one_of, require,
+                                   sequence_of)
 
 
 def check(data_config: ml_collections.ConfigDict) -> None:
   check_source(data_config)
   check_partition(data_config)
   fraction = data_config.new_client_fraction
-  require(0 < fraction < 1, 'data.new_client_fraction', f'must be in (0, 1), got {fraction}')
   new = int(round(fraction * data_config.num_clients))
   require(1 <= new < data_config.num_clients, 'data.new_client_fraction',
           f'{fraction} of {data_config.num_clients} clients leaves no training or no new '
           f'client')
-  require(0 <= data_config.validation_fraction < 1, 'data.validation_fraction',
-          f'must be in [0, 1), got {data_config.validation_fraction}')
-  require(data_config.new_client_alpha >= 0, 'data.new_client_alpha',
-          f'must be >= 0 (0: new clients partitioned with the training clients), got '
-          f'{data_config.new_client_alpha}')
-  for field in ('train_rotations', 'new_rotations'):
-    require(all(np.isfinite(float(a)) for a in data_config[field]), f'data.{field}',
-            f'must be finite angles in degrees, got {tuple(data_config[field])}')
-  require(data_config.public_source in PUBLIC_SOURCES, 'data.public_source',
-          f'choose from {list(PUBLIC_SOURCES)}, got {data_config.public_source!r}')
   if data_config.public_source:
     require(data_config.public_examples >= 1, 'data.public_examples',
             f'must be >= 1 with data.public_source={data_config.public_source!r}, got '
             f'{data_config.public_examples}')
-  require(data_config.rotation_choice in ROTATION_CHOICES, 'data.rotation_choice',
-          f'choose from {list(ROTATION_CHOICES)}, got {data_config.rotation_choice!r}')
-  require(data_config.sample_examples >= 0, 'data.sample_examples',
-          f'must be >= 0 (0: every example of the source), got {data_config.sample_examples}')
   require(bool(data_config.train_rotations) == bool(data_config.new_rotations),
           'data.train_rotations', 'concept shift needs both train_rotations and '
           'new_rotations (or neither)')
@@ -176,6 +162,16 @@ def rotated(xs, angles):
     'sample_examples': 0,           # App. F: a random sample of 1,000 digits (0: all)
     'public_source': '',            # HeteroFedTTA's D_p: '' | 'holdout' | 'uci_digits'
     'public_examples': 0,           # |D_p|
+}, ranges={
+    'new_client_fraction': interval(0, 1, low_open=True, high_open=True),
+    'validation_fraction': interval(0, 1, high_open=True),   # 0: no 'val' split
+    'new_client_alpha': NONNEGATIVE,   # 0: new clients partitioned with the training ones
+    'train_rotations': sequence_of(interval()),   # degrees; both or neither (check)
+    'new_rotations': sequence_of(interval()),
+    'rotation_choice': one_of(*ROTATION_CHOICES),
+    'sample_examples': NONNEGATIVE_INT,           # 0: every example of the source
+    'public_source': one_of(*PUBLIC_SOURCES),
+    'public_examples': NONNEGATIVE_INT,           # >= 1 with a public_source (check)
 }, check=check, pipelines=('federated', 'hetero'))
 def upfl(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   rng = np.random.default_rng([seed, 19])

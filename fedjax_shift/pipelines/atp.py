@@ -45,11 +45,12 @@ from fedjax_shift.parts import atp_rates
 from fedjax_shift.benchmarks import Benchmark
 from fedjax_shift.benchmarks.atp_shift import SHIFTS, ShiftData, atp_protocol
 from fedjax_shift.core import evaluation
-from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext, mode_problem
+from fedjax_shift.core.test_time import ADAPTERS, MODES, Adapter, SourceContext, mode_problem
 from fedjax_shift.data import federated
 from fedjax_shift.pipelines.base import (PIPELINES, Results, algorithm_names, check_run,
                                          hardware, require, run_fields)
-from fedjax_shift.registry import require_distinct
+from fedjax_shift.registry import (BOOL, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, TEXT, one_of,
+                                   registered, require_distinct, sequence_of)
 from fedjax_shift.pipelines import pretrain
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.federated import train_and_evaluate
@@ -99,6 +100,24 @@ SECTIONS = {
     },
 }
 LEARNED_OPTIMIZERS = ('sgd', 'adam')
+RANGES = {
+    'tta.shifts': sequence_of(one_of(*SHIFTS), 1),
+    'tta.batch_size': POSITIVE_INT,
+    'tta.rows': sequence_of(TEXT, 1),       # keys of tta.label / adapter / mode (validate)
+    'tta.label': TEXT,
+    'tta.adapter': registered(ADAPTERS),
+    'tta.mode': one_of(*MODES),             # one the row's adapter runs (validate)
+    'tta.client_chunk': NONNEGATIVE_INT,    # 0: every target client in one call
+    'learned.rows': sequence_of(TEXT),
+    'learned.base': TEXT,                   # a Table 1 row (validate_learned)
+    'learned.rates': sequence_of(TEXT, 1),  # learnable rates of its adapter (check_learned)
+    'learned.label': TEXT,
+    'learned.num_batches': POSITIVE_INT,    # K
+    'learned.local_steps': POSITIVE_INT,
+    'learned.optimizer': one_of(*LEARNED_OPTIMIZERS),
+    'learned.learning_rate': POSITIVE,
+    'learned.remat': BOOL,
+}
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -111,18 +130,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
   require(not config.data.pad_to, 'data.pad_to',
           'the test-time pipeline builds its own client splits; leave pad_to at 0')
   tta = config.tta
-  require(len(tta.shifts) >= 1 and all(s in SHIFTS for s in tta.shifts), 'tta.shifts',
-          f'name shifts from {list(SHIFTS)}, got {tuple(tta.shifts)}')
-  require(tta.batch_size >= 1, 'tta.batch_size', f'must be >= 1, got {tta.batch_size}')
-  require(tta.client_chunk >= 0, 'tta.client_chunk', f'must be >= 0, got {tta.client_chunk}')
   require_distinct(tta.shifts, 'tta.shifts', 'one Table 1 column')
-  require(len(tta.rows) >= 1, 'tta.rows', 'name at least one row')
   require_distinct(tta.rows, 'tta.rows', 'one Table 1 row')
   for key in tta.rows:
     for field in ('label', 'adapter', 'mode'):
       require(key in tta[field], f'tta.{field}', f'has no entry for row {key!r}')
     adapter = tta.adapter[key]
-    ADAPTERS.get(adapter, f'config.tta.adapter.{key}')
     problem = mode_problem(adapter, tta.mode[key])
     require(problem is None, f'tta.mode.{key}', problem)
     require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
@@ -139,15 +152,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 
 def validate_learned(config: ml_collections.ConfigDict) -> None:
-  """The learned-rates rows: each names a Table 1 row, learnable rates of its adapter
-  and K >= 1 (errors name the field)."""
+  """The learned-rates rows: each names a Table 1 row and learnable rates of its
+  adapter (errors name the field)."""
   learned = config.learned
-  require(learned.local_steps >= 1, 'learned.local_steps',
-          f'must be >= 1, got {learned.local_steps}')
-  require(learned.optimizer in LEARNED_OPTIMIZERS, 'learned.optimizer',
-          f'unknown {learned.optimizer!r}; choose from {list(LEARNED_OPTIMIZERS)}')
-  require(learned.learning_rate > 0, 'learned.learning_rate',
-          f'must be > 0, got {learned.learning_rate}')
   require_distinct(learned.rows, 'learned.rows', 'one learned-rates row')
   for key in learned.rows:
     for field in ('base', 'rates', 'label', 'num_batches'):
@@ -157,9 +164,6 @@ def validate_learned(config: ml_collections.ConfigDict) -> None:
     base = learned.base[key]
     require(base in config.tta.adapter, f'learned.base.{key}',
             f'{base!r} is not a Table 1 row; choose from {sorted(config.tta.adapter)}')
-    require(learned.num_batches[key] >= 1, f'learned.num_batches.{key}',
-            f'K (test batches the rates are trained through) must be >= 1, got '
-            f'{learned.num_batches[key]}')
     adapter, mode, names = learned_row(config, key)
     require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
     ADAPTERS.check(adapter, config.adapters[adapter], f'config.adapters.{adapter}')
@@ -439,7 +443,7 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
   return rows, alpha, inputs, data, names, learned_values
 
 
-@PIPELINES.register('atp', defaults=SECTIONS, check=validate, run_dirs=run_dirs)
+@PIPELINES.register('atp', defaults=SECTIONS, ranges=RANGES, check=validate, run_dirs=run_dirs)
 def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   """Every shift × seed (validated by ``pipelines.run``); writes results.json and
   alpha.png. ``records``: 'table1', 'table3', 'markdown'."""

@@ -131,7 +131,7 @@ def eval_adapter_specs(config: ml_collections.ConfigDict) -> Tuple[Tuple[str, st
 
 def check_sections(config: ml_collections.ConfigDict) -> None:
   """Every method's section (``config.<algorithm>``, ``config.adapters.<adapter>``)
-  holds only the fields its file registered."""
+  holds only the fields its file registered, each inside its declared range."""
   for name in ALGORITHMS.names():
     if name in config:
       ALGORITHMS.check(name, config[name], f'config.{name}', run_check=False)

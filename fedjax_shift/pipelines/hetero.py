@@ -55,12 +55,15 @@ from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algor
                                          check_run_dir, check_run_loop, check_sections,
                                          hardware, open_run)
 from fedjax_shift.pipelines.federated import build_data, diverged_record, evaluated_rounds
-from fedjax_shift.registry import check_fields, require, require_distinct
+from fedjax_shift.registry import NONNEGATIVE, check_fields, require, require_distinct, sequence_of
 
 SECTIONS = {
     'hetero_fedtta': hetero_fedtta.DEFAULTS,
     'hetero': {'kd_lambdas': ()},   # λ sweep (Sec. 4.6: 0, 0.2, …, 1); () = hetero_fedtta.kd_lambda
 }
+RANGES = {**{f'hetero_fedtta.{field}': declared
+             for field, declared in hetero_fedtta.RANGES.items()},
+          'hetero.kd_lambdas': sequence_of(NONNEGATIVE)}
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -77,15 +80,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
   require(config.model.name == 'mlp', 'model.name',
           f"the hetero pipeline builds MLPs of the sizes in hetero_fedtta.sizes (App. G); "
           f"set model.name='mlp', got {config.model.name!r}")
-  hetero_fedtta.check(config.hetero_fedtta)
   require(config.data.public_source != '', 'data.public_source',
           "HeteroFedTTA distils on a public unlabelled set: set 'holdout' or 'uci_digits'")
   batch = config.hetero_fedtta.public_batch_size
   require(config.data.public_examples % batch == 0, 'data.public_examples',
           f'must be a multiple of hetero_fedtta.public_batch_size={batch}, got '
           f'{config.data.public_examples}')
-  for value in config.hetero.kd_lambdas:
-    require(value >= 0, 'hetero.kd_lambdas', f'each λ must be >= 0, got {value}')
   require_distinct(config.hetero.kd_lambdas, 'hetero.kd_lambdas', 'one run per seed')
   # Fields of the federated pipeline that the grouped round does not implement: refused
   # rather than ignored.
@@ -324,7 +324,8 @@ def build_evaluate(config, num_classes: int, parts: Setup, val: federated.Federa
   return evaluate
 
 
-@PIPELINES.register('hetero', defaults=SECTIONS, check=validate, run_dirs=run_dirs)
+@PIPELINES.register('hetero', defaults=SECTIONS, ranges=RANGES, check=validate,
+                    run_dirs=run_dirs)
 def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   """Every λ × seed; ``records``: 'results' (one dict per run), 'table'."""
   info = hardware()

@@ -38,7 +38,9 @@ from fedjax_shift import models
 from fedjax_shift.data import digit_domains, sources
 from fedjax_shift.models import torchvision_resnet, vit
 from fedjax_shift.pipelines.base import PIPELINES, Results, check_sections, hardware
-from fedjax_shift.registry import check_fields, require
+from fedjax_shift.benchmarks.digit_domains import DOMAIN
+from fedjax_shift.registry import (NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, TEXT, check_fields,
+                                   interval, require, sequence_of)
 
 log = logging.getLogger('fedjax_shift')
 HELD_OUT = 0.1
@@ -51,27 +53,29 @@ SECTIONS = {'backbone': {
     'learning_rate': 3e-3,      # Adam's peak (warm-up 1 epoch, cosine decay)
     'seed': 0,
 }}
+RANGES = {
+    'backbone.weights': TEXT,                       # '', 'pretrain' or a path (check)
+    'backbone.domains': sequence_of(DOMAIN, 1),
+    'backbone.examples': interval(20, integer=True),
+    'backbone.epochs': POSITIVE_INT,
+    'backbone.batch_size': POSITIVE_INT,
+    'backbone.learning_rate': POSITIVE,
+    'backbone.seed': NONNEGATIVE_INT,
+}
 
 
 def check(config: ml_collections.ConfigDict) -> None:
-  """``config.backbone`` (every pipeline that starts methods from it)."""
+  """``config.backbone`` (every pipeline that starts methods from it): its fields, their
+  ranges, and the weights they name."""
   check_fields(config.backbone, SECTIONS['backbone'], 'config.backbone')
+  PIPELINES.check_ranges('pretrain', config, 'config')
   b = config.backbone
   if b.weights == 'pretrain':
-    require(len(tuple(b.domains)) >= 1, 'backbone.domains', 'need at least one domain')
-    for name in b.domains:
-      require(name in digit_domains.DOMAINS or name.startswith('folder:'), 'backbone.domains',
-              f'unknown digit domain {name!r}; choose from {list(digit_domains.DOMAINS)}')
     if config.data.get('backbone_reserve', 0.0) > 0:
       others = digit_domains.without_reserve(b.domains)
       require(not others, 'backbone.domains',
               f'with data.backbone_reserve > 0 the backbone draws from the reserve of '
               f'{list(digit_domains.RESERVABLE)} (or new synth images); {others} have none')
-    require(b.examples >= 20, 'backbone.examples', f'must be >= 20, got {b.examples}')
-    require(b.epochs >= 1, 'backbone.epochs', f'must be >= 1, got {b.epochs}')
-    require(b.batch_size >= 1, 'backbone.batch_size', f'must be >= 1, got {b.batch_size}')
-    require(b.learning_rate > 0, 'backbone.learning_rate',
-            f'must be > 0, got {b.learning_rate}')
   elif b.weights:
     require(os.path.exists(b.weights), 'backbone.weights',
             f"{b.weights!r} does not exist (use '', 'pretrain', a .npz file or a directory "
@@ -303,7 +307,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   check(config)
 
 
-@PIPELINES.register('pretrain', defaults=SECTIONS, check=validate, run_dirs=run_dirs)
+@PIPELINES.register('pretrain', defaults=SECTIONS, ranges=RANGES, check=validate,
+                    run_dirs=run_dirs)
 def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   """Pretrains (or finds) ``<workdir>/backbone``; a federated run with
   ``backbone.weights=<workdir>/backbone`` then starts from it."""
