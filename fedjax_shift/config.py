@@ -111,6 +111,7 @@ def base_config() -> ml_collections.ConfigDict:
                                     # recorded as diverged and the other runs go on
   c.progress = True                 # a bar on a terminal; in a log file, plain lines:
   c.log_every = 0                   # every log_every rounds (0: about a tenth of the run)
+  c.tensorboard = True              # <run dir>/tensorboard/: metrics.jsonl as event files
   return c
 
 

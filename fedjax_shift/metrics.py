@@ -1,4 +1,5 @@
-"""metrics.jsonl: one JSON object per round, each append flushed to disk.
+"""metrics.jsonl: one JSON object per round, each append flushed to disk, and the
+TensorBoard event files derived from it (``events.py``).
 
 On resume the records after the checkpoint's round are recomputed, so they are
 removed from the file — with a warning naming them, after the whole file is copied
@@ -13,9 +14,21 @@ import logging
 import math
 import os
 import shutil
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional
+
+from fedjax_shift import events
 
 log = logging.getLogger('fedjax_shift')
+
+
+# Record fields that measure the machine rather than the run (two identical runs
+# differ in them).
+TIMING_FIELDS = ('round_seconds', 'examples_per_second', 'compile_seconds')
+
+
+def without_timing(records: Iterable[Dict]) -> List[Dict]:
+  """``records`` without their ``TIMING_FIELDS``: what a repeated run must reproduce."""
+  return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
 
 
 def _clean(value):
@@ -26,9 +39,12 @@ def _clean(value):
 
 class MetricsWriter:
   """Appends per-round metrics to ``<directory>/metrics.jsonl``, keeping the records
-  of rounds <= ``resume_round`` (None: a new run)."""
+  of rounds <= ``resume_round`` (None: a new run), and to its TensorBoard event file,
+  written anew from the kept records (``hparams``: the run's fingerprint fields;
+  ``tensorboard`` False: no event file)."""
 
-  def __init__(self, directory: str, resume_round: int | None):
+  def __init__(self, directory: str, resume_round: int | None,
+               hparams: Optional[Dict[str, str]] = None, tensorboard: bool = True):
     self.path = os.path.join(directory, 'metrics.jsonl')
     text = ''
     if os.path.exists(self.path):
@@ -36,6 +52,7 @@ class MetricsWriter:
         text = f.read()
     records = parse_metrics(text, self.path)
     kept = [r for r in records if resume_round is not None and r['round'] <= resume_round]
+    self.events = events.EventWriter(directory, kept, hparams) if tensorboard else None
     lines = sum(1 for line in text.splitlines() if line.strip())
     if text and len(kept) == lines and text.endswith('\n'):
       return  # nothing to drop: append after the existing records
@@ -53,10 +70,17 @@ class MetricsWriter:
     os.replace(tmp, self.path)
 
   def write(self, record: Dict) -> None:
+    cleaned = {k: _clean(v) for k, v in record.items()}
     with open(self.path, 'a') as f:
-      f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + '\n')
+      f.write(json.dumps(cleaned) + '\n')
       f.flush()
       os.fsync(f.fileno())
+    if self.events is not None:
+      self.events.write(cleaned)
+
+  def close(self) -> None:
+    if self.events is not None:
+      self.events.close()
 
 
 def _ranges(values: List[int]) -> str:

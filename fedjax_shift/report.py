@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Seq
 import ml_collections
 import numpy as np
 
-from fedjax_shift import metrics
+from fedjax_shift import events, metrics
 from fedjax_shift.metrics import read_metrics
 from fedjax_shift.registry import Registry
 
@@ -223,6 +223,22 @@ def read_result(path: str):
   """A results / config JSON file; an unreadable one is an error naming it."""
   return metrics.read_json(path, 'was its run interrupted while writing it? Re-run that '
                                  'workdir to rewrite it')
+
+
+def rebuild_event_files(workdir: str) -> List[str]:
+  """Writes anew the TensorBoard event files of every run under ``workdir`` (each
+  directory holding a metrics.jsonl) from its records, with the fingerprint fields of
+  its run.json as hyperparameters; returns the event directories."""
+  paths = sorted(glob.glob(os.path.join(workdir, '**', 'metrics.jsonl'), recursive=True))
+  if not paths:
+    raise FileNotFoundError(f'no metrics.jsonl under {workdir!r}')
+  written = []
+  for path in paths:
+    run_dir = os.path.dirname(path)
+    run_json = os.path.join(run_dir, 'run.json')
+    fields = read_result(run_json)['fields'] if os.path.exists(run_json) else None
+    written.append(events.rebuild(run_dir, read_metrics(path), fields))
+  return written
 
 
 def column_labels(workdirs: Sequence[str], labels: Sequence[str]) -> List[str]:

@@ -10,6 +10,12 @@ paper's folder under fedjax_shift/papers/ registers its own and says what its
 workdirs and labels are); without it, the first workdir's ``config.paper_tables``.
 ``--labels`` names one column per workdir where the layout has one column per run.
 ``--out`` also writes the markdown to a file.
+
+    python launch/report.py --tensorboard=/tmp/fedevolve_circle
+
+writes anew the TensorBoard event files of every run under the named workdirs from
+their metrics.jsonl (a run writes them as it trains; this rebuilds them) and prints
+the ``tensorboard --logdir`` command.
 """
 import os
 import sys
@@ -20,14 +26,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from fedjax_shift import papers  # noqa: E402,F401  (registers the papers' tables)
-from fedjax_shift.report import PAPER_TABLES, run_config  # noqa: E402
+from fedjax_shift.report import PAPER_TABLES, rebuild_event_files, run_config  # noqa: E402
 
-_WORKDIRS = flags.DEFINE_list('workdirs', None, 'Finished workdirs, one per run or column.')
+_WORKDIRS = flags.DEFINE_list('workdirs', [], 'Finished workdirs, one per run or column.')
+_TENSORBOARD = flags.DEFINE_list('tensorboard', [], 'Workdirs whose TensorBoard event files '
+                                 'to rebuild from their metrics.jsonl (no table).')
 _OUT = flags.DEFINE_string('out', '', 'Write the markdown here.')
 _KIND = flags.DEFINE_string('kind', '', 'A registered paper table (default: the first '
                             "workdir's config.paper_tables).")
 _LABELS = flags.DEFINE_list('labels', [], 'Column labels, one per workdir.')
-flags.mark_flags_as_required(['workdirs'])
 
 
 def build(workdirs: Sequence[str], kind: str = '', labels: Sequence[str] = ()) -> str:
@@ -48,6 +55,18 @@ def build(workdirs: Sequence[str], kind: str = '', labels: Sequence[str] = ()) -
 
 def main(argv):
   del argv
+  if _TENSORBOARD.value:
+    try:
+      for workdir in _TENSORBOARD.value:
+        print(f'{workdir}: {len(rebuild_event_files(workdir))} runs\' event files rebuilt')
+    except (ValueError, FileNotFoundError, OSError) as err:
+      sys.exit(f'launch/report.py: {err}')
+    if len(_TENSORBOARD.value) == 1:
+      print(f'tensorboard --logdir {_TENSORBOARD.value[0]}')
+    else:
+      print('tensorboard --logdir_spec=' + ','.join(
+          f'{os.path.basename(os.path.normpath(w))}:{w}' for w in _TENSORBOARD.value))
+    return
   workdirs = [w for w in _WORKDIRS.value if w.strip()]
   if not workdirs:
     sys.exit('launch/report.py: no workdirs given (--workdirs=DIR1,DIR2,...)')

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fedjax_shift import pipelines
-from fedjax_shift.metrics import read_metrics
+from fedjax_shift.metrics import read_metrics, without_timing
 from helpers import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +52,7 @@ def _launch(workdir, rounds):
 
 
 def _comparable(records):
-  return [{k: v for k, v in r.items() if k != 'round_seconds'} for r in records]
+  return without_timing(records)
 
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
@@ -121,8 +121,7 @@ def test_default_experiment_full(tmp_path):
 
 
 def _records(workdir):
-  return [{k: v for k, v in r.items() if k != 'round_seconds'}
-          for r in read_metrics(str(workdir / 'fedavg' / 'seed_0' / 'metrics.jsonl'))]
+  return without_timing(read_metrics(str(workdir / 'fedavg' / 'seed_0' / 'metrics.jsonl')))
 
 
 def test_rounds_per_call_gives_the_same_rounds(tmp_path):

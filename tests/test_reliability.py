@@ -20,7 +20,7 @@ from fedjax_shift import config as config_lib
 from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.checkpoint import CheckpointMismatchError, Checkpointer
 from fedjax_shift.data.federated import stack_clients, validate
-from fedjax_shift.metrics import MetricsWriter, read_metrics
+from fedjax_shift.metrics import MetricsWriter, read_metrics, without_timing
 from fedjax_shift.pipelines.federated import train_and_evaluate
 from fedjax_shift.pipelines.workdir import RunMismatchError, WorkdirBusyError, WorkdirLock
 from helpers import tiny_config
@@ -46,8 +46,7 @@ def files_of(workdir):
 
 
 def metrics_of(workdir):
-  return [{k: v for k, v in r.items() if k != 'round_seconds'}
-          for r in read_metrics(os.path.join(workdir, RUN, 'metrics.jsonl'))]
+  return without_timing(read_metrics(os.path.join(workdir, RUN, 'metrics.jsonl')))
 
 
 def test_resume_with_another_config_is_refused_and_touches_nothing(tmp_path):

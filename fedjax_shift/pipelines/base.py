@@ -20,7 +20,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 import jax
 import ml_collections
 
-from fedjax_shift import checkpoint, models, report
+from fedjax_shift import checkpoint, events, models, report
 from fedjax_shift.algorithms import ALGORITHMS, base
 from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS
 from fedjax_shift.core.round import BACKENDS, SAMPLING, WEIGHTING
@@ -391,7 +391,7 @@ def open_run(run_dir: str, config: ml_collections.ConfigDict, fields: dict, stat
   latest checkpoint of ``run_dir`` up to ``config.rounds`` (and ``max_round``: runs
   trained in lockstep resume at a round they all have), records run.json and opens
   metrics.jsonl from the restored round."""
-  from fedjax_shift.metrics import MetricsWriter
+  from fedjax_shift.metrics import MetricsWriter, read_metrics
   checkpointer = checkpoint.Checkpointer(os.path.join(run_dir, 'checkpoints'),
                                          config.checkpoint_every, config.keep_checkpoints)
   limit = config.rounds if max_round is None else min(config.rounds, max_round)
@@ -400,7 +400,12 @@ def open_run(run_dir: str, config: ml_collections.ConfigDict, fields: dict, stat
   if start_round:
     log.info('resumed from round %d in %s', start_round, run_dir)
   workdir_lib.record_run(run_dir, fields, config.rounds)
-  writer = MetricsWriter(run_dir, start_round) if start_round < config.rounds else None
+  tensorboard = config.get('tensorboard', True)
+  writer = None
+  if start_round < config.rounds:
+    writer = MetricsWriter(run_dir, start_round, fields, tensorboard)
+  elif tensorboard:   # finished: its event files are written only if missing or damaged
+    events.ensure(run_dir, read_metrics(os.path.join(run_dir, 'metrics.jsonl')), fields)
   return OpenRun(checkpointer, start_round, state, writer)
 
 

@@ -11,7 +11,10 @@ The loop owns, once for every pipeline: the progress bar, the rounds per call, t
 divergence check (a non-finite loss stops the pipeline, or, when the caller keeps
 going, marks that run diverged while the others go on), the metrics.jsonl records,
 the evaluation rounds, the checkpoints (periodic, last round, Ctrl-C) and the final
-evaluation of a run resumed after its last round.
+evaluation of a run resumed after its last round. Besides the method's metrics, a
+record holds ``round_seconds``, ``examples_per_second`` (when the trainer knows its
+examples per step) and, in the first record of a call that compiled,
+``compile_seconds`` (JAX's tracing, lowering and compilation during that call).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import jax.numpy as jnp
 import numpy as np
+from jax import monitoring
 
 log = logging.getLogger('fedjax_shift')
 
@@ -118,6 +122,27 @@ def only_run(state, index: int):
   """``Trainer.take`` of a single run: its state is the whole state."""
   del index
   return state
+
+
+class CompileSeconds:
+  """Seconds JAX spends tracing, lowering and compiling (its '/jax/core/compile/'
+  duration events) while it is open; ``take()`` returns the sum since the last take."""
+
+  def __init__(self):
+    self.total = 0.0
+    monitoring.register_event_duration_secs_listener(self._add)
+
+  def _add(self, event: str, seconds: float, **kwargs) -> None:
+    del kwargs
+    if event.startswith('/jax/core/compile/'):
+      self.total += seconds
+
+  def take(self) -> float:
+    seconds, self.total = self.total, 0.0
+    return seconds
+
+  def close(self) -> None:
+    monitoring.unregister_event_duration_listener(self._add)
 
 
 class Outcome(NamedTuple):
@@ -219,13 +244,17 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
 
   signals = contextlib.ExitStack()
   requests = signals.enter_context(stop_requests())
+  compiling = CompileSeconds()
+  signals.callback(compiling.close)
   try:
     while completed < rounds:
+      compiling.take()
       tick = time.perf_counter()
       stop = call_end(completed, rounds, trainer.rounds_per_call, eval_every)
       state, metrics = trainer.advance(state, completed, stop)
       metrics = {name: np.asarray(values) for name, values in metrics.items()}
       seconds = time.perf_counter() - tick
+      compile_seconds = compiling.take()
       first, completed = completed, stop
       calls = stop - first
       losses = metrics['loss']
@@ -246,6 +275,12 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
           record = {'round': first + offset + 1,
                     **{name: float(values[offset, i]) for name, values in metrics.items()},
                     'round_seconds': seconds / (calls * count)}
+          if trainer.examples_per_step and 'num_steps' in metrics:
+            record['examples_per_second'] = (float(metrics['num_steps'][offset, i]) *
+                                             trainer.examples_per_step /
+                                             record['round_seconds'])
+          if offset == 0 and compile_seconds > 0:
+            record['compile_seconds'] = compile_seconds
           if offset == calls - 1:  # the call's last round: its state is the one we hold
             own = trainer.take(state, i)
             if evaluate_now:
@@ -280,6 +315,9 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
     signals.close()
     if bar is not None:
       bar.close()
+    for run in runs:
+      if run.writer is not None:
+        run.writer.close()
   outcomes = []
   for i, run in enumerate(runs):
     if i in diverged:

@@ -38,7 +38,8 @@ RESUME_CHOICES = ('', 'extend')
 NON_STATE_FIELDS = ('progress', 'eval_every', 'checkpoint_every', 'keep_checkpoints', 'seeds',
                     'algorithms', 'rounds', 'resume', 'eval_adapters', 'eval_adapter_algorithms',
                     'eval_adapter_batch_size', 'eval_adapter_splits', 'paper_tables', 'engine', 'adapters', 'tta',
-                    'pipeline', 'data.store', 'data.pad_to', 'on_divergence', 'log_every')
+                    'pipeline', 'data.store', 'data.pad_to', 'on_divergence', 'log_every',
+                    'tensorboard')
 
 
 class RunMismatchError(ValueError):
