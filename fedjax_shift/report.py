@@ -225,6 +225,74 @@ def read_result(path: str):
                                  'workdir to rewrite it')
 
 
+class ParsedTable(NamedTuple):
+  """A markdown table of ours: row labels, our numeric columns with each cell's mean
+  and spread (NaN where the cell has none), and the paper's value beside each column."""
+  rows: List[str]
+  columns: List[str]
+  means: np.ndarray        # [rows, columns]
+  spreads: np.ndarray      # [rows, columns] (± part; 0 for one seed)
+  paper: np.ndarray        # [rows, columns] the 'paper: <column>' cell, NaN if none
+
+
+def parse_tables(markdown: str) -> List[ParsedTable]:
+  """Every markdown table in ``markdown`` that has a numeric column of ours (a column
+  not named 'paper: …', with '12.34' or '12.34 ± 0.56' cells)."""
+  blocks, current = [], []
+  for line in markdown.splitlines() + ['']:
+    if line.strip().startswith('|'):
+      current.append([cell.strip() for cell in line.strip().strip('|').split('|')])
+    elif current:
+      blocks.append(current)
+      current = []
+  out = []
+  number = re.compile(r'^\**(-?\d+(?:\.\d+)?)\**(?:\s*±\s*(\d+(?:\.\d+)?))?')
+  for header, _, *body in (b for b in blocks if len(b) >= 3):
+    rows = [row[0] for row in body]
+    columns, means, spreads, paper = [], [], [], []
+    for j, name in enumerate(header[1:], start=1):
+      if name.startswith('paper') or name == 'seeds':
+        continue
+      cells = [number.match(row[j]) if j < len(row) else None for row in body]
+      if not any(cells):
+        continue
+      columns.append(name)
+      means.append([float(m.group(1)) if m else np.nan for m in cells])
+      spreads.append([float(m.group(2) or 0.0) if m else np.nan for m in cells])
+      k = header.index(f'paper: {name}') if f'paper: {name}' in header else None
+      paper.append([cell_value(row[k]) if k is not None and k < len(row) and
+                    cell_value(row[k]) is not None else np.nan for row in body])
+    if columns:
+      out.append(ParsedTable(rows, columns, np.array(means).T, np.array(spreads).T,
+                             np.array(paper, dtype=float).T))
+  return out
+
+
+def table_figure(table: ParsedTable, path: str, ylabel: str = 'accuracy (%)') -> str:
+  """Grouped bars of ``table``: one group per column, one bar per row, the seeds'
+  spread as error bars and the paper's value as a black tick on its bar."""
+  rows, columns = len(table.rows), len(table.columns)
+  fig, ax = new_plot((max(4.0, 0.9 + columns * (0.25 * rows + 0.4)), 3.6))
+  width = 0.8 / rows
+  for i, label in enumerate(table.rows):
+    x = np.arange(columns) + (i - (rows - 1) / 2) * width
+    ax.bar(x, table.means[i], width, yerr=table.spreads[i], capsize=2, label=label)
+    ax.scatter(x, table.paper[i], marker='_', s=120, color='black', zorder=3,
+               label='paper' if i == 0 and np.isfinite(table.paper).any() else None)
+  ax.set_xticks(np.arange(columns))
+  ax.set_xticklabels(table.columns, fontsize=7, rotation=20 if columns > 4 else 0)
+  return save_plot(fig, ax, path, '', ylabel, legend_size=6,
+                   legend_columns=max(1, (rows + 1) // 8))
+
+
+def table_figures(markdown: str, path: str) -> List[str]:
+  """``table_figure`` of every table of ours in ``markdown``: ``path`` for the first,
+  ``<stem>_<k>.png`` for the k-th after it. Returns the paths written."""
+  stem, ext = os.path.splitext(path)
+  return [table_figure(table, path if k == 0 else f'{stem}_{k + 1}{ext or ".png"}')
+          for k, table in enumerate(parse_tables(markdown))]
+
+
 def rebuild_event_files(workdir: str) -> List[str]:
   """Writes anew the TensorBoard event files of every run under ``workdir`` (each
   directory holding a metrics.jsonl) from its records, with the fingerprint fields of

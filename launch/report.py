@@ -9,7 +9,8 @@
 paper's folder under fedjax_shift/papers/ registers its own and says what its
 workdirs and labels are); without it, the first workdir's ``config.paper_tables``.
 ``--labels`` names one column per workdir where the layout has one column per run.
-``--out`` also writes the markdown to a file.
+``--out`` also writes the markdown to a file; ``--figure=PATH.png`` draws each table
+as grouped bars (the seeds' spread as error bars, the paper's number as a tick).
 
     python launch/report.py --tensorboard=/tmp/fedevolve_circle
 
@@ -26,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from fedjax_shift import papers  # noqa: E402,F401  (registers the papers' tables)
-from fedjax_shift.report import PAPER_TABLES, rebuild_event_files, run_config  # noqa: E402
+from fedjax_shift.report import (PAPER_TABLES, rebuild_event_files, run_config,  # noqa: E402
+                                 table_figures)
 
 _WORKDIRS = flags.DEFINE_list('workdirs', [], 'Finished workdirs, one per run or column.')
 _TENSORBOARD = flags.DEFINE_list('tensorboard', [], 'Workdirs whose TensorBoard event files '
@@ -35,6 +37,8 @@ _OUT = flags.DEFINE_string('out', '', 'Write the markdown here.')
 _KIND = flags.DEFINE_string('kind', '', 'A registered paper table (default: the first '
                             "workdir's config.paper_tables).")
 _LABELS = flags.DEFINE_list('labels', [], 'Column labels, one per workdir.')
+_FIGURE = flags.DEFINE_string('figure', '', 'Also draw each table as grouped bars here (.png; '
+                              'a second table goes to <stem>_2.png, ...).')
 
 
 def build(workdirs: Sequence[str], kind: str = '', labels: Sequence[str] = ()) -> str:
@@ -78,6 +82,9 @@ def main(argv):
   if _OUT.value:
     with open(_OUT.value, 'w') as f:
       f.write(text + '\n')
+  if _FIGURE.value:
+    for path in table_figures(text, _FIGURE.value):
+      print(f'figure: {path}')
 
 
 if __name__ == '__main__':

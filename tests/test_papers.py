@@ -10,6 +10,7 @@ import re
 import shlex
 
 import ml_collections
+import numpy as np
 import pytest
 
 from fedjax_shift import config as config_lib
@@ -172,3 +173,21 @@ def test_a_cell_says_how_many_runs_it_averages_when_one_is_missing():
   assert mean_std([None, 0.25]) == '25.00 (1 of 2 runs)'
   assert mean_std([None, None]) == 'n/a'
   assert cell_value(mean_std([0.5, None, 0.7])) == 60.0   # the paper-claims check reads the mean
+
+
+def test_a_table_parses_into_means_spreads_and_the_papers_numbers_and_draws(tmp_path):
+  markdown = '\n'.join([
+      'Some text.', '',
+      '| Method | A | paper: A | B | seeds | claims |',
+      '|---|---|---|---|---|---|',
+      '| FedAvg | 60.00 ± 1.50 | 65.92 | 55.25 | 3 | — |',
+      '| FedEvolve | **70.10 ± 0.40** | 84.75 | n/a | 3 (1 diverged) | > FedAvg ✓ |', '',
+      '| Method | C |', '|---|---|', '| X | text |', ''])
+  (table,) = report.parse_tables(markdown)        # the second table has no numbers
+  assert table.rows == ['FedAvg', 'FedEvolve'] and table.columns == ['A', 'B']
+  np.testing.assert_array_equal(table.means, [[60.0, 55.25], [70.1, np.nan]])
+  np.testing.assert_array_equal(table.spreads, [[1.5, 0.0], [0.4, np.nan]])
+  np.testing.assert_array_equal(table.paper, [[65.92, np.nan], [84.75, np.nan]])
+  (path,) = report.table_figures(markdown, str(tmp_path / 'table.png'))
+  with open(path, 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
