@@ -728,9 +728,31 @@ def case_sweep(population):
   return {'seconds': median, 'times': times, 'compile_s': compile_s}
 
 
+def case_experiment(tensorboard: bool):
+  """The README's default experiment (configs/default.py) end to end in a fresh workdir,
+  with or without the TensorBoard event files; 'seconds' is the whole run."""
+  import shutil
+  import tempfile
+  from configs import default
+  from fedjax_shift import pipelines
+  config = default.get_config()
+  config.tensorboard = tensorboard
+  config.progress = False
+  workdir = tempfile.mkdtemp(prefix='fedjax_shift_experiment_')
+  try:
+    tick = time.perf_counter()
+    pipelines.run(config, workdir)
+    total = time.perf_counter() - tick
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
+  return {'seconds': total, 'times': [total], 'compile_s': 0.0}
+
+
 def run_case(name):
   if name.startswith('sweep:'):
     result = case_sweep(int(name.split(':')[1]))
+  elif name.startswith('experiment:'):
+    result = case_experiment(name.split(':')[1] == 'events')
   elif name.startswith(('algorithm:', 'rates:')):
     result = case_round(kind=name)
   else:
@@ -810,6 +832,9 @@ def label(name: str) -> str:
             'fedtta_pp_while': 'FedTTA++ test time, E ≤ 50, patience 1, while_loop'}
   if name in labels:
     return labels[name]
+  if name.startswith('experiment:'):
+    return (f"default experiment, whole run (s), TensorBoard event files "
+            f"{'on' if name.endswith(':events') else 'off'}")
   if name.startswith('rates:'):
     _, k, remat = name.split(':')
     return (f"learned-rates round ({FLAGS.tta_adapter if FLAGS.tta_adapter == 'tent' else 'atp'}"
@@ -848,7 +873,9 @@ def case_table(results: dict) -> str:
   pairs = [('round', 'loop', '(a)/(b)'), ('round', 'torch', '(a)/(d)'),
            ('round', 'torch_vmap', '(a)/(e)'), ('tta_vmap', 'tta_loop', 'tta vmapped / tta loop'),
            ('seeds_vmap', 'seeds_loop', 'seeds vmapped / seeds one by one'),
-           ('alpha_round', 'fedavg_1step', 'α round / FedAvg 1-step round')]
+           ('alpha_round', 'fedavg_1step', 'α round / FedAvg 1-step round'),
+           ('experiment:events', 'experiment:no_events',
+            'default experiment with / without event files')]
   for top, bottom, text in pairs:
     if seconds(results, top) and seconds(results, bottom):
       lines.append(f'\n{text} = {seconds(results, top) / seconds(results, bottom):.2f}')
