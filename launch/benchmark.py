@@ -84,8 +84,10 @@ from absl import app, flags  # noqa: E402
 def define_flags() -> None:
   """The command line (defined when run as a script, so that importing this file
   for its functions defines no flags beside another script's)."""
-  flags.DEFINE_enum('model', 'atp_cnn', ['atp_cnn', 'mlp', 'bn_mlp', 'evolve_cnn', 'vit'],
-                    'Model to benchmark (vit: the registered defaults, configs/fedins.py).')
+  flags.DEFINE_enum('model', 'atp_cnn', ['atp_cnn', 'mlp', 'bn_mlp', 'evolve_cnn',
+                                          'domainbed64', 'vit'],
+                    'Model to benchmark (vit: the registered defaults, configs/fedins.py; '
+                    "domainbed64: FedEvolve's Table 7 CNN, configs/fedevolve.py:domainbed64).")
   flags.DEFINE_list('clients', ['60'], 'Cohort sizes C: one, or a sweep (60,240,1000) that '
                     'runs every case at each size and prints a table of the ratios.')
   flags.DEFINE_integer('examples', 200, 'Examples per client N.')
@@ -118,7 +120,7 @@ def define_flags() -> None:
 FLAGS = flags.FLAGS
 
 CONV_CHOICES = ('auto', 'lax', 'patches', 'lax_patch_grad')
-CONV_MODELS = ('atp_cnn', 'evolve_cnn')
+CONV_MODELS = ('atp_cnn', 'evolve_cnn', 'domainbed64')
 TORCH_CASES = ('torch', 'torch_vmap')   # no convolution choice: run once per cohort size
 
 
@@ -151,7 +153,7 @@ def check_flags():
                            f'(leave --conv at auto)')
 
 SHAPES = {'atp_cnn': (32, 32, 3), 'mlp': (28, 28, 1), 'bn_mlp': (28, 28, 1),
-          'evolve_cnn': (28, 28, 1), 'vit': (28, 28, 3)}
+          'evolve_cnn': (28, 28, 1), 'domainbed64': (28, 28, 1), 'vit': (28, 28, 3)}
 
 
 def peak_rss_gb() -> float:
@@ -171,6 +173,8 @@ def make_config():
   if FLAGS.model == 'vit':   # configs/fedins.py's ViT (no convolution choice)
     from configs.fedins import vit_model
     config.model = vit_model()
+  if FLAGS.model == 'domainbed64':   # DomainBed's MNIST trunk + Linear 128→64 (Table 7)
+    config.model = {'name': 'domainbed_cnn', 'hidden': 64, 'conv': conv_choice()}
   config.client.batch_size = FLAGS.batch_size
   config.client.learning_rate = 0.01
   config.client.local_epochs = 1

@@ -1,6 +1,7 @@
 """Runs that never report a wrong result: resuming checks the config, one writer per
 workdir, damaged checkpoints fall back, metrics history is never dropped silently,
 and bad data or hyperparameters are errors naming the field, client or file."""
+import glob
 import json
 import logging
 import os
@@ -289,73 +290,108 @@ def test_report_errors_name_the_file_and_exit_nonzero(tmp_path):
   assert cut.returncode != 0 and str(tmp_path / 'results.json') in cut.stderr
 
 
-# Fault injection: SIGKILL a run at a random round, damage its newest checkpoint in a
-# random way (or not), resume; the metrics must equal an uninterrupted run's.
+# Fault injection: SIGKILL (or SIGTERM / SIGUSR1) a run at a random round, damage its
+# newest checkpoint in a random way (or not), resume; every metrics.jsonl of the workdir
+# must equal an uninterrupted run's. Three pipelines: federated (FedAvg), atp
+# (pretraining then α training, two run directories) and hetero (HeteroFedTTA's groups).
 ROUNDS = 30
+PIPELINE_RUNS = {
+    'federated': ('fedavg.py:tiny', [f'--config.rounds={ROUNDS}', '--config.eval_every=3',
+                                     '--config.checkpoint_every=2', '--config.keep_checkpoints=3',
+                                     '--config.data.num_clients=10', '--config.cohort_size=4']),
+    'atp': ('atp.py:digits_hybrid,tiny', ['--config.rounds=10', '--config.atp.rounds=10',
+                                          '--config.eval_every=5', '--config.checkpoint_every=2',
+                                          '--config.keep_checkpoints=3']),
+    'hetero': ('hetero_fedtta.py:tiny', ['--config.rounds=12', '--config.eval_every=4',
+                                         '--config.checkpoint_every=2',
+                                         '--config.keep_checkpoints=3']),
+}
 
 
-def _launch(workdir, resume=''):
+def _launch(workdir, pipeline='federated'):
+  config, flags = PIPELINE_RUNS[pipeline]
   return [sys.executable, os.path.join(ROOT, 'launch', 'train.py'),
-          '--config=' + os.path.join(ROOT, 'configs', 'fedavg.py') + ':tiny',
-          f'--workdir={workdir}', f'--config.rounds={ROUNDS}', '--config.eval_every=3',
-          '--config.checkpoint_every=2', '--config.keep_checkpoints=3',
-          '--config.data.num_clients=10', '--config.cohort_size=4'] + (
-              [f'--config.resume={resume}'] if resume else [])
+          '--config=' + os.path.join(ROOT, 'configs', config), f'--workdir={workdir}'] + flags
+
+
+def all_metrics(workdir):
+  """{run directory: its metrics.jsonl records without timing fields} of a workdir."""
+  paths = glob.glob(os.path.join(workdir, '**', 'metrics.jsonl'), recursive=True)
+  return {os.path.relpath(os.path.dirname(p), workdir): without_timing(read_metrics(p))
+          for p in sorted(paths)}
+
+
+_UNINTERRUPTED = {}
 
 
 @pytest.fixture(scope='module')
 def uninterrupted(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('straight')
-  subprocess.run(_launch(workdir), check=True, capture_output=True, cwd=ROOT)
-  return metrics_of(workdir)
+  """pipeline -> every metrics.jsonl of one uninterrupted run (computed once)."""
+  def get(pipeline='federated'):
+    if pipeline not in _UNINTERRUPTED:
+      workdir = tmp_path_factory.mktemp(f'straight_{pipeline}')
+      subprocess.run(_launch(workdir, pipeline), check=True, capture_output=True, cwd=ROOT)
+      _UNINTERRUPTED[pipeline] = all_metrics(str(workdir))
+    return _UNINTERRUPTED[pipeline]
+  return get
 
 
-def kill_corrupt_resume(workdir, trial: int, sig=signal.SIGKILL):
-  """One trial; returns (kill round, corruption kind, resumed metrics). With SIGTERM
-  (or SIGUSR1) the run must stop itself after checkpointing its round, exit 143 and
-  say so."""
+def kill_corrupt_resume(workdir, trial: int, sig=signal.SIGKILL, pipeline='federated'):
+  """One trial; returns (kill after how many records, corruption kind, resumed metrics).
+  With SIGTERM (or SIGUSR1) the run must stop itself after checkpointing its round,
+  exit 143 and say so."""
   rng = np.random.default_rng(trial)
-  kill_after = int(rng.integers(3, ROUNDS - 2))
+  total = sum(len(records) for records in _UNINTERRUPTED.get(pipeline, {}).values())
+  kill_after = int(rng.integers(3, (total or ROUNDS) - 2))
   kind = ['none', 'delete_default', 'delete_manifest', 'truncate_data'][trial % 4]
-  metrics_path = os.path.join(workdir, RUN, 'metrics.jsonl')
-  proc = subprocess.Popen(_launch(workdir), cwd=ROOT, stdout=subprocess.DEVNULL,
+  proc = subprocess.Popen(_launch(workdir, pipeline), cwd=ROOT, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
-  deadline = time.time() + 300
-  while time.time() < deadline:
+  deadline = time.time() + 600
+  while time.time() < deadline and proc.poll() is None:
     try:
-      if len(read_metrics(metrics_path)) >= kill_after:
+      if sum(len(r) for r in all_metrics(workdir).values()) >= kill_after:
         break
     except ValueError:
       pass
     time.sleep(0.02 + 0.03 * random.Random(trial).random())
   proc.send_signal(sig)
   _, stderr = proc.communicate()
-  steps = sorted(int(p) for p in os.listdir(os.path.join(workdir, RUN, 'checkpoints'))
-                 if p.isdigit())
+  # The run being trained when the signal came: the newest metrics.jsonl.
+  newest = max(glob.glob(os.path.join(workdir, '**', 'metrics.jsonl'), recursive=True),
+               key=os.path.getmtime)
+  run_dir = os.path.dirname(newest)
+  checkpoints = os.path.join(run_dir, 'checkpoints')
+  steps = sorted(int(p) for p in os.listdir(checkpoints) if p.isdigit()) \
+      if os.path.isdir(checkpoints) else []
   if sig != signal.SIGKILL and proc.returncode != 0:   # it had not finished: it stopped itself
     assert proc.returncode == 143, stderr[-2000:]
     assert f'{signal.Signals(sig).name} received: stopped after round {steps[-1]}' in stderr
-    assert len(read_metrics(metrics_path)) == steps[-1]  # checkpointed the round it ended
+    assert len(read_metrics(newest)) == steps[-1]  # checkpointed the round it ended
   if kind != 'none' and steps:
-    corrupt(os.path.join(workdir, RUN, 'checkpoints', str(steps[-1])), kind, rng)
-  subprocess.run(_launch(workdir), check=True, capture_output=True, cwd=ROOT)
-  return kill_after, kind, metrics_of(workdir)
+    corrupt(os.path.join(checkpoints, str(steps[-1])), kind, rng)
+  subprocess.run(_launch(workdir, pipeline), check=True, capture_output=True, cwd=ROOT)
+  return kill_after, kind, all_metrics(workdir)
 
 
 @pytest.mark.parametrize('trial, sig', [(1, signal.SIGKILL), (2, signal.SIGKILL),
                                         (3, signal.SIGTERM)])
 def test_kill_corrupt_resume_matches_an_uninterrupted_run(trial, sig, uninterrupted, tmp_path):
+  expected = uninterrupted()
   _, _, metrics = kill_corrupt_resume(str(tmp_path), trial, sig)
-  assert [r['round'] for r in metrics] == list(range(1, ROUNDS + 1))
-  assert metrics == uninterrupted  # exact equality of every loss and accuracy
+  assert [r['round'] for r in metrics[RUN]] == list(range(1, ROUNDS + 1))
+  assert metrics == expected  # exact equality of every loss and accuracy
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('trial', range(100, 120))
 def test_kill_corrupt_resume_twenty_trials(trial, uninterrupted, tmp_path):
-  sig = (signal.SIGKILL, signal.SIGTERM, signal.SIGUSR1)[trial % 3]
-  kill_after, kind, metrics = kill_corrupt_resume(str(tmp_path), trial, sig)
-  assert metrics == uninterrupted, f'trial {trial}: {sig.name} after {kill_after}, {kind}'
+  """Trials cycle through the pipelines, and each pipeline through the signals."""
+  pipeline = list(PIPELINE_RUNS)[trial % 3]
+  expected = uninterrupted(pipeline)
+  sig = (signal.SIGKILL, signal.SIGTERM, signal.SIGUSR1)[(trial // 3) % 3]
+  kill_after, kind, metrics = kill_corrupt_resume(str(tmp_path), trial, sig, pipeline)
+  assert metrics == expected, (f'{pipeline} trial {trial}: {sig.name} after {kill_after} '
+                               f'records, {kind}')
 
 
 def test_resuming_on_rebuilt_data_that_differs_is_refused(tmp_path):
