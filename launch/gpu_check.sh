@@ -114,6 +114,11 @@ case $stage in
       --cases=round --populations="${POPULATIONS:-1000,10000,100000}" \
       --out="$outdir/bench_population.md" >> "$outdir/engine.log" 2>&1
     tail -n 8 "$outdir/bench_population.md"
+    # FedEvolve's round against FedAvg's on its Table 7 network.
+    timeout 150 python3 launch/benchmark.py --model=domainbed64 --clients=20 --examples=200 \
+      --batch_size=32 --cases=round,fedevolve --populations= --repeats=3 \
+      --out="$outdir/bench_fedevolve.md" >> "$outdir/engine.log" 2>&1
+    tail -n 4 "$outdir/bench_fedevolve.md"
     ;;
   atp)
     timeout "$limit" python3 launch/train.py --config=configs/atp.py:digits,cnn \
