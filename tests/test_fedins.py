@@ -292,7 +292,7 @@ def test_fedbn_with_local_norms_keeps_layer_norms_on_the_client():
   total = models.num_parameters(server.variables)
   assert norms > 0
   assert uploaded_parameters(algorithm, server, clients, data) == total - norms
-  with pytest.raises(ValueError, match='config.fedbn.local_norms: unknown'):
+  with pytest.raises(ValueError, match='config.fedbn.local_norms: must be one of'):
     make('fedbn', override(config, **{'fedbn.local_norms': 'layer'}), data)
 
 
