@@ -769,3 +769,27 @@ def test_figure3_increment_variant_and_its_table_and_plot(tmp_path):
   assert (tmp_path / 'figure3.png').stat().st_size > 0
   with pytest.raises(ValueError, match='rotation increment'):
     tables.increments_from_workdirs(workdirs, ['a', 'b'])
+
+
+def test_sweep_script_trains_every_algorithm_of_a_variant_and_fails_loudly(tmp_path):
+  """The grid runner: both algorithms of the variant end in its workdir and its table;
+  an unknown variant makes it exit non-zero naming the variant and its log."""
+  import os
+  import subprocess
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = os.path.join(root, 'fedjax_shift', 'papers', 'fedevolve', 'sweep.sh')
+  import sys
+  env = {**os.environ, 'MAX_PARALLEL': '2',   # the script runs `python`: this one
+         'PATH': os.path.dirname(sys.executable) + os.pathsep + os.environ.get('PATH', '')}
+  done = subprocess.run(['bash', script, str(tmp_path / 'ok'), 'circle_dirinf,tiny',
+                         'fedavg gma', '--config.rounds=1'], capture_output=True, text=True,
+                        cwd=root, env=env)
+  assert done.returncode == 0, done.stderr[-2000:]
+  for algorithm in ('fedavg', 'gma'):
+    assert (tmp_path / 'ok' / 'circle_dirinf_tiny' / algorithm / 'seed_0' /
+            'results.json').exists()
+  assert '| FedAvg |' in done.stdout and '| GMA |' in done.stdout
+  failed = subprocess.run(['bash', script, str(tmp_path / 'bad'), 'no_such_variant', 'fedavg'],
+                          capture_output=True, text=True, cwd=root, env=env)
+  assert failed.returncode != 0
+  assert 'FAILED: no_such_variant' in failed.stderr and 'no_such_variant.log' in failed.stderr
