@@ -60,6 +60,11 @@ def _hparam_value(text: str):
   return json.dumps(value, sort_keys=True)
 
 
+def event_files(directory: str) -> List[str]:
+  """The TensorBoard event files in ``directory`` ([] if it does not exist)."""
+  return glob.glob(os.path.join(directory, 'events.out.tfevents.*'))
+
+
 def intact(directory: str) -> bool:
   """Whether every event file in ``directory`` is a whole sequence of records (length,
   masked CRC-32C of the length, data, masked CRC-32C of the data)."""
@@ -69,7 +74,7 @@ def intact(directory: str) -> bool:
     crc = crc32c(data)
     return (((crc >> 15) | (crc << 17)) + 0xa282ead8) & 0xffffffff
 
-  files = glob.glob(os.path.join(directory, 'events.out.tfevents.*'))
+  files = event_files(directory)
   if not files:
     return False
   for path in files:
@@ -103,7 +108,7 @@ class EventWriter:
     from tensorboardX import SummaryWriter
     self.directory = os.path.join(run_dir, DIRECTORY)
     records = list(records)
-    present = bool(glob.glob(os.path.join(self.directory, 'events.out.tfevents.*')))
+    present = bool(event_files(self.directory))
     if records and not present:
       log.warning('%s: no event files; writing them from metrics.jsonl (%d records)',
                   self.directory, len(records))
@@ -163,7 +168,5 @@ def rebuild(run_dir: str, records: Iterable[Mapping[str, object]],
 def ensure(run_dir: str, records: Iterable[Mapping[str, object]],
            hparams: Optional[Mapping[str, str]] = None) -> None:
   """Rebuilds the event files of a finished run only when missing or damaged."""
-  directory = os.path.join(run_dir, DIRECTORY)
-  if os.path.isdir(directory) and intact(directory):
-    return
-  rebuild(run_dir, records, hparams)
+  if not intact(os.path.join(run_dir, DIRECTORY)):
+    rebuild(run_dir, records, hparams)

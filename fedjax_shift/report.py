@@ -260,8 +260,8 @@ def parse_tables(markdown: str) -> List[ParsedTable]:
       means.append([float(m.group(1)) if m else np.nan for m in cells])
       spreads.append([float(m.group(2) or 0.0) if m else np.nan for m in cells])
       k = header.index(f'paper: {name}') if f'paper: {name}' in header else None
-      paper.append([cell_value(row[k]) if k is not None and k < len(row) and
-                    cell_value(row[k]) is not None else np.nan for row in body])
+      values = [cell_value(row[k]) if k is not None and k < len(row) else None for row in body]
+      paper.append([np.nan if value is None else value for value in values])
     if columns:
       out.append(ParsedTable(rows, columns, np.array(means).T, np.array(spreads).T,
                              np.array(paper, dtype=float).T))
