@@ -112,6 +112,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.progress = True                 # a bar on a terminal; in a log file, plain lines:
   c.log_every = 0                   # every log_every rounds (0: about a tenth of the run)
   c.tensorboard = True              # <run dir>/tensorboard/: metrics.jsonl as event files
+  c.sweep = ''                      # a hyperparameter grid, e.g. "{'client.learning_rate':
+                                    # (0.01, 0.1)}": each point x seed a run (pipelines/sweep.py)
+  c.sweep_select = 'last'           # per method, the point of best mean validation accuracy at
+                                    # the last round, or 'best_round' (at each run's best)
+  c.sweep_metric = ''               # that metric ('': the global model's on the val split)
   return c
 
 

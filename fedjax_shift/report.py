@@ -74,6 +74,43 @@ def results_table(results: List[Dict]) -> Dict[str, object]:
   return {'header': header, 'rows': rows, 'markdown': markdown(header, rows)}
 
 
+def with_selected_points(table: Dict[str, object], points: Mapping[str, str]
+                         ) -> Dict[str, object]:
+  """``results_table``'s table with a 'selected (sweep)' column after the method: the
+  hyperparameter values each swept method is reported at ('—' for one not swept)."""
+  header = [table['header'][0], 'selected (sweep)'] + list(table['header'][1:])
+  rows = [[row[0], points.get(row[0], '—')] + list(row[1:]) for row in table['rows']]
+  return {'header': header, 'rows': rows, 'markdown': markdown(header, rows)}
+
+
+def read_sweep(workdir: str) -> Optional[Dict]:
+  """``<workdir>/sweep.json`` (a hyperparameter sweep's grid and selections), or None
+  for a workdir that ran no sweep."""
+  path = os.path.join(workdir, 'sweep.json')
+  return read_result(path) if os.path.exists(path) else None
+
+
+def sweep_grid_table(record: Dict, test_suffix: str = '/test/accuracy') -> str:
+  """The whole grid of a sweep (``read_sweep``): one row per method × point with its
+  validation accuracy (the selection's metric and rule) and, at the same rounds, every
+  test accuracy of the model the metric names; the selected point marked."""
+  metric = record['metric']
+  model = metric.split('/')[0]
+  tests = sorted({k for method in record['methods'].values() for point in method['grid']
+                  for m in point['metrics'] for k in m
+                  if k.startswith(model + '/') and k.endswith(test_suffix)})
+  header = ['method', 'point', f'{metric} ({record["select"]})'] + tests + ['seeds']
+  rows = []
+  for name, method in record['methods'].items():
+    for point in method['grid']:
+      mark = ' (selected)' if point['name'] == method['selected'] else ''
+      seeds = str(len(point['seeds'])) + (f' ({len(point["diverged"])} diverged)'
+                                          if point['diverged'] else '')
+      rows.append([name, point['name'] + mark, mean_std(point['validation'])] +
+                  [mean_std([m.get(k) for m in point['metrics']]) for k in tests] + [seeds])
+  return markdown(header, rows)
+
+
 def write_csv(table: Dict[str, object], path: str) -> str:
   """The results table (header + rows) as CSV; returns ``path``."""
   with open(path, 'w', newline='') as f:
@@ -319,10 +356,16 @@ def column_labels(workdirs: Sequence[str], labels: Sequence[str]) -> List[str]:
 
 def load_runs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> Dict[str, List[Dict]]:
   """{label: [per (method, seed) results.json dicts]} of finished federated or hetero
-  runs, one entry per workdir; labels default to the workdir names."""
+  runs, one entry per workdir (a swept method: its selected point's runs); labels
+  default to the workdir names."""
   out = {}
   for label, workdir in zip(column_labels(workdirs, labels), workdirs):
     paths = sorted(glob.glob(os.path.join(workdir, '*', 'seed_*', 'results.json')))
+    swept = read_sweep(workdir)
+    for name, method in (swept or {}).get('methods', {}).items():   # its selected point
+      paths += sorted(glob.glob(os.path.join(glob.escape(workdir), name,
+                                             glob.escape(method['selected']), 'seed_*',
+                                             'results.json')))
     if not paths:
       raise FileNotFoundError(f'no <method>/seed_<s>/results.json under {workdir!r}')
     check_seeds_agree(paths)

@@ -17,6 +17,11 @@ as grouped bars (the seeds' spread as error bars, the paper's number as a tick).
 writes anew the TensorBoard event files of every run under the named workdirs from
 their metrics.jsonl (a run writes them as it trains; this rebuilds them) and prints
 the ``tensorboard --logdir`` command.
+
+    python launch/report.py --sweep=/tmp/fedtta_tuned
+
+prints the whole grid of a hyperparameter sweep (``config.sweep``): every method ×
+point with its validation accuracy and test accuracies, the selected point marked.
 """
 import os
 import sys
@@ -27,12 +32,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from fedjax_shift import papers  # noqa: E402,F401  (registers the papers' tables)
-from fedjax_shift.report import (PAPER_TABLES, rebuild_event_files, run_config,  # noqa: E402
-                                 table_figures)
+from fedjax_shift.report import (PAPER_TABLES, read_sweep, rebuild_event_files,  # noqa: E402
+                                 run_config, sweep_grid_table, table_figures)
 
 _WORKDIRS = flags.DEFINE_list('workdirs', [], 'Finished workdirs, one per run or column.')
 _TENSORBOARD = flags.DEFINE_list('tensorboard', [], 'Workdirs whose TensorBoard event files '
                                  'to rebuild from their metrics.jsonl (no table).')
+_SWEEP = flags.DEFINE_list('sweep', [], 'Workdirs of hyperparameter sweeps whose whole grid '
+                           'to print (no paper table).')
 _OUT = flags.DEFINE_string('out', '', 'Write the markdown here.')
 _KIND = flags.DEFINE_string('kind', '', 'A registered paper table (default: the first '
                             "workdir's config.paper_tables).")
@@ -70,6 +77,17 @@ def main(argv):
     else:
       print('tensorboard --logdir_spec=' + ','.join(
           f'{os.path.basename(os.path.normpath(w))}:{w}' for w in _TENSORBOARD.value))
+    return
+  if _SWEEP.value:
+    for workdir in _SWEEP.value:
+      try:
+        record = read_sweep(workdir)
+      except ValueError as err:
+        sys.exit(f'launch/report.py: {err}')
+      if record is None:
+        sys.exit(f'launch/report.py: {workdir} holds no sweep.json (it ran no config.sweep)')
+      print(f'{workdir}: selected on {record["metric"]} ({record["select"]})')
+      print(sweep_grid_table(record))
     return
   workdirs = [w for w in _WORKDIRS.value if w.strip()]
   if not workdirs:

@@ -80,14 +80,35 @@ ALGORITHMS: Registry = Registry(
     common_ranges={'client_learning_rate': NONNEGATIVE, 'client_batch_size': NONNEGATIVE_INT})
 
 
+def traced(value) -> bool:
+  """Whether a hyperparameter is a JAX tracer: a swept value traced on the run axis
+  (pipelines/sweep.py) instead of a Python number."""
+  return isinstance(value, jax.core.Tracer)
+
+
+def present(value) -> bool:
+  """Whether an optional term is built: a nonzero number, or a traced one (whose zero
+  adds exactly nothing)."""
+  return traced(value) or bool(value)
+
+
+def number(value):
+  """A hyperparameter as a Python float, or the tracer it is."""
+  return value if traced(value) else float(value)
+
+
 def method_client(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
   """``config.client`` as method ``name`` trains with it: its learning rate and batch
   size replaced by ``config.<name>.client_learning_rate`` / ``client_batch_size`` when
   set (> 0)."""
   client = ml_collections.ConfigDict(config.client.to_dict())
   section = config[name] if name in config else {}
-  if section.get('client_learning_rate', 0.0):
-    client.learning_rate = float(section['client_learning_rate'])
+  rate = section.get('client_learning_rate', 0.0)
+  if traced(rate):   # a swept rate (pipelines/sweep.py): 0 still means the shared one
+    client = ml_collections.ConfigDict(
+        {**client.to_dict(), 'learning_rate': jnp.where(rate > 0, rate, client.learning_rate)})
+  elif rate:
+    client.learning_rate = float(rate)
   if section.get('client_batch_size', 0):
     client.batch_size = int(section['client_batch_size'])
   return client
@@ -97,13 +118,13 @@ def client_optimizer(client: ml_collections.ConfigDict) -> optax.GradientTransfo
   """config.client: optimizer ('sgd'|'adam'), learning_rate, momentum, weight_decay."""
   c = client
   if c.optimizer == 'sgd':
-    opt = optax.sgd(c.learning_rate, momentum=c.momentum or None)
+    opt = optax.sgd(c.learning_rate, momentum=c.momentum if present(c.momentum) else None)
   elif c.optimizer == 'adam':
     opt = optax.adam(c.learning_rate)
   else:
     raise ValueError(f'config.client.optimizer: unknown {c.optimizer!r}; choose from '
                      f'{list(CLIENT_OPTIMIZERS)}')
-  if c.weight_decay:
+  if present(c.weight_decay):
     opt = optax.chain(optax.add_decayed_weights(c.weight_decay), opt)
   return opt
 
@@ -163,17 +184,20 @@ def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
                            unroll=config.engine.unroll, augmentation=tuple(c.augmentation))
   fraction = min(1.0, config.cohort_size / num_clients) if num_clients else 1.0
   return BuildContext(module, client_optimizer(c), server_optimizer(config.server), schedule,
-                      float(c.learning_rate), build_info(info), fraction, num_clients or 0,
+                      number(c.learning_rate), build_info(info), fraction, num_clients or 0,
                       tuple(example_shape), global_variables)
 
 
 def build(name: str, config: ml_collections.ConfigDict, module, max_examples: int,
           info: Optional[dict] = None, num_clients: Optional[int] = None,
-          example_shape: tuple = (), global_variables=None):
+          example_shape: tuple = (), global_variables=None, check: bool = True):
   """The registered algorithm ``name`` with its section ``config.<name>``, checked
-  first (unknown fields, the declared ranges, the method's registered ``check``)."""
+  first (unknown fields, the declared ranges, the method's registered ``check``;
+  ``check=False``: a config whose swept numbers are tracers, checked as numbers
+  before)."""
   builder = ALGORITHMS.get(name, 'config.algorithms')
-  ALGORITHMS.check(name, config[name], f'config.{name}')
+  if check:
+    ALGORITHMS.check(name, config[name], f'config.{name}')
   return builder(config[name], build_context(config, module, max_examples, info, num_clients,
                                              example_shape, global_variables, name))
 

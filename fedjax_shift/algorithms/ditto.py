@@ -36,7 +36,8 @@ def ditto(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fed
     variables, opt_state = client_state
     params, model_state = base.split_variables(variables)
     loss_fn = base.cross_entropy_loss(
-        module, proximal_term(lam)(server_state.variables['params']) if lam else None)
+        module, proximal_term(lam)(server_state.variables['params']) if base.present(lam)
+        else None)
     params, model_state, opt_state, _ = local_train(loss_fn, client_opt, params, model_state,
                                                     data, rng, schedule, opt_state)
     return {'params': params, **model_state}, opt_state

@@ -428,6 +428,9 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
   require(config.pipeline not in RENAMED, 'pipeline',
           f'{config.pipeline!r} is called {RENAMED.get(config.pipeline)!r} now')
   PIPELINES.get(config.pipeline, 'config.pipeline')
+  require(not config.get('sweep') or config.pipeline == 'federated', 'sweep',
+          f'hyperparameter sweeps run in the federated pipeline, not config.pipeline='
+          f'{config.pipeline!r}')
   PIPELINES.check(config.pipeline, config, 'config', known_fields_only=False)
   if workdir is not None:
     check_workdir(workdir)

@@ -31,7 +31,7 @@ from fedjax_shift.core.round import (NO_STEP_LIMIT, HostStore, RoundConfig, buil
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
 from fedjax_shift.metrics import read_metrics
-from fedjax_shift.pipelines import loop, pretrain
+from fedjax_shift.pipelines import loop, pretrain, sweep
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.loop import DivergenceError  # noqa: F401  (importers catch it here)
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, adapts,
@@ -270,10 +270,11 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
               programs: Optional[Dict] = None, backbone: Optional[dict] = None,
               log_state: Optional[Callable] = None,
               depends_on: Optional[Dict[str, object]] = None,
-              max_round: Optional[int] = None) -> OpenedRun:
+              max_round: Optional[int] = None,
+              built: Optional[Programs] = None) -> OpenedRun:
   """Opens one (method, seed) run: checks ``workdir``, builds the data (unless given),
-  writes partition.json, builds (or reuses from ``programs``) the method, its compiled
-  round and evaluation, initialises the state (from the pretrained encoder
+  writes partition.json, builds (or reuses from ``programs``; or takes ``built``) the
+  method, its compiled round and evaluation, initialises the state (from the pretrained encoder
   ``backbone`` when given: pipelines/pretrain.py) and restores it from the latest
   checkpoint."""
   fields = check_run_dir(workdir, config, algorithm_name, config.resume, depends_on)
@@ -305,11 +306,12 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
   # model of their own; personalised methods are scored there as PFL-Sampled/-Ensemble.
   new_client_splits = sorted(bench.info.get('new_clients', {}))
   key = None
-  if algorithm is None and programs is not None:
+  if built is None and algorithm is None and programs is not None:
     key = ProgramKey(algorithm_name, train.x.shape, train.x.dtype.str, bench.num_classes,
                      json.dumps(algorithms.base.build_info(bench.info), sort_keys=True),
                      tuple(new_client_splits))
-  built = (programs or {}).get(key) if key is not None else None
+  if built is None and key is not None:
+    built = (programs or {}).get(key)
   if built is None:
     built = build_programs(config, algorithm_name, module, bench, algorithm, new_client_splits)
     if key is not None:
@@ -362,13 +364,15 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
 
 def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, module,
                    bench: Benchmark, algorithm: Optional[FederatedAlgorithm],
-                   new_client_splits: List[str]) -> Programs:
+                   new_client_splits: List[str], check: bool = True) -> Programs:
   """The method (the registered ``algorithm_name`` unless ``algorithm`` is given), its
-  compiled round and its evaluation functions."""
+  compiled round and its evaluation functions (``check=False``: a config whose swept
+  numbers are tracers, pipelines/sweep.py)."""
   train = bench.splits['train']
   if algorithm is None:
     algorithm = algorithms.build(algorithm_name, config, module, train.max_examples,
-                                 bench.info, train.num_clients, train.x.shape[2:])
+                                 bench.info, train.num_clients, train.x.shape[2:],
+                                 check=check)
   round_device, round_host = build_round(algorithm, _round_config(config),
                                          client_mesh(config.engine.num_devices)
                                          if config.engine.num_devices else None,
@@ -496,22 +500,26 @@ def diverged_record(config: ml_collections.ConfigDict, run_dir: str, name: str, 
 
 
 
-# Seeds as one program (``config.engine.vmap_seeds=True``): every seed of a method trains
-# in lockstep, the compiled round ``vmap``ped over a leading run axis of the stacked
-# server states, client states, training data and round keys, so S seeds are one XLA
-# call per round instead of S.
+# Runs as one program: the points of a hyperparameter sweep (``config.sweep``,
+# pipelines/sweep.py) and, with ``config.engine.vmap_seeds=True``, the seeds of a method
+# train in lockstep, the compiled round ``vmap``ped over a leading run axis of the
+# stacked server states and client states (points × seeds), the swept numbers and the
+# seeds' training data and round keys, so P points × S seeds are one XLA call per round
+# instead of P·S. The points of one seed share its data (not copied per point).
 #
-# Each seed keeps what a sequential run has: its own data (built from its seed), init,
+# Each run keeps what a sequential run has: its own data (built from its seed), init,
 # round keys, run directory, checkpoints, metrics.jsonl and results.json; evaluation runs
-# per seed on its slice of the stacked state, through the same compiled evaluation. The
-# results equal the sequential runs' (tests/test_vmap_seeds.py).
+# per run on its slice of the stacked state, through one compiled evaluation whose swept
+# numbers are arguments. The results equal the sequential runs' (tests/test_vmap_seeds.py,
+# tests/test_sweep.py).
 #
-# What it needs: every seed's data of one shape (``config.data.pad_to`` makes Dirichlet
-# seeds shape-equal), the device store, one round per call, the vmapped round (not the
-# loop backend), one device, and every seed at the same round when resuming. Each
-# refusal names the field. A seed whose loss turns non-finite stops the run naming the
-# seed and round, or, with ``on_divergence='continue'``, is recorded as diverged and
-# leaves the other seeds running.
+# What it needs: every vmapped seed's data of one shape (``config.data.pad_to`` makes
+# Dirichlet seeds shape-equal), the device store, one round per call, the vmapped round
+# (not the loop backend), one device, and every run at the same round when resuming.
+# vmap_seeds refuses the rest naming the field; a sweep without them trains its points
+# one after another and says so. A run whose loss turns non-finite stops the pipeline
+# naming it and its round, or, with ``on_divergence='continue'``, is recorded as diverged
+# and leaves the other runs going.
 def stack_runs(trees):
   """One pytree whose leaves are the trees' leaves stacked on a new leading axis."""
   return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
@@ -522,59 +530,256 @@ def take_run(tree, index: int):
   return jax.tree.map(lambda leaf: leaf[index], tree)
 
 
-def train_seeds(config: ml_collections.ConfigDict, workdir: str, name: str,
-                programs: Dict, backbone: Optional[dict] = None) -> List[Dict]:
-  """Trains method ``name`` over every seed of ``config.seeds`` as one program; returns
-  the per-seed results (as ``train_and_evaluate`` does). The ``programs`` of ``run``
-  let the seeds share one built method and round."""
-  seeds = tuple(config.seeds)
-  run_dirs = [os.path.join(workdir, name, f'seed_{seed}') for seed in seeds]
+# Raised while tracing a function whose traced number meets Python control flow or
+# a conversion to a Python number: that field changes the program's structure.
+TRACE_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+                jax.errors.TracerIntegerConversionError, jax.errors.TracerArrayConversionError)
+
+
+class NotTraceable(Exception):
+  """A swept number cannot be traced in this method's round."""
+
+
+def lockstep_problem(config: ml_collections.ConfigDict) -> Optional[str]:
+  """Why runs of ``config`` cannot train as one vmapped program, or None."""
+  if config.data.store != 'device':
+    return "config.data.store='host' moves one cohort per run and round"
+  if config.engine.rounds_per_call != 1:
+    return 'config.engine.rounds_per_call > 1 scans rounds of one run'
+  if config.engine.num_devices:
+    return 'config.engine.num_devices shards one run over the devices'
+  if round_backend(config) != 'vmap':
+    return f'the {round_backend(config)!r} backend is a Python loop over clients'
+  return None
+
+
+class HyperparameterPrograms:
+  """A method's programs with the swept float ``fields`` as traced arguments: one
+  compilation serves every value. ``make(values)`` builds ``Programs`` from the config
+  with those values (tracers inside ``jax.jit``; numbers for the per-value fallback,
+  taken when tracing meets Python control flow, logged once)."""
+
+  def __init__(self, make: Callable[[tuple], Programs], fields: Sequence[str], label: str):
+    self.make, self.fields, self.label = make, tuple(fields), label
+    self.failed: Dict[str, str] = {}
+    self.jitted: Dict[str, Callable] = {}
+    self.concrete: Dict[tuple, Programs] = {}
+
+  def traced(self, pick: Callable[[Programs], Callable]) -> Callable:
+    """(values, *args) -> ``pick(make(values))(*args)``, unjitted."""
+    return lambda values, *args: pick(self.make(values))(*args)
+
+  def _call(self, name: str, pick, values: tuple, args):
+    if name not in self.failed:
+      if name not in self.jitted:
+        self.jitted[name] = jax.jit(self.traced(pick))
+      try:
+        return self.jitted[name](tuple(jnp.asarray(v) for v in values), *args)
+      except TRACE_ERRORS as err:
+        self.failed[name] = type(err).__name__
+        log.info('config.sweep: %s uses %s in Python (%s): its %s compiles once per value',
+                 self.label, ', '.join(self.fields), type(err).__name__, name)
+    if values not in self.concrete:
+      self.concrete[values] = self.make(values)
+    return pick(self.concrete[values])(*args)
+
+  def at(self, values: tuple, algorithm: FederatedAlgorithm, module) -> Programs:
+    """The Programs of one point: its evaluation functions call the shared ones with
+    ``values``; ``algorithm`` is the point's method built from numbers (init, models)."""
+    def function(name, pick):
+      return lambda *args: self._call(name, pick, values, args)
+    built = self.make(values)   # which optional evaluations exist (no compilation)
+    new_client = None
+    if built.new_client_chunk is not None:
+      new_client = (function('new_client_models', lambda p: p.new_client_chunk[0]),
+                    function('new_client_evaluate', lambda p: p.new_client_chunk[1]))
+    return Programs(module, algorithm, None, None,
+                    function('evaluate', lambda p: p.evaluate_chunk),
+                    function('adapted', lambda p: p.adapted_chunk)
+                    if built.adapted_chunk is not None else None, new_client)
+
+
+def grid_round(round_fn: Callable, num_points: int, num_seeds: int) -> Callable:
+  """jit of (values [P] each, server [P·S, ...], clients [P·S, ...], data [S, ...],
+  keys [S]) -> RoundOutput over P·S runs: ``round_fn(values, server, clients, data,
+  key)`` vmapped over the seeds (inner) and the points (outer, sharing the data)."""
+  over_seeds = jax.vmap(round_fn, in_axes=(None, 0, 0, 0, 0))
+  over_points = jax.vmap(over_seeds, in_axes=(0, 0, 0, None, None))
+
+  def split(tree):
+    return jax.tree.map(lambda a: a.reshape((num_points, num_seeds) + a.shape[1:]), tree)
+
+  def grid(values, server_states, client_states, data, keys):
+    out = over_points(values, split(server_states), split(client_states), data, keys)
+    return jax.tree.map(lambda a: a.reshape((num_points * num_seeds,) + a.shape[2:]), out)
+
+  return jax.jit(grid)
+
+
+def program_key(config: ml_collections.ConfigDict, name: str, bench: Benchmark) -> ProgramKey:
+  train = bench.splits['train']
+  return ProgramKey(name, train.x.shape, train.x.dtype.str, bench.num_classes,
+                    json.dumps(algorithms.base.build_info(bench.info), sort_keys=True),
+                    tuple(sorted(bench.info.get('new_clients', {}))))
+
+
+def hyperparameter_programs(config: ml_collections.ConfigDict, name: str, bench: Benchmark,
+                            fields: Sequence[str], fixed: sweep.Point, programs: Dict
+                            ) -> HyperparameterPrograms:
+  """The (cached in ``programs``) HyperparameterPrograms of method ``name`` on
+  ``bench``'s shapes, with the non-traced swept fields at ``fixed``."""
+  key = ('sweep', program_key(config, name, bench), tuple(fields),
+         tuple(sorted(fixed.items())))
+  if key not in programs:
+    module = models.create(config.model, bench.num_classes)
+    splits = sorted(bench.info.get('new_clients', {}))
+    base = sweep.with_values(config, fixed)
+
+    def make(values):
+      return build_programs(sweep.with_values(base, dict(zip(fields, values))), name, module,
+                            bench, None, splits, check=False)
+
+    programs[key] = HyperparameterPrograms(make, fields, name)
+  return programs[key]
+
+
+def train_grid(config: ml_collections.ConfigDict, workdir: str, name: str,
+               points: Sequence[sweep.Point], programs: Dict,
+               backbone: Optional[dict] = None) -> List[Dict]:
+  """Trains method ``name`` at every sweep point × seed of ``config``: the points
+  that differ only in traced numbers (and, with ``engine.vmap_seeds``, the seeds) as
+  one program; returns the per-run results (as ``train_and_evaluate`` does)."""
+  keep_going = config.on_divergence == 'continue'
+  problem = lockstep_problem(config)
+  seed_groups = ([tuple(config.seeds)] if config.engine.vmap_seeds else
+                 [(seed,) for seed in config.seeds])
+  results = []
+  for group in sweep.program_groups(config, points):
+    group_points = [points[i] for i in group]
+    fields = sweep.traced_fields(config, group_points)
+    fixed = {p: v for p, v in group_points[0].items() if p not in fields}
+    if fixed and len(points) > 1:
+      log.info('config.sweep: %s changes %s\'s shapes or loop bounds: one program at %s',
+               ', '.join(fixed), name, sweep.point_name(fixed))
+    lockstep = problem is None and (len(group_points) > 1 or config.engine.vmap_seeds)
+    if problem is not None and len(group_points) > 1:
+      log.info('config.sweep: %s; the %d points of %s train one after another', problem,
+               len(group_points), name)
+    for seeds in seed_groups:
+      try:
+        if lockstep:
+          results.extend(train_lockstep(config, workdir, name, group_points, fields, seeds,
+                                        programs, backbone))
+          continue
+      except NotTraceable as err:
+        log.info('config.sweep: %s; one program per value', err)
+      for point in group_points:
+        point_config = sweep.with_values(config, point)
+        cache = programs.setdefault(('point', sweep.point_name(point)), {}) if point else \
+            programs
+        for seed in seeds:
+          result = train_and_evaluate(point_config, sweep.run_dir(workdir, name, point, seed),
+                                      name, seed, programs=cache, backbone=backbone,
+                                      keep_going=keep_going)
+          results.append({**result, 'sweep_point': point} if point else result)
+  return results
+
+
+def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
+                   points: Sequence[sweep.Point], fields: Sequence[str], seeds: Sequence[int],
+                   programs: Dict, backbone: Optional[dict] = None) -> List[Dict]:
+  """Trains ``points`` × ``seeds`` of method ``name`` as one vmapped program (the
+  points differ only in the traced ``fields``); NotTraceable when a field cannot be
+  traced in the round (nothing trained then)."""
+  runs = [(point, seed) for point in points for seed in seeds]
+  run_dirs = [sweep.run_dir(workdir, name, point, seed) for point, seed in runs]
   common = common_checkpoint_round(run_dirs, config.rounds)
+  benches = {seed: build_data(config, seed) for seed in seeds}
+  fixed = {p: v for p, v in points[0].items() if p not in fields}
+  values = [tuple(float(point[f]) for f in fields) for point in points]
   with CompileClock() as clock:
-    opened = [setup_run(config, run_dir, name, seed, programs=programs, backbone=backbone,
-                        max_round=common)
-              for seed, run_dir in zip(seeds, run_dirs)]
+    opened: List[OpenedRun] = []
     try:
-      check_lockstep(opened, seeds)
-      round_fn = jax.jit(jax.vmap(opened[0].programs.round_device))
-      data = jax.device_put(stack_runs([jax.tree.map(np.asarray, o.bench.splits['train'])
-                                        for o in opened]))
-      keys = [o.train_key for o in opened]
+      family = None
+      for (point, seed), run_dir in zip(runs, run_dirs):
+        point_config = sweep.with_values(config, point)
+        built = None
+        if fields:
+          bench = benches[seed]
+          family = hyperparameter_programs(config, name, bench, fields, fixed, programs)
+          train = bench.splits['train']
+          module = models.create(config.model, bench.num_classes)
+          algorithm = algorithms.build(name, point_config, module, train.max_examples,
+                                       bench.info, train.num_clients, train.x.shape[2:])
+          built = family.at(values[points.index(point)], algorithm, module)
+        opened.append(setup_run(point_config, run_dir, name, seed, bench=benches[seed],
+                                programs=programs, backbone=backbone, max_round=common,
+                                built=built))
+      check_lockstep(config, name, opened, seeds)
+      if fields:
+        round_fn = family.traced(lambda p: p.round_device)
+      else:
+        device_round = opened[0].programs.round_device
+        round_fn = lambda values, *args: device_round(*args)  # noqa: E731
+      round_grid = grid_round(round_fn, len(points), len(seeds))
+      stacked_values = tuple(jnp.stack([jnp.asarray(v[i]) for v in values])
+                             for i in range(len(fields)))
+      data = jax.device_put(stack_runs([jax.tree.map(np.asarray, benches[s].splits['train'])
+                                        for s in seeds]))
+      keys = [o.train_key for o in opened[:len(seeds)]]
+      state = stack_runs([o.state for o in opened])
+
+      def round_keys(start: int):
+        return jnp.stack([round_key(key, start) for key in keys])
+
+      try:
+        jax.eval_shape(round_grid, stacked_values, *state, data, round_keys(0))
+      except TRACE_ERRORS as err:
+        raise NotTraceable(f'{name} uses {", ".join(fields)} in Python ({type(err).__name__})'
+                           ) from None
 
       def advance(state, start: int, stop: int):
         del stop
-        out = round_fn(*state, data, jnp.stack([round_key(key, start) for key in keys]))
+        out = round_grid(stacked_values, *state, data, round_keys(start))
         return (out.server_state, out.client_states), loop.one_round(out.metrics,
                                                                      ('loss', 'num_steps'))
 
       trainer = loop.Trainer(advance, take_run, 1, examples_per_step(config, name))
-      outcomes = loop.train([o.run for o in opened], stack_runs([o.state for o in opened]),
-                            trainer, config.rounds, config.eval_every,
-                            config.checkpoint_every, config.on_divergence == 'continue',
-                            config.progress, f'{name} seeds {seeds} (vmapped)',
-                            config.log_every)
+      what = (f'{len(points)} points × ' if len(points) > 1 else '') + f'seeds {tuple(seeds)}'
+      outcomes = loop.train([o.run for o in opened], state, trainer, config.rounds,
+                            config.eval_every, config.checkpoint_every,
+                            config.on_divergence == 'continue', config.progress,
+                            f'{name} {what} (vmapped)', config.log_every)
     finally:
       for o in opened:
         o.run.checkpointer.close()
-  return [finish_run(config, run_dir, name, seed, outcome, o.upload, clock,
-                     vmapped_seeds=list(seeds))
-          for seed, run_dir, outcome, o in zip(seeds, run_dirs, outcomes, opened)]
+  extra = {'vmapped_seeds': list(seeds)} if config.engine.vmap_seeds else {}
+  results = []
+  for (point, seed), run_dir, outcome, o in zip(runs, run_dirs, outcomes, opened):
+    result = finish_run(sweep.with_values(config, point), run_dir, name, seed, outcome,
+                        o.upload, clock, **extra,
+                        **({'sweep_point': point, 'vmapped_points': len(points)} if point
+                           else {}))
+    results.append(result)
+  return results
 
 
-def check_lockstep(opened: Sequence[OpenedRun], seeds) -> None:
-  """Raises when the seeds cannot share one program."""
+def check_lockstep(config: ml_collections.ConfigDict, name: str, opened: Sequence[OpenedRun],
+                   seeds) -> None:
+  """Raises when the runs cannot share one program."""
   first = opened[0]
   shape = first.bench.splits['train'].x.shape
-  for seed, other in zip(seeds[1:], opened[1:]):
-    if other.programs.round_device is not first.programs.round_device:
+  key = program_key(config, name, first.bench)
+  for other in opened[1:]:
+    if program_key(config, name, other.bench) != key:
       raise ValueError(
-          f'config.engine.vmap_seeds: seeds {seeds[0]} and {seed} need different programs '
-          f'(training data {shape} and {other.bench.splits["train"].x.shape}); set '
+          f'config.engine.vmap_seeds: {first.run.label} and {other.run.label} need different '
+          f'programs (training data {shape} and {other.bench.splits["train"].x.shape}); set '
           f'config.data.pad_to to a bound on every client of every seed so that they share '
           f'one shape')
-  rounds = {seed: o.run.start_round for seed, o in zip(seeds, opened)}
+  rounds = {o.run.label: o.run.start_round for o in opened}
   if len(set(rounds.values())) > 1:   # common_checkpoint_round chose a round all have
-    raise ValueError(f'config.engine.vmap_seeds: the seeds resumed at different rounds '
+    raise ValueError(f'config.engine.vmap_seeds: the runs resumed at different rounds '
                      f'{rounds}')
 
 
@@ -590,14 +795,17 @@ def common_checkpoint_round(run_dirs: Sequence[str], rounds: int) -> int:
 
 
 def run_dirs(config: ml_collections.ConfigDict, workdir: str):
-  """[(run_dir, run config, own section)]: one run per method × seed."""
-  return [(os.path.join(workdir, name, f'seed_{seed}'), config, name)
-          for name in algorithm_names(config) for seed in config.seeds]
+  """[(run_dir, run config, own section)]: one run per method × sweep point × seed."""
+  return [(sweep.run_dir(workdir, name, point, seed), sweep.with_values(config, point)
+           if point else config, name)
+          for name in algorithm_names(config) for point in sweep.method_points(config, name)
+          for seed in config.seeds]
 
 
 def check(config: ml_collections.ConfigDict) -> None:
   check_run(config)
   pretrain.check(config)
+  sweep.check(config, check)
 
 
 def backbone_for(config: ml_collections.ConfigDict, workdir: str) -> Optional[dict]:
@@ -617,21 +825,43 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   results.csv and curves.png. ``records``: 'results' (one dict per run), 'table'
   (the report table: header, rows, markdown), 'paper_tables' (markdown or '')."""
   info = hardware()
-  results: List[Dict] = []
+  results: List[Dict] = []       # per run; of a swept method, its selected point's
+  all_results: List[Dict] = []   # per run, every point
   run_dirs: Dict[str, List[str]] = {}
   programs: Dict = {}  # compiled once per method and data shapes, reused across seeds
   backbone = backbone_for(config, workdir)
+  selected: Dict[str, tuple] = {}   # method -> (selected point index, per-point summaries)
   for name in algorithm_names(config):
-    if config.engine.vmap_seeds:
-      results.extend(train_seeds(config, workdir, name, programs, backbone))
-    for seed in config.seeds:
-      run_dir = os.path.join(workdir, name, f'seed_{seed}')
-      if not config.engine.vmap_seeds:
-        results.append(train_and_evaluate(config, run_dir, name, seed, programs=programs,
-                                          backbone=backbone,
-                                          keep_going=config.on_divergence == 'continue'))
-      run_dirs.setdefault(name, []).append(run_dir)
+    points = sweep.method_points(config, name)
+    if points == [{}] and not config.engine.vmap_seeds:
+      mine = [train_and_evaluate(config, os.path.join(workdir, name, f'seed_{seed}'), name,
+                                 seed, programs=programs, backbone=backbone,
+                                 keep_going=config.on_divergence == 'continue')
+              for seed in config.seeds]
+    else:
+      mine = train_grid(config, workdir, name, points, programs, backbone)
+    if points != [{}]:
+      metric = sweep.validation_metric(config, [k for r in mine for k in r['metrics']])
+      selected[name] = sweep.select(mine, points, metric, config.sweep_select)
+      best = points[selected[name][0]]
+      log.info('config.sweep: %s selects %s (validation %s, %s)', name,
+               sweep.point_name(best), metric, config.sweep_select)
+      mine_all, mine = mine, [r for r in mine if r.get('sweep_point') == best]
+      all_results.extend(mine_all)
+    else:
+      all_results.extend(mine)
+    results.extend(mine)
+    run_dirs[name] = [sweep.run_dir(workdir, name, points[selected[name][0]] if name in selected
+                                    else {}, seed) for seed in config.seeds]
+  grid = None
+  if selected:
+    record = sweep.grid_record(metric, config.sweep_select, selected)
+    sweep.write(workdir, record)
+    grid = report.sweep_grid_table(record)
   table = report.results_table(results)
+  if selected:
+    table = report.with_selected_points(table, {name: sweep.point_name(
+        sweep.method_points(config, name)[index]) for name, (index, _) in selected.items()})
   preamble = (f"Benchmark {config.data.benchmark}: {config.data.source}, "
               f"{config.data.num_clients} clients, partition {config.data.partition}"
               f"{' α=' + str(config.data.dirichlet_alpha) if config.data.partition == 'dirichlet' else ''}, "
@@ -641,6 +871,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   files = (report.write_csv(table, os.path.join(workdir, 'results.csv')),
            report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png')))
   paper_tables = report.paper_table(config, {'results': results})
-  tables = (table['markdown'],) + ((paper_tables,) if paper_tables else ())
+  tables = ((table['markdown'],) + ((grid,) if grid else ()) +
+            ((paper_tables,) if paper_tables else ()))
   return Results(preamble, tables, files,
-                 {'results': results, 'table': table, 'paper_tables': paper_tables})
+                 {'results': results, 'table': table, 'paper_tables': paper_tables,
+                  'all_results': all_results, 'sweep_grid': grid or ''})

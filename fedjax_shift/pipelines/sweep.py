@@ -1,0 +1,269 @@
+"""Hyperparameter sweeps (``config.sweep``): a grid of values of numeric fields, each
+point × seed one run, the numbers traced so that a grid is one compiled program.
+
+    --config.sweep="{'client.learning_rate': (0.01, 0.03, 0.1), 'fedprox.mu': (0.001, 0.01)}"
+
+names fields of ``client``, ``server``, ``adapters.<name>`` or a method's own section
+(``config.<method>``) and their values; the grid is their product, in the order written.
+A method runs the points of the fields it reads (``fedprox.mu`` is not FedAvg's: FedAvg
+runs the learning rates alone) in ``<workdir>/<method>/<point>/seed_<s>``, where
+``<point>`` is ``client.learning_rate=0.01,fedprox.mu=0.001``; each point keeps what a
+run has (fingerprint, lock, checkpoints, metrics, results.json with its
+``sweep_point``), and resuming works per point.
+
+One program. A float field is a traced argument: the method, its round and its
+evaluation are built inside ``jax.jit`` from a config whose swept floats are tracers
+(optimizers too: ``optax.sgd(η)`` with a traced η scales by it, the closed-over
+equivalent of ``optax.inject_hyperparams``), so every point shares one compilation,
+and the federated pipeline trains the points (× the seeds, with ``engine.vmap_seeds``)
+as one ``vmap``ped round. An integer field (epochs, steps, widths) changes shapes or
+loop bounds: its values get one program each, as does a float that the method uses in
+Python control flow (tracing fails); the log says which, once.
+
+Selection (``config.sweep_select``), as the papers tuned: per method, the point with the
+best mean over seeds of the validation accuracy ``config.sweep_metric`` (default: the
+global model's on the first split named ``val…``), at the last round ('last') or at each
+run's round of best validation accuracy ('best_round', FedTTA Sec. 4.1.3). A point
+with a diverged seed ranks below every point without; ties go to the point first in
+grid order. The results table reports each method at its selected point;
+``<workdir>/sweep.json`` keeps the whole grid (``launch/report.py --sweep=WORKDIR``).
+"""
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+import math
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import ml_collections
+import numpy as np
+
+from fedjax_shift.algorithms import ALGORITHMS
+from fedjax_shift.registry import require
+
+SECTIONS = ('client', 'server', 'adapters')   # besides each method's own section
+SELECT = ('last', 'best_round')
+
+Grid = Dict[str, Tuple[Any, ...]]   # dotted field path -> values, in the order written
+Point = Dict[str, Any]              # dotted field path -> one value
+
+
+def parse(text: str) -> Grid:
+  """``config.sweep`` as {field path: values}; '' is no sweep. Refuses what is not a
+  dict of field paths to non-empty tuples of distinct numbers, naming the field."""
+  if not text:
+    return {}
+  try:
+    grid = ast.literal_eval(text)
+  except (ValueError, SyntaxError) as err:
+    raise ValueError(f"config.sweep: not a Python dict literal of field -> values "
+                     f"({err}), e.g. \"{{'client.learning_rate': (0.01, 0.1)}}\"; got "
+                     f'{text!r}') from None
+  require(isinstance(grid, dict) and grid, 'sweep',
+          f"must be a non-empty dict of field -> values, got {text!r}")
+  out = {}
+  for path, values in grid.items():
+    require(isinstance(path, str) and path, 'sweep', f'field names are strings, got {path!r}')
+    require(isinstance(values, (tuple, list)), 'sweep',
+            f'{path}: values are a tuple, e.g. (0.01, 0.1), got {values!r}')
+    require(len(values) > 0, 'sweep', f'{path}: the tuple of values is empty')
+    for value in values:
+      require(isinstance(value, (int, float)) and not isinstance(value, bool), 'sweep',
+              f'{path}: values must be numbers, got {value!r}')
+    require(len(set(values)) == len(values), 'sweep',
+            f'{path}: a value appears twice in {tuple(values)}')
+    out[path] = tuple(values)
+  return out
+
+
+def field_value(config: ml_collections.ConfigDict, path: str):
+  """The value of dotted ``path`` in ``config``; KeyError naming it when absent."""
+  node = config
+  for part in path.split('.'):
+    if not isinstance(node, (ml_collections.ConfigDict, dict)) or part not in node:
+      raise KeyError(path)
+    node = node[part]
+  return node
+
+
+def with_values(config: ml_collections.ConfigDict, point: Mapping[str, Any]
+                ) -> ml_collections.ConfigDict:
+  """A copy of ``config`` with each dotted path of ``point`` set (numbers converted to
+  the field's type; tracers as they are) and no sweep."""
+  tree = config.to_dict()
+  tree['sweep'] = ''
+  for path, value in point.items():
+    *parents, leaf = path.split('.')
+    node = tree
+    for part in parents:
+      node = node[part]
+    old = node[leaf]
+    node[leaf] = type(old)(value) if isinstance(value, (int, float)) else value
+  return ml_collections.ConfigDict(tree)
+
+
+def check(config: ml_collections.ConfigDict, validate) -> None:
+  """``config.sweep``, ``sweep_select`` and ``sweep_metric``, before anything is built:
+  each field exists in a section a sweep may set and is numeric (not bool), and every
+  value passes ``validate`` (the pipeline's checks, declared ranges included) on the
+  config with that value; errors name the field."""
+  require(config.sweep_select in SELECT, 'sweep_select',
+          f'unknown {config.sweep_select!r}; choose from {list(SELECT)}')
+  grid = parse(config.sweep)
+  if not grid:
+    return
+  require(config.pipeline == 'federated', 'sweep',
+          f'sweeps run in the federated pipeline, not config.pipeline={config.pipeline!r}')
+  methods = tuple(config.algorithms)
+  for path, values in grid.items():
+    top = path.split('.')[0]
+    require(top in SECTIONS or top in ALGORITHMS, 'sweep',
+            f'{path}: a sweep sets fields of {list(SECTIONS)} or of a method\'s section '
+            f'(config.<method>), not of config.{top}')
+    require(top not in ALGORITHMS or top in methods, 'sweep',
+            f'{path}: {top} is not in config.algorithms {list(methods)}')
+    if top == 'adapters':
+      adapter = path.split('.')[1] if path.count('.') >= 2 else ''
+      require(adapter in [spec.split(':')[0] for spec in config.eval_adapters], 'sweep',
+              f'{path}: config.eval_adapters runs no {adapter or "adapter"} '
+              f'({list(config.eval_adapters)})')
+    try:
+      default = field_value(config, path)
+    except KeyError:
+      raise ValueError(f'config.sweep: {path} is not a field of the config') from None
+    require(isinstance(default, (int, float)) and not isinstance(default, bool), 'sweep',
+            f'{path} is not a numeric field (its value {default!r}); sweeps take numbers')
+    for value in values:
+      require(isinstance(default, float) or float(value).is_integer(), 'sweep',
+              f'{path} is an integer field, got {value!r}')
+      try:
+        validate(with_values(config, {path: value}))
+      except ValueError as err:
+        raise ValueError(f'config.sweep: {path}={value!r} is refused: {err}') from None
+
+
+def method_points(config: ml_collections.ConfigDict, name: str) -> List[Point]:
+  """The grid points method ``name`` runs: the product of the swept fields it reads
+  (those of other methods' sections left out), in grid order; [{}] when none."""
+  grid = {path: values for path, values in parse(config.sweep).items()
+          if path.split('.')[0] not in ALGORITHMS or path.split('.')[0] == name}
+  return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def point_name(point: Point) -> str:
+  """The run directory name of a point: 'client.learning_rate=0.01,fedprox.mu=0.001'."""
+  return ','.join(f'{path}={value!r}' for path, value in point.items())
+
+
+def run_dir(workdir: str, name: str, point: Point, seed: int) -> str:
+  """``<workdir>/<method>[/<point>]/seed_<s>``."""
+  parts = [workdir, name] + ([point_name(point)] if point else []) + [f'seed_{seed}']
+  return os.path.join(*parts)
+
+
+def traced_fields(config: ml_collections.ConfigDict, points: Sequence[Point]) -> List[str]:
+  """The swept fields of ``points`` whose values can be traced: float fields."""
+  return [path for path in (points[0] if points else {})
+          if isinstance(field_value(config, path), float)]
+
+
+def program_groups(config: ml_collections.ConfigDict, points: Sequence[Point]
+                   ) -> List[List[int]]:
+  """Indices of ``points`` that can share one program: equal values of every swept
+  field that is not traced (integer fields), in grid order."""
+  traced = set(traced_fields(config, points))
+  groups: Dict[tuple, List[int]] = {}
+  for index, point in enumerate(points):
+    key = tuple((p, v) for p, v in point.items() if p not in traced)
+    groups.setdefault(key, []).append(index)
+  return list(groups.values())
+
+
+def validation_metric(config: ml_collections.ConfigDict, keys: Sequence[str]) -> str:
+  """``config.sweep_metric``, or the global model's accuracy on the first validation
+  split among ``keys`` ('global/val/accuracy'); ValueError naming the field when the
+  runs have no such metric."""
+  if config.sweep_metric:
+    require(config.sweep_metric in keys, 'sweep_metric',
+            f'{config.sweep_metric!r} is not among the runs\' metrics {sorted(keys)}')
+    return config.sweep_metric
+  candidates = sorted(k for k in keys if k.endswith('/accuracy') and
+                      k.split('/')[1].startswith('val'))
+  candidates.sort(key=lambda k: not k.startswith('global/'))
+  require(candidates, 'sweep_select',
+          f'selects on validation accuracy, and the benchmark has no split named val… '
+          f'(metrics: {sorted(keys)}); give it one (e.g. config.data.split_fractions) or '
+          f'name the metric with config.sweep_metric')
+  return candidates[0]
+
+
+def validation_score(run: Dict, metric: str, select: str) -> Tuple[float, Dict[str, float]]:
+  """(validation accuracy, the metrics at that round) of one run: its last round's, or
+  at its evaluated round of best ``metric`` (the earliest such round)."""
+  if select == 'best_round':
+    evaluations = [e for e in run.get('evaluations', ()) if metric in e]
+    if evaluations:
+      best = max(evaluations, key=lambda e: (e[metric], -e['round']))
+      return best[metric], best
+  return run['metrics'].get(metric, float('nan')), run['metrics']
+
+
+def select(results: Sequence[Dict], points: Sequence[Point], metric: str, select_rule: str
+           ) -> Tuple[int, List[Dict]]:
+  """(index of the selected point, one summary per point) from a method's per-run
+  ``results`` (each with its 'sweep_point'). A summary: the point, its validation
+  accuracy per seed and mean, the test metrics at the same rounds, and 'diverged'
+  seeds. Best mean validation wins; a point with a diverged seed or no finite
+  validation ranks below every other; ties: the first in grid order."""
+  summaries = []
+  for point in points:
+    runs = [r for r in results if r.get('sweep_point', {}) == point]
+    scores, at_rounds = [], []
+    for r in runs:
+      if 'diverged' in r:
+        continue
+      score, metrics = validation_score(r, metric, select_rule)
+      scores.append(score)
+      at_rounds.append(metrics)
+    finite = [s for s in scores if np.isfinite(s)]
+    diverged = [r['seed'] for r in runs if 'diverged' in r]
+    summaries.append({'point': point, 'name': point_name(point),
+                      'seeds': [r['seed'] for r in runs], 'diverged': diverged,
+                      'validation': scores,
+                      'validation_mean': float(np.mean(finite)) if finite else float('nan'),
+                      'metrics': at_rounds})
+
+  def rank(index: int):
+    s = summaries[index]
+    eligible = not s['diverged'] and np.isfinite(s['validation_mean'])
+    return (eligible, s['validation_mean'] if eligible else -math.inf, -index)
+
+  return max(range(len(points)), key=rank), summaries
+
+
+def grid_record(metric: str, select_rule: str, by_method: Mapping[str, Tuple[int, List[Dict]]]
+                ) -> Dict:
+  """sweep.json's content: the rule, the metric, and per method its selected point and
+  every point's summary."""
+  return {'select': select_rule, 'metric': metric,
+          'methods': {name: {'selected': summaries[index]['name'],
+                             'values': summaries[index]['point'], 'grid': summaries}
+                      for name, (index, summaries) in by_method.items()}}
+
+
+def write(workdir: str, record: Dict) -> str:
+  path = os.path.join(workdir, 'sweep.json')
+  with open(path, 'w') as f:
+    json.dump(record, f, indent=1)
+  return path
+
+
+def read(workdir: str) -> Optional[Dict]:
+  """``<workdir>/sweep.json``, or None for a workdir that ran no sweep."""
+  path = os.path.join(workdir, 'sweep.json')
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)

@@ -1,0 +1,201 @@
+"""Hyperparameter sweeps (config.sweep): the points of a grid train as one program
+with the results of the same hyperparameters run alone, selection as the papers
+tuned, and bad grids refused before anything compiles."""
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import chex
+import numpy as np
+import pytest
+
+from fedjax_shift import pipelines, report
+from fedjax_shift.pipelines import sweep
+from tests.helpers import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A swept run and the same values run alone differ by float rounding only: a traced
+# float32 rate against a Python float folded into the program, and the vmapped round's
+# batched kernels (the seeds' test, tests/test_vmap_seeds.py, holds the same bound).
+RTOL, ATOL = 1e-5, 1e-6
+
+CASES = {   # method, swept field, values, extra config fields
+    'fedavg': ('fedavg', 'client.learning_rate', (0.05, 0.1), {}),
+    'fedprox': ('fedprox', 'fedprox.mu', (0.0, 0.1), {}),
+    'ditto': ('ditto', 'ditto.lam', (0.1, 1.0), {}),   # per-client state
+    'tent': ('fedavg', 'adapters.tent.learning_rate', (0.001, 0.01),
+             {'model.name': 'bn_mlp', 'eval_adapters': ('tent:online',),
+              'eval_adapter_algorithms': ('fedavg',), 'eval_adapter_splits': ('test', 'val'),
+              'sweep_metric': 'global+tent/val/accuracy'}),
+}
+
+
+def case_config(case: str, **fields):
+  method, _, _, extra = CASES[case]
+  return tiny_config(**{'algorithms': (method,), 'rounds': 2, 'eval_every': 2, **extra,
+                        **fields})
+
+
+@pytest.mark.parametrize('case', sorted(CASES))
+def test_swept_points_equal_the_same_values_run_alone(tmp_path, case, caplog):
+  method, field, values, _ = CASES[case]
+  config = case_config(case, sweep=repr({field: values}))
+  with caplog.at_level(logging.INFO, logger='fedjax_shift'):
+    grid = pipelines.run(config, str(tmp_path / 'grid'))
+  runs = {r['sweep_point'][field]: r for r in grid.records['all_results']}
+  assert sorted(runs) == sorted(values)
+  # the second value alone: equal metric by metric and state leaf by leaf
+  alone = pipelines.run(sweep.with_values(case_config(case), {field: values[1]}),
+                        str(tmp_path / 'alone')).records['results'][0]
+  swept = runs[values[1]]
+  assert swept['metrics'].keys() == alone['metrics'].keys()
+  for name, value in alone['metrics'].items():
+    np.testing.assert_allclose(swept['metrics'][name], value, rtol=RTOL, atol=ATOL,
+                               err_msg=name)
+  chex.assert_trees_all_close(swept['server_state'], alone['server_state'], rtol=RTOL,
+                              atol=ATOL)
+  # ... and the points trained with their own values, not one value broadcast
+  differs = [name for name in alone['metrics'] if name.endswith('/loss') and
+             runs[values[0]]['metrics'][name] != swept['metrics'][name]]
+  assert differs, 'both points have the same metrics'
+  # every point in its own run directory, named by its values
+  for value in values:
+    run_dir = tmp_path / 'grid' / method / f'{field}={value!r}' / 'seed_0'
+    assert json.loads((run_dir / 'results.json').read_text())['sweep_point'] == {field: value}
+  # floats used only as numbers: the points are one vmapped program
+  assert all(r['vmapped_points'] == 2 for r in runs.values())
+  assert 'one program per value' not in caplog.text
+
+
+def test_a_shape_changing_field_compiles_once_per_value_and_says_so(tmp_path, caplog):
+  config = tiny_config(rounds=1, sweep="{'client.local_epochs': (1, 2)}")
+  with caplog.at_level(logging.INFO, logger='fedjax_shift'):
+    out = pipelines.run(config, str(tmp_path))
+  points = [r['sweep_point'] for r in out.records['all_results']]
+  assert points == [{'client.local_epochs': 1}, {'client.local_epochs': 2}]
+  assert caplog.text.count("changes fedavg's shapes or loop bounds") == 2
+  steps = [r['metrics'] for r in out.records['all_results']]
+  assert steps[0] != steps[1]
+
+
+def test_a_float_in_python_control_flow_falls_back_to_one_program_per_value(tmp_path,
+                                                                            caplog):
+  # q-FFL converts q to a Python float while building its loss: tracing fails, and the
+  # points train one after another with their own programs, as alone.
+  config = tiny_config(algorithms=('qffl',), rounds=1, sweep="{'qffl.q': (0.5, 2.0)}")
+  with caplog.at_level(logging.INFO, logger='fedjax_shift'):
+    out = pipelines.run(config, str(tmp_path / 'grid'))
+  assert 'qffl uses qffl.q in Python (ConcretizationTypeError); one program per value' in \
+      caplog.text
+  runs = {r['sweep_point']['qffl.q']: r for r in out.records['all_results']}
+  assert 'vmapped_points' not in runs[2.0]
+  alone = pipelines.run(tiny_config(algorithms=('qffl',), rounds=1, **{'qffl.q': 2.0}),
+                        str(tmp_path / 'alone')).records['results'][0]
+  assert runs[2.0]['metrics'] == alone['metrics']   # the same program: equal to the bit
+
+
+def result(seed, point, val, test=0.5, rounds=None, diverged=False):
+  run = {'seed': seed, 'sweep_point': point, 'metrics': {'global/val/accuracy': val,
+                                                         'global/test/accuracy': test}}
+  if rounds:
+    run['evaluations'] = [{'round': r, 'global/val/accuracy': v, 'global/test/accuracy': t}
+                          for r, v, t in rounds]
+  if diverged:
+    run = {'seed': seed, 'sweep_point': point, 'metrics': {}, 'diverged': 'NaN'}
+  return run
+
+
+def test_selection_takes_the_best_validation_mean_first_in_grid_order_on_ties():
+  points = [{'lr': 0.01}, {'lr': 0.1}, {'lr': 0.3}, {'lr': 1.0}]
+  results = [result(0, points[0], 0.50), result(1, points[0], 0.60),   # mean 0.55
+             result(0, points[1], 0.70), result(1, points[1], 0.60),   # mean 0.65
+             result(0, points[2], 0.60), result(1, points[2], 0.70),   # mean 0.65 (tie)
+             result(0, points[3], 0.99), result(1, points[3], 0, diverged=True)]
+  index, summaries = sweep.select(results, points, 'global/val/accuracy', 'last')
+  assert index == 1   # 0.65 ties with lr=0.3: the first in grid order; lr=1.0 diverged
+  assert summaries[1]['validation_mean'] == pytest.approx(0.65)
+  assert summaries[3]['diverged'] == [1]
+
+
+def test_best_round_selection_scores_each_run_at_its_best_validation_round():
+  points = [{'lr': 0.1}, {'lr': 0.3}]
+  results = [result(0, points[0], 0.60, rounds=[(5, 0.70, 0.40), (10, 0.60, 0.50)]),
+             result(0, points[1], 0.65, rounds=[(5, 0.50, 0.40), (10, 0.65, 0.60)])]
+  assert sweep.select(results, points, 'global/val/accuracy', 'last')[0] == 1
+  index, summaries = sweep.select(results, points, 'global/val/accuracy', 'best_round')
+  assert index == 0   # 0.70 at round 5 beats 0.65
+  assert summaries[0]['metrics'][0]['global/test/accuracy'] == 0.40
+
+
+@pytest.mark.parametrize('grid,message', [
+    ("{'client.learning_rat': (0.1,)}", 'client.learning_rat is not a field'),
+    ("{'client.optimizer': (1.0,)}", 'client.optimizer is not a numeric field'),
+    ("{'client.learning_rate': ()}", 'client.learning_rate: the tuple of values is empty'),
+    ("{'client.learning_rate': (0.1, -0.1)}", r'client.learning_rate=-0.1 is refused'),
+    ("{'client.learning_rate': (0.1, 0.1)}", 'client.learning_rate: a value appears twice'),
+    ("{'client.learning_rate': ('a',)}", 'client.learning_rate: values must be numbers'),
+    ("{'fedprox.mu': (0.1,)}", 'fedprox is not in config.algorithms'),
+    ("{'data.num_clients': (4, 6)}", 'a sweep sets fields of'),
+    ("{'client.batch_size': (1.5,)}", 'client.batch_size is an integer field'),
+    ("{'adapters.tent.learning_rate': (0.1,)}", 'config.eval_adapters runs no tent'),
+    ("client.learning_rate=0.1", 'not a Python dict literal'),
+])
+def test_bad_grids_are_refused_before_anything_compiles(tmp_path, grid, message):
+  config = tiny_config(sweep=grid)
+  with pytest.raises(ValueError, match=message.replace('.', r'\.').replace('(', r'\(')
+                     if '\\' not in message else message) as error:
+    pipelines.run(config, str(tmp_path))
+  assert 'config.sweep' in str(error.value)
+  assert not os.path.exists(tmp_path / 'fedavg')
+
+
+def test_unknown_selection_and_a_sweep_outside_the_federated_pipeline_are_refused(tmp_path):
+  with pytest.raises(ValueError, match='config.sweep_select: unknown'):
+    pipelines.validate(tiny_config(sweep_select='best'))
+  with pytest.raises(ValueError, match='config.sweep: hyperparameter sweeps run in the '
+                                       'federated pipeline'):
+    pipelines.validate(tiny_config(pipeline='hetero', sweep="{'client.learning_rate': (1.,)}"))
+
+
+def test_a_sweep_resumes_per_point_and_reports_the_selected_point(tmp_path):
+  config = tiny_config(rounds=2, eval_every=2, sweep="{'client.learning_rate': (0.05, 0.1)}")
+  first = pipelines.run(config, str(tmp_path))
+  again = pipelines.run(config, str(tmp_path))   # every point resumes at its last round
+  for a, b in zip(first.records['all_results'], again.records['all_results']):
+    assert a['metrics'] == b['metrics']
+  record = report.read_sweep(str(tmp_path))
+  chosen = record['methods']['fedavg']['selected']
+  assert first.records['table']['rows'][0][1] == chosen
+  # a paper table over this workdir reads the selected point's runs
+  runs = report.load_runs([str(tmp_path)])[os.path.basename(str(tmp_path))]
+  assert [r['sweep_point'] for r in runs] == [record['methods']['fedavg']['values']]
+  out = subprocess.run([sys.executable, os.path.join(ROOT, 'launch', 'report.py'),
+                        f'--sweep={tmp_path}'], capture_output=True, text=True, check=True)
+  assert f'{chosen} (selected)' in out.stdout and 'client.learning_rate=' in out.stdout
+
+
+def test_points_times_vmapped_seeds_equal_the_points_seed_by_seed(tmp_path):
+  from fedjax_shift.pipelines.federated import build_data
+
+  def config_for(**fields):
+    config = tiny_config(seeds=(0, 1), rounds=1, sweep="{'client.learning_rate': (0.05, 0.1)}",
+                         **fields)
+    config.data.pad_to = max(int(split.num_examples.max()) for seed in config.seeds
+                             for split in build_data(config, seed).splits.values())
+    return config
+
+  by_seed = pipelines.run(config_for(), str(tmp_path / 'by_seed')).records['all_results']
+  lockstep = pipelines.run(config_for(**{'engine.vmap_seeds': True}),
+                           str(tmp_path / 'lockstep')).records['all_results']
+  key = lambda r: (r['sweep_point']['client.learning_rate'], r['seed'])  # noqa: E731
+  assert sorted(map(key, lockstep)) == sorted(map(key, by_seed)) == [
+      (0.05, 0), (0.05, 1), (0.1, 0), (0.1, 1)]
+  expected = {key(r): r for r in by_seed}
+  for run in lockstep:
+    assert run['vmapped_seeds'] == [0, 1] and run['vmapped_points'] == 2
+    for name, value in expected[key(run)]['metrics'].items():
+      np.testing.assert_allclose(run['metrics'][name], value, rtol=RTOL, atol=ATOL,
+                                 err_msg=f'{key(run)} {name}')
