@@ -36,6 +36,12 @@ B, FedAvg with SGD):
               --cases=round,algorithm:scaffold,algorithm:fedins:head_pool=True)
   seeds_vmap / seeds_loop  --seeds seeds of the FedAvg round on the same cohort: one
               call vmapped over seeds (engine.vmap_seeds) vs one call per seed (opt-in)
+  grid_vmap / grid_loop  a hyperparameter sweep: --grid_rates client learning rates ×
+              --seeds seeds of the FedAvg round (each seed its own init and keys), as the
+              pipeline runs config.sweep (the rate a traced argument, points × seeds one
+              vmapped call) vs one run after another (a program per rate, a call per
+              run); seconds per round of all runs, compile seconds of all programs
+              (opt-in)
   hetero_fedtta / hetero_fedtta_medium  HeteroFedTTA's grouped round (core/groups.py):
               the C clients dealt to small / medium / big MLPs (or all medium, one
               group), 10 Eq. 14 digest steps on a 500-image public set, one epoch of
@@ -97,6 +103,8 @@ def define_flags() -> None:
   flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a).')
   flags.DEFINE_integer('rounds_per_call', 5, 'R of the rounds_calls / rounds_scan cases.')
   flags.DEFINE_integer('seeds', 3, 'Seeds S of the seeds_vmap / seeds_loop cases.')
+  flags.DEFINE_list('grid_rates', ['0.003', '0.005', '0.01', '0.02', '0.03', '0.05', '0.1',
+                                   '0.2'], 'Client learning rates of the grid_* cases.')
   flags.DEFINE_list('conv', ['auto'],
                     "config.model.conv, one or several of auto, lax, patches, lax_patch_grad "
                     "(auto: patches on GPU/TPU, lax_patch_grad on CPU); several run every JAX "
@@ -344,6 +352,50 @@ def case_seeds(vmapped: bool):
   else:
     run = lambda: jax.block_until_ready([round_device(servers[s], clients[s], device_data,
                                                       keys[s]) for s in seeds])
+  tick = time.perf_counter()
+  run()
+  compile_s = time.perf_counter() - tick
+  median, times = timed(run, FLAGS.repeats)
+  return {'seconds': median, 'times': times, 'compile_s': compile_s}
+
+
+def case_grid(vmapped: bool):
+  """len(FLAGS.grid_rates) client learning rates × FLAGS.seeds seeds of the FedAvg
+  round on the same cohort: the sweep's one program (federated.grid_round over the
+  traced rate) or one run after another. Seconds per round of all runs; 'compile_s':
+  the first round of all runs (every compilation)."""
+  import jax
+  import jax.numpy as jnp
+  from fedjax_shift import algorithms
+  from fedjax_shift.core.round import RoundConfig, build_round, round_key, stack_client_states
+  from fedjax_shift.pipelines import sweep
+  from fedjax_shift.pipelines.federated import grid_round, stack_runs
+  config, module, algorithm, data, _ = setup_algorithm(num_clients())
+  rates = [float(rate) for rate in FLAGS.grid_rates]
+  seeds = range(FLAGS.seeds)
+
+  def round_at(rate):
+    point = sweep.with_values(config, {'client.learning_rate': rate})
+    built = algorithms.build('fedavg', point, module, FLAGS.examples, {},
+                             num_clients=num_clients(), example_shape=data.x.shape[2:],
+                             check=False)
+    return build_round(built, RoundConfig(cohort_size=num_clients()))[0]
+
+  servers = [algorithm.init(jax.random.key(s), jnp.asarray(data.x[0, :1])) for s in seeds]
+  clients = [stack_client_states(algorithm, server, num_clients()) for server in servers]
+  device_data = jax.device_put(data)
+  keys = [round_key(jax.random.key(s), 0) for s in seeds]
+  if vmapped:
+    round_all = grid_round(lambda values, *args: round_at(values[0])(*args), len(rates),
+                           len(seeds))
+    args = ((jnp.stack([jnp.asarray(rate) for rate in rates]),),
+            stack_runs(servers * len(rates)), stack_runs(clients * len(rates)),
+            stack_runs([device_data] * len(seeds)), jnp.stack(keys))
+    run = lambda: jax.block_until_ready(round_all(*args))
+  else:
+    rounds = [round_at(rate) for rate in rates]
+    run = lambda: jax.block_until_ready([one(servers[s], clients[s], device_data, keys[s])
+                                         for one in rounds for s in seeds])
   tick = time.perf_counter()
   run()
   compile_s = time.perf_counter() - tick
@@ -800,6 +852,8 @@ def run_case(name):
               'hetero_fedtta': lambda: case_hetero(('small', 'medium', 'big')),
               'seeds_vmap': lambda: case_seeds(True),
               'seeds_loop': lambda: case_seeds(False),
+              'grid_vmap': lambda: case_grid(True),
+              'grid_loop': lambda: case_grid(False),
               'hetero_fedtta_medium': lambda: case_hetero(('medium',)),
               'alpha_round': lambda: case_round(kind='alpha'),
               'fedtta_e50': lambda: case_fedtta_test_time('scan', 0),
@@ -817,7 +871,8 @@ def spawn(name, clients: int, conv: str):
           f'--conv={conv}']
   argv += [f'--{f}={FLAGS[f].serialize().split("=", 1)[1]}' for f in
            ('model', 'examples', 'batch_size', 'repeats', 'unroll', 'client_chunk',
-            'sweep_repeats', 'tta_adapter', 'tta_epochs', 'rounds_per_call', 'seeds', 'trace')]
+            'sweep_repeats', 'tta_adapter', 'tta_epochs', 'rounds_per_call', 'seeds', 'trace',
+            'grid_rates')]
   proc = subprocess.run(argv, capture_output=True, text=True)
   if proc.returncode:
     return {'error': proc.stderr.strip().splitlines()[-1] if proc.stderr else 'failed'}
@@ -857,6 +912,10 @@ def label(name: str) -> str:
                           f'(engine.vmap_seeds), all seeds',
             'seeds_loop': f'{FLAGS.seeds} seeds of the FedAvg round, one call per seed, '
                           f'all seeds',
+            'grid_vmap': f'{len(FLAGS.grid_rates)} learning rates × {FLAGS.seeds} seeds of the '
+                         f'FedAvg round, one vmapped program (config.sweep), all runs',
+            'grid_loop': f'{len(FLAGS.grid_rates)} learning rates × {FLAGS.seeds} seeds of the '
+                         f'FedAvg round, one run after another, all runs',
             'alpha_round': 'ATP α round, 1 α step',
             'fedtta_e50': 'FedTTA test time, fixed E = 50 steps (scan)',
             'fedtta_pp_scan': 'FedTTA++ test time, E ≤ 50, patience 1, masked scan',
@@ -906,6 +965,8 @@ def case_table(results: dict) -> str:
   pairs = [('round', 'loop', '(a)/(b)'), ('round', 'torch', '(a)/(d)'),
            ('round', 'torch_vmap', '(a)/(e)'), ('tta_vmap', 'tta_loop', 'tta vmapped / tta loop'),
            ('seeds_vmap', 'seeds_loop', 'seeds vmapped / seeds one by one'),
+           ('grid_vmap', 'grid_loop', 'sweep as one program / runs one by one'),
+           ('grid_vmap', 'round', 'sweep as one program / one run'),
            ('alpha_round', 'fedavg_1step', 'α round / FedAvg 1-step round'),
            ('experiment:events', 'experiment:no_events',
             'default experiment with / without event files')]

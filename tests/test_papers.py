@@ -128,14 +128,15 @@ def config_of(argument: str, overrides) -> ml_collections.ConfigDict:
   spec.loader.exec_module(module)
   config = module.get_config(variant or None)
   for field, value in overrides:
-    try:
-      value = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-      pass
     *parents, last = field.split('.')
     section = config
     for parent in parents:
       section = section[parent]
+    if not isinstance(section[last], str):   # config_flags: a string field takes the text
+      try:
+        value = ast.literal_eval(value)
+      except (ValueError, SyntaxError):
+        pass
     if isinstance(section[last], float) and isinstance(value, int):
       value = float(value)
     section[last] = value
