@@ -92,20 +92,24 @@ def test_conv_impl_equals_lax_values_and_gradients(name, shape, impl):
   lax_module = models.MODELS.get(name)(10, conv='lax')
   patch_module = models.MODELS.get(name)(10, conv=impl)
   x32 = jax.random.normal(jax.random.key(1), shape)
-  variables32 = models.init(lax_module, jax.random.key(0), x32)
-  chex.assert_trees_all_equal(variables32, models.init(patch_module, jax.random.key(0), x32))
-  np.testing.assert_allclose(models.apply(patch_module, variables32, x32)[0],
-                             models.apply(lax_module, variables32, x32)[0], rtol=1e-3,
-                             atol=1e-4)
+  # every function compiled once: op by op, init and the float64 gradients took minutes
+  init = {m: jax.jit(lambda key, x, m=m: models.init(m, key, x))
+          for m in (patch_module, lax_module)}
+  variables32 = init[lax_module](jax.random.key(0), x32)
+  chex.assert_trees_all_equal(variables32, init[patch_module](jax.random.key(0), x32))
+  outputs = {m: jax.jit(lambda v, x, m=m: models.apply(m, v, x)[0])
+             for m in (patch_module, lax_module)}
+  grads = {m: jax.jit(jax.grad(lambda v, x, m=m: _loss(m, v, x)))
+           for m in (patch_module, lax_module)}
+  np.testing.assert_allclose(outputs[patch_module](variables32, x32),
+                             outputs[lax_module](variables32, x32), rtol=1e-3, atol=1e-4)
   with jax.enable_x64(True):
     x = x32.astype(jnp.float64)
     variables = jax.tree.map(lambda a: a.astype(jnp.float64), variables32)
-    np.testing.assert_allclose(models.apply(patch_module, variables, x)[0],
-                               models.apply(lax_module, variables, x)[0], rtol=1e-9,
-                               atol=1e-12)
-    grad_lax = jax.grad(lambda v: _loss(lax_module, v, x))(variables)
-    grad_patches = jax.grad(lambda v: _loss(patch_module, v, x))(variables)
-    chex.assert_trees_all_close(grad_patches, grad_lax, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(outputs[patch_module](variables, x),
+                               outputs[lax_module](variables, x), rtol=1e-9, atol=1e-12)
+    chex.assert_trees_all_close(grads[patch_module](variables, x),
+                                grads[lax_module](variables, x), rtol=1e-9, atol=1e-12)
 
 
 def test_patches_convolution_vmapped_over_clients_is_a_batched_matmul():
