@@ -224,8 +224,12 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
 
   donate_argnums = (0, 1) if donate else ()
   on_device = _scan_rounds(round_device) if rounds_per_call > 1 else round_device
-  return (jax.jit(on_device, donate_argnums=donate_argnums),
-          jax.jit(round_on_cohort, donate_argnums=donate_argnums))
+  # Over several processes every output is replicated on the mesh: each process holds
+  # the whole state, to checkpoint and evaluate (fedjax_shift/distributed.py).
+  out = ({'out_shardings': NamedSharding(mesh, PartitionSpec())}
+         if mesh is not None and jax.process_count() > 1 else {})
+  return (jax.jit(on_device, donate_argnums=donate_argnums, **out),
+          jax.jit(round_on_cohort, donate_argnums=donate_argnums, **out))
 
 
 def _scan_rounds(round_device):

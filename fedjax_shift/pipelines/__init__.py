@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from fedjax_shift import distributed
 from fedjax_shift.pipelines import atp, federated, hetero, pretrain  # noqa: F401
 from fedjax_shift.pipelines.base import (PIPELINES, Results, format_results,  # noqa: F401
                                          prologue, validate, write_results)
@@ -17,14 +18,38 @@ from fedjax_shift.pipelines.workdir import (RunMismatchError, WorkdirBusyError, 
                                             WorkdirLock)
 
 
+class PrimaryRefused(RuntimeError):
+  """Process 0 of a multi-process run refused it (its workdir lock or a fingerprint)."""
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   """Validates ``config``, locks ``workdir`` (one writer), checks its runs' fingerprints,
   writes the prologue, runs ``config.pipeline`` and writes results.md; returns its
-  ``Results``."""
+  ``Results``. Over several processes (fedjax_shift/distributed.py) process 0 locks,
+  checks and writes, and its verdict reaches every process before anything trains."""
   pipeline = PIPELINES.get(config.pipeline, 'config.pipeline')
-  validate(config, workdir)
-  with WorkdirLock(workdir):
-    prologue(config, workdir)
+  primary = distributed.is_primary()
+  validate(config, workdir if primary else None)
+  lock = WorkdirLock(workdir)
+  if primary:
+    try:
+      lock.acquire()
+      try:
+        prologue(config, workdir)
+      except BaseException:
+        lock.release()
+        raise
+    except Exception as err:   # the others learn why before raising it here
+      distributed.agree(f'{type(err).__name__}: {err}')
+      raise
+  refusal = distributed.agree(None)   # process 0 went on; the others learn it here
+  if refusal is not None:
+    raise PrimaryRefused(f'process 0 refused the run: {refusal}')
+  try:
     results = pipeline(config, workdir)
-    write_results(workdir, results)
+    if primary:
+      write_results(workdir, results)
+  finally:
+    if primary:
+      lock.release()
   return results
