@@ -142,3 +142,13 @@ def test_killed_processes_resume_and_a_lost_process_stops_the_other(tmp_path, pe
   assert code != 0 and time.time() - tick < 120
   text = log_of(lost, 0)
   assert 'another process of this run stopped' in text or 'heartbeat' in text, text[-2000:]
+
+
+@pytest.mark.slow
+def test_a_host_store_over_two_processes_equals_one_process(tmp_path):
+  """Each process gathers and moves only its own devices' clients of the cohort."""
+  workdir, reference = str(tmp_path / 'two'), str(tmp_path / 'one')
+  assert wait(start_processes(workdir, '--config.data.store=host')) == [0, 0], \
+      log_of(workdir, 0)
+  one_process(reference)
+  assert_same_runs(workdir, reference)

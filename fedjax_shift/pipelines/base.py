@@ -273,9 +273,7 @@ def check_run(config: ml_collections.ConfigDict) -> None:
             f'a run over {jax.process_count()} processes shards each cohort over every '
             f'device of every process: set it to {jax.device_count()}, got '
             f'{engine.num_devices}')
-    require(config.data.store == 'device', 'data.store',
-            f'a run over {jax.process_count()} processes keeps the population on the '
-            f'devices (\'device\'); the host store moves one process\'s cohort')
+
   if engine.num_devices:
     require(config.cohort_size % engine.num_devices == 0, 'cohort_size',
             f'{config.cohort_size} is not divisible by engine.num_devices={engine.num_devices}')

@@ -187,7 +187,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
     opened = setup_run(config, workdir, algorithm_name, seed, bench, algorithm, programs,
                        backbone, log_state, depends_on)
     train = opened.bench.splits['train']
-    host_store = (HostStore(train, opened.train_key, _round_config(config))
+    host_store = (HostStore(train, opened.train_key, _round_config(config),
+                            cohort_sharding(config))
                   if config.data.store == 'host' else None)
     try:
       trainer = single_run_trainer(config, opened.programs, train, opened.train_key,
@@ -403,6 +404,14 @@ def replicated(config: ml_collections.ConfigDict):
   if jax.process_count() == 1:
     return None
   return NamedSharding(client_mesh(config.engine.num_devices), PartitionSpec())
+
+
+def cohort_sharding(config: ml_collections.ConfigDict):
+  """The host store's cohort placement over several processes: sharded by client on
+  the global mesh, each process moving its own devices' clients (None: one process)."""
+  if jax.process_count() == 1:
+    return None
+  return NamedSharding(client_mesh(config.engine.num_devices), PartitionSpec('clients'))
 
 
 def examples_per_step(config: ml_collections.ConfigDict, algorithm_name: str) -> int:
