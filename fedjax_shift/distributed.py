@@ -69,3 +69,36 @@ def local(tree):
 def open_output(path: str, mode: str = 'w'):
   """``open(path, mode)`` on process 0; elsewhere a sink (the workdir has one writer)."""
   return open(path if is_primary() else os.devnull, mode)
+
+
+def differing_processes(text: str) -> list:
+  """The processes whose ``text`` (e.g. their config) differs from process 0's, on
+  every process ([] with one process). Every process must call it at the same point."""
+  if jax.process_count() == 1:
+    return []
+  import hashlib
+  from jax.experimental import multihost_utils
+  digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(digest))   # [processes, 32]
+  return [i for i in range(every.shape[0]) if not np.array_equal(every[i], every[0])]
+
+
+def lost_processes(wait_seconds: float) -> list:
+  """The processes the coordination service no longer hears from, waiting up to
+  ``wait_seconds`` for it to notice ([] if none was noticed, or with one process)."""
+  if jax.process_count() == 1:
+    return []
+  import time
+  from jax._src import distributed as jax_distributed   # the runtime's client
+  client = jax_distributed.global_state.client
+  everyone = list(range(jax.process_count()))
+  deadline = time.time() + wait_seconds
+  while True:
+    try:
+      live = set(client.get_live_nodes(everyone))
+    except Exception:   # the service itself is gone: process 0's host
+      return [0] if jax.process_index() else []
+    lost = [i for i in everyone if i not in live]
+    if lost or time.time() > deadline:
+      return lost
+    time.sleep(1.0)

@@ -23,7 +23,7 @@ from ml_collections import config_flags  # noqa: E402
 
 import ml_collections  # noqa: E402
 
-from fedjax_shift import pipelines  # noqa: E402
+from fedjax_shift import distributed, pipelines  # noqa: E402
 from fedjax_shift.pipelines import loop  # noqa: E402
 
 # The exit status of a run stopped by SIGTERM / SIGUSR1 after checkpointing (128 + 15, as a
@@ -37,6 +37,9 @@ _DISTRIBUTED = flags.DEFINE_bool('distributed', False,
 _COORDINATOR = flags.DEFINE_string('coordinator', None, 'HOST:PORT of process 0 (multi-host).')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Number of hosts (multi-host).')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This host\'s index (multi-host).')
+_INIT_TIMEOUT = flags.DEFINE_integer(
+    'initialization_timeout', 300, 'Seconds a process of a multi-host run waits for the '
+    'coordinator (process 0) before it stops naming the address.')
 _HEARTBEAT = flags.DEFINE_integer(
     'heartbeat_timeout', 100, 'Seconds without a heartbeat after which the processes of a '
     'multi-host run stop, naming the lost one (JAX\'s coordination service).')
@@ -67,10 +70,22 @@ def main(argv):
     # CPU devices of several processes talk through Gloo (GPUs and TPUs bring their own
     # collectives; the setting only concerns the CPU backend).
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
-                               num_processes=_NUM_PROCESSES.value,
-                               process_id=_PROCESS_ID.value,
-                               heartbeat_timeout_seconds=_HEARTBEAT.value)
+    # Named first: an unreachable coordinator makes JAX's runtime abort the process
+    # after the timeout, with its own error below this line.
+    print(f'launch/train.py: process {_PROCESS_ID.value} joining the run at coordinator '
+          f'{_COORDINATOR.value or "(found by JAX from the cluster environment)"} '
+          f'(--initialization_timeout={_INIT_TIMEOUT.value}s)', file=sys.stderr, flush=True)
+    try:
+      jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                                 num_processes=_NUM_PROCESSES.value,
+                                 process_id=_PROCESS_ID.value,
+                                 initialization_timeout=_INIT_TIMEOUT.value,
+                                 heartbeat_timeout_seconds=_HEARTBEAT.value)
+    except Exception as err:   # an unreachable coordinator, a wrong process count
+      sys.exit(f'launch/train.py: --distributed: could not join the run at coordinator '
+               f'{_COORDINATOR.value or "(found by JAX from the cluster environment)"} '
+               f'within --initialization_timeout={_INIT_TIMEOUT.value}s: '
+               f'{str(err).splitlines()[0][:300]}')
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
   handler = logging.StreamHandler()
   handler.setFormatter(logging.Formatter('%(asctime)s %(message)s'))
@@ -95,12 +110,14 @@ def main(argv):
       raise
     # A collective whose peer is gone fails at once; a process that is waiting
     # elsewhere is stopped by the coordination service after --heartbeat_timeout.
-    log.error('process %d of %d: a collective with the other processes failed (%s): another '
-              'process of this run stopped (its log says why; the coordination service '
-              'names it within --heartbeat_timeout=%ds). Re-run every process with the '
-              'same command to resume from the last checkpoint.', jax.process_index(),
-              jax.process_count(), str(err).splitlines()[0][:300], _HEARTBEAT.value)
-    sys.exit(1)
+    lost = distributed.lost_processes(_HEARTBEAT.value + 10)
+    log.error('process %d of %d: a collective with the other processes failed (%s): '
+              '%s stopped (its log says why). Re-run every process with the same command to '
+              'resume from the last checkpoint.', jax.process_index(), jax.process_count(),
+              str(err).splitlines()[0][:300],
+              f'process {", ".join(map(str, lost))} of this run' if lost else
+              'another process of this run')
+    os._exit(1)   # the runtime's shutdown would wait for the lost process
 
 
 if __name__ == '__main__':

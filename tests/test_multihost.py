@@ -37,8 +37,9 @@ def environment(devices: int) -> dict:
   return env
 
 
-def start_processes(workdir, *flags, heartbeat: int = 100):
-  """The two processes of one run on the loopback address; their logs beside it."""
+def start_processes(workdir, *flags, heartbeat: int = 100, flags_of=None):
+  """The two processes of one run on the loopback address; their logs beside it
+  (``flags_of``: {process id: extra flags of that process alone})."""
   port = free_port()
   procs = []
   for process_id in range(2):
@@ -46,7 +47,8 @@ def start_processes(workdir, *flags, heartbeat: int = 100):
     procs.append(subprocess.Popen(
         [sys.executable, TRAIN, f'--workdir={workdir}', '--distributed',
          f'--coordinator=127.0.0.1:{port}', '--num_processes=2',
-         f'--process_id={process_id}', f'--heartbeat_timeout={heartbeat}', *FLAGS, *flags],
+         f'--process_id={process_id}', f'--heartbeat_timeout={heartbeat}', *FLAGS, *flags,
+         *(flags_of or {}).get(process_id, ())],
         env=environment(2), stdout=log, stderr=subprocess.STDOUT))
   return procs
 
@@ -108,6 +110,32 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path):
   assert 'client.learning_rate' in log_of(workdir, 1)
 
 
+
+
+def test_bad_starts_are_refused_on_every_process(tmp_path):
+  # another config on process 1: refused on both, before anything is written
+  workdir = str(tmp_path / 'configs')
+  codes = wait(start_processes(workdir, flags_of={1: ['--config.client.learning_rate=0.5']}))
+  assert codes[0] != 0 and codes[1] != 0
+  for process_id in (0, 1):
+    assert 'processes [1] were started with another config' in log_of(workdir, process_id)
+  assert not os.path.exists(os.path.join(workdir, 'config.json'))
+  # more devices than the run has: named with both numbers
+  workdir = str(tmp_path / 'devices')
+  codes = wait(start_processes(workdir, '--config.engine.num_devices=8',
+                               '--config.cohort_size=8', '--config.data.num_clients=8'))
+  assert codes[0] != 0 and codes[1] != 0
+  assert 'set it to 4, got 8' in log_of(workdir, 0) and 'set it to 4, got 8' in log_of(workdir, 1)
+  # no coordinator: stops within the stated timeout naming the address
+  port = free_port()
+  tick = time.time()
+  out = subprocess.run([sys.executable, TRAIN, f'--workdir={tmp_path / "alone"}',
+                        '--distributed', f'--coordinator=127.0.0.1:{port}',
+                        '--num_processes=2', '--process_id=1', '--initialization_timeout=5',
+                        *FLAGS], env=environment(2), capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode != 0 and time.time() - tick < 60
+  assert f'joining the run at coordinator 127.0.0.1:{port}' in out.stderr
 
 
 @pytest.mark.slow

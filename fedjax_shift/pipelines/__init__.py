@@ -8,6 +8,8 @@ Adding a pipeline: one file plus one import line here.
 """
 from __future__ import annotations
 
+import json
+
 import ml_collections
 
 from fedjax_shift import distributed
@@ -28,6 +30,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   ``Results``. Over several processes (fedjax_shift/distributed.py) process 0 locks,
   checks and writes, and its verdict reaches every process before anything trains."""
   pipeline = PIPELINES.get(config.pipeline, 'config.pipeline')
+  differing = distributed.differing_processes(json.dumps(   # progress: process 0's alone
+      {k: v for k, v in config.to_dict().items() if k != 'progress'}, sort_keys=True,
+      default=repr))
+  if differing:
+    raise ValueError(f'processes {differing} were started with another config than '
+                     f'process 0: every process of a run runs the same command')
   primary = distributed.is_primary()
   validate(config, workdir if primary else None)
   lock = WorkdirLock(workdir)
