@@ -83,6 +83,17 @@ class MetricsWriter:
       self.events.close()
 
 
+class NullWriter:
+  """A MetricsWriter that writes nothing: a process other than process 0 of a
+  multi-process run (fedjax_shift/distributed.py)."""
+
+  def write(self, record: Dict) -> None:
+    del record
+
+  def close(self) -> None:
+    pass
+
+
 def _ranges(values: List[int]) -> str:
   if not values:
     return ''

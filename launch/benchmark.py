@@ -36,6 +36,11 @@ B, FedAvg with SGD):
               --cases=round,algorithm:scaffold,algorithm:fedins:head_pool=True)
   seeds_vmap / seeds_loop  --seeds seeds of the FedAvg round on the same cohort: one
               call vmapped over seeds (engine.vmap_seeds) vs one call per seed (opt-in)
+  processes:<P>  the default experiment's tiny variant through launch/train.py, FedAvg
+              with a cohort of 4 over 4 CPU devices: P = 2 processes of 2 devices on the
+              loopback address (JAX's distributed runtime, Gloo collectives) or P = 1
+              process of 4; seconds per round (median of rounds 2-10 of metrics.jsonl);
+              next to each other (opt-in; --cases=processes:1,processes:2)
   grid_vmap / grid_loop  a hyperparameter sweep: --grid_rates client learning rates ×
               --seeds seeds of the FedAvg round (each seed its own init and keys), as the
               pipeline runs config.sweep (the rate a traced argument, points × seeds one
@@ -401,6 +406,44 @@ def case_grid(vmapped: bool):
   compile_s = time.perf_counter() - tick
   median, times = timed(run, FLAGS.repeats)
   return {'seconds': median, 'times': times, 'compile_s': compile_s}
+
+
+def case_processes(count: int):
+  """FedAvg on configs/default.py:tiny (cohort 4, 10 rounds) over 4 CPU devices as
+  ``count`` processes of 4 / count devices each, through launch/train.py."""
+  import shutil
+  import socket
+  import statistics as stats
+  import tempfile
+  workdir = tempfile.mkdtemp(prefix='fedjax_shift_processes_')
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=(
+      os.environ.get('XLA_FLAGS', '') +
+      f' --xla_force_host_platform_device_count={4 // count}').strip())
+  argv = [sys.executable, os.path.join(root, 'launch', 'train.py'), f'--workdir={workdir}',
+          f'--config={os.path.join(root, "configs", "default.py")}:tiny',
+          "--config.algorithms=('fedavg',)", '--config.cohort_size=4', '--config.rounds=10',
+          '--config.eval_every=10', '--config.engine.num_devices=4', '--compilation_cache=']
+  try:
+    if count > 1:
+      with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+      procs = [subprocess.Popen(argv + ['--distributed', f'--coordinator=127.0.0.1:{port}',
+                                        f'--num_processes={count}', f'--process_id={i}'],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for i in range(count)]
+      if any(proc.wait() for proc in procs):
+        raise RuntimeError(f'a process of the {count}-process run failed')
+    else:
+      subprocess.run(argv, env=env, check=True, capture_output=True)
+    with open(os.path.join(workdir, 'fedavg', 'seed_0', 'metrics.jsonl')) as f:
+      records = [json.loads(line) for line in f]
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
+  times = [r['round_seconds'] for r in records[1:]]
+  return {'seconds': stats.median(times), 'times': times,
+          'compile_s': records[0]['round_seconds']}
 
 
 def case_hetero(sizes):
@@ -833,6 +876,8 @@ def case_digest():
 def run_case(name):
   if name.startswith('sweep:'):
     result = case_sweep(int(name.split(':')[1]))
+  elif name.startswith('processes:'):
+    result = case_processes(int(name.split(':')[1]))
   elif name.startswith('experiment:'):
     result = case_experiment(name.split(':')[1] == 'events')
   elif name.startswith(('algorithm:', 'rates:')):
@@ -924,6 +969,10 @@ def label(name: str) -> str:
                       'cached digest (compile s column: the first run\'s hash)'}
   if name in labels:
     return labels[name]
+  if name.startswith('processes:'):
+    count = int(name.split(':')[1])
+    return (f'FedAvg round, cohort 4 over 4 CPU devices: {count} process(es) of '
+            f'{4 // count} device(s) (launch/train.py, tiny)')
   if name.startswith('experiment:'):
     return (f"default experiment, whole run (s), TensorBoard event files "
             f"{'on' if name.endswith(':events') else 'off'}")
@@ -968,6 +1017,7 @@ def case_table(results: dict) -> str:
            ('grid_vmap', 'grid_loop', 'sweep as one program / runs one by one'),
            ('grid_vmap', 'round', 'sweep as one program / one run'),
            ('alpha_round', 'fedavg_1step', 'α round / FedAvg 1-step round'),
+           ('processes:2', 'processes:1', '2 processes × 2 devices / 1 process × 4'),
            ('experiment:events', 'experiment:no_events',
             'default experiment with / without event files')]
   for top, bottom, text in pairs:

@@ -16,13 +16,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import ml_collections  # noqa: E402
 
-from fedjax_shift import pipelines  # noqa: E402
+from fedjax_shift import distributed, pipelines  # noqa: E402
 from fedjax_shift.pipelines import loop  # noqa: E402
 
 # The exit status of a run stopped by SIGTERM / SIGUSR1 after checkpointing (128 + 15, as a
@@ -36,6 +37,12 @@ _DISTRIBUTED = flags.DEFINE_bool('distributed', False,
 _COORDINATOR = flags.DEFINE_string('coordinator', None, 'HOST:PORT of process 0 (multi-host).')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Number of hosts (multi-host).')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This host\'s index (multi-host).')
+_INIT_TIMEOUT = flags.DEFINE_integer(
+    'initialization_timeout', 300, 'Seconds a process of a multi-host run waits for the '
+    'coordinator (process 0) before it stops naming the address.')
+_HEARTBEAT = flags.DEFINE_integer(
+    'heartbeat_timeout', 100, 'Seconds without a heartbeat after which the processes of a '
+    'multi-host run stop, naming the lost one (JAX\'s coordination service).')
 _COMPILATION_CACHE = flags.DEFINE_string(
     'compilation_cache', '~/.cache/fedjax_shift/jax',
     "JAX's persistent compilation cache: a re-run, a resumed run or another seed with the "
@@ -46,7 +53,8 @@ flags.mark_flags_as_required(['config', 'workdir'])
 def train(config: ml_collections.ConfigDict, workdir: str) -> pipelines.Results:
   """Runs ``config.pipeline`` in ``workdir`` and prints its results."""
   results = pipelines.run(config, workdir)
-  print(pipelines.format_results(results, workdir))
+  if jax.process_index() == 0:   # process 0 reports (fedjax_shift/distributed.py)
+    print(pipelines.format_results(results, workdir))
   return results
 
 
@@ -59,10 +67,25 @@ def main(argv):
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                                ' --xla_gpu_deterministic_ops=true').strip()
   if _DISTRIBUTED.value:
-    import jax
-    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
-                               num_processes=_NUM_PROCESSES.value,
-                               process_id=_PROCESS_ID.value)
+    # CPU devices of several processes talk through Gloo (GPUs and TPUs bring their own
+    # collectives; the setting only concerns the CPU backend).
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    # Named first: an unreachable coordinator makes JAX's runtime abort the process
+    # after the timeout, with its own error below this line.
+    print(f'launch/train.py: process {_PROCESS_ID.value} joining the run at coordinator '
+          f'{_COORDINATOR.value or "(found by JAX from the cluster environment)"} '
+          f'(--initialization_timeout={_INIT_TIMEOUT.value}s)', file=sys.stderr, flush=True)
+    try:
+      jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                                 num_processes=_NUM_PROCESSES.value,
+                                 process_id=_PROCESS_ID.value,
+                                 initialization_timeout=_INIT_TIMEOUT.value,
+                                 heartbeat_timeout_seconds=_HEARTBEAT.value)
+    except Exception as err:   # an unreachable coordinator, a wrong process count
+      sys.exit(f'launch/train.py: --distributed: could not join the run at coordinator '
+               f'{_COORDINATOR.value or "(found by JAX from the cluster environment)"} '
+               f'within --initialization_timeout={_INIT_TIMEOUT.value}s: '
+               f'{str(err).splitlines()[0][:300]}')
   absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save at INFO
   handler = logging.StreamHandler()
   handler.setFormatter(logging.Formatter('%(asctime)s %(message)s'))
@@ -70,8 +93,11 @@ def main(argv):
   log.addHandler(handler)
   log.setLevel(logging.INFO)
   log.propagate = False
+  if _DISTRIBUTED.value:
+    if jax.process_index() > 0:   # process 0 reports progress and writes the workdir
+      log.setLevel(logging.WARNING)
+      config.progress = False
   if _COMPILATION_CACHE.value:
-    import jax
     jax.config.update('jax_compilation_cache_dir', os.path.expanduser(_COMPILATION_CACHE.value))
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
   try:
@@ -79,6 +105,19 @@ def main(argv):
   except loop.Preempted as stopped:
     log.warning('%s', stopped)
     sys.exit(PREEMPTED_STATUS)
+  except jax.errors.JaxRuntimeError as err:
+    if jax.process_count() == 1:
+      raise
+    # A collective whose peer is gone fails at once; a process that is waiting
+    # elsewhere is stopped by the coordination service after --heartbeat_timeout.
+    lost = distributed.lost_processes(_HEARTBEAT.value + 10)
+    log.error('process %d of %d: a collective with the other processes failed (%s): '
+              '%s stopped (its log says why). Re-run every process with the same command to '
+              'resume from the last checkpoint.', jax.process_index(), jax.process_count(),
+              str(err).splitlines()[0][:300],
+              f'process {", ".join(map(str, lost))} of this run' if lost else
+              'another process of this run')
+    os._exit(1)   # the runtime's shutdown would wait for the lost process
 
 
 if __name__ == '__main__':

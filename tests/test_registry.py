@@ -141,7 +141,7 @@ def test_registry_rejects_duplicates_and_names_choices():
 # data → models → core → parts → algorithms → adapters → benchmarks → report → pipelines
 # → papers → config, as stated in fedjax_shift/__init__.py; registry, metrics and
 # checkpoint are leaves anyone may use.
-LAYERS = {'registry': 0, 'metrics': 0, 'events': 0, 'checkpoint': 0, 'data': 1, 'models': 2, 'core': 3,
+LAYERS = {'registry': 0, 'distributed': 0, 'metrics': 0, 'events': 0, 'checkpoint': 0, 'data': 1, 'models': 2, 'core': 3,
           'parts': 4, 'algorithms': 5, 'adapters': 6, 'benchmarks': 7, 'report': 8,
           'pipelines': 9, 'papers': 10, 'config': 11}
 

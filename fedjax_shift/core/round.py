@@ -224,8 +224,12 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
 
   donate_argnums = (0, 1) if donate else ()
   on_device = _scan_rounds(round_device) if rounds_per_call > 1 else round_device
-  return (jax.jit(on_device, donate_argnums=donate_argnums),
-          jax.jit(round_on_cohort, donate_argnums=donate_argnums))
+  # Over several processes every output is replicated on the mesh: each process holds
+  # the whole state, to checkpoint and evaluate (fedjax_shift/distributed.py).
+  out = ({'out_shardings': NamedSharding(mesh, PartitionSpec())}
+         if mesh is not None and jax.process_count() > 1 else {})
+  return (jax.jit(on_device, donate_argnums=donate_argnums, **out),
+          jax.jit(round_on_cohort, donate_argnums=donate_argnums, **out))
 
 
 def _scan_rounds(round_device):
@@ -287,7 +291,9 @@ class HostStore:
   ``cohort(r)`` returns (cohort FederatedData on device, cohort ids) for round r and
   starts gathering round r+1's cohort on a worker thread, so the host gather and
   the host→device copy overlap the running round. Device memory grows with the
-  cohort, not the population.
+  cohort, not the population. With a ``sharding`` over the devices of several
+  processes each process gathers and moves only the clients of its own devices'
+  shards (``jax.make_array_from_callback``).
   """
 
   def __init__(self, data: FederatedData, seed_key: jax.Array, config: RoundConfig,
@@ -304,6 +310,12 @@ class HostStore:
   def _fetch(self, round_index: int):
     key = round_key(self.seed_key, round_index)
     ids = np.asarray(self._sample(key, self._num_examples))
+    if self.sharding is not None and not self.sharding.is_fully_addressable:
+      def shard(array):   # only the rows of this process's devices
+        return jax.make_array_from_callback(
+            (len(ids),) + array.shape[1:], self.sharding,
+            lambda index: np.asarray(array[ids[index[0]]]))
+      return jax.tree.map(shard, self.data), ids
     cohort = self.data.take(ids)
     if self.sharding is not None:
       cohort = jax.device_put(cohort, self.sharding)

@@ -8,8 +8,11 @@ Adding a pipeline: one file plus one import line here.
 """
 from __future__ import annotations
 
+import json
+
 import ml_collections
 
+from fedjax_shift import distributed
 from fedjax_shift.pipelines import atp, federated, hetero, pretrain  # noqa: F401
 from fedjax_shift.pipelines.base import (PIPELINES, Results, format_results,  # noqa: F401
                                          prologue, validate, write_results)
@@ -17,14 +20,44 @@ from fedjax_shift.pipelines.workdir import (RunMismatchError, WorkdirBusyError, 
                                             WorkdirLock)
 
 
+class PrimaryRefused(RuntimeError):
+  """Process 0 of a multi-process run refused it (its workdir lock or a fingerprint)."""
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   """Validates ``config``, locks ``workdir`` (one writer), checks its runs' fingerprints,
   writes the prologue, runs ``config.pipeline`` and writes results.md; returns its
-  ``Results``."""
+  ``Results``. Over several processes (fedjax_shift/distributed.py) process 0 locks,
+  checks and writes, and its verdict reaches every process before anything trains."""
   pipeline = PIPELINES.get(config.pipeline, 'config.pipeline')
-  validate(config, workdir)
-  with WorkdirLock(workdir):
-    prologue(config, workdir)
+  differing = distributed.differing_processes(json.dumps(   # progress: process 0's alone
+      {k: v for k, v in config.to_dict().items() if k != 'progress'}, sort_keys=True,
+      default=repr))
+  if differing:
+    raise ValueError(f'processes {differing} were started with another config than '
+                     f'process 0: every process of a run runs the same command')
+  primary = distributed.is_primary()
+  validate(config, workdir if primary else None)
+  lock = WorkdirLock(workdir)
+  if primary:
+    try:
+      lock.acquire()
+      try:
+        prologue(config, workdir)
+      except BaseException:
+        lock.release()
+        raise
+    except Exception as err:   # the others learn why before raising it here
+      distributed.agree(f'{type(err).__name__}: {err}')
+      raise
+  refusal = distributed.agree(None)   # process 0 went on; the others learn it here
+  if refusal is not None:
+    raise PrimaryRefused(f'process 0 refused the run: {refusal}')
+  try:
     results = pipeline(config, workdir)
-    write_results(workdir, results)
+    if primary:
+      write_results(workdir, results)
+  finally:
+    if primary:
+      lock.release()
   return results

@@ -20,7 +20,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 import jax
 import ml_collections
 
-from fedjax_shift import checkpoint, events, models, report
+from fedjax_shift import checkpoint, distributed, events, models, report
 from fedjax_shift.algorithms import ALGORITHMS, base
 from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS
 from fedjax_shift.core.round import BACKENDS, SAMPLING, WEIGHTING
@@ -92,8 +92,10 @@ def hardware() -> Dict[str, object]:
   devices = jax.devices()
   info = {'backend': jax.default_backend(), 'devices': [str(d) for d in devices],
           'device_kind': devices[0].device_kind, 'jax': jax.__version__,
-          'host': platform.node(), 'cpu_count': os.cpu_count()}
-  stats = devices[0].memory_stats() if hasattr(devices[0], 'memory_stats') else None
+          'host': platform.node(), 'cpu_count': os.cpu_count(),
+          'processes': jax.process_count()}
+  local = jax.local_devices()[0]
+  stats = local.memory_stats() if hasattr(local, 'memory_stats') else None
   if stats and 'bytes_limit' in stats:
     info['device_memory_gb'] = round(stats['bytes_limit'] / 2 ** 30, 2)
   return info
@@ -266,6 +268,12 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   engine = config.engine
   require(engine.num_devices >= 0, 'engine.num_devices',
           f'must be >= 0, got {engine.num_devices}')
+  if jax.process_count() > 1:   # fedjax_shift/distributed.py
+    require(engine.num_devices == jax.device_count(), 'engine.num_devices',
+            f'a run over {jax.process_count()} processes shards each cohort over every '
+            f'device of every process: set it to {jax.device_count()}, got '
+            f'{engine.num_devices}')
+
   if engine.num_devices:
     require(config.cohort_size % engine.num_devices == 0, 'cohort_size',
             f'{config.cohort_size} is not divisible by engine.num_devices={engine.num_devices}')
@@ -391,7 +399,7 @@ def open_run(run_dir: str, config: ml_collections.ConfigDict, fields: dict, stat
   latest checkpoint of ``run_dir`` up to ``config.rounds`` (and ``max_round``: runs
   trained in lockstep resume at a round they all have), records run.json and opens
   metrics.jsonl from the restored round."""
-  from fedjax_shift.metrics import MetricsWriter, read_metrics
+  from fedjax_shift.metrics import MetricsWriter, NullWriter, read_metrics
   checkpointer = checkpoint.Checkpointer(os.path.join(run_dir, 'checkpoints'),
                                          config.checkpoint_every, config.keep_checkpoints)
   limit = config.rounds if max_round is None else min(config.rounds, max_round)
@@ -399,12 +407,15 @@ def open_run(run_dir: str, config: ml_collections.ConfigDict, fields: dict, stat
   start_round = start_round or 0
   if start_round:
     log.info('resumed from round %d in %s', start_round, run_dir)
-  workdir_lib.record_run(run_dir, fields, config.rounds)
+  primary = distributed.is_primary()
+  if primary:
+    workdir_lib.record_run(run_dir, fields, config.rounds)
   tensorboard = config.get('tensorboard', True)
   writer = None
   if start_round < config.rounds:
-    writer = MetricsWriter(run_dir, start_round, fields, tensorboard)
-  elif tensorboard:   # finished: its event files are written only if missing or damaged
+    writer = (MetricsWriter(run_dir, start_round, fields, tensorboard) if primary else
+              NullWriter())
+  elif tensorboard and primary:   # finished: its event files are written only if missing or damaged
     events.ensure(run_dir, read_metrics(os.path.join(run_dir, 'metrics.jsonl')), fields)
   return OpenRun(checkpointer, start_round, state, writer)
 
@@ -428,6 +439,9 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
   require(config.pipeline not in RENAMED, 'pipeline',
           f'{config.pipeline!r} is called {RENAMED.get(config.pipeline)!r} now')
   PIPELINES.get(config.pipeline, 'config.pipeline')
+  require(jax.process_count() == 1 or config.pipeline == 'federated', 'pipeline',
+          f'runs over {jax.process_count()} processes are the federated pipeline\'s; '
+          f'{config.pipeline!r} runs in one process')
   require(not config.get('sweep') or config.pipeline == 'federated', 'sweep',
           f'hyperparameter sweeps run in the federated pipeline, not config.pipeline='
           f'{config.pipeline!r}')

@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from fedjax_shift import algorithms, models, report
+from fedjax_shift import algorithms, distributed, models, report
 from fedjax_shift.benchmarks import BENCHMARKS, Benchmark
 from fedjax_shift.core import evaluation
 from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
@@ -186,7 +187,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
     opened = setup_run(config, workdir, algorithm_name, seed, bench, algorithm, programs,
                        backbone, log_state, depends_on)
     train = opened.bench.splits['train']
-    host_store = (HostStore(train, opened.train_key, _round_config(config))
+    host_store = (HostStore(train, opened.train_key, _round_config(config),
+                            cohort_sharding(config))
                   if config.data.store == 'host' else None)
     try:
       trainer = single_run_trainer(config, opened.programs, train, opened.train_key,
@@ -292,7 +294,7 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
            for name, s in bench.splits.items()}
   digest = data_digest(bench)
   check_same_data(os.path.join(workdir, 'partition.json'), digest)
-  with open(os.path.join(workdir, 'partition.json'), 'w') as f:
+  with distributed.open_output(os.path.join(workdir, 'partition.json')) as f:
     json.dump({'statistics': stats, 'info': bench.info, 'data_digest': digest,
                'num_examples': {n: s.num_examples.tolist() for n, s in bench.splits.items()}},
               f, indent=1)
@@ -328,6 +330,9 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
   opened = open_run(workdir, config, fields, (server_state, client_states, jnp.float32(0.0)),
                     max_round)
   server_state, client_states, elapsed = opened.state
+  if replicated(config) is not None:
+    server_state, client_states = jax.device_put((server_state, client_states),
+                                                 replicated(config))
 
   def evaluate(state) -> Dict[str, float]:
     server_state, client_states = state
@@ -393,6 +398,22 @@ def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, modul
                   new_client_chunk)
 
 
+def replicated(config: ml_collections.ConfigDict):
+  """Where the device store and the initial states go: the default device, or, over
+  several processes, replicated on the global mesh of ``engine.num_devices``."""
+  if jax.process_count() == 1:
+    return None
+  return NamedSharding(client_mesh(config.engine.num_devices), PartitionSpec())
+
+
+def cohort_sharding(config: ml_collections.ConfigDict):
+  """The host store's cohort placement over several processes: sharded by client on
+  the global mesh, each process moving its own devices' clients (None: one process)."""
+  if jax.process_count() == 1:
+    return None
+  return NamedSharding(client_mesh(config.engine.num_devices), PartitionSpec('clients'))
+
+
 def examples_per_step(config: ml_collections.ConfigDict, algorithm_name: str) -> int:
   """Examples one local step of a round touches over the cohort (the progress bar's
   examples/s): the method's own batch size (``client_batch_size``) × cohort."""
@@ -409,7 +430,9 @@ def single_run_trainer(config: ml_collections.ConfigDict, programs: Programs,
   per call with ``engine.rounds_per_call``) or over cohorts gathered from
   ``host_store``."""
   per_call = config.engine.rounds_per_call
-  device_train = jax.device_put(train) if host_store is None else None
+  device_train = None
+  if host_store is None:   # several processes: a replicated global array on the mesh
+    device_train = jax.device_put(train, replicated(config))
 
   def advance(state, start: int, stop: int):
     server_state, client_states = state
@@ -453,7 +476,7 @@ def finish_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: 
   adapters = applied_adapters(config, algorithm_name)
   if adapters:   # the test-time settings each adapted column used
     result['adapters'] = adapters
-  with open(os.path.join(workdir, 'results.json'), 'w') as f:
+  with distributed.open_output(os.path.join(workdir, 'results.json')) as f:
     json.dump(result, f, indent=1)
   return {**result, 'server_state': outcome.state[0]}
 
@@ -493,7 +516,7 @@ def diverged_record(config: ml_collections.ConfigDict, run_dir: str, name: str, 
   """The record of a diverged run, also written to ``run_dir``/results.json."""
   record = {'algorithm': name, 'seed': seed, 'metrics': {}, 'diverged': str(error),
             'rounds': config.rounds, 'train_seconds': float('nan')}
-  with open(os.path.join(run_dir, 'results.json'), 'w') as f:
+  with distributed.open_output(os.path.join(run_dir, 'results.json')) as f:
     json.dump(record, f, indent=1)
   return record
 
@@ -856,7 +879,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   grid = None
   if selected:
     record = sweep.grid_record(metric, config.sweep_select, selected)
-    sweep.write(workdir, record)
+    if distributed.is_primary():
+      sweep.write(workdir, record)
     grid = report.sweep_grid_table(record)
   table = report.results_table(results)
   if selected:
@@ -868,8 +892,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
               f"{config.rounds} rounds, cohort {config.cohort_size}; accuracy (%) mean ± std "
               f"over seeds {tuple(config.seeds)}; hardware: {info['device_kind']} "
               f"({info['backend']}).")
-  files = (report.write_csv(table, os.path.join(workdir, 'results.csv')),
-           report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png')))
+  files = ((report.write_csv(table, os.path.join(workdir, 'results.csv')),
+            report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png')))
+           if distributed.is_primary() else ())
   paper_tables = report.paper_table(config, {'results': results})
   tables = ((table['markdown'],) + ((grid,) if grid else ()) +
             ((paper_tables,) if paper_tables else ()))

@@ -1,0 +1,104 @@
+"""One experiment over several processes (``jax.distributed.initialize()``: a TPU pod
+slice, a SLURM job over GPU nodes, plain hosts, or processes on one machine).
+
+Every process runs the same pipeline on the same config: it builds the same data and
+the same programs, and the compiled round runs over the global mesh of every process's
+devices. Process 0 alone touches the workdir's files (the lock, run.json,
+metrics.jsonl, results, tables, plots, TensorBoard files) and prints progress; every
+process takes part in saving and restoring checkpoints, as orbax requires. Decisions
+that can refuse a run (the lock, the fingerprints) are taken by process 0 and reach
+every process before anything is written (``agree``), so that no process trains while
+another refused.
+
+With one process every function here is the single-process behaviour.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import jax
+import numpy as np
+
+# Bytes of process 0's message that ``agree`` carries to the others.
+MESSAGE_BYTES = 4096
+
+
+def process_count() -> int:
+  return jax.process_count()
+
+
+def is_primary() -> bool:
+  """Whether this process writes the workdir's files (process 0)."""
+  return jax.process_index() == 0
+
+
+def agree(error: Optional[str]) -> Optional[str]:
+  """Process 0's ``error`` (None: it went on), on every process. Every process must
+  call it at the same point; with one process it returns ``error``."""
+  if jax.process_count() == 1:
+    return error
+  from jax.experimental import multihost_utils
+  text = (error or '').encode()[:MESSAGE_BYTES - 1]
+  buffer = np.zeros(MESSAGE_BYTES, np.uint8)
+  if error is not None:
+    buffer[0] = 1
+    buffer[1:1 + len(text)] = np.frombuffer(text, np.uint8)
+  buffer = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+  if not buffer[0]:
+    return None
+  return bytes(buffer[1:]).rstrip(b'\0').decode(errors='replace')
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reaches ``name`` (nothing with one process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
+def local(tree):
+  """``tree``'s arrays as NumPy on this host: a replicated array of the global mesh
+  read from this process's copy (evaluation runs per process on its own device)."""
+  if jax.process_count() == 1:
+    return tree
+  return jax.tree.map(lambda leaf: np.asarray(leaf) if isinstance(leaf, jax.Array) else leaf,
+                      tree)
+
+
+def open_output(path: str, mode: str = 'w'):
+  """``open(path, mode)`` on process 0; elsewhere a sink (the workdir has one writer)."""
+  return open(path if is_primary() else os.devnull, mode)
+
+
+def differing_processes(text: str) -> list:
+  """The processes whose ``text`` (e.g. their config) differs from process 0's, on
+  every process ([] with one process). Every process must call it at the same point."""
+  if jax.process_count() == 1:
+    return []
+  import hashlib
+  from jax.experimental import multihost_utils
+  digest = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(digest))   # [processes, 32]
+  return [i for i in range(every.shape[0]) if not np.array_equal(every[i], every[0])]
+
+
+def lost_processes(wait_seconds: float) -> list:
+  """The processes the coordination service no longer hears from, waiting up to
+  ``wait_seconds`` for it to notice ([] if none was noticed, or with one process)."""
+  if jax.process_count() == 1:
+    return []
+  import time
+  from jax._src import distributed as jax_distributed   # the runtime's client
+  client = jax_distributed.global_state.client
+  everyone = list(range(jax.process_count()))
+  deadline = time.time() + wait_seconds
+  while True:
+    try:
+      live = set(client.get_live_nodes(everyone))
+    except Exception:   # the service itself is gone: process 0's host
+      return [0] if jax.process_index() else []
+    lost = [i for i in everyone if i not in live]
+    if lost or time.time() > deadline:
+      return lost
+    time.sleep(1.0)
