@@ -110,6 +110,11 @@ case $stage in
       --cases=rounds_calls,rounds_scan,seeds_vmap,seeds_loop --populations= \
       --out="$outdir/bench_engine.md" >> "$outdir/engine.log" 2>&1
     tail -n 8 "$outdir/bench_engine.md"
+    # A hyperparameter sweep as one program (target: the grid in <= 3x one run).
+    timeout 150 python3 launch/benchmark.py --model=mlp --clients=20 --examples=200 \
+      --batch_size=32 --cases=round,grid_vmap,grid_loop --populations= --repeats=3 \
+      --out="$outdir/bench_grid.md" >> "$outdir/engine.log" 2>&1
+    tail -n 6 "$outdir/bench_grid.md"
     timeout 150 python3 launch/benchmark.py --model=mlp --clients="${POPULATION_COHORT:-1000}" \
       --cases=round --populations="${POPULATIONS:-1000,10000,100000}" \
       --out="$outdir/bench_population.md" >> "$outdir/engine.log" 2>&1

@@ -123,3 +123,12 @@ def test_trace_flag_writes_a_trace_of_the_round_and_its_kernel_table(tmp_path):
   assert result['kernels']['trace'].startswith(str(tmp_path / 'trace' / 'mlp_2_auto'))
   if result['kernels']['top']:   # an accelerator: the table follows (a)'s row
     assert 'Device kernels of one traced round' in out.read_text()
+
+
+def test_grid_cases_time_a_sweep_as_one_program_and_run_by_run():
+  proc = _run('--model=mlp', '--clients=2', '--examples=8', '--batch_size=4', '--repeats=1',
+              '--unroll=false', '--grid_rates=0.01,0.1', '--seeds=2',
+              '--cases=grid_vmap,grid_loop', '--populations=')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert '2 learning rates × 2 seeds of the FedAvg round, one vmapped program' in proc.stdout
+  assert 'sweep as one program / runs one by one = ' in proc.stdout
