@@ -47,8 +47,8 @@ def test_meta_gradient_through_the_inner_step_equals_finite_differences():
     _, module, _, state, client = setup()
     params = jax.tree.map(lambda a: a.astype(jnp.float64), state.variables['params'])
     x, y = client.x[:7].astype(jnp.float64), client.y[:7]
-    loss = lambda p: outer_loss(module, p, x, y, 0.5)
-    grads = jax.grad(loss)(params)
+    loss = jax.jit(lambda p: outer_loss(module, p, x, y, 0.5))
+    grads = jax.jit(jax.grad(loss))(params)
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
     direction = treedef.unflatten([jax.random.normal(k, l.shape, jnp.float64)
