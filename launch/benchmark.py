@@ -357,6 +357,12 @@ def case_seeds(vmapped: bool):
   else:
     run = lambda: jax.block_until_ready([round_device(servers[s], clients[s], device_data,
                                                       keys[s]) for s in seeds])
+  return first_then_timed(run)
+
+
+def first_then_timed(run) -> dict:
+  """{'seconds': the median of FLAGS.repeats calls of ``run`` after a first one,
+  'times', 'compile_s': that first call (compilation plus one call)}."""
   tick = time.perf_counter()
   run()
   compile_s = time.perf_counter() - tick
@@ -401,11 +407,7 @@ def case_grid(vmapped: bool):
     rounds = [round_at(rate) for rate in rates]
     run = lambda: jax.block_until_ready([one(servers[s], clients[s], device_data, keys[s])
                                          for one in rounds for s in seeds])
-  tick = time.perf_counter()
-  run()
-  compile_s = time.perf_counter() - tick
-  median, times = timed(run, FLAGS.repeats)
-  return {'seconds': median, 'times': times, 'compile_s': compile_s}
+  return first_then_timed(run)
 
 
 def case_processes(count: int):

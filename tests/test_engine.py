@@ -419,8 +419,14 @@ def test_fedavg_ft_personalises_by_local_fine_tuning():
   assert fedavg_ft.global_model(server) is server.variables
 
 
-@pytest.mark.parametrize('impl', ['patches', 'lax_patch_grad'])
-@pytest.mark.parametrize('name', ['fedavg', 'fedbn'])
+# FedBN with patches runs by default (BatchNorm statistics and the vmapped matmul);
+# the other three pairs only with --runslow: tests/test_models.py checks both
+# implementations against lax for every model, values and gradients.
+@pytest.mark.parametrize('name,impl', [
+    ('fedbn', 'patches'),
+    pytest.param('fedbn', 'lax_patch_grad', marks=pytest.mark.slow),
+    pytest.param('fedavg', 'patches', marks=pytest.mark.slow),
+    pytest.param('fedavg', 'lax_patch_grad', marks=pytest.mark.slow)])
 def test_round_with_patch_convolutions_equals_the_grouped_convolution_round(name, impl):
   """The compiled round vmapped over clients with 'patches' convolutions (batched
   matmuls), or lax convolutions whose kernel gradient is a patch matmul

@@ -113,6 +113,15 @@ def test_two_processes_equal_one_process_with_as_many_devices(tmp_path):
   assert results(workdir, 'fedavg')['hardware']['processes'] == 2
   assert '| fedavg |' in log_of(workdir, 0) and '| fedavg |' not in log_of(workdir, 1)
   assert not os.path.exists(os.path.join(workdir, '.lock'))
+  # the files of one process's run, nothing more (checkpoints: orbax's own layout)
+  def listing(root):
+    return sorted(os.path.relpath(os.path.join(directory, name), root)
+                  for directory, _, names in os.walk(root) for name in names
+                  if 'checkpoints' not in directory and 'tensorboard' not in directory)
+  assert listing(workdir) == listing(reference)
+  events = lambda root: len([n for d, _, names in os.walk(root) for n in names  # noqa: E731
+                             if 'tfevents' in n])
+  assert events(workdir) == events(reference) == 2
   # a changed fingerprinted field: process 0 refuses, and process 1 stops naming why
   codes = wait(start_processes(workdir, '--config.client.learning_rate=0.5'))
   assert codes[0] != 0 and codes[1] != 0
