@@ -24,10 +24,6 @@ import numpy as np
 MESSAGE_BYTES = 4096
 
 
-def process_count() -> int:
-  return jax.process_count()
-
-
 def is_primary() -> bool:
   """Whether this process writes the workdir's files (process 0)."""
   return jax.process_index() == 0
@@ -48,22 +44,6 @@ def agree(error: Optional[str]) -> Optional[str]:
   if not buffer[0]:
     return None
   return bytes(buffer[1:]).rstrip(b'\0').decode(errors='replace')
-
-
-def barrier(name: str) -> None:
-  """Waits until every process reaches ``name`` (nothing with one process)."""
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices(name)
-
-
-def local(tree):
-  """``tree``'s arrays as NumPy on this host: a replicated array of the global mesh
-  read from this process's copy (evaluation runs per process on its own device)."""
-  if jax.process_count() == 1:
-    return tree
-  return jax.tree.map(lambda leaf: np.asarray(leaf) if isinstance(leaf, jax.Array) else leaf,
-                      tree)
 
 
 def open_output(path: str, mode: str = 'w'):
