@@ -33,6 +33,12 @@ def test_tiny_run_writes_table_and_metrics(tmp_path, name):
   assert [r['round'] for r in records] == [1, 2, 3]
   partition = json.load(open(tmp_path / name / 'seed_0' / 'partition.json'))
   assert partition['statistics']['train']['clients'] == 6
+  train = partition['statistics']['train']
+  assert out.preamble.startswith(
+      f"Benchmark label_skew_corrupted: {config.data.source}, partition dirichlet "
+      f"α={config.data.dirichlet_alpha}, 6 clients, {train['examples']} train examples "
+      f"({train['examples_per_client_min']}-{train['examples_per_client_max']} per client, "
+      f"seed 0), 3 rounds"), out.preamble
 
 
 def test_training_beats_chance(tmp_path):

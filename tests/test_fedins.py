@@ -392,6 +392,10 @@ def test_pipeline_pretrains_once_starts_every_method_from_it_and_prints_table_1(
             and k.endswith('/purity')]   # the domains with test examples in this draw
   assert len(purity) >= 2 and all(0 <= v <= 1 for v in purity)
   assert not any(k.startswith('fedins/') for k in results['fedavg']['metrics'])
+  # The preamble describes the clients the benchmark built (3 of 12-20 images), not the
+  # label-skew fields of config.data that mixed_domains does not read.
+  assert out.preamble.startswith('Benchmark mixed_domains: 3 clients, 48 train examples '
+                                 '(12-20 per client, seed 0), 2 rounds'), out.preamble
   table = out.records['paper_tables']
   assert '# Com.cost' in table and '| FedIns |' in table and '| FedAvg (w.Full) |' in table
   for domain in config.data.domains:

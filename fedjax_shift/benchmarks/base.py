@@ -4,7 +4,9 @@ partitioning it, checking those ``config.data`` fields).
 
 A benchmark is a function ``(data_config, seed) -> Benchmark`` registered with the
 ``config.data`` fields it adds (``defaults``), a ``check(data_config)`` that raises
-naming ``config.data.<field>``, and ``pipelines``: the run loops it feeds.
+naming ``config.data.<field>``, ``pipelines``: the run loops it feeds, and
+``partitioned=True`` when it deals a pooled ``data.source`` to clients by
+``data.partition`` (the results' preamble then names both).
 ``DATA_DEFAULTS`` are the fields every benchmark may read.
 """
 from __future__ import annotations

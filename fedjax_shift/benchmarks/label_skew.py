@@ -180,7 +180,7 @@ def mixture(test_sets, rng: np.random.Generator):
     'natural_source': NATURAL_SOURCE,
     'ooc_source': one_of(*OOC_SOURCES),
     'corruption_draw': one_of(*CORRUPTION_DRAWS),
-}, check=check, pipelines=('federated',))
+}, check=check, pipelines=('federated',), partitioned=True)
 def label_skew_corrupted(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   """Label-skewed clients evaluated on clean and corrupted test splits (FedTHE-style).
 

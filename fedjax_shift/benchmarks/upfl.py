@@ -172,7 +172,7 @@ def rotated(xs, angles):
     'sample_examples': NONNEGATIVE_INT,           # 0: every example of the source
     'public_source': one_of(*PUBLIC_SOURCES),
     'public_examples': NONNEGATIVE_INT,           # >= 1 with a public_source (check)
-}, check=check, pipelines=('federated', 'hetero'))
+}, check=check, pipelines=('federated', 'hetero'), partitioned=True)
 def upfl(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   rng = np.random.default_rng([seed, 19])
   src = load_source(data_config)

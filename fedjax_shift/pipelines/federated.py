@@ -842,6 +842,27 @@ def backbone_for(config: ml_collections.ConfigDict, workdir: str) -> Optional[di
                                    jnp.asarray(bench.splits['train'].x[0, :1]))
 
 
+def data_summary(config: ml_collections.ConfigDict, run_dirs: Dict[str, List[str]]) -> str:
+  """'<benchmark>: <clients> clients, <examples> train examples (<min>-<max> per
+  client)' as the first run's partition.json recorded them (seed 0's data), preceded by
+  the source and partition for a benchmark that deals a pooled source by
+  ``data.partition``."""
+  data = config.data
+  text = data.benchmark
+  if BENCHMARKS.meta(data.benchmark).get('partitioned'):
+    alpha = f' α={data.dirichlet_alpha}' if data.partition == 'dirichlet' else ''
+    text += f': {data.source}, partition {data.partition}{alpha}'
+  first = next((dirs[0] for dirs in run_dirs.values() if dirs), None)
+  path = first and os.path.join(first, 'partition.json')
+  if path and os.path.exists(path):
+    with open(path) as f:
+      train = json.load(f)['statistics']['train']
+    text += (f"{',' if ':' in text else ':'} {train['clients']} clients, {train['examples']} "
+             f"train examples ({train['examples_per_client_min']}-"
+             f"{train['examples_per_client_max']} per client, seed {config.seeds[0]})")
+  return text
+
+
 @PIPELINES.register('federated', check=check, run_dirs=run_dirs)
 def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   """Every method × seed of ``config`` (validated by ``pipelines.run``); writes
@@ -886,12 +907,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   if selected:
     table = report.with_selected_points(table, {name: sweep.point_name(
         sweep.method_points(config, name)[index]) for name, (index, _) in selected.items()})
-  preamble = (f"Benchmark {config.data.benchmark}: {config.data.source}, "
-              f"{config.data.num_clients} clients, partition {config.data.partition}"
-              f"{' α=' + str(config.data.dirichlet_alpha) if config.data.partition == 'dirichlet' else ''}, "
-              f"{config.rounds} rounds, cohort {config.cohort_size}; accuracy (%) mean ± std "
-              f"over seeds {tuple(config.seeds)}; hardware: {info['device_kind']} "
-              f"({info['backend']}).")
+  preamble = (f"Benchmark {data_summary(config, run_dirs)}, {config.rounds} rounds, cohort "
+              f"{config.cohort_size}; accuracy (%) mean ± std over seeds {tuple(config.seeds)}; "
+              f"hardware: {info['device_kind']} ({info['backend']}).")
   files = ((report.write_csv(table, os.path.join(workdir, 'results.csv')),
             report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png')))
            if distributed.is_primary() else ())
