@@ -624,3 +624,28 @@ def test_cifar100_variant_deals_ten_images_per_class_and_tests_on_the_test_split
   config.data.source = 'mnist_embedded'
   with pytest.raises(ValueError, match='data.test_split'):
     BENCHMARKS.check('small_clients', config.data, 'config.data', known_fields_only=False)
+
+
+def test_settings_report_puts_each_workdir_in_a_column_with_the_papers_number(tmp_path):
+  """Two settings: FedAvg and FedIns at batch 32 (2 seeds), FedIns alone with the head
+  pool (1 seed). Binary fractions, so the means are exact: FedIns (0.5, 0.75) →
+  62.50 ± 12.50; a method a workdir did not run is '—'; the paper's Table 1 number
+  (FedIns 83.12, FedAvg 80.02) last."""
+  from fedjax_shift.papers.fedins import tables
+  runs = {'batch32': {'fedavg': (0.625, 0.625), 'fedins': (0.5, 0.75)},
+          'head_pool': {'fedins': (0.25,)}}
+  workdirs = []
+  for setting, methods in runs.items():
+    workdir = tmp_path / setting
+    for method, accuracies in methods.items():
+      for seed, accuracy in enumerate(accuracies):
+        (workdir / method / f'seed_{seed}').mkdir(parents=True)
+        (workdir / method / f'seed_{seed}' / 'results.json').write_text(json.dumps(
+            {'algorithm': method, 'seed': seed,
+             'metrics': {'global/test/accuracy': accuracy}}))
+    workdirs.append(str(workdir))
+  text = tables.settings_from_workdirs(workdirs, ['batch 32', 'head pool'])
+  assert '| Method | batch 32 | head pool | paper: Test (all domains) | seeds |' in text
+  assert '| FedAvg (w.Full) | 62.50 ± 0.00 | — | 80.02 | 2 |' in text
+  assert '| FedIns | 62.50 ± 12.50 | 25.00 | 83.12 | 1 / 2 |' in text
+  assert 'SOLO' not in text   # rows no workdir ran are left out

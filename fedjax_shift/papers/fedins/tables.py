@@ -104,6 +104,33 @@ def paper_key(data_config) -> str:
   return {'tfds:cifar100': 'Table 1 (CIFAR-100)'}.get(source, 'Table 1 (Tiny-ImageNet)')
 
 
+def settings_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
+  """The same rows under several settings side by side (e.g. the paper's batch-32
+  schedule, the authors' one step per image, the head pool): one column per workdir
+  (``labels`` name the settings) of the pooled test accuracy (%) at the last round, mean ±
+  std over seeds, '—' where a workdir did not run the row's method; the paper's Table 1
+  number last."""
+  runs = load_runs(workdirs, labels)
+  numbers_rows = numbers.PAPER_NUMBERS['Table 1 (DomainNet)']['rows']
+  header = ['Method'] + list(runs) + ['paper: Test (all domains)', 'seeds']
+  rows = []
+  for label, method, model in FEDINS_ROWS:
+    cells, seeds = [], set()
+    for results in runs.values():
+      mine = [r for r in results if r['algorithm'] == method]
+      if mine:
+        cells.append(mean_std([r['metrics'].get(f'{model}/test/accuracy') for r in mine]))
+        seeds.add(len(mine))
+      else:
+        cells.append('—')
+    if any(cell != '—' for cell in cells):
+      paper = numbers_rows.get(label, {}).get('Test (all domains)')
+      rows.append([label] + cells + ['—' if paper is None else f'{paper:.2f}',
+                                     ' / '.join(str(n) for n in sorted(seeds))])
+  return ('FedIns settings side by side: pooled test accuracy (%) at the last round, mean ± '
+          'std over seeds, one column per workdir\n\n' + markdown(header, rows))
+
+
 # The backbone study: FedIns against the methods it is compared with, per test domain.
 BACKBONE_BASELINES = (('fedavg', 'FedAvg'), ('fedins_ssf', 'SSF'))
 
@@ -164,6 +191,8 @@ def plot_backbones(coverages: Sequence[str], splits: Sequence[str], means: Dict,
 
 PAPER_TABLES.register('fedins_backbones', pipelines=('federated',))(
     PaperTable(None, backbones_from_workdirs, needs=('/test/accuracy',)))
+PAPER_TABLES.register('fedins_settings', pipelines=('federated',))(
+    PaperTable(None, settings_from_workdirs, needs=('/test/accuracy',)))
 PAPER_TABLES.register('fedins', pipelines=('federated',))(
     PaperTable(lambda config, records: fedins_tables(config, records['results']), None,
                needs=('/test/accuracy',)))
