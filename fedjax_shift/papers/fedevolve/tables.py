@@ -167,6 +167,25 @@ def straggler_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ())
                         numbers.PAPER_NUMBERS['Table 6'], numbers.CLAIMS)
 
 
+def personalization_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
+  """Table 8: FedEvp's personalisation ablation, one row per workdir (a FedEvp run; the
+  row is named by its ``fedevp.personalize``, so ``labels`` name the dataset column,
+  'MNIST Acc' by default): the clients' mean accuracy on their target data."""
+  column = (list(labels) or ['MNIST Acc'])[0]
+  names = dict(numbers.PERSONALIZATION_ROWS)
+  rows = []
+  for workdir in workdirs:
+    mode = run_config(workdir).fedevp.personalize
+    runs = [r for r in load_runs([workdir])[os.path.basename(os.path.normpath(workdir))]
+            if r['algorithm'] == 'fedevp']
+    if not runs:
+      raise ValueError(f'{workdir!r} holds no fedevp run')
+    rows.append([names[mode], mean_std([r['metrics'].get('personalized/test/client_accuracy')
+                                        for r in runs]), seeds_cell(runs)])
+  return paper_markdown(['Method', column, 'seeds'], rows, numbers.PAPER_NUMBERS['Table 8'],
+                        numbers.PERSONALIZATION_CLAIMS)
+
+
 def increments_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
   """Figure 3: one Client/Server column pair per rotation increment (one workdir per
   ``increment<deg>`` run; labels: the increments in degrees, e.g. '0,5,10,15,20,25'),
@@ -208,5 +227,7 @@ PAPER_TABLES.register('fedevolve', pipelines=('federated',))(
                from_workdirs, needs=('/client_accuracy',)))
 PAPER_TABLES.register('fedevolve_straggler', pipelines=('federated',))(
     PaperTable(None, straggler_from_workdirs, needs=('/client_accuracy',)))
+PAPER_TABLES.register('fedevolve_personalization', pipelines=('federated',))(
+    PaperTable(None, personalization_from_workdirs, needs=('/client_accuracy',)))
 PAPER_TABLES.register('fedevolve_increments', pipelines=('federated',))(
     PaperTable(None, increments_from_workdirs, needs=('/client_accuracy',)))
