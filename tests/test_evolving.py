@@ -823,3 +823,38 @@ def test_personalization_report_names_each_row_by_its_mode_beside_table_8(tmp_pa
   assert lines[1].startswith('| FedEvp | 81.25 ± 6.25 | 83.15 | 2 | > FedEvp w/o '
                              'personalization ✓; > FedEvp personalize all ✓')
   assert lines[2] == '| FedEvp personalize all | 62.50 ± 0.00 | 73.06 | 2 | — |'
+
+
+def test_unexpected_report_rows_are_method_and_target_angle_beside_table_13(tmp_path):
+  """Table 13 from three workdirs: Dir=inf at offsets 0 and 20 (targets 110°, 130°, read
+  off each config) and Dir=1.0 at offset 0; Client = personalized client accuracy,
+  Server = global accuracy (binary fractions, exact); a cell no workdir ran is 'n/a'."""
+  import json
+  from configs import fedevolve as fedevolve_config
+  from fedjax_shift.papers.fedevolve import tables
+  workdirs = []
+  for variant, client, server in (('rmnist_dirinf,mlp,unexpected0', 0.75, 0.5),
+                                  ('rmnist_dirinf,mlp,unexpected20', 0.5, 0.25),
+                                  ('rmnist_dir1.0,mlp,unexpected0', 0.625, 0.375)):
+    config = fedevolve_config.get_config(variant)
+    workdir = tmp_path / variant.replace(',', '_')
+    workdir.mkdir()
+    (workdir / 'config.json').write_text(json.dumps(config.to_dict()))
+    for method in ('fedavg', 'fedevolve'):
+      (workdir / method / 'seed_0').mkdir(parents=True)
+      gain = 0.125 if method == 'fedevolve' else 0.0
+      (workdir / method / 'seed_0' / 'results.json').write_text(json.dumps(
+          {'algorithm': method, 'seed': 0,
+           'metrics': {'personalized/test/client_accuracy': client + gain,
+                       'global/test/accuracy': server}}))
+    workdirs.append(str(workdir))
+  text = tables.unexpected_from_workdirs(workdirs, ['Dir=inf', 'Dir=inf', 'Dir=1.0'])
+  assert ('| Method | Dir=inf Client | paper: Dir=inf Client | Dir=inf Server | paper: Dir=inf '
+          'Server | Dir=1.0 Client |') in text
+  rows = [line for line in text.splitlines() if line.startswith('| Fed')]
+  assert [row.split(' |')[0] for row in rows] == ['| FedAvg (110°)', '| FedAvg (130°)',
+                                                 '| FedEvolve (110°)', '| FedEvolve (130°)']
+  assert rows[0].startswith('| FedAvg (110°) | 75.00 | 80.96 | 50.00 | 80.92 | 62.50 | 79.41 '
+                            '| 37.50 | 81.63 |')
+  assert rows[1].startswith('| FedAvg (130°) | 50.00 | 50.53 | 25.00 | 51.04 | n/a | 48.64 |')
+  assert '> FedAvg (110°) ✓' in rows[2] and '> FedAvg (130°) ✓' in rows[3]

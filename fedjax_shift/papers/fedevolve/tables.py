@@ -12,9 +12,9 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from fedjax_shift.papers.fedevolve import numbers
-from fedjax_shift.report import (PAPER_TABLES, PaperTable, cell_value, load_runs, markdown,
-                                 mean_std, new_plot, paper_markdown, run_config, save_plot,
-                                 seeds_cell)
+from fedjax_shift.report import (PAPER_TABLES, PaperTable, cell_value, column_labels, load_runs,
+                                 markdown, mean_std, new_plot, paper_markdown, run_config,
+                                 save_plot, seeds_cell)
 
 # The paper's table that a benchmark's run is a column of (numbers.PAPER_NUMBERS keys).
 TIMED_SOURCES = {'portraits': 'Portraits', 'caltran': 'Caltran'}
@@ -186,6 +186,44 @@ def personalization_from_workdirs(workdirs: Sequence[str], labels: Sequence[str]
                         numbers.PERSONALIZATION_CLAIMS)
 
 
+def target_angle(config) -> float:
+  """The target domain's rotation (degrees) of a rotated_digits config."""
+  data = config.data
+  return data.rotation_start + (data.num_domains - 1) * data.rotation_step + data.target_offset
+
+
+UNEXPECTED_METHODS = (('FedAvg', 'fedavg'), ('FedEvolve', 'fedevolve'), ('FedEvp', 'fedevp'))
+
+
+def unexpected_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
+  """App. Table 13: one workdir per (Dirichlet level, target offset), i.e. configs
+  ``rmnist_dir<α>,unexpected<offset>``; ``labels`` name each workdir's column group
+  ('Dir=inf', 'Dir=1.0', 'Dir=0.1', repeated for its offsets); the rows are
+  'Method (target angle)' read off each config, with Client and Server accuracy."""
+  groups, cells = [], {}
+  for workdir, label in zip(workdirs, column_labels(workdirs, labels)):
+    results = load_runs([workdir])[os.path.basename(os.path.normpath(workdir))]
+    angle = target_angle(run_config(workdir))
+    groups += [] if label in groups else [label]
+    for name, method in UNEXPECTED_METHODS:
+      mine = [r for r in results if r['algorithm'] == method]
+      if mine:
+        row = cells.setdefault(f'{name} ({angle:g}°)', {})
+        row[f'{label} Client'] = mean_std([r['metrics'].get('personalized/test/client_accuracy')
+                                           for r in mine])
+        row[f'{label} Server'] = mean_std([r['metrics'].get('global/test/accuracy')
+                                           for r in mine])
+        row['seeds'] = sorted(set(row.get('seeds', [])) | {seeds_cell(mine)})
+  header = ['Method'] + [f'{g} {kind}' for g in groups for kind in ('Client', 'Server')]
+  order = sorted(cells, key=lambda row: ([n for n, _ in UNEXPECTED_METHODS].index(
+      row.split(' (')[0]), float(row.split('(')[1].rstrip('°)'))))
+  rows = [[row] + [cells[row].get(column, 'n/a') for column in header[1:]] +
+          [' / '.join(cells[row]['seeds'])] for row in order]
+  return ('FedEvolve App. Table 13 layout: the target rotated off the schedule\n\n' +
+          paper_markdown(header + ['seeds'], rows, numbers.PAPER_NUMBERS['Table 13'],
+                         numbers.UNEXPECTED_CLAIMS))
+
+
 def increments_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
   """Figure 3: one Client/Server column pair per rotation increment (one workdir per
   ``increment<deg>`` run; labels: the increments in degrees, e.g. '0,5,10,15,20,25'),
@@ -229,5 +267,7 @@ PAPER_TABLES.register('fedevolve_straggler', pipelines=('federated',))(
     PaperTable(None, straggler_from_workdirs, needs=('/client_accuracy',)))
 PAPER_TABLES.register('fedevolve_personalization', pipelines=('federated',))(
     PaperTable(None, personalization_from_workdirs, needs=('/client_accuracy',)))
+PAPER_TABLES.register('fedevolve_unexpected', pipelines=('federated',))(
+    PaperTable(None, unexpected_from_workdirs, needs=('/client_accuracy',)))
 PAPER_TABLES.register('fedevolve_increments', pipelines=('federated',))(
     PaperTable(None, increments_from_workdirs, needs=('/client_accuracy',)))
