@@ -10,9 +10,18 @@ optimisation off: its programs are tiny and compile-bound, and XLA:CPU's optimis
 passes took most of their time (one pipeline test: 228 s at the default level, 100 s
 at level 0, same results). Set ``--xla_backend_optimization_level`` in XLA_FLAGS
 yourself to choose another level.
+
+The suite's programs are also kept in a persistent compilation cache shared by the
+xdist workers of one run (a fresh directory per run, removed at its end): tests that
+build the same round from the same config shapes compile it once (measured on
+test_experiment, test_vmap_seeds and test_sweep: 39 of 81 programs taking over a second
+were cache hits, 63 s of 159 s of XLA compilation saved). Set
+JAX_COMPILATION_CACHE_DIR to use a directory of your own instead.
 """
 import importlib.util
 import os
+import shutil
+import tempfile
 
 ACCELERATOR_PLUGINS = ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jax_rocm60_plugin', 'libtpu')
 
@@ -32,6 +41,14 @@ import pytest  # noqa: E402
 
 jax.config.update('jax_default_matmul_precision', 'highest')
 
+# One cache directory per test run, named by the first process to load this file (the
+# xdist controller, whose environment its workers inherit, or the only process).
+OWN_CACHE = not os.environ.get('JAX_COMPILATION_CACHE_DIR')
+RUN_CACHE = os.environ.setdefault('FEDJAX_SHIFT_TESTS_RUN_CACHE', os.path.join(
+    tempfile.gettempdir(), f'fedjax_shift_tests_jax_cache_{os.getpid()}'))
+if OWN_CACHE:
+  jax.config.update('jax_compilation_cache_dir', RUN_CACHE)
+
 
 def pytest_addoption(parser):
   parser.addoption('--runslow', action='store_true', default=False,
@@ -45,3 +62,10 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if 'slow' in item.keywords:
       item.add_marker(skip)
+
+
+def pytest_sessionfinish(session):
+  """The run's cache directory is removed by the process that owns the run (the xdist
+  controller, or the only process)."""
+  if OWN_CACHE and not hasattr(session.config, 'workerinput'):
+    shutil.rmtree(RUN_CACHE, ignore_errors=True)
