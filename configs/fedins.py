@@ -61,6 +61,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.model = vit_model()
   c.backbone.weights = 'pretrain'
   c.cohort_size = 5                   # every client every round
+  c.weighting = 'num_examples'        # Eq. 8: weighted by |D_k| (the authors' code: uniform)
   c.rounds = 30
   c.eval_every = 5
   c.client.optimizer = 'sgd'
