@@ -827,8 +827,9 @@ def test_personalization_report_names_each_row_by_its_mode_beside_table_8(tmp_pa
 
 def test_unexpected_report_rows_are_method_and_target_angle_beside_table_13(tmp_path):
   """Table 13 from three workdirs: Dir=inf at offsets 0 and 20 (targets 110°, 130°, read
-  off each config) and Dir=1.0 at offset 0; Client = personalized client accuracy,
-  Server = global accuracy (binary fractions, exact); a cell no workdir ran is 'n/a'."""
+  off each config) and Dir=1.0 at offset 0; Client = the clients' mean accuracy with the
+  model Table 1 uses (FedAvg's global one, FedEvolve's personalised one), Server =
+  global accuracy (binary fractions, exact); a cell no workdir ran is 'n/a'."""
   import json
   from configs import fedevolve as fedevolve_config
   from fedjax_shift.papers.fedevolve import tables
@@ -843,9 +844,10 @@ def test_unexpected_report_rows_are_method_and_target_angle_beside_table_13(tmp_
     for method in ('fedavg', 'fedevolve'):
       (workdir / method / 'seed_0').mkdir(parents=True)
       gain = 0.125 if method == 'fedevolve' else 0.0
+      client_model = 'global' if method == 'fedavg' else 'personalized'
       (workdir / method / 'seed_0' / 'results.json').write_text(json.dumps(
           {'algorithm': method, 'seed': 0,
-           'metrics': {'personalized/test/client_accuracy': client + gain,
+           'metrics': {f'{client_model}/test/client_accuracy': client + gain,
                        'global/test/accuracy': server}}))
     workdirs.append(str(workdir))
   text = tables.unexpected_from_workdirs(workdirs, ['Dir=inf', 'Dir=inf', 'Dir=1.0'])

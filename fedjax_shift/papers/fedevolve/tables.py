@@ -192,31 +192,32 @@ def target_angle(config) -> float:
   return data.rotation_start + (data.num_domains - 1) * data.rotation_step + data.target_offset
 
 
-UNEXPECTED_METHODS = (('FedAvg', 'fedavg'), ('FedEvolve', 'fedevolve'), ('FedEvp', 'fedevp'))
+UNEXPECTED_METHODS = ('FedAvg', 'FedEvolve', 'FedEvp')   # rows of EVOLVING_ROWS
 
 
 def unexpected_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
   """App. Table 13: one workdir per (Dirichlet level, target offset), i.e. configs
   ``rmnist_dir<α>,unexpected<offset>``; ``labels`` name each workdir's column group
   ('Dir=inf', 'Dir=1.0', 'Dir=0.1', repeated for its offsets); the rows are
-  'Method (target angle)' read off each config, with Client and Server accuracy."""
+  'Method (target angle)' read off each config, with Client and Server accuracy as in
+  Table 1 (EVOLVING_ROWS: FedAvg's Client column is its global model per client)."""
   groups, cells = [], {}
   for workdir, label in zip(workdirs, column_labels(workdirs, labels)):
     results = load_runs([workdir])[os.path.basename(os.path.normpath(workdir))]
     angle = target_angle(run_config(workdir))
     groups += [] if label in groups else [label]
-    for name, method in UNEXPECTED_METHODS:
+    for name, method, client_model, server_model in EVOLVING_ROWS:
       mine = [r for r in results if r['algorithm'] == method]
-      if mine:
+      if name in UNEXPECTED_METHODS and mine:
         row = cells.setdefault(f'{name} ({angle:g}°)', {})
-        row[f'{label} Client'] = mean_std([r['metrics'].get('personalized/test/client_accuracy')
-                                           for r in mine])
-        row[f'{label} Server'] = mean_std([r['metrics'].get('global/test/accuracy')
+        row[f'{label} Client'] = mean_std([r['metrics'].get(
+            f'{client_model}/test/client_accuracy') for r in mine])
+        row[f'{label} Server'] = mean_std([r['metrics'].get(f'{server_model}/test/accuracy')
                                            for r in mine])
         row['seeds'] = sorted(set(row.get('seeds', [])) | {seeds_cell(mine)})
   header = ['Method'] + [f'{g} {kind}' for g in groups for kind in ('Client', 'Server')]
-  order = sorted(cells, key=lambda row: ([n for n, _ in UNEXPECTED_METHODS].index(
-      row.split(' (')[0]), float(row.split('(')[1].rstrip('°)'))))
+  order = sorted(cells, key=lambda row: (UNEXPECTED_METHODS.index(row.split(' (')[0]),
+                                         float(row.split('(')[1].rstrip('°)'))))
   rows = [[row] + [cells[row].get(column, 'n/a') for column in header[1:]] +
           [' / '.join(cells[row]['seeds'])] for row in order]
   return ('FedEvolve App. Table 13 layout: the target rotated off the schedule\n\n' +
