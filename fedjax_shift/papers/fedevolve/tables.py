@@ -167,6 +167,11 @@ def straggler_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ())
                         numbers.PAPER_NUMBERS['Table 6'], numbers.CLAIMS)
 
 
+def runs_of(workdir: str) -> List[Dict]:
+  """The per (method, seed) results of one finished workdir."""
+  return next(iter(load_runs([workdir]).values()))
+
+
 def personalization_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
   """Table 8: FedEvp's personalisation ablation, one row per workdir (a FedEvp run; the
   row is named by its ``fedevp.personalize``, so ``labels`` name the dataset column,
@@ -176,8 +181,7 @@ def personalization_from_workdirs(workdirs: Sequence[str], labels: Sequence[str]
   rows = []
   for workdir in workdirs:
     mode = run_config(workdir).fedevp.personalize
-    runs = [r for r in load_runs([workdir])[os.path.basename(os.path.normpath(workdir))]
-            if r['algorithm'] == 'fedevp']
+    runs = [r for r in runs_of(workdir) if r['algorithm'] == 'fedevp']
     if not runs:
       raise ValueError(f'{workdir!r} holds no fedevp run')
     rows.append([names[mode], mean_std([r['metrics'].get('personalized/test/client_accuracy')
@@ -203,7 +207,7 @@ def unexpected_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()
   Table 1 (EVOLVING_ROWS: FedAvg's Client column is its global model per client)."""
   groups, cells = [], {}
   for workdir, label in zip(workdirs, column_labels(workdirs, labels)):
-    results = load_runs([workdir])[os.path.basename(os.path.normpath(workdir))]
+    results = runs_of(workdir)
     angle = target_angle(run_config(workdir))
     groups += [] if label in groups else [label]
     for name, method, client_model, server_model in EVOLVING_ROWS:
