@@ -848,19 +848,19 @@ def data_summary(config: ml_collections.ConfigDict, run_dirs: Dict[str, List[str
   the source and partition for a benchmark that deals a pooled source by
   ``data.partition``."""
   data = config.data
-  text = data.benchmark
+  parts = []
   if BENCHMARKS.meta(data.benchmark).get('partitioned'):
     alpha = f' α={data.dirichlet_alpha}' if data.partition == 'dirichlet' else ''
-    text += f': {data.source}, partition {data.partition}{alpha}'
+    parts += [data.source, f'partition {data.partition}{alpha}']
   first = next((dirs[0] for dirs in run_dirs.values() if dirs), None)
   path = first and os.path.join(first, 'partition.json')
   if path and os.path.exists(path):
     with open(path) as f:
       train = json.load(f)['statistics']['train']
-    text += (f"{',' if ':' in text else ':'} {train['clients']} clients, {train['examples']} "
-             f"train examples ({train['examples_per_client_min']}-"
-             f"{train['examples_per_client_max']} per client, seed {config.seeds[0]})")
-  return text
+    parts += [f"{train['clients']} clients", f"{train['examples']} train examples "
+              f"({train['examples_per_client_min']}-{train['examples_per_client_max']} per "
+              f"client, seed {config.seeds[0]})"]
+  return f"{data.benchmark}: {', '.join(parts)}" if parts else data.benchmark
 
 
 @PIPELINES.register('federated', check=check, run_dirs=run_dirs)
