@@ -56,7 +56,7 @@ Variants (comma-separated):
 Paper settings kept (Appendix D): RMNIST 20 clients, batch 32, SGD weight decay
 5e-4, 10 local epochs, 50 rounds, CNN of 4 conv + GroupNorm(8) + 2 linear (hidden
 64); Circle 10 clients, batch 32, Adam weight decay 5e-4, 5 local epochs, MLP
-2-256-256-256 features. Learning rates: the paper searched a range per method; we
+2-256-256-256 features and a 256-64-2 classifier. Learning rates: the paper searched a range per method; we
 use one value from its range per dataset (RMNIST SGD 0.1, Circle Adam 1e-4).
 Every client takes part in every round (the paper leaves the ratio r open).
 On 5,000 embedded digits each RMNIST domain holds ~417 images (~21 per client).
@@ -121,7 +121,9 @@ def _dataset(c: ml_collections.ConfigDict, match) -> None:
     c.data.num_domains = 30         # Circle: 30 domains
     c.data.num_clients = 10         # App. D: 10 clients
     c.cohort_size = 10
-    c.model = ml_collections.ConfigDict({'name': 'mlp', 'hidden': (256, 256, 256)})
+    # App. C.2: representation 2×256, 256×256, 256×256; classifier 256×64, 64×2.
+    c.model = ml_collections.ConfigDict({'name': 'mlp', 'hidden': (256, 256, 256),
+                                         'head_hidden': (64,)})
     c.client.optimizer = 'adam'     # App. D: Adam, weight decay 5e-4, 5 epochs
     c.client.learning_rate = 1e-4
     c.client.local_epochs = 5
@@ -209,6 +211,7 @@ def _tiny(c: ml_collections.ConfigDict, match) -> None:
   c.adapters.memo.num_steps = 1
   if c.data.benchmark == 'circle':
     c.model.hidden = (16,)
+    c.model.head_hidden = (8,)
 
 
 VARIANTS = (

@@ -170,13 +170,18 @@ def test_t3a_merge_keeps_the_lowest_entropy_supports_per_class():
   np.testing.assert_allclose(supports.entropy[0], [0.1, 0.2])
 
 
-def test_t3a_with_only_warmup_supports_predicts_with_normalised_head_weights():
-  module, variables, _ = setup('mlp')
+@pytest.mark.parametrize('head_hidden', [(), (5,)])
+def test_t3a_with_only_warmup_supports_predicts_with_normalised_head_weights(head_hidden):
+  """z · normalise(w_c) for the head's weight vectors w_c. With hidden layers in the
+  head, z is what its final linear layer reads (5-wide here, the encoder output 8)."""
+  module = models.MODELS.get('mlp')(NUM_CLASSES, hidden=(8,), head_hidden=head_hidden)
+  variables = models.init(module, jax.random.key(0), jnp.zeros((1, 4, 4, 1)))
   adapter = t3a(module, filter_k=1)
   state = adapter.init(variables, jax.random.key(0))
+  chex.assert_shape(state[1].features, (NUM_CLASSES, 1, (head_hidden or (8,))[-1]))
   x = jnp.asarray(np.random.default_rng(0).random((4, 4, 4, 1)), jnp.float32)
   _, logits = adapter.step(state, AdaptBatch(x, jnp.zeros(4)))  # nothing joins
-  features = models.features(module, variables, x)
+  features = models.head_hidden(variables, models.features(module, variables, x))
   kernel = variables['params']['head']['kernel']
   supports, _ = state[1]
   valid = np.isfinite(np.asarray(state[1].entropy[:, 0]))

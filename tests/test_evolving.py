@@ -479,7 +479,8 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
   # update pytrees (FedEvolve uploads φ and ψ and its C×F prototype sums).
   uploads = {r['algorithm']: r['uploaded_by_part'] for r in out.records['results']}
   assert uploads['fedevolve']['params'] == 2 * (2 * 16 + 16)   # φ and ψ: Dense 2→16 each
-  assert uploads['fedavg_ft']['params'] == 2 * 16 + 16 + 16 * 2 + 2
+  # FedAvg-FT: the encoder 2→16 and App. C.2's two-layer classifier, 16→8→2 here.
+  assert uploads['fedavg_ft']['params'] == (2 * 16 + 16) + (16 * 8 + 8) + (8 * 2 + 2)
   # The C×F prototype sums of S_M (2 classes × 16 features) and the C counts.
   assert uploads['fedevolve']['proto_sums'] + uploads['fedevolve']['proto_counts'] == 34
   for result in out.records['results']:
@@ -670,32 +671,47 @@ def test_fedevolve_cnn_cpu_variant_server_not_below_fedavg(tmp_path):
   assert server['fedavg'] > 0.3, server   # both really trained (chance is 10 %)
 
 
-def test_fedevp_personalises_the_last_layer_the_model_defines_on_tree_mapped_state():
+@pytest.mark.parametrize('model,shape,sorted_last,last', [
+    ({'name': 'evolve_cnn'}, (8, 8, 1), 'GroupNorm_3', 'Dense_0'),
+    # App. C.2's Circle MLP: the classifier is both head layers (256×64, 64×2).
+    ({'name': 'mlp', 'hidden': (256, 256, 256), 'head_hidden': (64,)}, (2,), 'Dense_2',
+     'Dense_2'),
+])
+def test_fedevp_personalises_the_last_layer_the_model_defines_on_tree_mapped_state(
+    model, shape, sorted_last, last):
   """FedEvp fine-tunes the classifier and the encoder's last layer. On evolve_cnn the
   encoder's keys sort as Conv_0…Conv_3, Dense_0, GroupNorm_0…GroupNorm_3 after any tree
   map; the last layer is Dense_0 all the same (models.layer_order), and only it and
-  the head move."""
+  the head (every layer of it) move."""
   from fedjax_shift.benchmarks.evolving import domain_blocks
   rng = np.random.default_rng(0)
-  domains_x = [rng.normal(size=(40, 8, 8, 1)).astype(np.float32) for _ in range(3)]
+  domains_x = [rng.normal(size=(40, *shape)).astype(np.float32) for _ in range(3)]
   domains_y = [rng.integers(0, 3, 40) for _ in range(3)]
   train, _, size = domain_blocks(domains_x, domains_y, 2, 2, float('inf'), rng)
   config = circle_config()
-  config.model = ml_collections.ConfigDict({'name': 'evolve_cnn'})
+  config.model = ml_collections.ConfigDict(model)
   module = models.create(config.model, 3)
   algorithm = algorithms.build('fedevp', config, module, train.max_examples,
                                {'num_domains': 2, 'domain_size': size})
   state = algorithm.init(jax.random.key(0), jnp.asarray(train.x[0, :1]))
   state = jax.tree.map(lambda leaf: leaf, state)
-  assert list(state.variables['params']['encoder'])[-1] == 'GroupNorm_3'
+  assert list(state.variables['params']['encoder'])[-1] == sorted_last
   one = ClientData(*(jnp.asarray(a[0]) for a in train), jnp.int32(NO_STEP_LIMIT))
-  tuned = algorithm.personalize(state, (), one, jax.random.key(2))['params']
   before = state.variables['params']
-  changed = {f'{part}/{layer}' for part in ('encoder',) for layer in tuned[part]
-             if not all(np.array_equal(a, b) for a, b in zip(
-                 jax.tree.leaves(tuned[part][layer]), jax.tree.leaves(before[part][layer])))}
-  assert changed == {'encoder/Dense_0'}
-  assert not np.array_equal(tuned['head']['kernel'], before['head']['kernel'])
+
+  def moved(tuned):
+    """The encoder layers that changed, and whether every head leaf changed."""
+    layers = {f'encoder/{layer}' for layer in tuned['encoder']
+              if not all(np.array_equal(a, b) for a, b in zip(
+                  jax.tree.leaves(tuned['encoder'][layer]),
+                  jax.tree.leaves(before['encoder'][layer])))}
+    heads = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(tuned['head']),
+                                                       jax.tree.leaves(before['head']))]
+    assert all(heads) or not any(heads)
+    return layers, all(heads)
+
+  tuned = algorithm.personalize(state, (), one, jax.random.key(2))['params']
+  assert moved(tuned) == ({f'encoder/{last}'}, True)
   # Table 8's other choices: the classifier only, everything, nothing.
   layers = {f'encoder/{layer}' for layer in before['encoder']}
   for personalize, expected, head_moves in (('classifier', set(), True),
@@ -704,12 +720,7 @@ def test_fedevp_personalises_the_last_layer_the_model_defines_on_tree_mapped_sta
     other = algorithms.build('fedevp', config, module, train.max_examples,
                              {'num_domains': 2, 'domain_size': size})
     tuned = other.personalize(state, (), one, jax.random.key(2))['params']
-    changed = {f'encoder/{layer}' for layer in tuned['encoder']
-               if not all(np.array_equal(a, b) for a, b in zip(
-                   jax.tree.leaves(tuned['encoder'][layer]),
-                   jax.tree.leaves(before['encoder'][layer])))}
-    assert changed == expected, personalize
-    assert (not np.array_equal(tuned['head']['kernel'], before['head']['kernel'])) == head_moves
+    assert moved(tuned) == (expected, head_moves), personalize
 
 
 def test_domainbed_trunk_gives_fedevolve_table_7_parameter_count():

@@ -30,6 +30,37 @@ def test_encoder_head_split_and_module_count(name, shape, modules):
   np.testing.assert_allclose(head, logits, rtol=1e-5, atol=1e-5)
 
 
+def test_head_with_hidden_layers_is_fedevolve_circle_classifier():
+  """FedEvolve App. C.2's Circle MLP: the representation 2×256, 256×256, 256×256 and the
+  classifier 256×64, 64×2; by hand (2·256 + 256) + 2·(256·256 + 256) + (256·64 + 64) +
+  (64·2 + 2) = 148,930 parameters. ``features`` is the 256-wide representation,
+  ``models.head`` runs both classifier layers, and a head of a kernel and a bias alone
+  (a prototype head put in its place) is linear on the representation."""
+  module = models.create(ml_collections.ConfigDict(
+      {'name': 'mlp', 'hidden': (256, 256, 256), 'head_hidden': (64,)}), 2)
+  variables = models.init(module, jax.random.key(0), jnp.zeros((1, 2)))
+  assert models.num_parameters(variables['params']) == 148_930
+  assert models.layer_order(module, (2,)) == ('encoder/Dense_0', 'encoder/Dense_1',
+                                              'encoder/Dense_2', 'head/hidden_0', 'head')
+  x = jax.random.normal(jax.random.key(1), (5, 2))
+  features = models.features(module, variables, x)
+  chex.assert_shape(features, (5, 256))
+  assert models.feature_dim(variables) == 256
+  head = variables['params']['head']
+  hidden = jax.nn.relu(features @ head['hidden_0']['kernel'] + head['hidden_0']['bias'])
+  expected = hidden @ head['kernel'] + head['bias']
+  np.testing.assert_allclose(models.apply(module, variables, x)[0], expected, rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(models.head(variables, features), expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(models.head_hidden(variables, features), hidden, rtol=1e-6)
+  kernel = jax.random.normal(jax.random.key(2), (256, 2))
+  prototype = {'params': {'encoder': variables['params']['encoder'],
+                          'head': {'kernel': kernel, 'bias': jnp.array([1.0, -1.0])}}}
+  np.testing.assert_allclose(models.apply(module, prototype, x)[0],
+                             features @ kernel + jnp.array([1.0, -1.0]), rtol=1e-5, atol=1e-5)
+  assert models.feature_dim(prototype) == 256
+
+
 def test_batch_norm_modes():
   module = models.MODELS.get('bn_mlp')(3, hidden=(8,))
   variables = models.init(module, jax.random.key(0), jnp.zeros((4, 5)))

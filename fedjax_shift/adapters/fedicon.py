@@ -99,8 +99,7 @@ def fedicon_tta(module, temperature: float = 0.1,
     body, _ = common.split_params(variables['params'], is_body, 'fedicon')
     projection = projection_of(variables['params'])
     # z's width: the projection's, or the encoder output's (the head's input)
-    dim = (projection.dim if projection is not None
-           else variables['params']['head']['kernel'].shape[0])
+    dim = projection.dim if projection is not None else models.feature_dim(variables)
     return ContrastiveState(variables, opt.init(body), jnp.zeros((memory_rows, dim)),
                             jnp.zeros((memory_rows,), bool), jnp.int32(0), rng)
 

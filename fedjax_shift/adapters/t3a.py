@@ -7,6 +7,8 @@ prediction); every test feature z is added with its pseudo-label argmax head(z)
 and entropy; per class only the ``filter_k`` lowest-entropy supports are kept
 (Eq. 6). Prediction: z · normalise(Σ_{s ∈ S_c} s / ‖s‖) for every class c, on the
 batch after it joined the supports. Fixed-size buffers [C, K, F] keep shapes static.
+With hidden layers in the head, z is the input of its final linear layer (T3A's
+"output of the featurizer" is what the linear classifier reads).
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def t3a(module, filter_k: int = 100) -> Adapter:
     raise ValueError(f't3a filter_k must be >= 1, got {filter_k}')
 
   def head_outputs(variables, features):
-    logits = models.head(variables, features)
+    logits = models.linear_head(variables, features)
     return jnp.argmax(logits, -1), entropy(logits)
 
   def init(variables, rng):
@@ -75,7 +77,7 @@ def t3a(module, filter_k: int = 100) -> Adapter:
 
   def step(state, batch):
     variables, supports = state
-    features = models.features(module, variables, batch.x)
+    features = models.head_hidden(variables, models.features(module, variables, batch.x))
     labels, ents = head_outputs(variables, features)
     supports = merge(supports, features, labels, jnp.where(batch.weight > 0, ents, jnp.inf))
     return (variables, supports), prototype_logits(supports, features)

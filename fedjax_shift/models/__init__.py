@@ -38,8 +38,8 @@ MODELS: Registry = Registry('model')
 
 
 @MODELS.register('mlp')
-def mlp(num_classes: int, hidden=(200, 200)) -> nn.Module:
-  return Classifier(MLPEncoder(tuple(hidden)), num_classes)
+def mlp(num_classes: int, hidden=(200, 200), head_hidden=()) -> nn.Module:
+  return Classifier(MLPEncoder(tuple(hidden)), num_classes, tuple(head_hidden))
 
 
 @MODELS.register('bn_mlp')
@@ -263,10 +263,34 @@ def train_features(module: nn.Module, variables: Variables, x: jax.Array
   return features, {**variables, 'batch_stats': updates['batch_stats']}
 
 
+def head_hidden(variables: Variables, features: jax.Array) -> jax.Array:
+  """The input [B, H] of the head's final linear layer: features [B, F] through the
+  head's hidden layers, those its parameters hold ('hidden_0', …; none: the features)."""
+  params = variables['params']['head']
+  index = 0
+  while f'hidden_{index}' in params:
+    layer = params[f'hidden_{index}']
+    features = jax.nn.relu(features @ layer['kernel'] + layer['bias'])
+    index += 1
+  return features
+
+
+def linear_head(variables: Variables, penultimate: jax.Array) -> jax.Array:
+  """The head's final linear layer: logits [B, C] of its input [B, H]."""
+  params = variables['params']['head']
+  return penultimate @ params['kernel'] + params['bias']
+
+
 def head(variables: Variables, features: jax.Array) -> jax.Array:
-  """The linear head's logits [B, C] of features [B, F] (``Classifier.head``)."""
-  kernel, bias = variables['params']['head']['kernel'], variables['params']['head']['bias']
-  return features @ kernel + bias
+  """The head's logits [B, C] of features [B, F] (``Classifier.head``: its hidden
+  layers, if any, then the linear layer)."""
+  return linear_head(variables, head_hidden(variables, features))
+
+
+def feature_dim(variables: Variables) -> int:
+  """F, the width of the features the head takes."""
+  params = variables['params']['head']
+  return (params['hidden_0'] if 'hidden_0' in params else params)['kernel'].shape[0]
 
 
 @functools.lru_cache(maxsize=64)

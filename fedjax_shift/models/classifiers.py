@@ -352,13 +352,41 @@ class WideResNetEncoder(nn.Module):
     return jnp.mean(x, axis=(1, 2))
 
 
+class Head(nn.Module):
+  """A classifier with hidden layers: Dense + ReLU of each ``hidden`` width (params
+  'hidden_0', 'hidden_1', …), then the linear layer to the classes, whose 'kernel' and
+  'bias' sit at the head's top level as a Dense head's do. A head without the hidden
+  layers' parameters (a prototype head put in place of the trained one) is that linear
+  layer on the features alone."""
+  num_classes: int
+  hidden: Sequence[int]
+
+  @nn.compact
+  def __call__(self, features):
+    present = self.variables.get('params', {})
+    x = features
+    for index, width in enumerate(self.hidden):
+      name = f'hidden_{index}'
+      if self.is_initializing() or name in present:
+        x = nn.relu(nn.Dense(width, name=name)(x))
+    kernel = self.param('kernel', nn.initializers.lecun_normal(),
+                        (x.shape[-1], self.num_classes))
+    bias = self.param('bias', nn.initializers.zeros_init(), (self.num_classes,))
+    return x @ kernel + bias
+
+
 class Classifier(nn.Module):
-  """``head(encoder(x))``; ``features`` returns the encoder output [B, F]."""
+  """``head(encoder(x))``; ``features`` returns the encoder output [B, F] (the
+  representation). ``head_hidden``: widths of hidden layers in the head (FedEvolve's
+  Circle MLP: the classifier 256×64, 64×2 on a 256-wide representation); empty, the
+  head is one Dense."""
   encoder: nn.Module
   num_classes: int
+  head_hidden: Sequence[int] = ()
 
   def setup(self):
-    self.head = nn.Dense(self.num_classes)
+    self.head = (Head(self.num_classes, tuple(self.head_hidden)) if self.head_hidden
+                 else nn.Dense(self.num_classes))
 
   def __call__(self, x, train: bool = False):
     return self.head(self.encoder(x, train))
