@@ -109,19 +109,22 @@ def _loss(module, variables, x):
 
 
 @pytest.mark.parametrize('impl', ['patches', 'lax_patch_grad'])
-@pytest.mark.parametrize('name,shape', [
-    ('atp_cnn', (3, 32, 32, 3)),       # VALID 3×3, no bias
-    ('evolve_cnn', (3, 28, 28, 1)),    # SAME, stride 2, bias
+@pytest.mark.parametrize('name,shape,extra', [
+    ('atp_cnn', (3, 18, 18, 3), {}),       # VALID 3×3, no bias (18: the least size it takes)
+    ('evolve_cnn', (3, 16, 16, 1), {}),    # SAME, stride 2, bias
     # padding 1, stride 2, 1×1 projections (slow: wide_resnet covers strided projections)
-    pytest.param('resnet18', (2, 16, 16, 3), marks=pytest.mark.slow),
-    ('wide_resnet', (2, 16, 16, 1)),   # pre-activation, 1×1 projections with stride
+    pytest.param('resnet18', (2, 16, 16, 3), {}, marks=pytest.mark.slow),
+    # pre-activation, 1×1 projections with stride; WRN-10-1 has every kind of block of
+    # WRN-16-4 (one per stage), its slow case
+    ('wide_resnet', (2, 16, 16, 1), {'depth': 10, 'widen': 1}),
+    pytest.param('wide_resnet', (2, 16, 16, 1), {}, marks=pytest.mark.slow),
 ])
-def test_conv_impl_equals_lax_values_and_gradients(name, shape, impl):
+def test_conv_impl_equals_lax_values_and_gradients(name, shape, extra, impl):
   """Same parameters (names, shapes, init); outputs and gradients equal to 1e-9 in
   float64, where the only difference left — the order of the same sums — is below
   it (in float32, BatchNorm over a batch of 2–3 amplifies that order to ~1e-4)."""
-  lax_module = models.MODELS.get(name)(10, conv='lax')
-  patch_module = models.MODELS.get(name)(10, conv=impl)
+  lax_module = models.MODELS.get(name)(10, conv='lax', **extra)
+  patch_module = models.MODELS.get(name)(10, conv=impl, **extra)
   x32 = jax.random.normal(jax.random.key(1), shape)
   # every function compiled once: op by op, init and the float64 gradients took minutes
   init = {m: jax.jit(lambda key, x, m=m: models.init(m, key, x))
