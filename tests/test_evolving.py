@@ -455,6 +455,12 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
   assert rotation_angles(7, 15.0, 75.0) == [75.0, 90.0, 105.0, 120.0, 135.0, 150.0, 165.0]
   with pytest.raises(ValueError, match='unknown variant'):
     fedevolve_config.get_config('rmnist_dirx,bogus')
+  # Circle reads τ as App. D's epochs (a client-domain holds more than one batch there);
+  # RMNIST as iterations, the same thing on its ~21 images per client-domain.
+  circle = fedevolve_config.get_config('circle_dir1.0')
+  assert circle.fedevolve.tau_unit == circle.fedevp.tau_unit == 'epochs'
+  rmnist = fedevolve_config.get_config('rmnist_dir1.0')
+  assert rmnist.fedevolve.tau_unit == rmnist.fedevp.tau_unit == 'iterations'
   config = fedevolve_config.get_config('circle_dirinf,tiny')
   config.algorithms = ('fedavg_ft', 'fedthe', 'fedevolve')
   out = pipelines.run(config, str(tmp_path))
