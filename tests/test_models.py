@@ -114,9 +114,9 @@ def _loss(module, variables, x):
     ('evolve_cnn', (3, 16, 16, 1), {}),    # SAME, stride 2, bias
     # padding 1, stride 2, 1×1 projections (slow: wide_resnet covers strided projections)
     pytest.param('resnet18', (2, 16, 16, 3), {}, marks=pytest.mark.slow),
-    # pre-activation, 1×1 projections with stride; WRN-10-1 has every kind of block of
-    # WRN-16-4 (one per stage), its slow case
-    ('wide_resnet', (2, 16, 16, 1), {'depth': 10, 'widen': 1}),
+    # pre-activation, 1×1 projections with and without stride: WRN-10-2 (one block per
+    # stage; stage 1 widens 16 → 32) has every convolution of WRN-16-4, the slow case
+    ('wide_resnet', (2, 16, 16, 1), {'depth': 10, 'widen': 2}),
     pytest.param('wide_resnet', (2, 16, 16, 1), {}, marks=pytest.mark.slow),
 ])
 def test_conv_impl_equals_lax_values_and_gradients(name, shape, extra, impl):
