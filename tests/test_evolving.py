@@ -877,3 +877,35 @@ def test_unexpected_report_rows_are_method_and_target_angle_beside_table_13(tmp_
                             '| 37.50 | 81.63 |')
   assert rows[1].startswith('| FedAvg (130°) | 50.00 | 50.53 | 25.00 | 51.04 | n/a | 48.64 |')
   assert '> FedAvg (110°) ✓' in rows[2] and '> FedAvg (130°) ✓' in rows[3]
+
+
+def test_domains_report_reads_each_column_off_its_config_beside_table_5(tmp_path):
+  """Table 5 from three workdirs: ``rmnist_domains7`` and the 12-domain run at Dir=inf,
+  ``rmnist_domains10`` at Dir=0.1; each column is named by the config's Dirichlet level and
+  number of domains (not the order given); Client = the clients' mean accuracy with
+  Table 1's model (binary fractions, exact); two workdirs of the same column are refused."""
+  import json
+  from configs import fedevolve as fedevolve_config
+  from fedjax_shift.papers.fedevolve import tables
+  workdirs = []
+  for variant, accuracy in (('rmnist_dirinf,mlp', 0.5), ('rmnist_dirinf,mlp,rmnist_domains7', 0.75),
+                            ('rmnist_dir0.1,mlp,rmnist_domains10', 0.625)):
+    workdir = tmp_path / variant.replace(',', '_')
+    workdir.mkdir()
+    (workdir / 'config.json').write_text(json.dumps(
+        fedevolve_config.get_config(variant).to_dict()))
+    for method, gain in (('fedavg', 0.0), ('fedevolve', 0.125)):
+      client_model = 'global' if method == 'fedavg' else 'personalized'
+      (workdir / method / 'seed_0').mkdir(parents=True)
+      (workdir / method / 'seed_0' / 'results.json').write_text(json.dumps(
+          {'algorithm': method, 'seed': 0,
+           'metrics': {f'{client_model}/test/client_accuracy': accuracy + gain}}))
+    workdirs.append(str(workdir))
+  text = tables.domains_from_workdirs(workdirs)
+  assert ('| Method | Dir=inf 12 | paper: Dir=inf 12 | Dir=inf 7 | paper: Dir=inf 7 | '
+          'Dir=0.1 10 | paper: Dir=0.1 10 | seeds |') in text
+  assert ('| FedAvg | 50.00 | 65.92 | 75.00 | 74.92 | 62.50 | 54.83 | 1 | — |') in text
+  assert ('| FedEvolve | 62.50 | 84.57 | 87.50 | 78.24 | 75.00 | 83.44 | 1 | > FedAvg ✓ |'
+          in text)
+  with pytest.raises(ValueError, match='same Table 5 column'):
+    tables.domains_from_workdirs(workdirs[:2] + workdirs[:1])

@@ -167,6 +167,29 @@ def straggler_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ())
                         numbers.PAPER_NUMBERS['Table 6'], numbers.CLAIMS)
 
 
+def domains_column(config) -> str:
+  """Table 5's column of a rotated_digits run: its Dirichlet level and number of
+  domains, e.g. 'Dir=inf 7' (the paper's blocks Dir -> inf / 1.0 / 0.1, columns 7 / 10
+  / 12)."""
+  alpha = float(config.data.dirichlet_alpha)
+  return f"Dir={'inf' if np.isinf(alpha) else alpha} {int(config.data.num_domains)}"
+
+
+def domains_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
+  """Tables 5 and 9: one Client column per workdir, a ``rmnist_dir<α>`` run with
+  ``rmnist_domains<D>`` (or the 12-domain Table 1 run), labelled by its Dirichlet level
+  and number of domains read off its config unless ``labels`` name them ('Dir=inf 7',
+  …, as the paper's columns)."""
+  labels = list(labels) or [domains_column(run_config(w)) for w in workdirs]
+  if len(set(labels)) != len(labels):
+    raise ValueError(f'two workdirs give the same Table 5 column: {labels} (one run per '
+                     'Dirichlet level and number of domains)')
+  return ('FedEvolve Table 5 layout: accuracy (%) on the 165° target domain by number of '
+          'domains\n\n' +
+          paper_markdown(*evolving_rows(load_runs(workdirs, labels), server=False),
+                         numbers.PAPER_NUMBERS['Table 5'], numbers.DOMAINS_CLAIMS))
+
+
 def runs_of(workdir: str) -> List[Dict]:
   """The per (method, seed) results of one finished workdir."""
   return next(iter(load_runs([workdir]).values()))
@@ -274,5 +297,7 @@ PAPER_TABLES.register('fedevolve_personalization', pipelines=('federated',))(
     PaperTable(None, personalization_from_workdirs, needs=('/client_accuracy',)))
 PAPER_TABLES.register('fedevolve_unexpected', pipelines=('federated',))(
     PaperTable(None, unexpected_from_workdirs, needs=('/client_accuracy',)))
+PAPER_TABLES.register('fedevolve_domains', pipelines=('federated',))(
+    PaperTable(None, domains_from_workdirs, needs=('/client_accuracy',)))
 PAPER_TABLES.register('fedevolve_increments', pipelines=('federated',))(
     PaperTable(None, increments_from_workdirs, needs=('/client_accuracy',)))
