@@ -883,7 +883,8 @@ def test_domains_report_reads_each_column_off_its_config_beside_table_5(tmp_path
   """Table 5 from three workdirs: ``rmnist_domains7`` and the 12-domain run at Dir=inf,
   ``rmnist_domains10`` at Dir=0.1; each column is named by the config's Dirichlet level and
   number of domains (not the order given); Client = the clients' mean accuracy with
-  Table 1's model (binary fractions, exact); two workdirs of the same column are refused."""
+  Table 1's model (binary fractions, exact); rows the paper's Table 5 lacks (GMA) are left
+  out; two workdirs of the same column are refused."""
   import json
   from configs import fedevolve as fedevolve_config
   from fedjax_shift.papers.fedevolve import tables
@@ -894,8 +895,8 @@ def test_domains_report_reads_each_column_off_its_config_beside_table_5(tmp_path
     workdir.mkdir()
     (workdir / 'config.json').write_text(json.dumps(
         fedevolve_config.get_config(variant).to_dict()))
-    for method, gain in (('fedavg', 0.0), ('fedevolve', 0.125)):
-      client_model = 'global' if method == 'fedavg' else 'personalized'
+    for method, gain in (('fedavg', 0.0), ('fedevolve', 0.125), ('gma', 0.0)):
+      client_model = 'personalized' if method == 'fedevolve' else 'global'
       (workdir / method / 'seed_0').mkdir(parents=True)
       (workdir / method / 'seed_0' / 'results.json').write_text(json.dumps(
           {'algorithm': method, 'seed': 0,
@@ -907,5 +908,20 @@ def test_domains_report_reads_each_column_off_its_config_beside_table_5(tmp_path
   assert ('| FedAvg | 50.00 | 65.92 | 75.00 | 74.92 | 62.50 | 54.83 | 1 | — |') in text
   assert ('| FedEvolve | 62.50 | 84.57 | 87.50 | 78.24 | 75.00 | 83.44 | 1 | > FedAvg ✓ |'
           in text)
+  assert '| GMA |' not in text
   with pytest.raises(ValueError, match='same Table 5 column'):
     tables.domains_from_workdirs(workdirs[:2] + workdirs[:1])
+
+
+@pytest.mark.parametrize('tree, kind', [
+    ({'params': {'encoder': {'Dense_0': {'kernel': 0}}}}, 'params'),
+    ({('params', 'encoder', 'Dense_0', 'kernel'): 0}, 'params'),   # FedRep's flattened body
+    ({'batch_stats': {'BatchNorm_0': {'mean': 0}}}, 'batch_stats'),
+    ({'proto_sums': 0}, 'proto_sums'),
+    (0, 'update')])
+def test_table_7_upload_kind_reads_nested_and_flattened_keys(tree, kind):
+  """Table 7's rows: a leaf is 'params' however its path spells it (nested dicts or one
+  flattened tuple key), else its first key."""
+  from fedjax_shift.pipelines.federated import upload_kind
+  (path, _), = jax.tree_util.tree_leaves_with_path(tree)
+  assert upload_kind(path) == kind

@@ -98,10 +98,21 @@ def uploaded_by_part(algorithm: FederatedAlgorithm, server_state, client_states,
                           jax.random.key(0))[0].update
   counts: Dict[str, int] = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(update):
-    keys = [str(getattr(part, 'key', getattr(part, 'name', part))) for part in path]
-    kind = next((k for k in ('params', 'batch_stats') if k in keys), keys[0] if keys else 'update')
+    kind = upload_kind(path)
     counts[kind] = counts.get(kind, 0) + int(np.prod(leaf.shape))
   return counts
+
+
+def upload_kind(path) -> str:
+  """``uploaded_by_part``'s kind of the leaf at ``path`` (a pytree key path): 'params' or
+  'batch_stats' when either names a level of it, else its first key ('update' at the
+  top). A tuple key, as ``flax.traverse_util.flatten_dict`` makes (FedRep's shared
+  part), counts as the levels it names."""
+  keys = []
+  for part in path:
+    key = getattr(part, 'key', getattr(part, 'name', part))
+    keys += [str(k) for k in key] if isinstance(key, tuple) else [str(key)]
+  return next((k for k in ('params', 'batch_stats') if k in keys), keys[0] if keys else 'update')
 
 
 def uploaded_parameters(algorithm: FederatedAlgorithm, server_state, client_states,
