@@ -1,4 +1,7 @@
 """Small shared builders for tests."""
+import json
+import pathlib
+
 import jax
 import ml_collections
 import numpy as np
@@ -82,3 +85,16 @@ def launch_module(name: str):
     spec.loader.exec_module(module)
     sys.modules[key] = module
   return sys.modules[key]
+
+
+def write_run(workdir: pathlib.Path, method: str, seed: int, metrics: dict,
+              config: ml_collections.ConfigDict | None = None) -> None:
+  """A finished run as launch/train.py leaves it for launch/report.py:
+  ``<workdir>/<method>/seed_<seed>/results.json``, and the workdir's config.json when
+  ``config`` is given."""
+  if config is not None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / 'config.json').write_text(json.dumps(config.to_dict()))
+  (workdir / method / f'seed_{seed}').mkdir(parents=True)
+  (workdir / method / f'seed_{seed}' / 'results.json').write_text(json.dumps(
+      {'algorithm': method, 'seed': seed, 'metrics': metrics}))

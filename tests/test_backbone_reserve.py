@@ -1,7 +1,6 @@
 """The backbone study's data: a reserve of each real digit domain for the pretrained
 backbone that no client holds, the configs that use it, and its report."""
 import hashlib
-import json
 
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ from configs import fedins as fedins_config
 from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.data import digit_domains, sources
 from fedjax_shift.pipelines import pretrain
+from helpers import write_run
 
 
 def _hashes(images):
@@ -100,16 +100,12 @@ def test_backbone_report_gives_paired_seed_differences_per_domain_and_a_plot(tmp
                                                                   'synth'))):
     config = fedins_config.get_config('backbone_' + '+'.join(domains))
     workdir = tmp_path / coverage.replace(' ', '_')
-    workdir.mkdir()
-    (workdir / 'config.json').write_text(json.dumps(config.to_dict()))
     for method, accuracies in (('fedavg', (0.5, 0.5)), ('fedins_ssf', (0.6875, 0.6875)),
                                ('fedins', (0.625, 0.75))):
       for seed, accuracy in enumerate(accuracies):
-        (workdir / method / f'seed_{seed}').mkdir(parents=True)
         metrics = {f'global/{split}/accuracy': accuracy for split in
                    ('test', 'test_mnist', 'test_uci', 'test_mnistm', 'test_synth')}
-        (workdir / method / f'seed_{seed}' / 'results.json').write_text(json.dumps(
-            {'algorithm': method, 'seed': seed, 'metrics': metrics}))
+        write_run(workdir, method, seed, metrics, config=config)
     workdirs.append(str(workdir))
   text = tables.backbones_from_workdirs(workdirs, ['synth', 'all four'])
   assert ('| Backbone pretrained on | backbone domains | all: FedIns − FedAvg | '

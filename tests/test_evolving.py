@@ -14,7 +14,7 @@ from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.benchmarks.evolving import split_domain, client_proportions
 from fedjax_shift.core.algorithm import ClientData
 from fedjax_shift.core.round import NO_STEP_LIMIT, RoundConfig, build_round, round_key
-from helpers import data_config, tiny_config
+from helpers import data_config, tiny_config, write_run
 
 
 def circle_config(alpha=float('inf'), num_domains=5):
@@ -765,7 +765,6 @@ def test_figure3_increment_variant_and_its_table_and_plot(tmp_path):
   """Figure 3: ``increment<deg>`` rotates RMNIST's 12 domains in steps of deg degrees;
   launch/report.py --kind=fedevolve_increments puts one Client/Server pair per increment
   in a table and plots accuracy against the increment."""
-  import json
   from configs import fedevolve as fedevolve_config
   from fedjax_shift.papers.fedevolve import tables
   data = fedevolve_config.get_config('rmnist_dir1.0,increment5').data
@@ -774,11 +773,9 @@ def test_figure3_increment_variant_and_its_table_and_plot(tmp_path):
   for increment, accuracy in ((0, 0.9), (10, 0.6)):
     workdir = tmp_path / f'inc{increment}'
     for method, bonus in (('fedavg', 0.0), ('fedevolve', 0.1)):
-      (workdir / method / 'seed_0').mkdir(parents=True)
-      metrics = {f'{model}/test/{name}': accuracy + bonus for model in ('global', 'personalized')
-                 for name in ('accuracy', 'client_accuracy')}
-      (workdir / method / 'seed_0' / 'results.json').write_text(json.dumps(
-          {'algorithm': method, 'seed': 0, 'metrics': metrics}))
+      write_run(workdir, method, 0, {f'{model}/test/{name}': accuracy + bonus
+                                     for model in ('global', 'personalized')
+                                     for name in ('accuracy', 'client_accuracy')})
     workdirs.append(str(workdir))
   text = tables.increments_from_workdirs(workdirs, ['0', '10'])
   assert '| Method | 0 Client | 0 Server | 10 Client | 10 Server |' in text
@@ -817,7 +814,6 @@ def test_personalization_report_names_each_row_by_its_mode_beside_table_8(tmp_pa
   the order given), clients' mean accuracy (binary fractions, exact): last_layer (0.75,
   0.875) → 81.25 ± 6.25; the paper's MNIST numbers beside; FedEvp (last layer) beats
   both other rows here, as Sec. 5.4 says."""
-  import json
   from configs import fedevolve as fedevolve_config
   from fedjax_shift.papers.fedevolve import tables
   workdirs = []
@@ -826,13 +822,9 @@ def test_personalization_report_names_each_row_by_its_mode_beside_table_8(tmp_pa
     config = fedevolve_config.get_config('rmnist_dir0.1,mlp')
     config.fedevp.personalize = mode
     workdir = tmp_path / mode
-    workdir.mkdir()
-    (workdir / 'config.json').write_text(json.dumps(config.to_dict()))
     for seed, accuracy in enumerate(accuracies):
-      (workdir / 'fedevp' / f'seed_{seed}').mkdir(parents=True)
-      (workdir / 'fedevp' / f'seed_{seed}' / 'results.json').write_text(json.dumps(
-          {'algorithm': 'fedevp', 'seed': seed,
-           'metrics': {'personalized/test/client_accuracy': accuracy}}))
+      write_run(workdir, 'fedevp', seed, {'personalized/test/client_accuracy': accuracy},
+                config=config)
     workdirs.append(str(workdir))
   text = tables.personalization_from_workdirs(workdirs)
   lines = [line for line in text.splitlines() if line.startswith('| FedEvp')]
@@ -847,25 +839,19 @@ def test_unexpected_report_rows_are_method_and_target_angle_beside_table_13(tmp_
   off each config) and Dir=1.0 at offset 0; Client = the clients' mean accuracy with the
   model Table 1 uses (FedAvg's global one, FedEvolve's personalised one), Server =
   global accuracy (binary fractions, exact); a cell no workdir ran is 'n/a'."""
-  import json
   from configs import fedevolve as fedevolve_config
   from fedjax_shift.papers.fedevolve import tables
   workdirs = []
   for variant, client, server in (('rmnist_dirinf,mlp,unexpected0', 0.75, 0.5),
                                   ('rmnist_dirinf,mlp,unexpected20', 0.5, 0.25),
                                   ('rmnist_dir1.0,mlp,unexpected0', 0.625, 0.375)):
-    config = fedevolve_config.get_config(variant)
     workdir = tmp_path / variant.replace(',', '_')
-    workdir.mkdir()
-    (workdir / 'config.json').write_text(json.dumps(config.to_dict()))
     for method in ('fedavg', 'fedevolve'):
-      (workdir / method / 'seed_0').mkdir(parents=True)
       gain = 0.125 if method == 'fedevolve' else 0.0
       client_model = 'global' if method == 'fedavg' else 'personalized'
-      (workdir / method / 'seed_0' / 'results.json').write_text(json.dumps(
-          {'algorithm': method, 'seed': 0,
-           'metrics': {f'{client_model}/test/client_accuracy': client + gain,
-                       'global/test/accuracy': server}}))
+      write_run(workdir, method, 0, {f'{client_model}/test/client_accuracy': client + gain,
+                                     'global/test/accuracy': server},
+                config=fedevolve_config.get_config(variant))
     workdirs.append(str(workdir))
   text = tables.unexpected_from_workdirs(workdirs, ['Dir=inf', 'Dir=inf', 'Dir=1.0'])
   assert ('| Method | Dir=inf Client | paper: Dir=inf Client | Dir=inf Server | paper: Dir=inf '
@@ -885,22 +871,16 @@ def test_domains_report_reads_each_column_off_its_config_beside_table_5(tmp_path
   number of domains (not the order given); Client = the clients' mean accuracy with
   Table 1's model (binary fractions, exact); rows the paper's Table 5 lacks (GMA) are left
   out; two workdirs of the same column are refused."""
-  import json
   from configs import fedevolve as fedevolve_config
   from fedjax_shift.papers.fedevolve import tables
   workdirs = []
   for variant, accuracy in (('rmnist_dirinf,mlp', 0.5), ('rmnist_dirinf,mlp,rmnist_domains7', 0.75),
                             ('rmnist_dir0.1,mlp,rmnist_domains10', 0.625)):
     workdir = tmp_path / variant.replace(',', '_')
-    workdir.mkdir()
-    (workdir / 'config.json').write_text(json.dumps(
-        fedevolve_config.get_config(variant).to_dict()))
     for method, gain in (('fedavg', 0.0), ('fedevolve', 0.125), ('gma', 0.0)):
       client_model = 'personalized' if method == 'fedevolve' else 'global'
-      (workdir / method / 'seed_0').mkdir(parents=True)
-      (workdir / method / 'seed_0' / 'results.json').write_text(json.dumps(
-          {'algorithm': method, 'seed': 0,
-           'metrics': {f'{client_model}/test/client_accuracy': accuracy + gain}}))
+      write_run(workdir, method, 0, {f'{client_model}/test/client_accuracy': accuracy + gain},
+                config=fedevolve_config.get_config(variant))
     workdirs.append(str(workdir))
   text = tables.domains_from_workdirs(workdirs)
   assert ('| Method | Dir=inf 12 | paper: Dir=inf 12 | Dir=inf 7 | paper: Dir=inf 7 | '

@@ -20,7 +20,7 @@ from fedjax_shift.models import vit
 from fedjax_shift.pipelines import pretrain
 from fedjax_shift.pipelines.federated import uploaded_parameters
 from configs import fedins as fedins_config
-from helpers import build_method, data_config, override, tiny_config, toy_clients
+from helpers import build_method, data_config, override, tiny_config, toy_clients, write_run
 
 NUM_CLASSES = 3
 
@@ -639,10 +639,7 @@ def test_settings_report_puts_each_workdir_in_a_column_with_the_papers_number(tm
     workdir = tmp_path / setting
     for method, accuracies in methods.items():
       for seed, accuracy in enumerate(accuracies):
-        (workdir / method / f'seed_{seed}').mkdir(parents=True)
-        (workdir / method / f'seed_{seed}' / 'results.json').write_text(json.dumps(
-            {'algorithm': method, 'seed': seed,
-             'metrics': {'global/test/accuracy': accuracy}}))
+        write_run(workdir, method, seed, {'global/test/accuracy': accuracy})
     workdirs.append(str(workdir))
   text = tables.settings_from_workdirs(workdirs, ['batch 32', 'head pool'])
   assert '| Method | batch 32 | head pool | paper: Test (all domains) | seeds |' in text
