@@ -181,6 +181,7 @@ CLAIMS = (
     ('FedEvolve', 'FedRoD', ('Dir=inf Client', 'Dir=1.0 Client', 'Dir=0.1 Client')),
     ('FedEvolve', 'MEMO(P)', ('Dir=inf Client', 'Dir=1.0 Client', 'Dir=0.1 Client')),
     ('FedEvolve', 'T3A', ('Dir=inf Client', 'Dir=1.0 Client', 'Dir=0.1 Client')),
+    ('FedEvolve', 'FedTHE', ('Dir=inf Client', 'Dir=1.0 Client', 'Dir=0.1 Client')),
     ('FedEvolve', 'FedSR', ('Dir=inf Client', 'Dir=0.1 Client')),  # not Dir=1.0 Client: Portraits
     ('FedEvp', 'FedAvg', ('Dir=1.0 Client', 'Dir=0.1 Client')),  # not Dir=inf Client: Portraits
     ('FedEvp', 'GMA', ('Dir=1.0 Client', 'Dir=0.1 Client')),  # not Dir=inf Client: Portraits
@@ -192,6 +193,7 @@ CLAIMS = (
     ('FedEvp', 'FedRoD', ('Dir=inf Client', 'Dir=1.0 Client', 'Dir=0.1 Client')),
     ('FedEvp', 'MEMO(P)', ('Dir=inf Client', 'Dir=1.0 Client', 'Dir=0.1 Client')),
     ('FedEvp', 'T3A', ('Dir=inf Client', 'Dir=1.0 Client', 'Dir=0.1 Client')),
+    ('FedEvp', 'FedTHE', ('Dir=1.0 Client', 'Dir=0.1 Client')),  # not Dir=inf Client: Portraits
     ('FedEvp', 'FedSR', ('Dir=1.0 Client', 'Dir=0.1 Client')),  # not Dir=inf Client: Portraits
     # "Methods designed for addressing domain shifts ... like FedSR ... tend to achieve better
     # results than other baselines": FedSR above FedAvg at Dir -> inf in every layout.
