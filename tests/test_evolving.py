@@ -928,3 +928,20 @@ def test_table_1_to_4_claims_hold_on_the_papers_own_numbers():
   assert checked > 200
   assert {worse for better, worse, _ in numbers.CLAIMS if better == 'FedEvolve'} >= {
       'FedTHE', 'FedSR', 'FedAvg', 'Ditto'}
+
+
+def test_straggler_report_keeps_table_6_rows_when_r0_is_the_table_1_workdir(tmp_path):
+  """Table 6's r=0 column is Table 1's Dir=1.0 run, which holds every baseline: the
+  report keeps the paper's two rows (FedEvolve, FedEvp); Client = personalised accuracy
+  (binary fractions, exact)."""
+  from fedjax_shift.papers.fedevolve import tables
+  for method in ('fedavg', 'ditto', 'fedevolve', 'fedevp'):
+    write_run(tmp_path / 'r0', method, 0, {'personalized/test/client_accuracy': 0.75,
+                                           'global/test/client_accuracy': 0.5})
+  for method in ('fedevolve', 'fedevp'):
+    write_run(tmp_path / 'r9', method, 0, {'personalized/test/client_accuracy': 0.625})
+  text = tables.straggler_from_workdirs([str(tmp_path / 'r0'), str(tmp_path / 'r9')],
+                                        ['0', '0.9'])
+  rows = [line for line in text.splitlines() if line.startswith('| ') and '---' not in line]
+  assert [row.split(' |')[0] for row in rows] == ['| Method', '| FedEvolve', '| FedEvp']
+  assert rows[1].startswith('| FedEvolve | 75.00 | 79.93 | 62.50 | 71.87 |')

@@ -7,7 +7,7 @@ the paper's numbers beside ours. Registered as the paper tables 'fedevolve' and
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -160,11 +160,20 @@ def from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
                          numbers.PAPER_NUMBERS.get(key), numbers.CLAIMS))
 
 
+def papers_rows_only(header: List[str], rows: List[List[str]], paper: Dict
+                     ) -> Tuple[List[str], List[List[str]]]:
+  """The rows the paper's table has; a workdir shared with Table 1 (r=0, 12 domains)
+  holds every baseline too."""
+  return header, [row for row in rows if row[0] in paper['rows']]
+
+
 def straggler_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
   """Table 6: one Client column per workdir (labels: the straggler ratios, e.g.
-  '0,0.1,0.9', which match the paper's columns)."""
-  return paper_markdown(*evolving_rows(load_runs(workdirs, labels), server=False),
-                        numbers.PAPER_NUMBERS['Table 6'], numbers.CLAIMS)
+  '0,0.1,0.9', which match the paper's columns); the rows are the paper's (FedEvolve,
+  FedEvp)."""
+  paper = numbers.PAPER_NUMBERS['Table 6']
+  rows = papers_rows_only(*evolving_rows(load_runs(workdirs, labels), server=False), paper)
+  return paper_markdown(*rows, paper, numbers.CLAIMS)
 
 
 def domains_column(config) -> str:
@@ -184,11 +193,10 @@ def domains_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -
   if len(set(labels)) != len(labels):
     raise ValueError(f'two workdirs give the same Table 5 column: {labels} (one run per '
                      'Dirichlet level and number of domains)')
-  header, rows = evolving_rows(load_runs(workdirs, labels), server=False)
   paper = numbers.PAPER_NUMBERS['Table 5']
-  rows = [row for row in rows if row[0] in paper['rows']]   # the 12-domain run has more
+  rows = papers_rows_only(*evolving_rows(load_runs(workdirs, labels), server=False), paper)
   return ('FedEvolve Table 5 layout: accuracy (%) on the 165° target domain by number of '
-          'domains\n\n' + paper_markdown(header, rows, paper, numbers.DOMAINS_CLAIMS))
+          'domains\n\n' + paper_markdown(*rows, paper, numbers.DOMAINS_CLAIMS))
 
 
 def runs_of(workdir: str) -> List[Dict]:
