@@ -845,13 +845,13 @@ def test_unexpected_report_rows_are_method_and_target_angle_beside_table_13(tmp_
   for variant, client, server in (('rmnist_dirinf,mlp,unexpected0', 0.75, 0.5),
                                   ('rmnist_dirinf,mlp,unexpected20', 0.5, 0.25),
                                   ('rmnist_dir1.0,mlp,unexpected0', 0.625, 0.375)):
+    config = fedevolve_config.get_config(variant)
     workdir = tmp_path / variant.replace(',', '_')
     for method in ('fedavg', 'fedevolve'):
       gain = 0.125 if method == 'fedevolve' else 0.0
       client_model = 'global' if method == 'fedavg' else 'personalized'
       write_run(workdir, method, 0, {f'{client_model}/test/client_accuracy': client + gain,
-                                     'global/test/accuracy': server},
-                config=fedevolve_config.get_config(variant))
+                                     'global/test/accuracy': server}, config=config)
     workdirs.append(str(workdir))
   text = tables.unexpected_from_workdirs(workdirs, ['Dir=inf', 'Dir=inf', 'Dir=1.0'])
   assert ('| Method | Dir=inf Client | paper: Dir=inf Client | Dir=inf Server | paper: Dir=inf '
@@ -876,11 +876,12 @@ def test_domains_report_reads_each_column_off_its_config_beside_table_5(tmp_path
   workdirs = []
   for variant, accuracy in (('rmnist_dirinf,mlp', 0.5), ('rmnist_dirinf,mlp,rmnist_domains7', 0.75),
                             ('rmnist_dir0.1,mlp,rmnist_domains10', 0.625)):
+    config = fedevolve_config.get_config(variant)
     workdir = tmp_path / variant.replace(',', '_')
     for method, gain in (('fedavg', 0.0), ('fedevolve', 0.125), ('gma', 0.0)):
       client_model = 'personalized' if method == 'fedevolve' else 'global'
       write_run(workdir, method, 0, {f'{client_model}/test/client_accuracy': accuracy + gain},
-                config=fedevolve_config.get_config(variant))
+                config=config)
     workdirs.append(str(workdir))
   text = tables.domains_from_workdirs(workdirs)
   assert ('| Method | Dir=inf 12 | paper: Dir=inf 12 | Dir=inf 7 | paper: Dir=inf 7 | '

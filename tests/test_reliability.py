@@ -24,7 +24,7 @@ from fedjax_shift.data.federated import stack_clients, validate
 from fedjax_shift.metrics import MetricsWriter, read_metrics, without_timing
 from fedjax_shift.pipelines.federated import train_and_evaluate
 from fedjax_shift.pipelines.workdir import RunMismatchError, WorkdirBusyError, WorkdirLock
-from helpers import tiny_config
+from helpers import tiny_config, write_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join('fedavg', 'seed_0')
@@ -459,13 +459,10 @@ def test_backbone_weights_are_fingerprinted_by_content_hashed_once(tmp_path, mon
 
 
 def _write_seed(workdir, method, seed, accuracy, fields, rounds=10):
-  run_dir = workdir / method / f'seed_{seed}'
-  run_dir.mkdir(parents=True)
-  (run_dir / 'results.json').write_text(json.dumps(
-      {'algorithm': method, 'seed': seed,
-       'metrics': {f'{m}/test/{k}': accuracy for m in ('global', 'personalized')
-                   for k in ('accuracy', 'client_accuracy')}}))
-  (run_dir / 'run.json').write_text(json.dumps({'fields': fields, 'rounds': rounds}))
+  write_run(workdir, method, seed, {f'{m}/test/{k}': accuracy for m in ('global', 'personalized')
+                                    for k in ('accuracy', 'client_accuracy')})
+  (workdir / method / f'seed_{seed}' / 'run.json').write_text(
+      json.dumps({'fields': fields, 'rounds': rounds}))
 
 
 def test_report_refuses_to_average_seeds_of_different_configurations(tmp_path):
