@@ -116,7 +116,8 @@ def base_config() -> ml_collections.ConfigDict:
                                     # (0.01, 0.1)}": each point x seed a run (pipelines/sweep.py)
   c.sweep_select = 'last'           # per method, the point of best mean validation accuracy at
                                     # the last round, or 'best_round' (at each run's best)
-  c.sweep_metric = ''               # that metric ('': the global model's on the val split)
+  c.sweep_metric = ''               # that metric ('': the global model's on the val split;
+                                    # "{'fedper': 'personalized/val/accuracy'}": per method)
   return c
 
 

@@ -93,21 +93,39 @@ def read_sweep(workdir: str) -> Optional[Dict]:
 def sweep_grid_table(record: Dict, test_suffix: str = '/test/accuracy') -> str:
   """The whole grid of a sweep (``read_sweep``): one row per method × point with its
   validation accuracy (the selection's metric and rule) and, at the same rounds, every
-  test accuracy of the model the metric names; the selected point marked."""
-  metric = record['metric']
-  model = metric.split('/')[0]
-  tests = sorted({k for method in record['methods'].values() for point in method['grid']
-                  for m in point['metrics'] for k in m
-                  if k.startswith(model + '/') and k.endswith(test_suffix)})
-  header = ['method', 'point', f'{metric} ({record["select"]})'] + tests + ['seeds']
+  test accuracy of the model the method's metric names, a column per test split; the
+  selected point marked. Methods selected on different metrics get a column naming
+  each one's."""
+  def metric_of(method: Dict) -> str:
+    return method.get('metric', record['metric'])   # sweep.json before per-method metrics
+
+  def split_keys(name: str, method: Dict) -> Dict[str, str]:   # test split -> metric key
+    model = metric_of(method).split('/')[0]
+    keys = {k for point in method['grid'] for m in point['metrics'] for k in m
+            if k.startswith(model + '/') and k.endswith(test_suffix)}
+    return {k.split('/')[1]: k for k in keys}
+
+  methods = record['methods']
+  per_method = len({metric_of(m) for m in methods.values()}) > 1
+  keys = {name: split_keys(name, method) for name, method in methods.items()}
+  splits = sorted({split for k in keys.values() for split in k})
+  if per_method:
+    header = (['method', 'metric', 'point', f'validation ({record["select"]})'] + splits +
+              ['seeds'])
+  else:   # one model: its full keys name the columns
+    full = {split: key for k in keys.values() for split, key in k.items()}
+    header = (['method', 'point', f'{record["metric"]} ({record["select"]})'] +
+              [full[split] for split in splits] + ['seeds'])
   rows = []
-  for name, method in record['methods'].items():
+  for name, method in methods.items():
     for point in method['grid']:
       mark = ' (selected)' if point['name'] == method['selected'] else ''
       seeds = str(len(point['seeds'])) + (f' ({len(point["diverged"])} diverged)'
                                           if point['diverged'] else '')
-      rows.append([name, point['name'] + mark, mean_std(point['validation'])] +
-                  [mean_std([m.get(k) for m in point['metrics']]) for k in tests] + [seeds])
+      tests = [mean_std([m.get(keys[name][split]) for m in point['metrics']])
+               if split in keys[name] else 'n/a' for split in splits]
+      rows.append([name] + ([metric_of(method)] if per_method else []) +
+                  [point['name'] + mark, mean_std(point['validation'])] + tests + [seeds])
   return markdown(header, rows)
 
 

@@ -199,3 +199,83 @@ def test_points_times_vmapped_seeds_equal_the_points_seed_by_seed(tmp_path):
     for name, value in expected[key(run)]['metrics'].items():
       np.testing.assert_allclose(run['metrics'][name], value, rtol=RTOL, atol=ATOL,
                                  err_msg=f'{key(run)} {name}')
+
+
+def test_sweep_metric_names_each_methods_validation_metric():
+  keys = ['global/val/accuracy', 'personalized/val/accuracy', 'global+tent/val/accuracy']
+  config = tiny_config(sweep_metric="{'fedper': 'personalized/val/accuracy'}")
+  assert sweep.validation_metric(config, keys, 'fedper') == 'personalized/val/accuracy'
+  assert sweep.validation_metric(config, keys, 'fedavg') == 'global/val/accuracy'  # default
+  config = tiny_config(sweep_metric="{'fedper': 'personalized/val/accuracy', "
+                                    "'*': 'global+tent/val/accuracy'}")
+  assert sweep.validation_metric(config, keys, 'fedavg') == 'global+tent/val/accuracy'
+  config = tiny_config(sweep_metric='global+tent/val/accuracy')   # one key: every method
+  assert sweep.validation_metric(config, keys, 'fedper') == 'global+tent/val/accuracy'
+  with pytest.raises(ValueError, match="config.sweep_metric: 'global/val/loss' \\(fedavg\\)"):
+    sweep.validation_metric(tiny_config(sweep_metric="{'fedavg': 'global/val/loss'}"), keys,
+                            'fedavg')
+
+
+@pytest.mark.parametrize('text,message', [
+    ("{'fedpr': 'global/val/accuracy'}", "names 'fedpr', which is not a registered method"),
+    ("{'fedavg': 0.5}", 'maps method names to metric keys'),
+    ('{}', 'must be a metric key or a non-empty dict'),
+    ("{'fedavg': 'global/val/accuracy'", 'not a metric key nor a Python dict literal'),
+])
+def test_bad_sweep_metrics_are_refused_before_anything_compiles(tmp_path, text, message):
+  config = tiny_config(sweep="{'client.learning_rate': (0.05, 0.1)}", sweep_metric=text)
+  with pytest.raises(ValueError, match='config.sweep_metric: .*' + message.replace(
+      '(', r'\(')):
+    pipelines.run(config, str(tmp_path))
+  assert not os.path.exists(tmp_path / 'fedavg')
+
+
+def test_methods_selected_on_their_own_metrics_are_recorded_and_tabled_each():
+  # two methods, each validated on its own model (FedTTA Table 1: FedPer's personalised
+  # models, FedAvg's global one); a point's test column is its method's model's
+  points = [{'client.learning_rate': 0.1}, {'client.learning_rate': 0.3}]
+
+  def runs(model, vals):
+    return [{'seed': 0, 'sweep_point': p, 'metrics': {'global/val/accuracy': 1 - v,
+                                                       f'{model}/val/accuracy': v,
+                                                       f'{model}/test/accuracy': v / 2}}
+            for p, v in zip(points, vals)]
+
+  chosen = {'fedavg': sweep.select(runs('global', (0.8, 0.6)), points,
+                                   'global/val/accuracy', 'last'),
+            'fedper': sweep.select(runs('personalized', (0.6, 0.9)), points,
+                                   'personalized/val/accuracy', 'last')}
+  assert chosen['fedavg'][0] == 0   # 0.8 > 0.6
+  assert chosen['fedper'][0] == 1   # personalized 0.9 > 0.6 (its global says otherwise)
+  record = sweep.grid_record({'fedavg': 'global/val/accuracy',
+                              'fedper': 'personalized/val/accuracy'}, 'last', chosen)
+  assert record['metric'] == 'per method'
+  assert record['methods']['fedper']['metric'] == 'personalized/val/accuracy'
+  table = report.sweep_grid_table(record)
+  assert '| method | metric | point | validation (last) | test | seeds |' in table
+  assert ('| fedper | personalized/val/accuracy | client.learning_rate=0.3 (selected) | '
+          '90.00 | 45.00 | 1 |') in table
+  assert '| fedavg | global/val/accuracy | client.learning_rate=0.1 (selected) | 80.00 | 40.00' \
+      in table
+  one = sweep.grid_record({'fedavg': 'global/val/accuracy'}, 'last',
+                          {'fedavg': chosen['fedavg']})
+  assert one['metric'] == 'global/val/accuracy'
+  assert ('| method | point | global/val/accuracy (last) | global/test/accuracy | seeds |'
+          in report.sweep_grid_table(one))
+
+
+def test_fedtta_tuned_variant_searches_every_rate_on_each_rows_validation():
+  from configs import fedtta
+  config = fedtta.get_config('tuned')
+  assert sweep.parse(config.sweep) == {'client.learning_rate': fedtta.PAPER_RATES}
+  assert config.sweep_select == 'best_round'
+  assert all(config[name].client_learning_rate == 0.0 for name in config.algorithms)
+  metrics = sweep.parse_metric(config.sweep_metric)
+  assert set(metrics) == set(config.algorithms)
+  assert metrics['fedper'] == 'personalized/val/accuracy'
+  assert metrics['fedtta_prox'] == metrics['fedtta'] == 'global+fedtta/val/accuracy'
+  assert metrics['odpfl_hn'] == 'global+odpfl_hn/val/accuracy'
+  assert metrics['fedavg'] == 'global/val/accuracy'
+  pipelines.validate(config)
+  with pytest.raises(ValueError, match="'tuned' does not combine with 'tent'"):
+    fedtta.get_config('tent,tuned')

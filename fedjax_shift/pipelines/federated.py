@@ -886,6 +886,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   programs: Dict = {}  # compiled once per method and data shapes, reused across seeds
   backbone = backbone_for(config, workdir)
   selected: Dict[str, tuple] = {}   # method -> (selected point index, per-point summaries)
+  selection_metrics: Dict[str, str] = {}   # method -> the validation metric it was selected on
   for name in algorithm_names(config):
     points = sweep.method_points(config, name)
     if points == [{}] and not config.engine.vmap_seeds:
@@ -896,7 +897,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
     else:
       mine = train_grid(config, workdir, name, points, programs, backbone)
     if points != [{}]:
-      metric = sweep.validation_metric(config, [k for r in mine for k in r['metrics']])
+      metric = selection_metrics[name] = sweep.validation_metric(
+          config, [k for r in mine for k in r['metrics']], name)
       selected[name] = sweep.select(mine, points, metric, config.sweep_select)
       best = points[selected[name][0]]
       log.info('config.sweep: %s selects %s (validation %s, %s)', name,
@@ -910,7 +912,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
                                     else {}, seed) for seed in config.seeds]
   grid = None
   if selected:
-    record = sweep.grid_record(metric, config.sweep_select, selected)
+    record = sweep.grid_record(selection_metrics, config.sweep_select, selected)
     if distributed.is_primary():
       sweep.write(workdir, record)
     grid = report.sweep_grid_table(record)

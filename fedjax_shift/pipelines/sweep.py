@@ -22,7 +22,8 @@ Python control flow (tracing fails); the log says which, once.
 
 Selection (``config.sweep_select``), as the papers tuned: per method, the point with the
 best mean over seeds of the validation accuracy ``config.sweep_metric`` (default: the
-global model's on the first split named ``val…``), at the last round ('last') or at each
+global model's on the first split named ``val…``; a dict names each method's, for a
+method whose table validates another model), at the last round ('last') or at each
 run's round of best validation accuracy ('best_round', FedTTA Sec. 4.1.3). A point
 with a diverged seed ranks below every point without; ties go to the point first in
 grid order. The results table reports each method at its selected point;
@@ -111,6 +112,9 @@ def check(config: ml_collections.ConfigDict, validate) -> None:
   config with that value; errors name the field."""
   require(config.sweep_select in SELECT, 'sweep_select',
           f'unknown {config.sweep_select!r}; choose from {list(SELECT)}')
+  for name in parse_metric(config.sweep_metric):   # a method not run is let be (a
+    require(name == '*' or name in ALGORITHMS, 'sweep_metric',   # variant names its rows)
+            f'names {name!r}, which is not a registered method ({sorted(ALGORITHMS.names())})')
   grid = parse(config.sweep)
   if not grid:
     return
@@ -181,14 +185,41 @@ def program_groups(config: ml_collections.ConfigDict, points: Sequence[Point]
   return list(groups.values())
 
 
-def validation_metric(config: ml_collections.ConfigDict, keys: Sequence[str]) -> str:
-  """``config.sweep_metric``, or the global model's accuracy on the first validation
-  split among ``keys`` ('global/val/accuracy'); ValueError naming the field when the
-  runs have no such metric."""
-  if config.sweep_metric:
-    require(config.sweep_metric in keys, 'sweep_metric',
-            f'{config.sweep_metric!r} is not among the runs\' metrics {sorted(keys)}')
-    return config.sweep_metric
+def parse_metric(text: str) -> Dict[str, str]:
+  """``config.sweep_metric`` as {method: metric}, '*' for every method not named: one
+  metric key ('global+tent/val/accuracy') is {'*': key}; a dict literal
+  "{'fedper': 'personalized/val/accuracy'}" names each method's (a method whose table
+  row is validated with another model than the global one); '' is {}."""
+  if not text:
+    return {}
+  if not text.lstrip().startswith('{'):
+    return {'*': text}
+  try:
+    metrics = ast.literal_eval(text)
+  except (ValueError, SyntaxError) as err:
+    raise ValueError(f"config.sweep_metric: not a metric key nor a Python dict literal of "
+                     f"method -> metric ({err}); got {text!r}") from None
+  require(isinstance(metrics, dict) and metrics, 'sweep_metric',
+          f'must be a metric key or a non-empty dict of method -> metric, got {text!r}')
+  for name, metric in metrics.items():
+    require(isinstance(name, str) and isinstance(metric, str) and metric, 'sweep_metric',
+            f'maps method names to metric keys, got {name!r}: {metric!r}')
+  return dict(metrics)
+
+
+def validation_metric(config: ml_collections.ConfigDict, keys: Sequence[str],
+                      name: str = '') -> str:
+  """Method ``name``'s selection metric: its entry of ``config.sweep_metric`` (or the
+  '*' entry), else the global model's accuracy on the first validation split among
+  ``keys`` ('global/val/accuracy'); ValueError naming the field when the runs have no
+  such metric."""
+  metrics = parse_metric(config.sweep_metric)
+  chosen = metrics.get(name, metrics.get('*'))
+  if chosen:
+    require(chosen in keys, 'sweep_metric',
+            f'{chosen!r} ({name or "every method"}) is not among the runs\' metrics '
+            f'{sorted(keys)}')
+    return chosen
   candidates = sorted(k for k in keys if k.endswith('/accuracy') and
                       k.split('/')[1].startswith('val'))
   candidates.sort(key=lambda k: not k.startswith('global/'))
@@ -243,12 +274,14 @@ def select(results: Sequence[Dict], points: Sequence[Point], metric: str, select
   return max(range(len(points)), key=rank), summaries
 
 
-def grid_record(metric: str, select_rule: str, by_method: Mapping[str, Tuple[int, List[Dict]]]
-                ) -> Dict:
-  """sweep.json's content: the rule, the metric, and per method its selected point and
-  every point's summary."""
-  return {'select': select_rule, 'metric': metric,
-          'methods': {name: {'selected': summaries[index]['name'],
+def grid_record(metrics: Mapping[str, str], select_rule: str,
+                by_method: Mapping[str, Tuple[int, List[Dict]]]) -> Dict:
+  """sweep.json's content: the rule, the metric ('per method' when the methods were
+  selected on different ones), and per method its metric, its selected point and every
+  point's summary. ``metrics``: method -> the metric it was selected on."""
+  distinct = sorted(set(metrics.values()))
+  return {'select': select_rule, 'metric': distinct[0] if len(distinct) == 1 else 'per method',
+          'methods': {name: {'metric': metrics[name], 'selected': summaries[index]['name'],
                              'values': summaries[index]['point'], 'grid': summaries}
                       for name, (index, summaries) in by_method.items()}}
 
