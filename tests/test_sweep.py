@@ -279,3 +279,19 @@ def test_fedtta_tuned_variant_searches_every_rate_on_each_rows_validation():
   pipelines.validate(config)
   with pytest.raises(ValueError, match="'tuned' does not combine with 'tent'"):
     fedtta.get_config('tent,tuned')
+
+
+def test_fedicon_tuned_variant_searches_the_baselines_rates_on_each_rows_validation():
+  from configs import fedicon
+  config = fedicon.get_config('tuned')
+  assert sweep.parse(config.sweep) == {'client.learning_rate': fedicon.TUNED_RATES}
+  assert 0.01 in fedicon.TUNED_RATES   # Sec. 5.1's one rate is a point of the grid
+  assert not any(name.startswith('fedicon') for name in config.algorithms)
+  assert all(config[name].client_learning_rate == 0.0 for name in config.algorithms)
+  assert 'val' in config.eval_adapter_splits   # FedTHE's row validates its adapted model
+  metrics = sweep.parse_metric(config.sweep_metric)
+  assert set(metrics) == set(config.algorithms)
+  assert metrics['local'] == metrics['fedrep'] == 'personalized/val/accuracy'
+  assert metrics['fedthe'] == 'personalized+fedthe/val/accuracy'
+  assert metrics['fedavg'] == 'global/val/accuracy'
+  pipelines.validate(config)
