@@ -295,3 +295,18 @@ def test_fedicon_tuned_variant_searches_the_baselines_rates_on_each_rows_validat
   assert metrics['fedthe'] == 'personalized+fedthe/val/accuracy'
   assert metrics['fedavg'] == 'global/val/accuracy'
   pipelines.validate(config)
+
+
+def test_a_diverged_point_of_a_vmapped_grid_is_recorded_and_ranked_last(tmp_path):
+  # lr 1e8 overflows in the first round; with on_divergence='continue' its run is kept
+  # as diverged, named by its point, so that selection and the grid table see it
+  config = tiny_config(rounds=2, eval_every=2, on_divergence='continue',
+                       sweep="{'client.learning_rate': (100000000.0, 0.05)}")
+  out = pipelines.run(config, str(tmp_path))
+  runs = {r['sweep_point']['client.learning_rate']: r for r in out.records['all_results']}
+  assert 'diverged' in runs[1e8] and 'diverged' not in runs[0.05]
+  record = report.read_sweep(str(tmp_path))['methods']['fedavg']
+  assert record['selected'] == 'client.learning_rate=0.05'   # first in grid order, but NaN
+  assert record['grid'][0]['diverged'] == [0]
+  assert '| client.learning_rate=100000000.0 | n/a | n/a | 1 (1 diverged) |' in \
+      report.sweep_grid_table(report.read_sweep(str(tmp_path)))

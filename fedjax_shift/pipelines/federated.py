@@ -475,7 +475,7 @@ def finish_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: 
   """Writes ``workdir``/results.json (with ``extra`` fields); returns it with the
   'server_state' (a diverged run: its ``diverged_record``)."""
   if outcome.diverged is not None:
-    return diverged_record(config, workdir, algorithm_name, seed, outcome.diverged)
+    return diverged_record(config, workdir, algorithm_name, seed, outcome.diverged, **extra)
   # Every evaluated round's accuracies, for tables that report the test accuracy at the
   # round of best validation accuracy (FedTTA Sec. 4.1.3).
   result = {'algorithm': algorithm_name, 'seed': seed, 'metrics': outcome.summary,
@@ -523,10 +523,11 @@ def evaluated_rounds(run_dir: str, rounds: int) -> List[Dict[str, float]]:
 
 
 def diverged_record(config: ml_collections.ConfigDict, run_dir: str, name: str, seed: int,
-                    error: DivergenceError) -> Dict:
-  """The record of a diverged run, also written to ``run_dir``/results.json."""
+                    error: DivergenceError, **extra) -> Dict:
+  """The record of a diverged run (with ``extra`` fields: a swept run's point), also
+  written to ``run_dir``/results.json."""
   record = {'algorithm': name, 'seed': seed, 'metrics': {}, 'diverged': str(error),
-            'rounds': config.rounds, 'train_seconds': float('nan')}
+            'rounds': config.rounds, 'train_seconds': float('nan'), **extra}
   with distributed.open_output(os.path.join(run_dir, 'results.json')) as f:
     json.dump(record, f, indent=1)
   return record
