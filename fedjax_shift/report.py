@@ -395,14 +395,18 @@ def check_seeds_agree(paths: Sequence[str]) -> None:
   """Raises ValueError when two seeds of one method (``<method>/seed_<s>/results.json``
   paths, each beside its run.json) were trained with fingerprinted fields or a round
   target that differ: their mean would mix two configurations. Names the field."""
-  by_method = {}
+  by_method = {}   # <method> (or a swept <method>/<point>) -> its seeds' runs
   for path in paths:
     run_json = os.path.join(os.path.dirname(path), 'run.json')
     if os.path.exists(run_json):
-      method = os.path.basename(os.path.dirname(os.path.dirname(path)))
-      by_method.setdefault(method, []).append((os.path.dirname(path), read_result(run_json)))
-  for method, ((first_dir, first), *others) in by_method.items():
-    for other_dir, other in others:
+      parent = os.path.dirname(os.path.dirname(path))
+      method = os.path.basename(parent)
+      if '=' in method:   # a sweep point's directory: name it with its method's
+        method = f'{os.path.basename(os.path.dirname(parent))} at {method}'
+      by_method.setdefault(parent, []).append((os.path.dirname(path), read_result(run_json),
+                                               method))
+  for (first_dir, first, method), *others in by_method.values():
+    for other_dir, other, _ in others:
       changed = metrics.record_changes(first, other['fields'], other['rounds'])
       if changed:
         raise ValueError(

@@ -310,3 +310,13 @@ def test_a_diverged_point_of_a_vmapped_grid_is_recorded_and_ranked_last(tmp_path
   assert record['grid'][0]['diverged'] == [0]
   assert '| client.learning_rate=100000000.0 | n/a | n/a | 1 (1 diverged) |' in \
       report.sweep_grid_table(report.read_sweep(str(tmp_path)))
+
+
+def test_a_swept_workdir_of_several_methods_reports_each_at_its_point(tmp_path):
+  # two methods at the same point are not seeds of one configuration: the report reads
+  # both (it once took the point's directory for the method and refused the pair)
+  config = tiny_config(rounds=1, eval_every=1, algorithms=('fedavg', 'fedprox'),
+                       sweep="{'client.learning_rate': (0.05, 0.1)}")
+  pipelines.run(config, str(tmp_path))
+  runs = report.load_runs([str(tmp_path)])[os.path.basename(str(tmp_path))]
+  assert sorted(r['algorithm'] for r in runs) == ['fedavg', 'fedprox']
