@@ -134,19 +134,14 @@ def _tuned(c: ml_collections.ConfigDict, match=None) -> None:
   FedRep's personalised models, FedTHE's ensemble, …); Tent, EATA and T3A adapt FedAvg
   at FedAvg's selected rate. FedICON keeps the paper's rates (run it untuned)."""
   from fedjax_shift.papers.fedicon.tables import FEDICON_ROWS
+  from fedjax_shift.pipelines import sweep
   c.algorithms = tuple(a for a in c.algorithms if not a.startswith('fedicon'))
   c.eval_adapters = tuple(s for s in c.eval_adapters if not s.startswith('fedicon'))
   c.eval_adapter_algorithms = tuple(a for a in c.eval_adapter_algorithms
                                     if a in c.algorithms)
   c.eval_adapter_splits = tuple(c.eval_adapter_splits) + ('val',)   # FedTHE's validation
-  for name in c.algorithms:
-    c[name].client_learning_rate = 0.0     # every method reads the swept client rate
-  c.sweep = repr({'client.learning_rate': TUNED_RATES})
-  validated = {}
-  for _, method, model in FEDICON_ROWS:    # a method's first row (FedAvg's own)
-    if method in c.algorithms:
-      validated.setdefault(method, f'{model}/val/accuracy')
-  c.sweep_metric = repr(validated)
+  sweep.tune_client_rates(c, TUNED_RATES, [(method, model)   # FedAvg: its own row, not Tent's
+                                           for _, method, model in FEDICON_ROWS])
 
 
 # Views for the contrastive losses (training and test time). 'simclr' is the default:

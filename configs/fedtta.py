@@ -171,20 +171,15 @@ def _tuned(c: ml_collections.ConfigDict, match) -> None:
   # the paper's setup; narrow the grid with --config.sweep. TENT takes FedAvg's
   # selected rate (App. D), so it is not tuned here: run the tent variant at that rate.
   from fedjax_shift.papers.fedtta.tables import UPFL_ROWS
+  from fedjax_shift.pipelines import sweep
   if 'tent:episodic' in c.eval_adapters:
     raise ValueError("configs/fedtta.py: 'tuned' does not combine with 'tent': TENT takes "
                      "FedAvg's selected rate (App. D); run the tent variant with "
                      "--config.client.learning_rate and --config.adapters.tent.learning_rate "
                      "set to it")
-  for name in c.algorithms:
-    c[name].client_learning_rate = 0.0     # every method reads the swept client rate
-  c.sweep = repr({'client.learning_rate': PAPER_RATES})
+  sweep.tune_client_rates(c, PAPER_RATES, [(method, val_model)   # FedTTA-Prox: its first row
+                                           for _, method, val_model, _ in UPFL_ROWS])
   c.sweep_select = 'best_round'
-  validated = {}
-  for _, method, val_model, _ in UPFL_ROWS:     # a method's first row (FedTTA-Prox's)
-    if method in c.algorithms:
-      validated.setdefault(method, f'{val_model}/val/accuracy')
-  c.sweep_metric = repr(validated)
 
 
 VARIANTS = (('tiny', _tiny), ('tent_iclr', _tent_iclr), ('tent', _tent),

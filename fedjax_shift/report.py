@@ -99,7 +99,7 @@ def sweep_grid_table(record: Dict, test_suffix: str = '/test/accuracy') -> str:
   def metric_of(method: Dict) -> str:
     return method.get('metric', record['metric'])   # sweep.json before per-method metrics
 
-  def split_keys(name: str, method: Dict) -> Dict[str, str]:   # test split -> metric key
+  def split_keys(method: Dict) -> Dict[str, str]:   # test split -> metric key
     model = metric_of(method).split('/')[0]
     keys = {k for point in method['grid'] for m in point['metrics'] for k in m
             if k.startswith(model + '/') and k.endswith(test_suffix)}
@@ -107,7 +107,7 @@ def sweep_grid_table(record: Dict, test_suffix: str = '/test/accuracy') -> str:
 
   methods = record['methods']
   per_method = len({metric_of(m) for m in methods.values()}) > 1
-  keys = {name: split_keys(name, method) for name, method in methods.items()}
+  keys = {name: split_keys(method) for name, method in methods.items()}
   splits = sorted({split for k in keys.values() for split in k})
   if per_method:
     header = (['method', 'metric', 'point', f'validation ({record["select"]})'] + splits +

@@ -148,6 +148,22 @@ def check(config: ml_collections.ConfigDict, validate) -> None:
         raise ValueError(f'config.sweep: {path}={value!r} is refused: {err}') from None
 
 
+def tune_client_rates(config: ml_collections.ConfigDict, rates: Sequence[float],
+                      row_models: Sequence[Tuple[str, str]]) -> None:
+  """Sets ``config`` to sweep every method's client learning rate over ``rates`` (each
+  method's own ``client_learning_rate`` cleared so that it reads the swept one) and to
+  select each on the validation accuracy of the model its paper-table row reports:
+  ``row_models`` = (method, model) per row, a method's first row counting."""
+  for name in config.algorithms:
+    config[name].client_learning_rate = 0.0
+  config.sweep = repr({'client.learning_rate': tuple(rates)})
+  validated = {}
+  for method, model in row_models:
+    if method in config.algorithms:
+      validated.setdefault(method, f'{model}/val/accuracy')
+  config.sweep_metric = repr(validated)
+
+
 def method_points(config: ml_collections.ConfigDict, name: str) -> List[Point]:
   """The grid points method ``name`` runs: the product of the swept fields it reads
   (those of other methods' sections left out), in grid order; [{}] when none."""
