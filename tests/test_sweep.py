@@ -312,6 +312,33 @@ def test_a_diverged_point_of_a_vmapped_grid_is_recorded_and_ranked_last(tmp_path
       report.sweep_grid_table(report.read_sweep(str(tmp_path)))
 
 
+def test_a_resumed_grid_does_not_rewind_to_a_diverged_points_last_checkpoint(tmp_path):
+  # The 1e8 point diverges in round 1 and keeps no checkpoint. Resuming the grid once
+  # took the newest round every point has, round 0, and retrained the 0.05 point from
+  # scratch; now the diverged point is recorded again from its diverged.json and the
+  # 0.05 point resumes at its own round 2, ending where the uninterrupted grid did.
+  import shutil
+  config = tiny_config(rounds=4, eval_every=2, checkpoint_every=2, on_divergence='continue',
+                       sweep="{'client.learning_rate': (100000000.0, 0.05)}")
+  straight = pipelines.run(config, str(tmp_path / 'straight')).records['all_results']
+  live = sweep.run_dir(str(tmp_path / 'cut'), 'fedavg', {'client.learning_rate': 0.05}, 0)
+  dead = sweep.run_dir(str(tmp_path / 'cut'), 'fedavg', {'client.learning_rate': 1e8}, 0)
+  shutil.copytree(tmp_path / 'straight', tmp_path / 'cut')
+  with open(os.path.join(dead, 'diverged.json')) as f:
+    assert json.load(f)['round'] == 1
+  shutil.rmtree(os.path.join(live, 'checkpoints', '4'))
+  os.remove(os.path.join(live, 'results.json'))
+  resumed = pipelines.run(config, str(tmp_path / 'cut')).records['all_results']
+  assert sorted(os.listdir(live)).count('metrics.jsonl.before_resume_2') == 1
+  assert not [f for f in os.listdir(live) if f.startswith('metrics.jsonl.before_resume_0')]
+  by_rate = {r['sweep_point']['client.learning_rate']: r for r in resumed}
+  assert by_rate[1e8]['diverged'] == {r['sweep_point']['client.learning_rate']: r
+                                      for r in straight}[1e8]['diverged']
+  expected = {r['sweep_point']['client.learning_rate']: r for r in straight}[0.05]
+  np.testing.assert_array_equal(by_rate[0.05]['metrics']['global/test/accuracy'],
+                                expected['metrics']['global/test/accuracy'])
+
+
 def test_a_swept_workdir_of_several_methods_reports_each_at_its_point(tmp_path):
   # two methods at the same point are not seeds of one configuration: the report reads
   # both (it once took the point's directory for the method and refused the pair)

@@ -126,6 +126,16 @@ def test_vmapped_seeds_resume_at_the_newest_round_every_seed_has(tmp_path):
   config = config_for(**{'client.learning_rate': 1e8, 'engine.vmap_seeds': True,
                          'on_divergence': 'continue'})
   first = run(config, tmp_path / 'diverged')
+  # seed 2 lost its last checkpoint; seeds 0 and 1 diverged in round 1 with none kept.
+  # The re-run records them again from their diverged.json and resumes seed 2 at its
+  # own round 2 (it once rewound every seed to round 0, the diverged seeds' newest).
+  seed_2 = tmp_path / 'diverged' / 'fedavg' / 'seed_2'
+  shutil.rmtree(seed_2 / 'checkpoints' / '4')
+  os.remove(seed_2 / 'results.json')
   again = run(config, tmp_path / 'diverged')
   assert {k for k, r in again.items() if 'diverged' in r} == {
       k for k, r in first.items() if 'diverged' in r} == {('fedavg', 0), ('fedavg', 1)}
+  assert sorted(p.name for p in seed_2.glob('metrics.jsonl.before_resume_*')) == [
+      'metrics.jsonl.before_resume_2']
+  np.testing.assert_array_equal(again[('fedavg', 2)]['metrics']['global/test/accuracy'],
+                                first[('fedavg', 2)]['metrics']['global/test/accuracy'])

@@ -8,6 +8,8 @@ Workdir layout::
     <workdir>/<method>/seed_<s>/metrics.jsonl  one line per round
     <workdir>/<method>/seed_<s>/partition.json partition statistics of every split
     <workdir>/<method>/seed_<s>/results.json   final metrics, rounds, seconds, hardware
+    <workdir>/<method>/seed_<s>/diverged.json  the round and error of a diverged run
+                                               (config.on_divergence='continue')
     <workdir>/results.md, results.csv, curves.png
 """
 from __future__ import annotations
@@ -330,8 +332,7 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
     if key is not None:
       programs[key] = built
   algorithm = built.algorithm
-  seed_key = jax.random.key(seed)
-  init_key, train_key, eval_key = (jax.random.fold_in(seed_key, i) for i in range(3))
+  init_key, train_key, eval_key = run_keys(seed)
   server_state = algorithm.init(init_key, jnp.asarray(train.x[0, :1]))
   if backbone is not None:
     server_state = pretrain.with_backbone(server_state, backbone, algorithm_name)
@@ -376,6 +377,12 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
                  opened.start_round, float(elapsed), evaluate,
                  (lambda state: log_state(state[0])) if log_state is not None else None)
   return OpenedRun(run, bench, built, train_key, upload, (server_state, client_states))
+
+
+def run_keys(seed: int):
+  """(init, train, eval) keys of seed ``seed``'s run."""
+  seed_key = jax.random.key(seed)
+  return tuple(jax.random.fold_in(seed_key, i) for i in range(3))
 
 
 def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, module,
@@ -725,18 +732,52 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
                    programs: Dict, backbone: Optional[dict] = None) -> List[Dict]:
   """Trains ``points`` × ``seeds`` of method ``name`` as one vmapped program (the
   points differ only in the traced ``fields``); NotTraceable when a field cannot be
-  traced in the round (nothing trained then)."""
+  traced in the round (nothing trained then).
+
+  With ``config.on_divergence='continue'`` a run that diverged before (its
+  diverged.json, ``loop.settled_divergence``) is recorded again without training: a
+  point whose every seed diverged leaves the program, and a diverged seed of another
+  point keeps its place with a copy of a live run's state, neither trained on nor
+  saved. The others resume at the newest round they all have, not at the diverged
+  run's last checkpoint."""
   runs = [(point, seed) for point in points for seed in seeds]
   run_dirs = [sweep.run_dir(workdir, name, point, seed) for point, seed in runs]
-  common = common_checkpoint_round(run_dirs, config.rounds)
+  settled = {}
+  if config.on_divergence == 'continue':
+    settled = {i: error for i, run_dir in enumerate(run_dirs)
+               if (error := loop.settled_divergence(run_dir, config.rounds)) is not None}
+  for i in sorted(settled):
+    log.info('%s: diverged before (%s); recorded again, not retrained (delete it to '
+             'retrain)', run_dirs[i], loop.DIVERGED_FILE)
+  extra = {'vmapped_seeds': list(seeds)} if config.engine.vmap_seeds else {}
+
+  def record(i: int, outcome: loop.Outcome, upload, clock) -> Dict:
+    point, seed = runs[i]
+    return finish_run(sweep.with_values(config, point), run_dirs[i], name, seed, outcome,
+                      upload, clock, **extra,
+                      **({'sweep_point': point, 'vmapped_points': len(points)} if point
+                         else {}))
+
+  live_points = [p for j, p in enumerate(points)
+                 if any(j * len(seeds) + k not in settled for k in range(len(seeds)))]
+  if len(live_points) < len(points):   # whole points diverged: the program leaves them out
+    trained = iter(train_lockstep(config, workdir, name, live_points, fields, seeds,
+                                  programs, backbone) if live_points else [])
+    return [record(i, loop.Outcome({}, 0.0, None, settled[i]), None, None)
+            if runs[i][0] not in live_points else next(trained) for i in range(len(runs))]
+  live = [i for i in range(len(runs)) if i not in settled]
+  common = common_checkpoint_round([run_dirs[i] for i in live], config.rounds)
   benches = {seed: build_data(config, seed) for seed in seeds}
   fixed = {p: v for p, v in points[0].items() if p not in fields}
   values = [tuple(float(point[f]) for f in fields) for point in points]
   with CompileClock() as clock:
-    opened: List[OpenedRun] = []
+    opened: List[Optional[OpenedRun]] = []   # None: a settled divergence
     try:
       family = None
-      for (point, seed), run_dir in zip(runs, run_dirs):
+      for i, ((point, seed), run_dir) in enumerate(zip(runs, run_dirs)):
+        if i in settled:
+          opened.append(None)
+          continue
         point_config = sweep.with_values(config, point)
         built = None
         if fields:
@@ -750,19 +791,20 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
         opened.append(setup_run(point_config, run_dir, name, seed, bench=benches[seed],
                                 programs=programs, backbone=backbone, max_round=common,
                                 built=built))
-      check_lockstep(config, name, opened, seeds)
+      first = opened[live[0]]
+      check_lockstep(config, name, [opened[i] for i in live], seeds)
       if fields:
         round_fn = family.traced(lambda p: p.round_device)
       else:
-        device_round = opened[0].programs.round_device
+        device_round = first.programs.round_device
         round_fn = lambda values, *args: device_round(*args)  # noqa: E731
       round_grid = grid_round(round_fn, len(points), len(seeds))
       stacked_values = tuple(jnp.stack([jnp.asarray(v[i]) for v in values])
                              for i in range(len(fields)))
       data = jax.device_put(stack_runs([jax.tree.map(np.asarray, benches[s].splits['train'])
                                         for s in seeds]))
-      keys = [o.train_key for o in opened[:len(seeds)]]
-      state = stack_runs([o.state for o in opened])
+      keys = [run_keys(seed)[1] for seed in seeds]
+      state = stack_runs([first.state if o is None else o.state for o in opened])
 
       def round_keys(start: int):
         return jnp.stack([round_key(key, start) for key in keys])
@@ -781,22 +823,18 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
 
       trainer = loop.Trainer(advance, take_run, 1, examples_per_step(config, name))
       what = (f'{len(points)} points × ' if len(points) > 1 else '') + f'seeds {tuple(seeds)}'
-      outcomes = loop.train([o.run for o in opened], state, trainer, config.rounds,
-                            config.eval_every, config.checkpoint_every,
-                            config.on_divergence == 'continue', config.progress,
-                            f'{name} {what} (vmapped)', config.log_every)
+      loop_runs = [loop.Run(f'{name} seed {seed}', run_dir, None, None, common, 0.0, None, None)
+                   if o is None else o.run for o, (_, seed), run_dir in zip(opened, runs, run_dirs)]
+      outcomes = loop.train(loop_runs, state, trainer, config.rounds, config.eval_every,
+                            config.checkpoint_every, config.on_divergence == 'continue',
+                            config.progress, f'{name} {what} (vmapped)', config.log_every,
+                            settled=settled)
     finally:
       for o in opened:
-        o.run.checkpointer.close()
-  extra = {'vmapped_seeds': list(seeds)} if config.engine.vmap_seeds else {}
-  results = []
-  for (point, seed), run_dir, outcome, o in zip(runs, run_dirs, outcomes, opened):
-    result = finish_run(sweep.with_values(config, point), run_dir, name, seed, outcome,
-                        o.upload, clock, **extra,
-                        **({'sweep_point': point, 'vmapped_points': len(points)} if point
-                           else {}))
-    results.append(result)
-  return results
+        if o is not None:
+          o.run.checkpointer.close()
+  return [record(i, outcome, o and o.upload, clock)
+          for i, (outcome, o) in enumerate(zip(outcomes, opened))]
 
 
 def check_lockstep(config: ml_collections.ConfigDict, name: str, opened: Sequence[OpenedRun],
@@ -820,10 +858,9 @@ def check_lockstep(config: ml_collections.ConfigDict, name: str, opened: Sequenc
 
 def common_checkpoint_round(run_dirs: Sequence[str], rounds: int) -> int:
   """The newest checkpointed round (<= ``rounds``) that every run of ``run_dirs`` has
-  (0: none), where seeds trained in lockstep resume: after a kill between the per-seed
-  saves, or a seed that diverged (with on_divergence='continue') and stopped saving,
-  the seeds ahead go back to it (training is deterministic, so they retrain the same
-  rounds) and the diverged seed diverges again, recorded as before."""
+  (0: none), where runs trained in lockstep resume: after a kill between the per-run
+  saves, the runs ahead go back to it (training is deterministic, so they retrain the
+  same rounds). A run that diverged is not among ``run_dirs`` (``train_lockstep``)."""
   kept = [set(r for r in workdir_lib.checkpoint_rounds(d) if r <= rounds) for d in run_dirs]
   common = set.intersection(*kept) if kept else set()
   return max(common, default=0)

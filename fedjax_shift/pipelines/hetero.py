@@ -54,7 +54,8 @@ from fedjax_shift.pipelines import loop
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
                                          check_run_dir, check_run_loop, check_sections,
                                          hardware, open_run)
-from fedjax_shift.pipelines.federated import build_data, diverged_record, evaluated_rounds
+from fedjax_shift.pipelines.federated import (build_data, diverged_record, evaluated_rounds,
+                                               run_keys)
 from fedjax_shift.registry import NONNEGATIVE, check_fields, require, require_distinct, sequence_of
 
 SECTIONS = {
@@ -207,8 +208,7 @@ def _train_and_evaluate(config, run_dir: str, seed: int) -> Dict[str, object]:
                'new_client_sizes': parts.new_sizes}, f, indent=1)
   sizes = cohort_sizes([len(ids) for ids in group_ids], config.cohort_size)
   round_fn = build_grouped_round(algorithm, sizes, config.weighting)
-  seed_key = jax.random.key(seed)
-  init_key, train_key, eval_key = (jax.random.fold_in(seed_key, i) for i in range(3))
+  init_key, train_key, eval_key = run_keys(seed)
   server_state = algorithm.init(init_key)
   group_states = init_group_states(algorithm, init_key, group_ids)
   group_data = jax.device_put(split_groups(train, group_ids))

@@ -19,7 +19,9 @@ examples per step) and, in the first record of a call that compiled,
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -30,11 +32,35 @@ import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
 
+from fedjax_shift import distributed
+
 log = logging.getLogger('fedjax_shift')
 
 
 class DivergenceError(FloatingPointError):
   """Training produced a non-finite loss."""
+
+
+# Written in a run's directory when its loss turns non-finite and the others go on
+# (``keep_going``): {'round': the round, 'error': the message}.
+DIVERGED_FILE = 'diverged.json'
+
+
+def record_divergence(run_dir: str, round_index: int, error: DivergenceError) -> None:
+  with distributed.open_output(os.path.join(run_dir, DIVERGED_FILE)) as f:
+    json.dump({'round': round_index, 'error': str(error)}, f, indent=1)
+
+
+def settled_divergence(run_dir: str, rounds: int) -> Optional[DivergenceError]:
+  """The divergence ``record_divergence`` left in ``run_dir`` when it happened within
+  ``rounds`` (training is deterministic: re-training would diverge there again), else
+  None."""
+  path = os.path.join(run_dir, DIVERGED_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    recorded = json.load(f)
+  return DivergenceError(recorded['error']) if recorded['round'] <= rounds else None
 
 
 class Preempted(Exception):
@@ -214,23 +240,27 @@ class Progress:
 
 def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every: int,
           checkpoint_every: int, keep_going: bool = False, progress: bool = True,
-          description: str = '', log_every: int = 0) -> List[Outcome]:
+          description: str = '', log_every: int = 0,
+          settled: Optional[Dict[int, DivergenceError]] = None) -> List[Outcome]:
   """Trains every run of ``runs`` from their common start round to ``rounds``.
 
   ``keep_going``: a run whose loss turns non-finite is marked diverged (its Outcome
   carries the error) and the others go on; otherwise the DivergenceError is raised.
   ``progress``: show ``Progress`` (a bar on a terminal, else a line every ``log_every``
-  rounds). Returns one Outcome per run, in order.
+  rounds). ``settled``: runs (by index) that diverged before, within ``rounds``
+  (``settled_divergence``): they hold a place in ``state`` but are neither trained on
+  nor saved, and their Outcome carries that error. Returns one Outcome per run, in
+  order.
   """
-  starts = {run.label: run.start_round for run in runs}
+  diverged: Dict[int, DivergenceError] = dict(settled or {})
+  starts = {run.label: run.start_round for i, run in enumerate(runs) if i not in diverged}
   if len(set(starts.values())) > 1:
     raise ValueError(f'runs trained in lockstep must start at one round; their checkpoints '
                      f'are at {starts}')
   count = len(runs)
-  completed = runs[0].start_round
+  completed = next(iter(starts.values()), rounds)
   elapsed = [run.elapsed for run in runs]
   summaries: List[Dict[str, float]] = [{} for _ in runs]
-  diverged: Dict[int, DivergenceError] = {}
   bar = Progress(rounds, completed, description, log_every) if progress else None
 
   def save(round_index: int, i: int) -> None:
@@ -268,6 +298,7 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
             raise error
           log.warning('%s; config.on_divergence=continue: the other runs go on', error)
           diverged[i] = error
+          record_divergence(run.run_dir, first + int(bad[0]) + 1, error)
           continue
         elapsed[i] += seconds / count
         evaluate_now = completed % eval_every == 0 or completed == rounds
