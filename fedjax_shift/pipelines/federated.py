@@ -746,9 +746,6 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
   if config.on_divergence == 'continue':
     settled = {i: error for i, run_dir in enumerate(run_dirs)
                if (error := loop.settled_divergence(run_dir, config.rounds)) is not None}
-  for i in sorted(settled):
-    log.info('%s: diverged before (%s); recorded again, not retrained (delete it to '
-             'retrain)', run_dirs[i], loop.DIVERGED_FILE)
   extra = {'vmapped_seeds': list(seeds)} if config.engine.vmap_seeds else {}
 
   def record(i: int, outcome: loop.Outcome, upload, clock) -> Dict:
@@ -760,7 +757,11 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
 
   live_points = [p for j, p in enumerate(points)
                  if any(j * len(seeds) + k not in settled for k in range(len(seeds)))]
-  if len(live_points) < len(points):   # whole points diverged: the program leaves them out
+  dropped = [i for i in sorted(settled) if runs[i][0] not in live_points]
+  for i in dropped or sorted(settled):   # the rest are logged by the call below
+    log.info('%s: diverged before (%s); recorded again, not retrained (delete it to '
+             'retrain)', run_dirs[i], loop.DIVERGED_FILE)
+  if dropped:   # whole points diverged: the program leaves them out
     trained = iter(train_lockstep(config, workdir, name, live_points, fields, seeds,
                                   programs, backbone) if live_points else [])
     return [record(i, loop.Outcome({}, 0.0, None, settled[i]), None, None)
