@@ -529,6 +529,20 @@ def evaluated_rounds(run_dir: str, rounds: int) -> List[Dict[str, float]]:
           if any(k.endswith('/accuracy') for k in record) and record['round'] <= rounds]
 
 
+def settled_divergence(run_dir: str, rounds: int) -> Optional[DivergenceError]:
+  """The divergence within ``rounds`` that ``run_dir`` records (None: none): its
+  diverged.json (``loop.settled_divergence``), or a diverged results.json whose run
+  targeted at most ``rounds`` (a workdir written before diverged.json was)."""
+  error = loop.settled_divergence(run_dir, rounds)
+  path = os.path.join(run_dir, 'results.json')
+  if error is None and os.path.exists(path):
+    with open(path) as f:
+      recorded = json.load(f)
+    if 'diverged' in recorded and recorded.get('rounds', rounds + 1) <= rounds:
+      error = DivergenceError(recorded['diverged'])
+  return error
+
+
 def diverged_record(config: ml_collections.ConfigDict, run_dir: str, name: str, seed: int,
                     error: DivergenceError, **extra) -> Dict:
   """The record of a diverged run (with ``extra`` fields: a swept run's point), also
@@ -735,7 +749,7 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
   traced in the round (nothing trained then).
 
   With ``config.on_divergence='continue'`` a run that diverged before (its
-  diverged.json, ``loop.settled_divergence``) is recorded again without training: a
+  ``settled_divergence``) is recorded again without training: a
   point whose every seed diverged leaves the program, and a diverged seed of another
   point keeps its place with a copy of a live run's state, neither trained on nor
   saved. The others resume at the newest round they all have, not at the diverged
@@ -745,7 +759,7 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
   settled = {}
   if config.on_divergence == 'continue':
     settled = {i: error for i, run_dir in enumerate(run_dirs)
-               if (error := loop.settled_divergence(run_dir, config.rounds)) is not None}
+               if (error := settled_divergence(run_dir, config.rounds)) is not None}
   extra = {'vmapped_seeds': list(seeds)} if config.engine.vmap_seeds else {}
 
   def record(i: int, outcome: loop.Outcome, upload, clock) -> Dict:
