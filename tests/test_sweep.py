@@ -344,6 +344,21 @@ def test_a_resumed_grid_does_not_rewind_to_a_diverged_points_last_checkpoint(tmp
                                 expected['metrics']['global/test/accuracy'])
 
 
+def test_a_grid_extended_by_a_value_does_not_retrain_its_finished_points(tmp_path):
+  # The new point starts at round 0; the finished one used to rewind with it (one
+  # program resumes at the newest round all its runs have) and be trained again.
+  config = tiny_config(rounds=2, eval_every=2, sweep="{'client.learning_rate': (0.05,)}")
+  first = pipelines.run(config, str(tmp_path)).records['all_results'][0]
+  config.sweep = "{'client.learning_rate': (0.05, 0.1)}"
+  grid = pipelines.run(config, str(tmp_path)).records['all_results']
+  old = sweep.run_dir(str(tmp_path), 'fedavg', {'client.learning_rate': 0.05}, 0)
+  assert not [f for f in os.listdir(old) if 'before_resume' in f]   # nothing recomputed
+  by_rate = {r['sweep_point']['client.learning_rate']: r for r in grid}
+  assert by_rate[0.05]['metrics'] == first['metrics']
+  assert by_rate[0.1]['metrics']['global/test/accuracy'] != first['metrics'][
+      'global/test/accuracy']   # trained at its own rate
+
+
 def test_a_swept_workdir_of_several_methods_reports_each_at_its_point(tmp_path):
   # two methods at the same point are not seeds of one configuration: the report reads
   # both (it once took the point's directory for the method and refused the pair)

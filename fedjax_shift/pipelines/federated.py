@@ -753,7 +753,8 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
   point whose every seed diverged leaves the program, and a diverged seed of another
   point keeps its place with a copy of a live run's state, neither trained on nor
   saved. The others resume at the newest round they all have, not at the diverged
-  run's last checkpoint."""
+  run's last checkpoint. Points already trained to ``config.rounds`` are evaluated by
+  a call of their own, apart from points still to train."""
   runs = [(point, seed) for point in points for seed in seeds]
   run_dirs = [sweep.run_dir(workdir, name, point, seed) for point, seed in runs]
   settled = {}
@@ -769,17 +770,30 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
                       **({'sweep_point': point, 'vmapped_points': len(points)} if point
                          else {}))
 
-  live_points = [p for j, p in enumerate(points)
-                 if any(j * len(seeds) + k not in settled for k in range(len(seeds)))]
-  dropped = [i for i in sorted(settled) if runs[i][0] not in live_points]
-  for i in dropped or sorted(settled):   # the rest are logged by the call below
+  num_seeds = len(seeds)
+  live_runs = [[j * num_seeds + k for k in range(num_seeds) if j * num_seeds + k not in settled]
+               for j in range(len(points))]     # per point
+  live_points = [j for j in range(len(points)) if live_runs[j]]
+  dropped = [i for i in sorted(settled) if not live_runs[i // num_seeds]]
+  # Points whose every run already reached config.rounds (a grid extended by new
+  # values) are evaluated apart, so that the new points do not rewind them.
+  finished = [j for j in live_points if common_checkpoint_round(
+      [run_dirs[i] for i in live_runs[j]], config.rounds) == config.rounds]
+  groups = [g for g in (finished, [j for j in live_points if j not in finished]) if g]
+  split = bool(dropped) or len(groups) > 1
+  for i in dropped if split else sorted(settled):   # the calls below log the others
     log.info('%s: diverged before (%s); recorded again, not retrained (delete it to '
              'retrain)', run_dirs[i], loop.DIVERGED_FILE)
-  if dropped:   # whole points diverged: the program leaves them out
-    trained = iter(train_lockstep(config, workdir, name, live_points, fields, seeds,
-                                  programs, backbone) if live_points else [])
-    return [record(i, loop.Outcome({}, 0.0, None, settled[i]), None, None)
-            if runs[i][0] not in live_points else next(trained) for i in range(len(runs))]
+  if split:
+    done = {}
+    for group in groups:
+      group_results = train_lockstep(config, workdir, name, [points[j] for j in group],
+                                     fields, seeds, programs, backbone)
+      done.update(zip([j * num_seeds + k for j in group for k in range(num_seeds)],
+                      group_results))
+    return [done[i] if i in done else
+            record(i, loop.Outcome({}, 0.0, None, settled[i]), None, None)
+            for i in range(len(runs))]
   live = [i for i in range(len(runs)) if i not in settled]
   common = common_checkpoint_round([run_dirs[i] for i in live], config.rounds)
   benches = {seed: build_data(config, seed) for seed in seeds}
