@@ -83,7 +83,7 @@ def test_unsupported_combinations_name_the_field(tmp_path, field, value, named):
     pipelines.run(config, str(tmp_path))
 
 
-def test_a_diverging_seed_is_named_or_recorded_and_the_others_go_on(tmp_path):
+def test_a_diverging_seed_is_named_or_recorded_and_the_others_go_on(tmp_path, caplog):
   config = config_for(**{'client.learning_rate': 1e8, 'engine.vmap_seeds': True})
   with pytest.raises(DivergenceError, match=r'seed 0: non-finite training loss .* round 1'):
     pipelines.run(config, str(tmp_path / 'stop'))
@@ -102,6 +102,15 @@ def test_a_diverging_seed_is_named_or_recorded_and_the_others_go_on(tmp_path):
     else:
       np.testing.assert_allclose(record['metrics']['global/test/accuracy'],
                                  sequential[key]['metrics']['global/test/accuracy'], rtol=1e-5)
+  # a sequential re-run records the diverged seeds again from their diverged.json
+  # without training them (it used to retrain each up to its divergence)
+  with caplog.at_level('INFO', logger='fedjax_shift'):
+    again = run(config, tmp_path / 'sequential')
+  assert sorted(m for m in caplog.messages if 'not retrained' in m) == [
+      f'{tmp_path / "sequential" / "fedavg" / f"seed_{s}"}: diverged before (diverged.json); '
+      'recorded again, not retrained (delete it to retrain)' for s in (0, 1)]
+  assert {k: r['diverged'] for k, r in again.items() if 'diverged' in r} == {
+      k: r['diverged'] for k, r in sequential.items() if 'diverged' in r}
 
 
 def test_vmapped_seeds_resume_at_the_newest_round_every_seed_has(tmp_path):

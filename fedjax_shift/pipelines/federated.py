@@ -196,6 +196,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   re-run whose fields differ, or that raises ``rounds`` without
   ``config.resume='extend'``, is refused before anything is touched (pipelines/workdir.py).
   """
+  settled = settled_divergence(workdir, config.rounds) if keep_going else None
+  if settled is not None:
+    log_settled(workdir)
+    return diverged_record(config, workdir, algorithm_name, seed, settled)
   with CompileClock() as clock:
     opened = setup_run(config, workdir, algorithm_name, seed, bench, algorithm, programs,
                        backbone, log_state, depends_on)
@@ -530,17 +534,27 @@ def evaluated_rounds(run_dir: str, rounds: int) -> List[Dict[str, float]]:
 
 
 def settled_divergence(run_dir: str, rounds: int) -> Optional[DivergenceError]:
-  """The divergence within ``rounds`` that ``run_dir`` records (None: none): its
-  diverged.json (``loop.settled_divergence``), or a diverged results.json whose run
-  targeted at most ``rounds`` (a workdir written before diverged.json was)."""
-  error = loop.settled_divergence(run_dir, rounds)
-  path = os.path.join(run_dir, 'results.json')
-  if error is None and os.path.exists(path):
-    with open(path) as f:
+  """The divergence within ``rounds`` that ``run_dir`` records (None: none), which
+  re-training would meet again (training is deterministic): its diverged.json
+  (``loop.record_divergence``), or a diverged results.json whose run targeted at most
+  ``rounds`` (a workdir written before diverged.json was)."""
+  marker, results = (os.path.join(run_dir, name) for name in (loop.DIVERGED_FILE,
+                                                               'results.json'))
+  if os.path.exists(marker):
+    with open(marker) as f:
+      recorded = json.load(f)
+    return DivergenceError(recorded['error']) if recorded['round'] <= rounds else None
+  if os.path.exists(results):
+    with open(results) as f:
       recorded = json.load(f)
     if 'diverged' in recorded and recorded.get('rounds', rounds + 1) <= rounds:
-      error = DivergenceError(recorded['diverged'])
-  return error
+      return DivergenceError(recorded['diverged'])
+  return None
+
+
+def log_settled(run_dir: str) -> None:
+  log.info('%s: diverged before (%s); recorded again, not retrained (delete it to retrain)',
+           run_dir, loop.DIVERGED_FILE)
 
 
 def diverged_record(config: ml_collections.ConfigDict, run_dir: str, name: str, seed: int,
@@ -782,8 +796,7 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
   groups = [g for g in (finished, [j for j in live_points if j not in finished]) if g]
   split = bool(dropped) or len(groups) > 1
   for i in dropped if split else sorted(settled):   # the calls below log the others
-    log.info('%s: diverged before (%s); recorded again, not retrained (delete it to '
-             'retrain)', run_dirs[i], loop.DIVERGED_FILE)
+    log_settled(run_dirs[i])
   if split:
     done = {}
     for group in groups:

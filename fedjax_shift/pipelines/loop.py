@@ -51,18 +51,6 @@ def record_divergence(run_dir: str, round_index: int, error: DivergenceError) ->
     json.dump({'round': round_index, 'error': str(error)}, f, indent=1)
 
 
-def settled_divergence(run_dir: str, rounds: int) -> Optional[DivergenceError]:
-  """The divergence ``record_divergence`` left in ``run_dir`` when it happened within
-  ``rounds`` (training is deterministic: re-training would diverge there again), else
-  None."""
-  path = os.path.join(run_dir, DIVERGED_FILE)
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    recorded = json.load(f)
-  return DivergenceError(recorded['error']) if recorded['round'] <= rounds else None
-
-
 class Preempted(Exception):
   """SIGTERM or SIGUSR1 (what SLURM, Kubernetes and preemptible VMs send before a kill)
   stopped training after a round whose checkpoints were saved; re-running the same
@@ -248,7 +236,7 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
   carries the error) and the others go on; otherwise the DivergenceError is raised.
   ``progress``: show ``Progress`` (a bar on a terminal, else a line every ``log_every``
   rounds). ``settled``: runs (by index) that diverged before, within ``rounds``
-  (``settled_divergence``): they hold a place in ``state`` but are neither trained on
+  (their ``DIVERGED_FILE``): they hold a place in ``state`` but are neither trained on
   nor saved, and their Outcome carries that error. Returns one Outcome per run, in
   order.
   """
