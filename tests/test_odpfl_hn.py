@@ -44,27 +44,49 @@ def test_generated_classifier_has_the_models_structure_and_ignores_padding():
   assert not np.allclose(other['head']['kernel'], real['head']['kernel'])  # data-dependent
 
 
-def test_one_local_step_update_is_the_chain_rule_gradient():
-  """One full-batch SGD step: θ − θ̃ = η ∇_θ L, so the vector-Jacobian product gives
-  Δω = −s · η · ∇_ω L(H(E(D))) with s = η_encoder or η_hn (pFedHN's update)."""
+def test_one_local_step_round_is_the_weighted_chain_rule_gradient():
+  """One full-batch SGD step: θ_i − θ̃_i = η ∇_θ L_i, so the round moves ω by
+  Σ_i p_i (−s · η · ∇_ω L_i(H(E(D_i)))) with s = η_encoder or η_hn (pFedHN's update),
+  the server's SGD at rate 1 applying the mean. The reference differentiates each
+  client's loss through E and H in full, one client at a time; the method splits it
+  (the client's vjp through e_i, the server's one vjp over the cohort's embeddings)."""
   config, module, algorithm, state, data = setup(**{
       'client.batch_size': 16, 'client.local_epochs': 1, 'client.learning_rate': 0.1,
       'odpfl_hn.encoder_learning_rate': 0.5, 'odpfl_hn.hypernetwork_learning_rate': 0.25})
-  client = ClientData(*(jnp.asarray(a[0]) for a in data), jnp.int32(NO_STEP_LIMIT))
-  output, _ = algorithm.client_update(state, (), client, jax.random.key(0))
-  n = int(data.num_examples[0])
-  x, y = jnp.asarray(data.x[0, :n]), jnp.asarray(data.y[0, :n])
+  clients = ClientData(*(jnp.asarray(a) for a in data),
+                       jnp.full((2,), NO_STEP_LIMIT, jnp.int32))
+  keys = jax.random.split(jax.random.key(0), 2)
+  outputs, _ = jax.vmap(algorithm.client_update, (None, None, 0, 0))(state, (), clients, keys)
+  weights = jnp.array([0.7, 0.3])
+  new_state = algorithm.server_update(state, outputs, weights)
+  omega = state.variables['params']
 
-  def loss(omega):
+  def client_loss(omega, i):
+    n = int(data.num_examples[i])
+    x, y = jnp.asarray(data.x[i, :n]), jnp.asarray(data.y[i, :n])
     params = lib.personalized_params(omega, module, x, jnp.ones(n))
     logits = module.apply({'params': params}, x)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
 
-  grads = jax.grad(loss)(state.variables['params'])
+  grads = [jax.grad(client_loss)(omega, i) for i in range(2)]
+  moved = jax.tree.map(jnp.subtract, new_state.variables['params'], omega)
   for part, scale in (('encoder', 0.5), ('hypernetwork', 0.25)):
-    chex.assert_trees_all_close(output.update['params'][part],
-                                jax.tree.map(lambda g, s=scale: -s * 0.1 * g, grads[part]),
-                                rtol=1e-4, atol=1e-7)
+    expected = jax.tree.map(lambda g0, g1, s=scale: -s * 0.1 * (0.7 * g0 + 0.3 * g1),
+                            grads[0][part], grads[1][part])
+    chex.assert_trees_all_close(moved[part], expected, rtol=1e-4, atol=1e-7)
+
+
+def test_a_client_uploads_its_classifier_delta_and_embedding_not_the_hypernetworks_gradient():
+  """The paper's protocol: θ_i − θ̃_i (the classifier's size), e_i and the encoder's
+  part of Δω; nothing the size of H's heads leaves the client."""
+  _, module, algorithm, state, data = setup()
+  client = ClientData(*(jnp.asarray(a[0]) for a in data), jnp.int32(NO_STEP_LIMIT))
+  output, _ = algorithm.client_update(state, (), client, jax.random.key(0))
+  classifier = models.init(module, jax.random.key(1), jnp.asarray(data.x[0, :1]))['params']
+  chex.assert_trees_all_equal_shapes(output.update['classifier_delta'], classifier)
+  chex.assert_trees_all_equal_shapes(output.update['encoder'],
+                                     state.variables['params']['encoder'])
+  chex.assert_shape(output.update['embedding'], (4,))
 
 
 def test_adapter_generates_from_the_batch_and_online_pools_batches():

@@ -252,15 +252,20 @@ def train_variables(context: BuildContext, variables, data: ClientData, rng, ext
   return {'params': params, **model_state}, metrics
 
 
-def average_server_update(server_opt: optax.GradientTransformation, scale: float = 1.0):
+def average_server_update(server_opt: optax.GradientTransformation, scale: float = 1.0,
+                          mean_delta: Optional[Callable] = None):
   """ServerState update from client deltas Δ_c = w_c − w: the pseudo-gradient
   −scale·Σ p_c Δ_c goes through ``server_opt`` (``scale``: SCAFFOLD's η_g);
-  non-trainable state (BN running statistics) becomes the weighted mean directly."""
+  non-trainable state (BN running statistics) becomes the weighted mean directly.
+  ``mean_delta(state, outputs, weights)`` -> Σ p_c Δ_c shaped like the variables, for
+  clients that upload something the server turns into Δ_c (default: the weighted mean
+  of ``outputs.update``, which then is Δ_c itself)."""
 
   def server_update(state: ServerState, outputs: ClientOutput, weights) -> ServerState:
-    mean_delta = weighted_sum(outputs.update, weights)
+    mean = (mean_delta(state, outputs, weights) if mean_delta is not None
+            else weighted_sum(outputs.update, weights))
     params, rest = split_variables(state.variables)
-    delta_params, delta_rest = split_variables(mean_delta)
+    delta_params, delta_rest = split_variables(mean)
     pseudo_grad = jax.tree.map(lambda d: -scale * d, delta_params)
     updates, opt_state = server_opt.update(pseudo_grad, state.opt_state, params)
     params = optax.apply_updates(params, updates)

@@ -12,15 +12,17 @@ Client i, each round (pFedHN's update, Shamsian et al. 2021, Alg. 1):
   θ̃_i = local SGD of θ_i on D_i (η_local = config.client.learning_rate, τ steps)
   Δω = −(η_encoder, η_hn) ⊙ (∂θ_i/∂ω)ᵀ (θ_i − θ̃_i)
 
-computed on the client as a vector-Jacobian product (it holds ω), averaged by the
-server (config.server's optimizer on the mean, SGD lr 1 by default). The update is
-pFedHN's; in the paper's protocol the server computes H's part from the uploaded
-θ_i − θ̃_i and e_i (199,210 + 32 numbers for the MNIST MLP), here each client uploads
-the vjp itself, so ``uploaded_parameters`` counts ω (20.2M with the defaults). A new client
-runs E and H on its own unlabelled batch: the ``odpfl_hn`` adapter
-(adapters/odpfl_hn.py), which reads ω from the global model's 'odpfl_hn' collection.
-The global model's 'params' are H at the zero embedding (no client): a reference
-column, not a method's prediction.
+split as the paper's protocol splits it: the client uploads θ_i − θ̃_i and e_i
+(199,210 + 32 numbers for the MNIST MLP) and its encoder's part of Δω, the
+vector-Jacobian product through e_i, which needs its data (81,732 numbers with the
+defaults); the server computes H's part, Σ_i p_i (∂H(e_i)/∂ω_H)ᵀ(θ_i − θ̃_i), as one
+vjp over the cohort's embeddings, and config.server's optimizer (SGD lr 1 by default)
+applies the mean. The server's sum never holds a client's 20.2M-number gradient of
+H's heads: it is one [hidden, C] × [C, 199,210] product. A new client runs E and H on
+its own unlabelled batch: the ``odpfl_hn`` adapter (adapters/odpfl_hn.py), which
+reads ω from the global model's 'odpfl_hn' collection. The global model's 'params'
+are H at the zero embedding (no client): a reference column, not a method's
+prediction.
 """
 from __future__ import annotations
 
@@ -68,14 +70,34 @@ def odpfl_hn(hparams: ml_collections.ConfigDict, context: base.BuildContext
   def client_update(server_state, client_state, data, rng):
     omega = server_state.variables['params']
     weight = data.mask.astype(jnp.float32)
-    theta, vjp = jax.vjp(lambda w: personalized_params(w, module, data.x, weight), omega)
+    embedding, encoder_vjp = jax.vjp(
+        lambda encoder: client_embedding(encoder, data.x, weight), omega['encoder'])
+    theta, embedding_vjp = jax.vjp(
+        lambda e: generate(omega['hypernetwork'], e, template), embedding)
     trained, _, _, metrics = local_train(base.cross_entropy_loss(module),
                                          context.client_optimizer, theta, {}, data, rng,
                                          context.schedule)
-    (grads,) = vjp(base.tree_sub(theta, trained))
-    delta = {part: jax.tree.map(lambda g, s=scale[part]: -s * g, grads[part])
-             for part in grads}
-    return ClientOutput({'params': delta}, metrics), client_state
+    classifier_delta = base.tree_sub(theta, trained)              # θ_i − θ̃_i
+    (encoder_grad,) = encoder_vjp(*embedding_vjp(classifier_delta))
+    upload = {'encoder': jax.tree.map(lambda g: -scale['encoder'] * g, encoder_grad),
+              'embedding': embedding, 'classifier_delta': classifier_delta}
+    return ClientOutput(upload, metrics), client_state
+
+  def mean_delta(server_state, outputs, weights):
+    """Σ_i p_i Δω_i: the uploaded encoder parts averaged; H's part one vjp of
+    e [C, E] -> θ [C, ...] at the cotangent p_i (θ_i − θ̃_i)."""
+    upload = outputs.update
+    _, hypernetwork_vjp = jax.vjp(
+        lambda hypernetwork: jax.vmap(lambda e: generate(hypernetwork, e, template))(
+            upload['embedding']),
+        server_state.variables['params']['hypernetwork'])
+    weighted = jax.tree.map(
+        lambda delta: delta * weights.reshape((-1,) + (1,) * (delta.ndim - 1)),
+        upload['classifier_delta'])
+    (hypernetwork_grad,) = hypernetwork_vjp(weighted)
+    return {'params': {
+        'encoder': base.weighted_sum(upload['encoder'], weights),
+        'hypernetwork': jax.tree.map(lambda g: -scale['hypernetwork'] * g, hypernetwork_grad)}}
 
   def global_model(server_state):
     omega = server_state.variables['params']
@@ -84,5 +106,6 @@ def odpfl_hn(hparams: ml_collections.ConfigDict, context: base.BuildContext
 
   return FederatedAlgorithm(
       init=init, init_client_state=lambda server_state: (), client_update=client_update,
-      server_update=base.average_server_update(server_opt), personalize=None,
+      server_update=base.average_server_update(server_opt, mean_delta=mean_delta),
+      personalize=None,
       global_model=global_model)
