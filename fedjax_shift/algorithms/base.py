@@ -312,10 +312,8 @@ def received_update(sent: dict, template, cohort_size: int):
 def partial_server_update(server_opt: optax.GradientTransformation):
   """``average_server_update`` for clients that upload only part of the model
   (their ``ClientOutput.update`` is a ``send_only`` dict)."""
-  average = average_server_update(server_opt)
+  def mean_delta(state: ServerState, outputs: ClientOutput, weights):
+    return weighted_sum(received_update(outputs.update, state.variables, weights.shape[0]),
+                        weights)
 
-  def server_update(state: ServerState, outputs: ClientOutput, weights) -> ServerState:
-    update = received_update(outputs.update, state.variables, weights.shape[0])
-    return average(state, outputs._replace(update=update), weights)
-
-  return server_update
+  return average_server_update(server_opt, mean_delta=mean_delta)
