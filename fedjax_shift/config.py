@@ -91,7 +91,17 @@ def base_config() -> ml_collections.ConfigDict:
   c.engine.rounds_per_call = 1      # R rounds per compiled call (a lax.scan); metrics per round
   c.engine.vmap_seeds = False       # every seed of a method in lockstep, the round vmapped over
                                     # seeds (one call per round; needs equal shapes: data.pad_to)
-  c.engine.client_chunk = 0         # 0: vmap the whole cohort; c: vmap chunks of c clients
+  c.engine.client_chunk = 0         # c: the cohort sorted by local steps, vmapped in groups of
+                                    # c clients, each looping to its largest client's steps
+                                    # (less memory, less padding); 0: fitted, see max_scanned
+  c.engine.max_scanned = 1.2        # client_chunk 0: the widest groups whose scanned local
+                                    # steps stay <= this x the real ones on the train split's
+                                    # sizes (0: one vmap of the whole cohort)
+  c.engine.example_buckets = ()     # padded client sizes, ascending, the last >= the largest
+                                    # client: a group of the sorted cohort (or, with the loop
+                                    # backend, a client) is cut to the smallest that holds it;
+                                    # (): at most example_shapes sizes fitted to the train split
+  c.engine.example_shapes = 4       # ... one compiled client update per size
   c.engine.num_devices = 0          # shard the cohort over this many devices (0 = one)
   c.engine.donate = False           # donate server/client buffers (GPU/TPU)
   c.engine.deterministic = False    # XLA deterministic GPU ops (launch/train.py; no-op on CPU)

@@ -78,6 +78,7 @@ targets on a GPU: (a)/(e) ≤ 1 at every size and (a)/(c) ≤ 2 at 240 clients).
         --cases=round,fused,torch,torch_vmap --populations= --out=/tmp/bench_sweep.md
 """
 import ast
+import functools
 import json
 import os
 import platform
@@ -101,11 +102,22 @@ def define_flags() -> None:
                     "domainbed64: FedEvolve's Table 7 CNN, configs/fedevolve.py:domainbed64).")
   flags.DEFINE_list('clients', ['60'], 'Cohort sizes C: one, or a sweep (60,240,1000) that '
                     'runs every case at each size and prints a table of the ratios.')
-  flags.DEFINE_integer('examples', 200, 'Examples per client N.')
+  flags.DEFINE_integer('examples', 200, 'Examples per client N (the mean with --sizes).')
+  flags.DEFINE_enum('sizes', 'uniform', ['uniform', 'skewed', 'default_experiment'],
+                    "Client sizes: 'uniform' (N each); 'skewed' (a floor of 20 and a "
+                    "Dirichlet(0.5) split of the rest, SKEWED_SIZES, tiled and scaled to C "
+                    "clients of mean N); 'default_experiment' (the train sizes of "
+                    "configs/default.py, seed 0, 20 clients; --clients and --examples "
+                    "ignored).")
+  flags.DEFINE_integer('torch_threads', 0, 'torch.set_num_threads for the PyTorch cases (0: '
+                       "torch's default; on a shared machine take peer figures at 1).")
   flags.DEFINE_integer('batch_size', 20, 'Local batch size B.')
   flags.DEFINE_integer('repeats', 5, 'Timed repeats after one warm-up (median reported).')
   flags.DEFINE_string('unroll', 'true', "lax.scan unroll of local steps: 'true', 'false' or an int.")
-  flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a).')
+  flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a) (0: fitted to the '
+                       'sizes under --max_scanned, as the pipeline does).')
+  flags.DEFINE_float('max_scanned', 1.2, 'engine.max_scanned for (a) with --client_chunk=0 '
+                     '(0: one vmap of the whole cohort).')
   flags.DEFINE_integer('rounds_per_call', 5, 'R of the rounds_calls / rounds_scan cases.')
   flags.DEFINE_integer('seeds', 3, 'Seeds S of the seeds_vmap / seeds_loop cases.')
   flags.DEFINE_list('grid_rates', ['0.003', '0.005', '0.01', '0.02', '0.03', '0.05', '0.1',
@@ -141,6 +153,8 @@ def num_clients() -> int:
   """The cohort size C of a case's process (spawn passes one value of --clients)."""
   if len(FLAGS.clients) != 1:
     raise ValueError(f'--clients: a case runs at one cohort size, got {FLAGS.clients}')
+  if FLAGS.sizes == 'default_experiment':
+    return len(default_experiment_sizes())
   return int(FLAGS.clients[0])
 
 
@@ -195,15 +209,57 @@ def make_config():
   return config
 
 
+# 60 clients, 12,000 examples: a floor of 20 per client plus a Dirichlet(0.5) split of the
+# other 10,800 (min 20, median 96, max 1,043), in client order.
+SKEWED_SIZES = (59, 57, 530, 24, 41, 32, 386, 44, 161, 71, 20, 168, 162, 26, 23, 98, 520, 72,
+                282, 94, 140, 41, 23, 44, 71, 246, 49, 159, 125, 28, 54, 44, 29, 607, 92, 1010,
+                92, 52, 426, 810, 20, 244, 182, 137, 32, 245, 164, 219, 137, 70, 20, 212, 874,
+                87, 297, 20, 1043, 394, 190, 401)
+
+
+@functools.lru_cache(maxsize=None)
+def default_experiment_sizes():
+  """[20] the train-split sizes of the default experiment (configs/default.py, seed 0)."""
+  import numpy as np
+  from configs.default import get_config
+  from fedjax_shift.pipelines.federated import build_data
+  return np.asarray(build_data(get_config(), 0).splits['train'].num_examples, np.int64)
+
+
+def client_sizes(num_clients):
+  """[C] examples per client under --sizes (whole total C·N for 'skewed')."""
+  import numpy as np
+  if FLAGS.sizes == 'uniform':
+    return np.full(num_clients, FLAGS.examples, np.int64)
+  if FLAGS.sizes == 'default_experiment':
+    return default_experiment_sizes()
+  profile = np.resize(np.asarray(SKEWED_SIZES, np.float64), num_clients)
+  return np.maximum(1, np.round(profile * num_clients * FLAGS.examples / profile.sum())
+                    ).astype(np.int64)
+
+
+def padded_examples() -> int:
+  """N of the case's padded [C, N] data: the largest client."""
+  return int(client_sizes(num_clients()).max())
+
+
+def real_steps(sizes) -> int:
+  """Local steps of one epoch of batch B over clients of ``sizes``."""
+  return int(sum(-(-int(n) // FLAGS.batch_size) for n in sizes))
+
+
 def cohort_data(num_clients):
   import numpy as np
   from fedjax_shift.data.federated import FederatedData
   rng = np.random.default_rng(0)
   shape = SHAPES[FLAGS.model]
-  x = rng.random((num_clients, FLAGS.examples) + shape, dtype=np.float32)
-  y = rng.integers(0, 10, (num_clients, FLAGS.examples)).astype(np.int32)
-  return FederatedData(x, y, np.ones(y.shape, bool), np.full(num_clients, FLAGS.examples,
-                                                               np.int32))
+  sizes = client_sizes(num_clients)
+  num_clients, padded = len(sizes), int(sizes.max())
+  mask = np.arange(padded)[None, :] < sizes[:, None]
+  x = rng.random((num_clients, padded) + shape, dtype=np.float32) * mask.reshape(
+      mask.shape + (1,) * len(shape))
+  y = rng.integers(0, 10, (num_clients, padded)).astype(np.int32) * mask
+  return FederatedData(x, y, mask, sizes.astype(np.int32))
 
 
 def timed(fn, repeats):
@@ -240,7 +296,7 @@ def setup_algorithm(num_clients_data, kind='fedavg'):
       key, value = field.split('=', 1)
       config[name][key] = ast.literal_eval(value)
     config.cohort_size = num_clients_data   # the round below takes every client
-  algorithm = algorithms.build(name, config, module, FLAGS.examples, info,
+  algorithm = algorithms.build(name, config, module, padded_examples(), info,
                                num_clients=num_clients_data, example_shape=data.x.shape[2:])
   server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   if kind.startswith('rates:'):   # rates:<K>:<remat|plain>, one step on K·B examples
@@ -249,7 +305,7 @@ def setup_algorithm(num_clients_data, kind='fedavg'):
   if kind == 'alpha':
     config.atp.local_steps = 1
     config.atp.batch_size = FLAGS.batch_size
-    algorithm = atp_training(config.atp, module, FLAGS.examples, server.variables,
+    algorithm = atp_training(config.atp, module, padded_examples(), server.variables,
                              config.engine.unroll)
     server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   return config, module, algorithm, data, server
@@ -272,15 +328,27 @@ def rates_algorithm(config, module, variables, kind: str):
   return build_rates_training(config, key, module, hparams, context, FLAGS.examples)[0]
 
 
+def round_config(config, data, backend: str = 'vmap'):
+  """The engine's RoundConfig of the cohort as the pipeline builds it
+  (``pipelines.federated.round_config``): every client in the round, sorted by
+  examples, groups of --client_chunk or fitted under --max_scanned, each cut to its
+  fitted padded size."""
+  from fedjax_shift.pipelines.federated import round_config as pipeline_round_config
+  config.cohort_size = num_clients()
+  config.engine.client_chunk = FLAGS.client_chunk
+  config.engine.max_scanned = FLAGS.max_scanned
+  config.engine.backend = backend
+  return pipeline_round_config(config, data)
+
+
 def case_round(backend='vmap', kind='fedavg'):
   import jax
   import jax.numpy as jnp
-  from fedjax_shift.core.round import RoundConfig, build_round, stack_client_states
+  from fedjax_shift.core.round import build_round, stack_client_states
   config, _, algorithm, data, server = setup_algorithm(num_clients(), kind)
   clients = stack_client_states(algorithm, server, num_clients())
-  _, round_host = build_round(algorithm, RoundConfig(cohort_size=num_clients(),
-                                                     client_chunk=FLAGS.client_chunk),
-                              backend=backend)
+  round_cfg = round_config(config, data, backend)
+  _, round_host = build_round(algorithm, round_cfg, backend=backend)
   device_data = jax.device_put(data)
   ids = jnp.arange(num_clients(), dtype=jnp.int32)
   key = jax.random.key(0)
@@ -295,7 +363,12 @@ def case_round(backend='vmap', kind='fedavg'):
   median, times = timed(run, FLAGS.repeats)
   from fedjax_shift.pipelines.federated import uploaded_parameters
   result = {'seconds': median, 'times': times, 'compile_s': compile_s,
-            'uploaded_parameters': uploaded_parameters(algorithm, server, clients, data)}
+            'uploaded_parameters': uploaded_parameters(algorithm, server, clients, data),
+            'client_chunk': round_cfg.client_chunk}
+  metrics = run().metrics
+  if 'scanned_steps' in metrics:
+    result['local_steps'] = int(metrics['local_steps'])
+    result['scanned_steps'] = int(metrics['scanned_steps'])
   if FLAGS.trace and backend == 'vmap':
     result['kernels'] = traced_kernels(run, os.path.join(
         FLAGS.trace, f'{FLAGS.model}_{num_clients()}_{conv_choice()}'))
@@ -919,7 +992,7 @@ def spawn(name, clients: int, conv: str):
   argv += [f'--{f}={FLAGS[f].serialize().split("=", 1)[1]}' for f in
            ('model', 'examples', 'batch_size', 'repeats', 'unroll', 'client_chunk',
             'sweep_repeats', 'tta_adapter', 'tta_epochs', 'rounds_per_call', 'seeds', 'trace',
-            'grid_rates')]
+            'grid_rates', 'sizes', 'max_scanned', 'torch_threads')]
   proc = subprocess.run(argv, capture_output=True, text=True)
   if proc.returncode:
     return {'error': proc.stderr.strip().splitlines()[-1] if proc.stderr else 'failed'}

@@ -38,7 +38,7 @@ from fedjax_shift.algorithms.domains import (TAU_UNITS, domain_batch, domain_blo
 from fedjax_shift.algorithms.prototypes import (DISTANCES, class_prototypes, prototype_head,
                                                 prototype_loss)
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
-from fedjax_shift.core.local import select
+from fedjax_shift.core.local import run_steps
 from fedjax_shift.registry import one_of
 
 
@@ -140,7 +140,7 @@ def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
   def client_update(server_state: FedEvolveState, client_state, data, rng):
     budget = iteration_budget(data, layout, tau, hparams.tau_unit, batch_size)
 
-    def iteration(carry, it):
+    def iteration(carry, it):   # one pass over the pairs; run_steps masks it past budget
       def pair(carry, m):
         params, stats, opt_state, loss_sum = carry
         key = jax.random.fold_in(jax.random.fold_in(rng, it), m)
@@ -149,21 +149,17 @@ def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
                                      batch_size)
         (loss, new_stats), grads = grad_fn(params, stats, x_a, y_a, w_a, x_b, y_b, w_b)
         updates, new_opt = client_opt.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        active = it < budget
-        return (select(active, new_params, params), select(active, new_stats, stats),
-                select(active, new_opt, opt_state),
-                loss_sum + jnp.where(active, loss, 0.0).astype(loss_sum.dtype)), None
+        return (optax.apply_updates(params, updates), new_stats, new_opt,
+                loss_sum + loss.astype(loss_sum.dtype)), None
 
       carry, _ = jax.lax.scan(pair, carry, jnp.arange(layout.num_domains - 1),
                               unroll=context.schedule.unroll)
-      return carry, None
+      return carry
 
     params, stats = server_state.params, server_state.batch_stats
     init_carry = (params, stats, client_opt.init(params), jnp.float32(0.0))
-    (params, stats, _, loss_sum), _ = jax.lax.scan(iteration, init_carry,
-                                                   jnp.arange(iterations),
-                                                   unroll=context.schedule.unroll)
+    params, stats, _, loss_sum = run_steps(iteration, init_carry, budget, iterations,
+                                           context.schedule.unroll)
     sums, counts = last_domain_sums(params['phi'], stats['phi'], data)
     steps = budget * (layout.num_domains - 1)
     metrics = {'loss': loss_sum / jnp.maximum(steps, 1), 'num_steps': steps.astype(jnp.float32)}

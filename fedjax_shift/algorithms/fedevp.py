@@ -36,7 +36,7 @@ from fedjax_shift.algorithms.domains import (TAU_UNITS, domain_batch, iteration_
                                              layout_from_info, local_iterations)
 from fedjax_shift.algorithms.prototypes import class_prototypes, prototype_loss
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
-from fedjax_shift.core.local import local_train, masked_mean, select
+from fedjax_shift.core.local import local_train, masked_mean, run_steps, select
 from fedjax_shift.registry import NONNEGATIVE_INT, one_of
 
 
@@ -117,7 +117,7 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
     budget = iteration_budget(data, layout, tau, hparams.tau_unit, batch_size)
     params, model_state = base.split_variables(server_state.variables)
 
-    def iteration(carry, it):
+    def iteration(carry, it):   # one pass over the domains; run_steps masks it past budget
       def domain(carry, m):
         params, model_state, opt_state, protos, counts_seen, loss_sum = carry
         x, y, weight = domain_batch(data, layout, m, jax.random.fold_in(
@@ -126,11 +126,10 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
             params, model_state, x, y, weight, protos, counts_seen, m > 0)
         updates, new_opt = client_opt.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        active = it < budget
-        steps = active & (m > 0) if algorithm2 else active   # Alg. 2: a step only for m ≥ 2
-        # Every active domain's forward updates the running statistics (a train-mode
-        # forward in PyTorch does, step or not).
-        return (select(steps, new_params, params), select(active, new_state, model_state),
+        steps = (m > 0) if algorithm2 else True   # Alg. 2: a step only for m ≥ 2
+        # Every domain's forward updates the running statistics (a train-mode forward
+        # in PyTorch does, step or not).
+        return (select(steps, new_params, params), new_state,
                 select(steps, new_opt, opt_state), new_protos, domains_seen,
                 loss_sum + jnp.where(steps, loss, 0.0).astype(loss_sum.dtype)), None
 
@@ -139,12 +138,12 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
       (params, model_state, opt_state, _, _, loss_sum), _ = jax.lax.scan(
           domain, (params, model_state, opt_state) + empty + (loss_sum,),
           jnp.arange(layout.num_domains), unroll=context.schedule.unroll)
-      return (params, model_state, opt_state, loss_sum), None
+      return params, model_state, opt_state, loss_sum
 
     features_dim = models.features(module, server_state.variables, data.x[:1]).shape[-1]
-    (params, model_state, _, loss_sum), _ = jax.lax.scan(
-        iteration, (params, model_state, client_opt.init(params), jnp.float32(0.0)),
-        jnp.arange(iterations), unroll=context.schedule.unroll)
+    params, model_state, _, loss_sum = run_steps(
+        iteration, (params, model_state, client_opt.init(params), jnp.float32(0.0)), budget,
+        iterations, context.schedule.unroll)
     steps = budget * (layout.num_domains - 1 if algorithm2 else layout.num_domains)
     metrics = {'loss': loss_sum / jnp.maximum(steps, 1), 'num_steps': steps.astype(jnp.float32)}
     update = base.tree_sub({'params': params, **model_state}, server_state.variables)

@@ -1,11 +1,17 @@
-"""Local training of one client: masked mini-batches as index gathers, ``lax.scan``.
+"""Local training of one client: masked mini-batches as index gathers, a step loop.
 
 No Python iteration over batches: the client's examples are put in a random order
 (real examples first, drawn from the client's key), step ``s`` reads positions
-``s·B … s·B+B-1`` of that order modulo the client's example count, and steps past
-the client's own schedule (fewer examples, straggler budget) are masked — the
-parameters and optimizer state pass through unchanged. All shapes are static, so
-one compilation serves every client and every round.
+``s·B … s·B+B-1`` of that order modulo the client's example count. All shapes are
+static, so one compilation serves every client and every round.
+
+The step loop (``run_steps``) runs as many steps as the client has, not as many as
+its padded size allows: a ``lax.while_loop`` on the client's own step count. Under
+``vmap`` the loop runs until the last client of the batch is done, and a client that
+is done passes through unchanged (its steps past its schedule are masked), so a
+vmapped batch costs its largest client's steps — the engine groups clients of similar
+size (``core/round.py``). Only ``unroll=True`` (every step unrolled, for XLA:CPU
+convolutions) scans the static bound ``ceil(E·N/B)`` of the padded size N.
 
 A batch only ever gathers real examples (positions wrap inside the client's own
 data), so BatchNorm batch statistics never see padding; examples beyond the
@@ -37,8 +43,11 @@ class LocalSchedule(NamedTuple):
     num_steps: if > 0, every client runs exactly this many steps instead (data
       cycled), e.g. ATP's fixed α steps per round.
     max_examples: N, the padded client size (bounds the static step count).
-    unroll: ``lax.scan`` unroll (True/False/int). XLA:CPU runs convolutions in
-      rolled loops ~11x slower (BENCHMARKS.md); rolled loops compile faster on GPU/TPU.
+    unroll: steps per loop iteration: an int U runs blocks of U steps (the last block
+      masked past the client's steps); True unrolls every step of the static bound
+      ``ceil(E·N/B)`` (of the data's padded size, which the loop backend rounds to the
+      client's own size). XLA:CPU runs convolutions in rolled loops ~11x slower
+      (BENCHMARKS.md); rolled loops compile faster on GPU/TPU.
     augmentation: names of ``data.augment.VIEW_AUGMENTATIONS`` applied in order to
       every training image of every batch (a fresh draw per example and step); () none.
   """
@@ -51,9 +60,13 @@ class LocalSchedule(NamedTuple):
 
   @property
   def max_steps(self) -> int:
+    return self.steps_bound(self.max_examples)
+
+  def steps_bound(self, padded_examples: int) -> int:
+    """Static step bound of a client padded to ``padded_examples``."""
     if self.num_steps > 0:
       return self.num_steps
-    return max(1, math.ceil(self.num_epochs * self.max_examples / self.batch_size))
+    return max(1, math.ceil(self.num_epochs * padded_examples / self.batch_size))
 
 
 def example_order(rng: jax.Array, mask: jax.Array) -> jax.Array:
@@ -100,6 +113,31 @@ def select(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
   return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
+def run_steps(step_fn: Callable[[PyTree, jax.Array], PyTree], carry: PyTree,
+              num_steps: jax.Array, bound: int, unroll: Any = 1) -> PyTree:
+  """``carry = step_fn(carry, step)`` for step = 0 … num_steps − 1.
+
+  A ``lax.while_loop`` on ``num_steps`` (traced; under vmap the loop runs to the batch's
+  largest count and a lane whose count is reached keeps its carry). ``unroll``: an int
+  U runs U steps per iteration, the ones past ``num_steps`` masked; True scans the
+  static ``bound`` steps, every one unrolled and masked past ``num_steps``.
+  """
+  def masked(carry, step):
+    return select(step < num_steps, step_fn(carry, step), carry), None
+
+  if unroll is True:
+    return jax.lax.scan(masked, carry, jnp.arange(bound), unroll=True)[0]
+  block = max(1, int(unroll))
+
+  def body(state):
+    start, carry = state
+    carry, _ = jax.lax.scan(masked, carry, start + jnp.arange(block), unroll=block)
+    return start + block, carry
+
+  return jax.lax.while_loop(lambda state: state[0] < num_steps, body,
+                            (jnp.int32(0), carry))[1]
+
+
 def local_train(loss_fn: LossFn, optimizer: optax.GradientTransformation, params: PyTree,
                 model_state: PyTree, data: ClientData, rng: jax.Array,
                 schedule: LocalSchedule, opt_state: PyTree = None
@@ -121,19 +159,14 @@ def local_train(loss_fn: LossFn, optimizer: optax.GradientTransformation, params
     x = augment.augment_batch(jax.random.fold_in(jax.random.fold_in(rng, 2), step), x,
                               schedule.augmentation)
     step_rng = jax.random.fold_in(jax.random.fold_in(rng, 1), step)
-    (loss, new_model_state), grads = grad_fn(params, model_state, x, y, weight, step_rng)
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    active = step < num_steps
-    carry = (select(active, new_params, params),
-             select(active, new_model_state, model_state),
-             select(active, new_opt_state, opt_state),
-             loss_sum + jnp.where(active, loss, 0.0).astype(loss_sum.dtype))
-    return carry, None
+    (loss, model_state), grads = grad_fn(params, model_state, x, y, weight, step_rng)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), model_state, opt_state,
+            loss_sum + loss.astype(loss_sum.dtype))
 
   init = (params, model_state, opt_state, jnp.float32(0.0))
-  (params, model_state, opt_state, loss_sum), _ = jax.lax.scan(
-      step_fn, init, jnp.arange(schedule.max_steps), unroll=schedule.unroll)
+  params, model_state, opt_state, loss_sum = run_steps(
+      step_fn, init, num_steps, schedule.steps_bound(data.mask.shape[0]), schedule.unroll)
   metrics = {'loss': loss_sum / jnp.maximum(num_steps, 1),
              'num_steps': num_steps.astype(jnp.float32)}
   return params, model_state, opt_state, metrics

@@ -16,6 +16,7 @@ straggler keys are ``fold_in(round_key, 0 | 1 | 2)``, and client k's key is
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import jax
@@ -24,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
+from fedjax_shift.core.local import LocalSchedule, client_num_steps
 from fedjax_shift.data.federated import FederatedData
 
 PyTree = Any
@@ -41,9 +43,20 @@ class RoundConfig(NamedTuple):
     weighting: aggregation weights, 'num_examples' or 'uniform' (empty clients 0).
     straggler_prob: r, the chance a client is a straggler this round.
     straggler_max_steps: τ; a straggler runs uniform 1..τ local steps.
-    client_chunk: 0 vmaps the whole cohort at once; c > 0 vmaps chunks of c
-      clients and runs the chunks one after another (``lax.map``), trading
-      speed for memory (C/c times less activation memory).
+    client_chunk: 0 vmaps the whole cohort at once; c > 0 sorts the cohort by
+      examples (largest first) and vmaps groups of c clients one after another
+      (``lax.map``), each group looping to ITS largest client's steps: a round's
+      scanned steps follow its real ones on skewed client sizes, and a group holds
+      C/c times less activation memory. c need not divide C: the last group is
+      filled with empty clients (no steps, never aggregated). ``fit_client_chunk``
+      picks c from the population's sizes.
+    group_examples: per group of the sorted cohort (most examples first), the
+      examples its clients are cut to: a static bound of the sizes the group can hold
+      (``plan_group_examples``); () keeps every client at the padded N.
+    example_buckets: the loop backend's padded client sizes, ascending: a client runs
+      cut to the smallest bucket that holds it (one compilation per bucket); () the
+      padded N.
+    schedule: the local schedule, for the scanned-step count (its unroll).
   """
   cohort_size: int
   sampling: str = 'uniform'
@@ -51,6 +64,9 @@ class RoundConfig(NamedTuple):
   straggler_prob: float = 0.0
   straggler_max_steps: int = 1
   client_chunk: int = 0
+  group_examples: Tuple[int, ...] = ()
+  example_buckets: Tuple[int, ...] = ()
+  schedule: Optional[LocalSchedule] = None
 
 
 def round_key(seed_key: jax.Array, round_index: int) -> jax.Array:
@@ -84,29 +100,167 @@ def aggregation_weights(num_examples: jax.Array, weighting: str) -> jax.Array:
   return raw / jnp.maximum(jnp.sum(raw), 1e-12)
 
 
-def map_clients(fn, in_axes, chunk: int):
+def map_clients(fn, in_axes, chunk: int, shard=None):
   """``vmap(fn, in_axes)`` over the client axis, or over chunks of ``chunk`` clients
-  run sequentially with ``lax.map`` (same results, less memory)."""
+  run sequentially with ``lax.map`` (same results, less memory). ``chunk`` must divide
+  the client axis; ``shard`` (a pytree -> pytree constraint) is applied to each
+  vmapped chunk's inputs."""
+  shard = shard or (lambda tree: tree)
   vmapped = jax.vmap(fn, in_axes)
+
+  def sharded(*args):
+    return vmapped(*[shard(a) if axis is not None else a for a, axis in zip(args, in_axes)])
+
   if not chunk:
-    return vmapped
+    return sharded
 
   def chunked(*args):
     mapped = [a for a, axis in zip(args, in_axes) if axis is not None]
     size = jax.tree_util.tree_leaves(mapped)[0].shape[0]
     if size % chunk:
       raise ValueError(f'client_chunk={chunk} must divide the cohort size {size}')
+    if size == chunk:
+      return sharded(*args)
     split = lambda leaf: leaf.reshape((size // chunk, chunk) + leaf.shape[1:])
 
     def body(chunk_args):
       it = iter(chunk_args)
-      full = [next(it) if axis is not None else a for a, axis in zip(args, in_axes)]
-      return vmapped(*full)
+      return sharded(*[next(it) if axis is not None else a for a, axis in zip(args, in_axes)])
 
     out = jax.lax.map(body, tuple(jax.tree.map(split, a) for a in mapped))
     return jax.tree.map(lambda leaf: leaf.reshape((size,) + leaf.shape[2:]), out)
 
   return chunked
+
+
+def client_rows(source: FederatedData, rows: jax.Array, budgets: jax.Array,
+                examples: Optional[int] = None, real: Optional[jax.Array] = None
+                ) -> ClientData:
+  """ClientData [R, ...] of ``source``'s clients ``rows`` [R] (None: all, in order),
+  cut to their first ``examples`` (None: all N), with step budgets [R]; slots where
+  ``real`` [R] is False are empty clients (no examples, no steps)."""
+  def cut(leaf):
+    leaf = leaf if rows is None else leaf[rows]
+    return leaf if examples is None else leaf[:, :examples]
+
+  x, y, mask, num_examples = cut(source.x), cut(source.y), cut(source.mask), cut(
+      source.num_examples[:, None])[:, 0]
+  if real is not None:
+    mask = mask & real[:, None]
+    num_examples = jnp.where(real, num_examples, 0)
+    budgets = jnp.where(real, budgets, 0)
+  return ClientData(x, y, mask, num_examples, budgets)
+
+
+def run_cohort(client_update, config: RoundConfig, server_state, cohort_states,
+               source: FederatedData, rows: Optional[jax.Array], budgets: jax.Array,
+               client_keys, shard=None):
+  """``client_update`` over the C clients ``rows`` [C] of ``source`` (the store; None:
+  ``source`` is the cohort) -> ((outputs [C], states [C]), scanned steps or None).
+
+  With ``config.client_chunk`` c < C the clients run sorted by examples (most first)
+  in ceil(C/c) vmapped groups of c, one group after another, so that each group's step
+  loop ends with its own largest client; group g's clients are cut to
+  ``config.group_examples[g]`` examples (a static bound of the sizes it can hold), so
+  that the data a round copies follows the cohort's real sizes too. Groups of one
+  size run as one ``lax.map``. Slots past C in the last group hold empty clients (0
+  examples, 0 steps) whose outputs are dropped. Outputs come back in cohort order.
+  """
+  size = budgets.shape[0]
+  width = config.client_chunk or size
+  in_axes = (None, 0, 0, 0)
+  if width >= size:   # one group: no sorting
+    data = client_rows(source, rows, budgets, (config.group_examples or (None,))[0])
+    outputs = map_clients(client_update, in_axes, 0, shard)(server_state, cohort_states, data,
+                                                             client_keys)
+    return outputs, scanned_steps(outputs[0].metrics, size, config.schedule)
+  width = min(width, size)
+  groups = -(-size // width)
+  padded = groups * width
+  examples = config.group_examples or (None,) * groups
+  if len(examples) != groups:
+    raise ValueError(f'group_examples has {len(examples)} sizes for {groups} groups of '
+                     f'{width} clients')
+  if rows is None:
+    rows = jnp.arange(size)
+  order = jnp.argsort(-source.num_examples[rows], stable=True)
+  slots = jnp.concatenate([order, jnp.zeros(padded - size, order.dtype)])
+  real = jnp.arange(padded) < size
+  outputs, scanned, start = [], [], 0
+  while start < groups:   # runs of groups with one example size: one lax.map each
+    stop = start + 1
+    while stop < groups and examples[stop] == examples[start]:
+      stop += 1
+    part = slots[start * width:stop * width]
+    data = client_rows(source, rows[part], budgets[part], examples[start],
+                       real[start * width:stop * width])
+    out = map_clients(client_update, in_axes, width, shard)(
+        server_state, take_clients(cohort_states, part), data, take_clients(client_keys, part))
+    outputs.append(out)
+    scanned.append(scanned_steps(out[0].metrics, width, config.schedule, examples[start]))
+    start = stop
+  outputs = jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *outputs)
+  inverse = jnp.argsort(order)   # cohort slot -> its sorted position
+  scanned = None if scanned[0] is None else sum(scanned)
+  return take_clients(outputs, inverse), scanned
+
+
+def scanned_steps(metrics: Dict[str, jax.Array], width: int,
+                  schedule: Optional[LocalSchedule], examples: Optional[int] = None
+                  ) -> Optional[jax.Array]:
+  """Local steps a vmapped run of the clients in groups of ``width`` iterates, from the
+  clients' reported 'num_steps' [C'] (C' a multiple of ``width``): per group, width ×
+  its largest count (rounded up to the schedule's unroll block), or × the static bound
+  of clients padded to ``examples`` (None: the schedule's N) when every step is
+  unrolled. None when the method reports no 'num_steps'."""
+  if 'num_steps' not in metrics:
+    return None
+  steps = metrics['num_steps'].reshape(-1, width)
+  longest = jnp.max(steps, axis=1)
+  unroll = 1 if schedule is None else schedule.unroll
+  if unroll is True:
+    longest = jnp.full_like(longest, schedule.steps_bound(examples or schedule.max_examples))
+  elif int(unroll) > 1:
+    longest = jnp.ceil(longest / int(unroll)) * int(unroll)
+  return jnp.sum(longest * width)
+
+
+def population_steps(schedule: LocalSchedule, num_examples: np.ndarray) -> np.ndarray:
+  """[K] local steps of each client of a population under ``schedule`` (host numpy;
+  ``client_num_steps`` without straggler budgets)."""
+  num_examples = np.asarray(num_examples, np.int64)
+  if schedule.num_steps > 0:
+    steps = np.full_like(num_examples, schedule.num_steps)
+  else:
+    steps = -(-schedule.num_epochs * num_examples // schedule.batch_size)
+  return np.where(num_examples > 0, steps, 0)
+
+
+def fit_client_chunk(steps: np.ndarray, cohort_size: int, max_scanned: float = 1.2,
+                     multiple: int = 1) -> int:
+  """The widest group ``RoundConfig.client_chunk`` (0: the whole cohort) whose
+  expected scanned steps stay within ``max_scanned`` × the real ones.
+
+  steps: [K] local steps of each client of the population. The expected cohort is the
+  population's step counts at C evenly spaced quantiles (the population itself when C
+  = K). Scanned steps of a width c: Σ over groups of c × the group's largest count;
+  widths are multiples of ``multiple`` (the devices of a client mesh). Fewer, wider
+  groups cost fewer loop iterations; narrower ones waste fewer steps.
+  """
+  steps = np.sort(np.asarray(steps, np.int64))[::-1]
+  if steps.size == 0 or cohort_size < 1:
+    raise ValueError(f'fit_client_chunk needs a population and a cohort; got {steps.size} '
+                     f'clients and cohort_size={cohort_size}')
+  quantiles = (np.arange(cohort_size) + 0.5) / cohort_size
+  cohort = steps[np.minimum((quantiles * steps.size).astype(np.int64), steps.size - 1)]
+  real = max(int(cohort.sum()), 1)
+  for width in range(cohort_size, 0, -1):
+    if width % multiple and width != cohort_size:
+      continue
+    scanned = sum(width * int(cohort[start]) for start in range(0, cohort_size, width))
+    if scanned <= max_scanned * real:
+      return 0 if width >= cohort_size else width
+  return multiple if multiple < cohort_size else 0
 
 
 def take_clients(tree: PyTree, client_ids: jax.Array) -> PyTree:
@@ -124,6 +278,69 @@ def stack_client_states(algorithm: FederatedAlgorithm, server_state: PyTree,
   return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (num_clients,) + jnp.shape(leaf)), one)
 
 
+def check_example_buckets(buckets, largest: int, field: str = 'example_buckets') -> None:
+  """Refuses a bucket list that is empty, not strictly ascending, non-positive, or
+  whose last bucket cannot hold the ``largest`` client, naming ``field``."""
+  buckets = tuple(int(b) for b in buckets)
+  if not buckets:
+    raise ValueError(f'{field} is empty: give ascending padded sizes, the last >= the '
+                     f'largest client ({largest})')
+  if min(buckets) < 1:
+    raise ValueError(f'{field}={buckets}: every bucket must be a positive example count')
+  if any(low >= high for low, high in zip(buckets, buckets[1:])):
+    raise ValueError(f'{field}={buckets} must be strictly ascending')
+  if buckets[-1] < largest:
+    raise ValueError(f'{field}={buckets}: the last bucket must hold the largest client '
+                     f'({largest} examples)')
+
+
+def group_bounds(num_examples: np.ndarray, cohort_size: int, width: int) -> np.ndarray:
+  """[ceil(C/width)] the most examples a client of each group of a cohort sorted by
+  examples (most first) can hold: group g starts at the cohort's (g·width)-th largest
+  client, and a cohort of C clients drawn from the population ``num_examples`` [K]
+  has no (g·width)-th largest client larger than the population's (g·width)-th
+  largest."""
+  sizes = np.sort(np.asarray(num_examples, np.int64))[::-1]
+  starts = np.arange(0, cohort_size, width)
+  return np.maximum(sizes[np.minimum(starts, sizes.size - 1)], 1)
+
+
+def fit_example_buckets(bounds: np.ndarray, width: int, max_shapes: int = 4
+                        ) -> Tuple[int, ...]:
+  """At most ``max_shapes`` padded sizes, ascending, for groups of ``width`` clients
+  whose sizes are bounded by ``bounds`` [G] (non-increasing, ``group_bounds``): chosen
+  by dynamic programming to minimise the examples a round copies, each size serving a
+  run of consecutive groups at the run's first (largest) bound."""
+  bounds = [int(b) for b in bounds]
+  groups = len(bounds)
+  shapes = max(1, min(max_shapes, groups))
+  # cost[j][g]: the least examples copied for groups g.. with at most j sizes.
+  cost = [[float('inf')] * (groups + 1) for _ in range(shapes + 1)]
+  choice = [[groups] * (groups + 1) for _ in range(shapes + 1)]
+  for j in range(shapes + 1):
+    cost[j][groups] = 0.0
+  for j in range(1, shapes + 1):
+    for g in range(groups - 1, -1, -1):
+      for h in range(g + 1, groups + 1):
+        total = bounds[g] * width * (h - g) + cost[j - 1][h]
+        if total < cost[j][g]:
+          cost[j][g], choice[j][g] = total, h
+  sizes, g, j = [], 0, shapes
+  while g < groups:
+    sizes.append(bounds[g])
+    g, j = choice[j][g], j - 1
+  return tuple(sorted(set(sizes)))
+
+
+def plan_group_examples(bounds: np.ndarray, buckets: Tuple[int, ...],
+                        field: str = 'example_buckets') -> Tuple[int, ...]:
+  """``RoundConfig.group_examples``: each group's bound [G] rounded up to the smallest
+  of ``buckets`` (ascending, checked as ``field``) that holds it."""
+  check_example_buckets(buckets, int(np.max(bounds)), field)
+  ladder = np.asarray(buckets)
+  return tuple(int(ladder[np.searchsorted(ladder, bound)]) for bound in bounds)
+
+
 class RoundOutput(NamedTuple):
   server_state: PyTree
   client_states: PyTree
@@ -139,29 +356,20 @@ def _check_cohort(config: RoundConfig, cohort: FederatedData, cohort_ids) -> Non
                      f'{cohort.x.shape[0]} clients and {cohort_ids.shape[0]} ids')
 
 
-def _client_inputs(config: RoundConfig, client_states, cohort: FederatedData, cohort_ids, key):
-  """Per-client (ClientData [C, ...], states [C, ...], keys [C]) of a cohort."""
-  client_keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(key, 1), cohort_ids)
-  data = ClientData(cohort.x, cohort.y, cohort.mask, cohort.num_examples,
-                    step_budgets(key, config.cohort_size, config))
-  return data, take_clients(client_states, cohort_ids), client_keys
-
-
-def _sample_and_take(store: FederatedData, key, config: RoundConfig):
-  """(cohort FederatedData [C, ...], cohort ids [C]) of round ``key``."""
-  cohort_ids = sample_cohort(key, store.num_examples, config)
-  return take_clients(store, cohort_ids), cohort_ids
-
-
 def _finish_round(algorithm: FederatedAlgorithm, config: RoundConfig, server_state,
-                  client_states, cohort_num_examples, cohort_ids, outputs, new_states
-                  ) -> 'RoundOutput':
-  """Weighted server update, client-state scatter and round metrics."""
+                  client_states, cohort_num_examples, cohort_ids, outputs, new_states,
+                  scanned=None) -> 'RoundOutput':
+  """Weighted server update, client-state scatter and round metrics: the weighted means
+  of the clients' metrics, and where clients report 'num_steps' the round's
+  'local_steps' (their sum) and 'scanned_steps' (what the compiled loops iterated)."""
   weights = aggregation_weights(cohort_num_examples, config.weighting)
   server_state = algorithm.server_update(server_state, outputs, weights)
   client_states = put_clients(client_states, cohort_ids, new_states)
   metrics = {name: jnp.sum(weights * value) for name, value in outputs.metrics.items()}
   metrics['cohort_examples'] = jnp.sum(cohort_num_examples)
+  if 'num_steps' in outputs.metrics:
+    metrics['local_steps'] = jnp.sum(outputs.metrics['num_steps'])
+    metrics['scanned_steps'] = metrics['local_steps'] if scanned is None else scanned
   metrics['cohort'] = cohort_ids
   if 'loss' in outputs.metrics:
     metrics['client_loss'] = outputs.metrics['loss']
@@ -194,6 +402,9 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
   if mesh is not None and config.cohort_size % mesh.size:
     raise ValueError(f'cohort_size={config.cohort_size} must be divisible by the '
                      f'{mesh.size} devices of the client mesh')
+  if mesh is not None and config.client_chunk % mesh.size:
+    raise ValueError(f'client_chunk={config.client_chunk} must be divisible by the '
+                     f'{mesh.size} devices of the client mesh')
   if rounds_per_call > 1 and backend != 'vmap':
     raise ValueError('config.engine.rounds_per_call > 1 scans rounds inside one compiled '
                      "program: it needs config.engine.backend='vmap'")
@@ -208,19 +419,26 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
     spec = NamedSharding(mesh, PartitionSpec('clients'))
     return jax.tree.map(lambda leaf: jax.lax.with_sharding_constraint(leaf, spec), tree)
 
+  def round_on_rows(server_state, client_states, source: FederatedData, rows, cohort_ids, key):
+    """The round of the clients ``rows`` [C] of ``source`` (None: ``source`` is the
+    cohort), whose ids are ``cohort_ids``."""
+    client_keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(key, 1),
+                                                          cohort_ids)
+    (outputs, new_states), scanned = run_cohort(
+        algorithm.client_update, config, server_state, take_clients(client_states, cohort_ids),
+        source, rows, step_budgets(key, config.cohort_size, config), client_keys,
+        shard_clients)
+    num_examples = source.num_examples if rows is None else source.num_examples[rows]
+    return _finish_round(algorithm, config, server_state, client_states, num_examples,
+                         cohort_ids, outputs, new_states, scanned)
+
   def round_on_cohort(server_state, client_states, cohort: FederatedData, cohort_ids, key):
     _check_cohort(config, cohort, cohort_ids)
-    data, cohort_states, client_keys = _client_inputs(config, client_states,
-                                                      shard_clients(cohort), cohort_ids, key)
-    outputs, new_states = map_clients(algorithm.client_update, (None, 0, 0, 0),
-                                      config.client_chunk)(
-        server_state, shard_clients(cohort_states), data, client_keys)
-    return _finish_round(algorithm, config, server_state, client_states, cohort.num_examples,
-                         cohort_ids, outputs, new_states)
+    return round_on_rows(server_state, client_states, cohort, None, cohort_ids, key)
 
   def round_device(server_state, client_states, store: FederatedData, key):
-    cohort, cohort_ids = _sample_and_take(store, key, config)
-    return round_on_cohort(server_state, client_states, cohort, cohort_ids, key)
+    cohort_ids = sample_cohort(key, store.num_examples, config)
+    return round_on_rows(server_state, client_states, store, cohort_ids, cohort_ids, key)
 
   donate_argnums = (0, 1) if donate else ()
   on_device = _scan_rounds(round_device) if rounds_per_call > 1 else round_device
@@ -254,33 +472,59 @@ def _scan_rounds(round_device):
 
 
 def _build_loop_round(algorithm: FederatedAlgorithm, config: RoundConfig):
+  """The loop backend: a Python loop over the cohort calling a jitted ``client_update``
+  on each client cut to the smallest of ``config.example_buckets`` that holds it (its
+  own steps, never the population's largest client's; one compilation per bucket)."""
   client_update = jax.jit(algorithm.client_update)
-  client_inputs = jax.jit(lambda states, cohort, ids, key: _client_inputs(config, states,
-                                                                          cohort, ids, key))
-  finish = jax.jit(lambda *args: _finish_round(algorithm, config, *args))
-  sample_and_take = jax.jit(lambda store, key: _sample_and_take(store, key, config))
+  buckets = np.asarray(config.example_buckets, np.int64)
 
-  def round_host(server_state, client_states, cohort: FederatedData, cohort_ids, key):
-    _check_cohort(config, cohort, cohort_ids)
-    data, cohort_states, client_keys = client_inputs(client_states, cohort, cohort_ids, key)
-    results = []
+  @jax.jit
+  def prepare(client_states, cohort_ids, key):
+    client_keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(key, 1),
+                                                          cohort_ids)
+    return (take_clients(client_states, cohort_ids), client_keys,
+            step_budgets(key, config.cohort_size, config))
+
+  @functools.partial(jax.jit, static_argnames='examples')
+  def one_client(source, row, budget, examples):
+    data = client_rows(source, row[None], budget[None], examples)
+    return jax.tree.map(lambda leaf: leaf[0], data)
+
+  finish = jax.jit(lambda *args: _finish_round(algorithm, config, *args))
+  sample = jax.jit(lambda store, key: sample_cohort(key, store.num_examples, config))
+
+  def round_on_rows(server_state, client_states, source: FederatedData, rows, cohort_ids, key):
+    cohort_states, client_keys, budgets = prepare(client_states, cohort_ids, key)
+    sizes = np.asarray(source.num_examples)[np.asarray(rows)]
+    results, scanned = [], 0
     for slot in range(config.cohort_size):
+      examples = (int(buckets[np.searchsorted(buckets, sizes[slot])]) if buckets.size
+                  else None)
       one = lambda tree: jax.tree.map(lambda leaf: leaf[slot], tree)
       try:
         # Block inside the try: on an accelerator a client's error (e.g. from a
         # callback) surfaces only when its result is awaited.
-        results.append(jax.block_until_ready(client_update(
-            server_state, one(cohort_states), one(data), client_keys[slot])))
+        result = jax.block_until_ready(client_update(
+            server_state, one(cohort_states), one_client(source, rows[slot], budgets[slot],
+                                                         examples), client_keys[slot]))
       except Exception as err:
         raise RuntimeError(f'client_update failed for client {int(cohort_ids[slot])} '
                            f'(cohort slot {slot}): {err}') from err
+      results.append(result)
+      steps = scanned_steps(result[0].metrics, 1, config.schedule, examples)
+      scanned = None if steps is None else scanned + steps
     outputs, new_states = jax.tree.map(lambda *leaves: jnp.stack(leaves), *results)
-    return finish(server_state, client_states, cohort.num_examples, cohort_ids, outputs,
-                  new_states)
+    return finish(server_state, client_states, source.num_examples[rows], cohort_ids, outputs,
+                  new_states, scanned)
+
+  def round_host(server_state, client_states, cohort: FederatedData, cohort_ids, key):
+    _check_cohort(config, cohort, cohort_ids)
+    return round_on_rows(server_state, client_states, cohort,
+                         jnp.arange(config.cohort_size), cohort_ids, key)
 
   def round_device(server_state, client_states, store: FederatedData, key):
-    cohort, cohort_ids = sample_and_take(store, key)
-    return round_host(server_state, client_states, cohort, cohort_ids, key)
+    cohort_ids = sample(store, key)
+    return round_on_rows(server_state, client_states, store, cohort_ids, cohort_ids, key)
 
   return round_device, round_host
 

@@ -294,8 +294,20 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   require(engine.eval_batch_size >= 1, 'engine.eval_batch_size',
           f'must be >= 1, got {engine.eval_batch_size}')
   chunk = engine.client_chunk
-  require(chunk >= 0 and (chunk == 0 or config.cohort_size % chunk == 0), 'engine.client_chunk',
-          f'must be 0 or divide cohort_size={config.cohort_size}, got {chunk}')
+  require(chunk >= 0, 'engine.client_chunk', f'must be >= 0 (0: fitted), got {chunk}')
+  require(not (chunk and engine.num_devices and chunk % engine.num_devices), 'engine.client_chunk',
+          f'must be a multiple of engine.num_devices={engine.num_devices} (each group of '
+          f'clients is sharded over the devices), got {chunk}')
+  buckets = tuple(engine.example_buckets)
+  require(all(isinstance(b, int) and b >= 1 for b in buckets), 'engine.example_buckets',
+          f'every bucket must be a positive example count, got {buckets}')
+  require(all(low < high for low, high in zip(buckets, buckets[1:])), 'engine.example_buckets',
+          f'must be strictly ascending, got {buckets}')
+  require(engine.example_shapes >= 1, 'engine.example_shapes',
+          f'must be >= 1 (padded client sizes to compile), got {engine.example_shapes}')
+  require(engine.max_scanned == 0 or engine.max_scanned >= 1, 'engine.max_scanned',
+          f'must be 0 (no grouping) or >= 1 (scanned / real local steps), '
+          f'got {engine.max_scanned}')
   specs = eval_adapter_specs(config)
   require_distinct(specs, 'eval_adapters', "one adapted column ('<adapter>:<mode>')")
   require_distinct(config.eval_adapter_algorithms, 'eval_adapter_algorithms', 'one method')

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +29,11 @@ from fedjax_shift import algorithms, distributed, models, report
 from fedjax_shift.benchmarks import BENCHMARKS, Benchmark
 from fedjax_shift.core import evaluation
 from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
+from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.core.round import (NO_STEP_LIMIT, HostStore, RoundConfig, build_round,
-                                     client_mesh, round_key, stack_client_states)
+                                     check_example_buckets, client_mesh, fit_client_chunk,
+                                     fit_example_buckets, group_bounds, plan_group_examples,
+                                     population_steps, round_key, stack_client_states)
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
 from fedjax_shift.metrics import read_metrics
@@ -79,11 +82,71 @@ def validate_benchmark(bench: Benchmark) -> None:
                      'config.data.split_fractions.train=0): nothing would be trained')
 
 
-def _round_config(config) -> RoundConfig:
-  return RoundConfig(cohort_size=config.cohort_size, sampling=config.sampling,
-                     weighting=config.weighting, straggler_prob=config.straggler_prob,
-                     straggler_max_steps=config.straggler_max_steps,
-                     client_chunk=config.engine.client_chunk)
+def round_config(config, train: Optional[federated.FederatedData] = None,
+                 algorithm_name: str = '', populations: Sequence[np.ndarray] = ()
+                 ) -> RoundConfig:
+  """The compiled round's options. With the training split: the width of the sorted
+  cohort's client groups (``engine.client_chunk``, or with 0 the width
+  ``fit_client_chunk`` fits under ``engine.max_scanned``), each group's padded size
+  from ``engine.example_buckets`` (or at most ``engine.example_shapes`` sizes fitted),
+  and the loop backend's buckets: planned for the training split's client sizes and
+  ``populations`` ([K] sizes of the other runs that share the program: every group's
+  bound holds for each of them). Data not stored real-examples-first (FedEvolve's
+  domain-major layout) keeps the padded size."""
+  engine = config.engine
+  fields = dict(cohort_size=config.cohort_size, sampling=config.sampling,
+                weighting=config.weighting, straggler_prob=config.straggler_prob,
+                straggler_max_steps=config.straggler_max_steps)
+  if train is None:
+    return RoundConfig(client_chunk=engine.client_chunk, **fields)
+  client = (algorithms.base.method_client(config, algorithm_name) if algorithm_name
+            else config.client)
+  schedule = LocalSchedule(client.batch_size, client.local_epochs, client.local_steps,
+                           train.max_examples, engine.unroll)
+  own = np.asarray(train.num_examples)
+  sizes = [np.asarray(p) for p in populations]
+  if not any(np.array_equal(own, p) for p in sizes):
+    sizes.append(own)
+  backend = round_backend(config)
+  chunk = engine.client_chunk
+  if not chunk and engine.max_scanned and backend == 'vmap':
+    chunk = fit_client_chunk(population_steps(schedule, np.concatenate(sizes)),
+                             config.cohort_size, engine.max_scanned, engine.num_devices or 1)
+  buckets = tuple(engine.example_buckets)
+  cut = (examples_first(train) and not (algorithm_name and
+                                        algorithms.base.ALGORITHMS.meta(algorithm_name).get(
+                                            'layout')))
+  group_examples = example_buckets = ()
+  if cut and backend == 'vmap':
+    width = chunk or config.cohort_size
+    bounds = np.max([group_bounds(k, config.cohort_size, width) for k in sizes], axis=0)
+    group_examples = plan_group_examples(
+        bounds, buckets or fit_example_buckets(bounds, width, engine.example_shapes),
+        'config.engine.example_buckets')
+  elif cut:
+    every = np.concatenate(sizes)
+    example_buckets = buckets or fit_example_buckets(np.sort(every)[::-1], 1,
+                                                     engine.example_shapes)
+    check_example_buckets(example_buckets, int(every.max()), 'config.engine.example_buckets')
+  elif buckets:
+    check_example_buckets(buckets, train.max_examples, 'config.engine.example_buckets')
+  return RoundConfig(client_chunk=chunk, group_examples=group_examples,
+                     example_buckets=example_buckets, schedule=schedule, **fields)
+
+
+def seed_populations(config: ml_collections.ConfigDict) -> Tuple[np.ndarray, ...]:
+  """[K] client sizes of the training split of each of ``config.seeds``: the runs that
+  may share one compiled round, whose plan must hold for every one of them."""
+  return tuple(np.asarray(build_data(config, seed).splits['train'].num_examples)
+               for seed in config.seeds)
+
+
+def examples_first(data: federated.FederatedData) -> bool:
+  """Whether every client's real examples are its first ``num_examples`` rows (so a
+  client can be cut to fewer padded rows without losing any)."""
+  mask = np.asarray(data.mask)
+  return bool(np.array_equal(mask, np.arange(mask.shape[1])[None, :] <
+                             np.asarray(data.num_examples)[:, None]))
 
 
 def uploaded_by_part(algorithm: FederatedAlgorithm, server_state, client_states,
@@ -204,7 +267,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
     opened = setup_run(config, workdir, algorithm_name, seed, bench, algorithm, programs,
                        backbone, log_state, depends_on)
     train = opened.bench.splits['train']
-    host_store = (HostStore(train, opened.train_key, _round_config(config),
+    host_store = (HostStore(train, opened.train_key, round_config(config),
                             cohort_sharding(config))
                   if config.data.store == 'host' else None)
     try:
@@ -230,6 +293,7 @@ class ProgramKey(NamedTuple):
   num_classes: int
   build_info: str              # algorithms.base.build_info of the benchmark, as JSON
   new_client_splits: tuple
+  round: RoundConfig           # the round's plan (groups, padded sizes) for every seed
 
 
 class Programs(NamedTuple):
@@ -324,15 +388,15 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
   # Splits whose client k is a new client, not training client k (UPFL): no personalised
   # model of their own; personalised methods are scored there as PFL-Sampled/-Ensemble.
   new_client_splits = sorted(bench.info.get('new_clients', {}))
-  key = None
+  key = plan = None
   if built is None and algorithm is None and programs is not None:
-    key = ProgramKey(algorithm_name, train.x.shape, train.x.dtype.str, bench.num_classes,
-                     json.dumps(algorithms.base.build_info(bench.info), sort_keys=True),
-                     tuple(new_client_splits))
+    key = program_key(config, algorithm_name, bench)
+    plan = key.round
   if built is None and key is not None:
     built = (programs or {}).get(key)
   if built is None:
-    built = build_programs(config, algorithm_name, module, bench, algorithm, new_client_splits)
+    built = build_programs(config, algorithm_name, module, bench, algorithm, new_client_splits,
+                           round_plan=plan)
     if key is not None:
       programs[key] = built
   algorithm = built.algorithm
@@ -391,16 +455,19 @@ def run_keys(seed: int):
 
 def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, module,
                    bench: Benchmark, algorithm: Optional[FederatedAlgorithm],
-                   new_client_splits: List[str], check: bool = True) -> Programs:
+                   new_client_splits: List[str], check: bool = True,
+                   round_plan: Optional[RoundConfig] = None) -> Programs:
   """The method (the registered ``algorithm_name`` unless ``algorithm`` is given), its
-  compiled round and its evaluation functions (``check=False``: a config whose swept
-  numbers are tracers, pipelines/sweep.py)."""
+  compiled round (planned by ``round_plan``, or for ``bench``'s training split alone)
+  and its evaluation functions (``check=False``: a config whose swept numbers are
+  tracers, pipelines/sweep.py)."""
   train = bench.splits['train']
   if algorithm is None:
     algorithm = algorithms.build(algorithm_name, config, module, train.max_examples,
                                  bench.info, train.num_clients, train.x.shape[2:],
                                  check=check)
-  round_device, round_host = build_round(algorithm, _round_config(config),
+  round_device, round_host = build_round(algorithm, round_plan or round_config(
+                                             config, train, algorithm_name),
                                          client_mesh(config.engine.num_devices)
                                          if config.engine.num_devices else None,
                                          donate=config.engine.donate,
@@ -465,15 +532,15 @@ def single_run_trainer(config: ml_collections.ConfigDict, programs: Programs,
         out = programs.round_host(server_state, client_states, cohort, cohort_ids, key)
       else:
         out = programs.round_device(server_state, client_states, device_train, key)
-      return (out.server_state, out.client_states), loop.one_round(out.metrics,
-                                                                   ('loss', 'num_steps'))
+      return (out.server_state, out.client_states), loop.one_round(
+          out.metrics, loop.round_metric_names(out.metrics))
     count = stop - start
     indices = start + jnp.minimum(jnp.arange(per_call), count - 1)
     keys = jax.vmap(lambda r: round_key(train_key, r))(indices)
     out = programs.round_device(server_state, client_states, device_train, keys,
                                 jnp.arange(per_call) < count)
     metrics = {name: np.asarray(out.metrics[name])[:count, None]
-               for name in ('loss', 'num_steps')}
+               for name in loop.round_metric_names(out.metrics)}
     return (out.server_state, out.client_states), metrics
 
   return loop.Trainer(advance, loop.only_run, per_call,
@@ -687,10 +754,13 @@ def grid_round(round_fn: Callable, num_points: int, num_seeds: int) -> Callable:
 
 
 def program_key(config: ml_collections.ConfigDict, name: str, bench: Benchmark) -> ProgramKey:
+  """The key of method ``name``'s programs on ``bench``, shared by every seed of
+  ``config`` whose shapes match (the round planned for all of their client sizes)."""
   train = bench.splits['train']
   return ProgramKey(name, train.x.shape, train.x.dtype.str, bench.num_classes,
                     json.dumps(algorithms.base.build_info(bench.info), sort_keys=True),
-                    tuple(sorted(bench.info.get('new_clients', {}))))
+                    tuple(sorted(bench.info.get('new_clients', {}))),
+                    round_config(config, train, name, seed_populations(config)))
 
 
 def hyperparameter_programs(config: ml_collections.ConfigDict, name: str, bench: Benchmark,
@@ -698,16 +768,16 @@ def hyperparameter_programs(config: ml_collections.ConfigDict, name: str, bench:
                             ) -> HyperparameterPrograms:
   """The (cached in ``programs``) HyperparameterPrograms of method ``name`` on
   ``bench``'s shapes, with the non-traced swept fields at ``fixed``."""
-  key = ('sweep', program_key(config, name, bench), tuple(fields),
-         tuple(sorted(fixed.items())))
+  base = sweep.with_values(config, fixed)
+  shared = program_key(base, name, bench)
+  key = ('sweep', shared, tuple(fields), tuple(sorted(fixed.items())))
   if key not in programs:
     module = models.create(config.model, bench.num_classes)
     splits = sorted(bench.info.get('new_clients', {}))
-    base = sweep.with_values(config, fixed)
 
     def make(values):
       return build_programs(sweep.with_values(base, dict(zip(fields, values))), name, module,
-                            bench, None, splits, check=False)
+                            bench, None, splits, check=False, round_plan=shared.round)
 
     programs[key] = HyperparameterPrograms(make, fields, name)
   return programs[key]
@@ -860,8 +930,8 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
       def advance(state, start: int, stop: int):
         del stop
         out = round_grid(stacked_values, *state, data, round_keys(start))
-        return (out.server_state, out.client_states), loop.one_round(out.metrics,
-                                                                     ('loss', 'num_steps'))
+        return (out.server_state, out.client_states), loop.one_round(
+            out.metrics, loop.round_metric_names(out.metrics))
 
       trainer = loop.Trainer(advance, take_run, 1, examples_per_step(config, name))
       what = (f'{len(points)} points × ' if len(points) > 1 else '') + f'seeds {tuple(seeds)}'

@@ -125,6 +125,16 @@ class Trainer(NamedTuple):
   examples_per_step: int = 0
 
 
+ROUND_METRICS = ('loss', 'num_steps', 'local_steps', 'scanned_steps')
+
+
+def round_metric_names(metrics: Dict[str, Any]) -> Tuple[str, ...]:
+  """The round metrics the loop records, of those a round's output has: the weighted
+  mean 'loss' and 'num_steps' of the cohort, and the round's real ('local_steps') and
+  iterated ('scanned_steps', padding included) local steps summed over the cohort."""
+  return tuple(name for name in ROUND_METRICS if name in metrics)
+
+
 def one_round(metrics: Dict[str, Any], names: Sequence[str]) -> Dict[str, np.ndarray]:
   """``Trainer.advance``'s metrics of a call that trained one round: each of ``names``
   from a round's output metrics (a scalar for one run, [R] for runs on a leading run
@@ -319,6 +329,10 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
         if trainer.examples_per_step and 'num_steps' in metrics and live:
           steps = float(np.sum(metrics['num_steps'][:, live])) / len(live)
           postfix['examples_per_s'] = f'{steps * trainer.examples_per_step / seconds:.0f}'
+        if 'scanned_steps' in metrics and live:   # the share of iterated steps that are real
+          scanned = float(np.sum(metrics['scanned_steps'][:, live]))
+          postfix['real_steps'] = (f"{float(np.sum(metrics['local_steps'][:, live])) / scanned:.0%}"
+                                   if scanned else 'n/a')
         bar.update(calls, postfix)
       if requests and completed < rounds:
         save_live()
