@@ -79,6 +79,7 @@ targets on a GPU: (a)/(e) ≤ 1 at every size and (a)/(c) ≤ 2 at 240 clients).
 """
 import ast
 import functools
+import importlib.metadata
 import json
 import os
 import platform
@@ -103,12 +104,22 @@ def define_flags() -> None:
   flags.DEFINE_list('clients', ['60'], 'Cohort sizes C: one, or a sweep (60,240,1000) that '
                     'runs every case at each size and prints a table of the ratios.')
   flags.DEFINE_integer('examples', 200, 'Examples per client N (the mean with --sizes).')
-  flags.DEFINE_enum('sizes', 'uniform', ['uniform', 'skewed', 'default_experiment'],
+  flags.DEFINE_enum('sizes', 'uniform', list(SIZE_PROFILES),
                     "Client sizes: 'uniform' (N each); 'skewed' (a floor of 20 and a "
                     "Dirichlet(0.5) split of the rest, SKEWED_SIZES, tiled and scaled to C "
                     "clients of mean N); 'default_experiment' (the train sizes of "
                     "configs/default.py, seed 0, 20 clients; --clients and --examples "
                     "ignored).")
+  flags.DEFINE_list('profiles', [], 'Size profiles to compare (e.g. uniform,skewed): every '
+                    'case at each profile, interleaved case by case, --passes times; one '
+                    'table of seconds, profile ratios and real-step fractions, with the '
+                    "machine's load beside each figure.")
+  flags.DEFINE_integer('passes', 1, 'Passes over the cases of --profiles (the median of the '
+                       "passes' medians is reported).")
+  flags.DEFINE_list('sizes_list', [], 'Internal: the client sizes, passed to case processes '
+                    '(a peer environment without fedjax_shift cannot compute them).')
+  flags.DEFINE_string('fedjax_python', '', "Interpreter of an environment with fedjax 0.0.17 "
+                      "for the 'fedjax' case (its own jax, e.g. 0.5.3; '' = this one).")
   flags.DEFINE_integer('torch_threads', 0, 'torch.set_num_threads for the PyTorch cases (0: '
                        "torch's default; on a shared machine take peer figures at 1).")
   flags.DEFINE_integer('batch_size', 20, 'Local batch size B.')
@@ -153,6 +164,8 @@ def num_clients() -> int:
   """The cohort size C of a case's process (spawn passes one value of --clients)."""
   if len(FLAGS.clients) != 1:
     raise ValueError(f'--clients: a case runs at one cohort size, got {FLAGS.clients}')
+  if FLAGS.sizes_list:
+    return len(FLAGS.sizes_list)
   if FLAGS.sizes == 'default_experiment':
     return len(default_experiment_sizes())
   return int(FLAGS.clients[0])
@@ -171,6 +184,12 @@ def check_flags():
   for size in FLAGS.clients:
     if not size.isdigit() or int(size) < 1:
       raise app.UsageError(f'--clients: {size!r} is not a positive integer')
+  for profile in FLAGS.profiles:
+    if profile not in SIZE_PROFILES:
+      raise app.UsageError(f'--profiles: unknown {profile!r}; choose from '
+                           f'{", ".join(SIZE_PROFILES)}')
+  if FLAGS.passes < 1:
+    raise app.UsageError(f'--passes must be >= 1, got {FLAGS.passes}')
   for conv in FLAGS.conv:
     if conv not in CONV_CHOICES:
       raise app.UsageError(f'--conv: unknown {conv!r}; choose from {", ".join(CONV_CHOICES)}')
@@ -209,6 +228,7 @@ def make_config():
   return config
 
 
+SIZE_PROFILES = ('uniform', 'skewed', 'default_experiment')
 # 60 clients, 12,000 examples: a floor of 20 per client plus a Dirichlet(0.5) split of the
 # other 10,800 (min 20, median 96, max 1,043), in client order.
 SKEWED_SIZES = (59, 57, 530, 24, 41, 32, 386, 44, 161, 71, 20, 168, 162, 26, 23, 98, 520, 72,
@@ -226,12 +246,16 @@ def default_experiment_sizes():
   return np.asarray(build_data(get_config(), 0).splits['train'].num_examples, np.int64)
 
 
-def client_sizes(num_clients):
-  """[C] examples per client under --sizes (whole total C·N for 'skewed')."""
+def client_sizes(num_clients, profile: str = ''):
+  """[C] examples per client of the --sizes ``profile`` ('' = --sizes, or --sizes_list
+  when given); 'skewed' keeps the total C·N."""
   import numpy as np
-  if FLAGS.sizes == 'uniform':
+  if FLAGS.sizes_list and not profile:
+    return np.asarray([int(n) for n in FLAGS.sizes_list], np.int64)
+  profile = profile or FLAGS.sizes
+  if profile == 'uniform':
     return np.full(num_clients, FLAGS.examples, np.int64)
-  if FLAGS.sizes == 'default_experiment':
+  if profile == 'default_experiment':
     return default_experiment_sizes()
   profile = np.resize(np.asarray(SKEWED_SIZES, np.float64), num_clients)
   return np.maximum(1, np.round(profile * num_clients * FLAGS.examples / profile.sum())
@@ -605,7 +629,7 @@ def case_loop():
   client_update = jax.jit(algorithm.client_update)
   server_update = jax.jit(algorithm.server_update)
   clients = [ClientData(jnp.asarray(data.x[k]), jnp.asarray(data.y[k]),
-                        jnp.asarray(data.mask[k]), jnp.int32(FLAGS.examples),
+                        jnp.asarray(data.mask[k]), jnp.int32(data.num_examples[k]),
                         jnp.int32(NO_STEP_LIMIT)) for k in range(num_clients())]
   weights = aggregation_weights(jnp.asarray(data.num_examples), 'num_examples')
   key = jax.random.key(0)
@@ -629,14 +653,14 @@ def case_fused():
   import optax
   from fedjax_shift.algorithms import base
   config, module, _, data, server = setup_algorithm(num_clients())
-  steps = -(-FLAGS.examples // FLAGS.batch_size)
+  import numpy as np
+  # The cohort's real local steps (Σ_k ceil(n_k / B)) as steps of one pooled batch of
+  # C·B examples: the same FLOPs as the round's real work.
+  steps = -(-real_steps(data.num_examples) // num_clients())
   pooled = num_clients() * FLAGS.batch_size
-  # [steps, C·B, ...]: step s takes every client's s-th batch.
-  x = jnp.asarray(data.x[:, :steps * FLAGS.batch_size].reshape(
-      (num_clients(), steps, FLAGS.batch_size) + data.x.shape[2:]).swapaxes(0, 1).reshape(
-          (steps, pooled) + data.x.shape[2:]))
-  y = jnp.asarray(data.y[:, :steps * FLAGS.batch_size].reshape(
-      num_clients(), steps, FLAGS.batch_size).swapaxes(0, 1).reshape(steps, pooled))
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.random((steps, pooled) + data.x.shape[2:], dtype=np.float32))
+  y = jnp.asarray(rng.integers(0, 10, (steps, pooled)).astype(np.int32))
   loss_fn = base.cross_entropy_loss(module)
   optimizer = optax.sgd(config.client.learning_rate)
   params, model_state = base.split_variables(server.variables)
@@ -667,6 +691,8 @@ def torch_twin(batch_statistics_only: bool = False):
     import torch
   except ImportError:
     return 'torch is not installed'
+  if FLAGS.torch_threads:
+    torch.set_num_threads(FLAGS.torch_threads)
   if FLAGS.model not in ('atp_cnn', 'mlp'):
     return f'no PyTorch twin of {FLAGS.model}'
   from torch import nn
@@ -698,6 +724,7 @@ def case_torch():
   import copy
   import torch
   model, x, y = twin
+  sizes = client_sizes(num_clients())
   device = 'cuda' if torch.cuda.is_available() else 'cpu'
   model, x, y = model.to(device), x.to(device), y.to(device)
   loss_fn = torch.nn.CrossEntropyLoss()
@@ -708,8 +735,8 @@ def case_torch():
       local = copy.deepcopy(model)
       local.train()
       opt = torch.optim.SGD(local.parameters(), lr=0.01)
-      perm = torch.randperm(FLAGS.examples, device=device)
-      for start in range(0, FLAGS.examples, FLAGS.batch_size):
+      perm = torch.randperm(int(sizes[k]), device=device)   # the client's own examples
+      for start in range(0, int(sizes[k]), FLAGS.batch_size):
         idx = perm[start:start + FLAGS.batch_size]
         opt.zero_grad()
         loss_fn(local(x[k][idx]), y[k][idx]).backward()
@@ -727,10 +754,68 @@ def case_torch():
           'torch': torch.__version__, 'threads': torch.get_num_threads()}
 
 
+def case_fedjax():
+  """(f) fedjax 0.0.17's FedAvg (``fedjax.algorithms.fed_avg``: a Python loop over
+  clients of its jitted per-client step, ``for_each_client``) on the same clients, a
+  Haiku twin of the MLP; run in --fedjax_python's environment (fedjax needs an older
+  jax), or skipped with the reason when fedjax does not import. Imports nothing of
+  fedjax_shift."""
+  try:
+    import jax
+    if not hasattr(jax, 'tree_map'):   # fedjax 0.0.17 calls jax.tree_map
+      jax.tree_map = jax.tree_util.tree_map
+    import fedjax
+    import haiku as hk
+  except Exception as err:   # noqa: BLE001  (any import failure means: no peer here)
+    return {'skipped': f'fedjax does not import here ({type(err).__name__}: {err}); '
+                       f'give --fedjax_python of an environment with fedjax 0.0.17'}
+  if FLAGS.model != 'mlp':
+    return {'skipped': f'no fedjax twin of {FLAGS.model}'}
+  import numpy as np
+  sizes = client_sizes(num_clients())
+  rng = np.random.default_rng(0)
+  clients_data = {f'{k}'.encode(): {
+      'x': rng.random((int(n),) + SHAPES[FLAGS.model], dtype=np.float32),
+      'y': rng.integers(0, 10, int(n)).astype(np.int32)} for k, n in enumerate(sizes)}
+
+  def forward(batch):
+    x = batch['x'].reshape((batch['x'].shape[0], -1))
+    return hk.Sequential([hk.Linear(200), jax.nn.relu, hk.Linear(200), jax.nn.relu,
+                          hk.Linear(10)])(x)
+
+  transformed = hk.transform(forward)
+  sample = {'x': np.zeros((1,) + SHAPES[FLAGS.model], np.float32), 'y': np.zeros(1, np.int32)}
+  model = fedjax.create_model_from_haiku(
+      transformed_forward_pass=transformed, sample_batch=sample,
+      train_loss=lambda batch, preds: fedjax.metrics.unreduced_cross_entropy_loss(
+          batch['y'], preds))
+  grad_fn = fedjax.model_grad(model)
+  algorithm = fedjax.algorithms.fed_avg.federated_averaging(
+      grad_fn, fedjax.optimizers.sgd(0.01), fedjax.optimizers.sgd(1.0),
+      fedjax.ShuffleRepeatBatchHParams(batch_size=FLAGS.batch_size, num_epochs=1,
+                                       drop_remainder=False))
+  state = algorithm.init(model.init(jax.random.PRNGKey(0)))
+  clients = [(cid, fedjax.ClientDataset(data), jax.random.PRNGKey(k))
+             for k, (cid, data) in enumerate(clients_data.items())]
+
+  def run():
+    new_state, _ = algorithm.apply(state, clients)
+    return jax.block_until_ready(new_state.params)
+
+  tick = time.perf_counter()
+  run()
+  compile_s = time.perf_counter() - tick
+  median, times = timed(run, FLAGS.repeats)
+  return {'seconds': median, 'times': times, 'compile_s': compile_s,
+          'fedjax': importlib.metadata.version('fedjax'), 'jax': jax.__version__}
+
+
 def case_torch_vmap():
   """(e) PyTorch ``torch.func``: the clients' parameters stacked, one ``vmap``ped
   gradient per local step over every client's batch (BatchNorm on batch statistics),
   SGD, then the mean — the vmapped peer of (a), on the GPU when torch sees one."""
+  if len(set(client_sizes(num_clients()).tolist())) > 1:
+    return {'skipped': 'stacked clients of equal size only (--sizes=uniform)'}
   twin = torch_twin(batch_statistics_only=True)
   if isinstance(twin, str):
     return {'skipped': twin}
@@ -959,7 +1044,7 @@ def run_case(name):
     result = case_round(kind=name)
   else:
     result = {'round': case_round, 'loop': case_loop, 'fused': case_fused,
-              'torch': case_torch, 'torch_vmap': case_torch_vmap,
+              'torch': case_torch, 'torch_vmap': case_torch_vmap, 'fedjax': case_fedjax,
               'rounds_calls': lambda: case_rounds(scan=False),
               'rounds_scan': lambda: case_rounds(scan=True),
               'loop_backend': lambda: case_round('loop'),
@@ -984,19 +1069,85 @@ def run_case(name):
   return result
 
 
-def spawn(name, clients: int, conv: str):
-  """Runs case ``name`` at cohort size ``clients`` with ``config.model.conv=conv`` in a
-  subprocess (its own peak RSS); returns its result dict or {'error': last stderr line}."""
-  argv = [sys.executable, os.path.abspath(__file__), f'--case={name}', f'--clients={clients}',
-          f'--conv={conv}']
+def spawn(name, clients: int, conv: str, sizes: str = ''):
+  """Runs case ``name`` at cohort size ``clients`` with ``config.model.conv=conv`` and
+  client sizes ``sizes`` (a --sizes profile; '' = --sizes) in a subprocess (its own
+  peak RSS; the 'fedjax' case in --fedjax_python's interpreter); returns its result
+  dict (with the machine's 1-minute load average at its start) or {'error': last
+  stderr line}."""
+  sizes = sizes or FLAGS.sizes
+  python = FLAGS.fedjax_python if name == 'fedjax' and FLAGS.fedjax_python else sys.executable
+  listed = ','.join(str(n) for n in client_sizes(clients, sizes))
+  argv = [python, os.path.abspath(__file__), f'--case={name}', f'--clients={clients}',
+          f'--conv={conv}', f'--sizes={sizes}', f'--sizes_list={listed}']
   argv += [f'--{f}={FLAGS[f].serialize().split("=", 1)[1]}' for f in
            ('model', 'examples', 'batch_size', 'repeats', 'unroll', 'client_chunk',
             'sweep_repeats', 'tta_adapter', 'tta_epochs', 'rounds_per_call', 'seeds', 'trace',
-            'grid_rates', 'sizes', 'max_scanned', 'torch_threads')]
+            'grid_rates', 'max_scanned', 'torch_threads')]
+  load = os.getloadavg()[0]
   proc = subprocess.run(argv, capture_output=True, text=True)
   if proc.returncode:
-    return {'error': proc.stderr.strip().splitlines()[-1] if proc.stderr else 'failed'}
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+    return {'error': proc.stderr.strip().splitlines()[-1] if proc.stderr else 'failed',
+            'load': load}
+  return {**json.loads(proc.stdout.strip().splitlines()[-1]), 'load': load}
+
+
+def profile_comparison(clients: int, conv: str) -> str:
+  """The --profiles table: each case of --cases at every profile, run interleaved (case
+  by case, profile by profile) --passes times."""
+  profiles, cases = FLAGS.profiles, FLAGS.cases
+  runs = {(profile, name): [] for profile in profiles for name in cases}
+  for _ in range(FLAGS.passes):
+    for name in cases:
+      for profile in profiles:
+        result = spawn(name, clients, conv, profile)
+        print(profile, name, json.dumps(result), flush=True)
+        runs[(profile, name)].append(result)
+
+  def cell(profile, name):
+    done = [r for r in runs[(profile, name)] if 'seconds' in r]
+    if not done:
+      first = runs[(profile, name)][0]
+      return None, first.get('skipped') or first.get('error'), ''
+    seconds = statistics.median(r['seconds'] for r in done)
+    load = max(r['load'] for r in done)
+    steps = ''
+    if 'scanned_steps' in done[0]:
+      steps = (f"{done[0]['local_steps']}/{done[0]['scanned_steps']} "
+               f"({done[0]['local_steps'] / done[0]['scanned_steps']:.0%})")
+    return seconds, f'{seconds:.4g} (load {load:.1f})', steps
+
+  sizes = {p: client_sizes(clients, p) for p in profiles}
+  lines = [f'### Size profiles: {FLAGS.model}, one epoch of batch {FLAGS.batch_size}, '
+           f'unroll={FLAGS.unroll}, max_scanned={FLAGS.max_scanned}, '
+           f'client_chunk={FLAGS.client_chunk} (0: fitted)\n',
+           f'Machine: {machine()}. s/round: median of {FLAGS.passes} interleaved passes, each '
+           f'the median of {FLAGS.repeats} after one warm-up; load: the 1-minute load '
+           f'average at the start of the case (the highest of the passes).\n']
+  for p in profiles:
+    n = sizes[p]
+    lines.append(f'- {p}: {len(n)} clients, {int(n.sum()):,} examples (min {n.min()}, median '
+                 f'{int(statistics.median(n.tolist()))}, max {n.max()}), '
+                 f'{real_steps(n)} real local steps')
+  lines += ['', '| case | ' + ' | '.join(f'{p} s/round' for p in profiles) + ' | ' +
+            ' | '.join(f'{p} / {profiles[0]}' for p in profiles[1:]) + ' | ' +
+            ' | '.join(f'{p} real/scanned steps' for p in profiles) + ' |',
+            '|---' * (1 + 2 * len(profiles) + len(profiles) - 1) + '|']
+  seconds = {}
+  for name in cases:
+    cells = [cell(p, name) for p in profiles]
+    for p, (value, _, _) in zip(profiles, cells):
+      seconds[(p, name)] = value
+    ratios = [f'{c[0] / cells[0][0]:.2f}×' if c[0] and cells[0][0] else '—' for c in cells[1:]]
+    lines.append(f'| {label(name)} | ' + ' | '.join(c[1] for c in cells) + ' | ' +
+                 ' | '.join(ratios) + ' | ' + ' | '.join(c[2] or '—' for c in cells) + ' |')
+  for ours in ('round', 'loop_backend'):
+    for peer in ('torch', 'fedjax'):
+      pairs = [f'{p} {seconds[(p, ours)] / seconds[(p, peer)]:.2f}' for p in profiles
+               if seconds.get((p, ours)) and seconds.get((p, peer))]
+      if pairs:
+        lines.append(f'\n{label(ours)} / {label(peer)}: ' + ', '.join(pairs))
+  return '\n'.join(lines)
 
 
 def machine() -> str:
@@ -1012,6 +1163,7 @@ def label(name: str) -> str:
             'fused': '(c) fused centralized step (same FLOPs)',
             'torch': '(d) PyTorch per-client loop',
             'torch_vmap': '(e) PyTorch torch.func vmap over stacked clients',
+            'fedjax': '(f) fedjax 0.0.17 FedAvg (for_each_client)',
             'rounds_calls': f'{FLAGS.rounds_per_call} rounds as {FLAGS.rounds_per_call} calls '
                             f'(loss read each round), per round',
             'rounds_scan': f'{FLAGS.rounds_per_call} rounds as one scan '
@@ -1147,6 +1299,13 @@ def main(argv):
     print(json.dumps(run_case(FLAGS.case)))
     return
   check_flags()
+  if FLAGS.profiles:
+    text = profile_comparison(int(FLAGS.clients[0]), FLAGS.conv[0]) + '\n'
+    print('\n' + text)
+    if FLAGS.out:
+      with open(FLAGS.out, 'w') as f:
+        f.write(text)
+    return
   steps = -(-FLAGS.examples // FLAGS.batch_size)
   sizes = [int(size) for size in FLAGS.clients]
   sections, runs, torch_results = [], [], {}

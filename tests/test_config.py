@@ -34,7 +34,13 @@ from helpers import tiny_config
     ('server.optimizer', 'yogi', r'config.server.optimizer'),
     ('data.store', 'disk', r'config.data.store'),
     ('engine.backend', 'pmap', r'config.engine.backend: unknown'),
-    ('engine.client_chunk', 2, r'config.engine.client_chunk: must be 0 or divide cohort_size=3'),
+    ('engine.client_chunk', -1, r'config.engine.client_chunk: must be >= 0'),
+    ('engine.example_buckets', (64, 32), r'config.engine.example_buckets: must be strictly '
+                                         r'ascending'),
+    ('engine.example_buckets', (0, 32), r'config.engine.example_buckets: every bucket must '
+                                        r'be a positive'),
+    ('engine.example_shapes', 0, r'config.engine.example_shapes: must be >= 1'),
+    ('engine.max_scanned', 0.5, r'config.engine.max_scanned: must be 0 \(no grouping\) or >= 1'),
 ])
 def test_bad_config_names_field(field, value, pattern):
   config = tiny_config(**{field: value})

@@ -34,11 +34,11 @@ def hparams(**fields):
   return hp
 
 
-def setup(hp, sizes=(3, 2, 4, 3, 5)):
+def setup(hp, sizes=(3, 2, 4, 3, 5), num_epochs=0, num_steps=2):
   """A 2-architecture algorithm over 5 toy clients: small = 0, 2, 4; big = 1, 3."""
   data, _, _ = toy_clients(sizes, SHAPE, NUM_CLASSES)
   public_x = np.random.default_rng(1).random((8,) + SHAPE).astype(np.float32)
-  schedule = LocalSchedule(batch_size=2, num_epochs=0, num_steps=2,
+  schedule = LocalSchedule(batch_size=2, num_epochs=num_epochs, num_steps=num_steps,
                            max_examples=data.max_examples)
   algorithm = hetero_fedtta.build(hp, NUM_CLASSES, public_x, optax.sgd(0.1), schedule,
                                   jnp.asarray(data.x[0, :1]))
@@ -104,6 +104,21 @@ def test_grouped_round_equals_a_loop_over_clients(toy):
     server, states = out.server_state, out.group_states
   assert int(server.round) == 2
   assert ROUNDS[(id(algorithm), (2, 1))][1]._cache_size() == 1   # one compilation
+
+
+def test_grouped_round_on_skewed_sizes_equals_a_loop_over_clients():
+  # One epoch of batch 2 on clients of 1 to 11 examples: 1 to 6 steps, each client's
+  # step loop ending with its own steps inside the vmapped group.
+  algorithm, data, _, group_ids = setup(hparams(), sizes=(1, 11, 6, 2, 9), num_epochs=1,
+                                        num_steps=0)
+  server = algorithm.init(jax.random.key(0))
+  states = init_group_states(algorithm, jax.random.key(1), group_ids)
+  key = jax.random.key(3)
+  out = run_round(algorithm, data, group_ids, server, states, key)
+  want_server, want_states = loop_round(algorithm, data, group_ids, server, states, key)
+  chex.assert_trees_all_close(out.server_state, want_server, **backend_tolerance(2e-5, 1e-6))
+  chex.assert_trees_all_close(out.group_states, tuple(want_states),
+                              **backend_tolerance(2e-5, 1e-6))
 
 
 def test_knowledge_is_the_mean_of_the_clients_public_logits(toy):

@@ -33,6 +33,19 @@ SCRIPT = textwrap.dedent('''
       chex.assert_trees_all_close(s1, s4, atol=1e-5)
       chex.assert_trees_all_close(c1, c4, atol=1e-5)
       print(name, 'sharded == unsharded')
+    # The cohort sorted by size in groups of 4 (each sharded over the 4 devices), cut to
+    # planned padded sizes, equals the same groups on one device.
+    from fedjax_shift.core import round as engine
+    bounds = engine.group_bounds(data.num_examples, 8, 4)
+    grouped = RoundConfig(cohort_size=8, client_chunk=4, group_examples=engine.plan_group_examples(
+        bounds, engine.fit_example_buckets(bounds, 4, 2)))
+    assert len(set(grouped.group_examples)) == 2, grouped
+    one = build_round(algorithm, grouped)[0]
+    four = build_round(algorithm, grouped, mesh=client_mesh(4))[0]
+    key = round_key(jax.random.key(3), 0)
+    a = one(server, clients, data, key); b = four(server, clients, data, key)
+    chex.assert_trees_all_close(a.server_state, b.server_state, atol=1e-5)
+    print('grouped sharded == unsharded')
 ''')
 
 
@@ -44,3 +57,4 @@ def test_four_device_round_equals_one_device():
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'fedavg sharded == unsharded' in proc.stdout
   assert 'fedbn sharded == unsharded' in proc.stdout
+  assert 'grouped sharded == unsharded' in proc.stdout

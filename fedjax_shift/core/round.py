@@ -305,26 +305,31 @@ def group_bounds(num_examples: np.ndarray, cohort_size: int, width: int) -> np.n
   return np.maximum(sizes[np.minimum(starts, sizes.size - 1)], 1)
 
 
-def fit_example_buckets(bounds: np.ndarray, width: int, max_shapes: int = 4
-                        ) -> Tuple[int, ...]:
+def fit_example_buckets(bounds: np.ndarray, width: int, max_shapes: int = 4,
+                        min_saving: float = 0.0) -> Tuple[int, ...]:
   """At most ``max_shapes`` padded sizes, ascending, for groups of ``width`` clients
   whose sizes are bounded by ``bounds`` [G] (non-increasing, ``group_bounds``): chosen
   by dynamic programming to minimise the examples a round copies, each size serving a
-  run of consecutive groups at the run's first (largest) bound."""
+  run of consecutive groups at the run's first (largest) bound. Each size costs a
+  compilation of the client update, so a size is added only while it saves at least
+  ``min_saving`` copied examples per round."""
   bounds = [int(b) for b in bounds]
   groups = len(bounds)
-  shapes = max(1, min(max_shapes, groups))
+  most = max(1, min(max_shapes, groups))
   # cost[j][g]: the least examples copied for groups g.. with at most j sizes.
-  cost = [[float('inf')] * (groups + 1) for _ in range(shapes + 1)]
-  choice = [[groups] * (groups + 1) for _ in range(shapes + 1)]
-  for j in range(shapes + 1):
+  cost = [[float('inf')] * (groups + 1) for _ in range(most + 1)]
+  choice = [[groups] * (groups + 1) for _ in range(most + 1)]
+  for j in range(most + 1):
     cost[j][groups] = 0.0
-  for j in range(1, shapes + 1):
+  for j in range(1, most + 1):
     for g in range(groups - 1, -1, -1):
       for h in range(g + 1, groups + 1):
         total = bounds[g] * width * (h - g) + cost[j - 1][h]
         if total < cost[j][g]:
           cost[j][g], choice[j][g] = total, h
+  shapes = 1
+  while shapes < most and cost[shapes][0] - cost[shapes + 1][0] >= max(min_saving, 1e-9):
+    shapes += 1
   sizes, g, j = [], 0, shapes
   while g < groups:
     sizes.append(bounds[g])

@@ -121,12 +121,14 @@ def round_config(config, train: Optional[federated.FederatedData] = None,
     width = chunk or config.cohort_size
     bounds = np.max([group_bounds(k, config.cohort_size, width) for k in sizes], axis=0)
     group_examples = plan_group_examples(
-        bounds, buckets or fit_example_buckets(bounds, width, engine.example_shapes),
+        bounds, buckets or fit_example_buckets(bounds, width, engine.example_shapes,
+                                               min_saving_examples(train)),
         'config.engine.example_buckets')
   elif cut:
     every = np.concatenate(sizes)
     example_buckets = buckets or fit_example_buckets(np.sort(every)[::-1], 1,
-                                                     engine.example_shapes)
+                                                     engine.example_shapes,
+                                                     min_saving_examples(train))
     check_example_buckets(example_buckets, int(every.max()), 'config.engine.example_buckets')
   elif buckets:
     check_example_buckets(buckets, train.max_examples, 'config.engine.example_buckets')
@@ -134,11 +136,31 @@ def round_config(config, train: Optional[federated.FederatedData] = None,
                      example_buckets=example_buckets, schedule=schedule, **fields)
 
 
-def seed_populations(config: ml_collections.ConfigDict) -> Tuple[np.ndarray, ...]:
+def seed_populations(config: ml_collections.ConfigDict, programs: Optional[Dict] = None
+                     ) -> Tuple[np.ndarray, ...]:
   """[K] client sizes of the training split of each of ``config.seeds``: the runs that
-  may share one compiled round, whose plan must hold for every one of them."""
-  return tuple(np.asarray(build_data(config, seed).splits['train'].num_examples)
-               for seed in config.seeds)
+  may share one compiled round, whose plan must hold for every one of them (kept in
+  ``programs``, the process's program cache, per data config and seeds)."""
+  key = ('populations', json.dumps(config.data.to_dict(), sort_keys=True, default=str),
+         tuple(config.seeds))
+  cache = programs if programs is not None else {}
+  if key not in cache:
+    cache[key] = tuple(np.asarray(build_data(config, seed).splits['train'].num_examples)
+                       for seed in config.seeds)
+  return cache[key]
+
+
+# A padded size costs one more compilation of the client update (1-2 s for an MLP on a
+# 2-core CPU); a fitted size is added only where it saves gathering at least this much
+# of the cohort's data a round.
+MIN_SHAPE_SAVING_BYTES = 8 * 2 ** 20
+
+
+def min_saving_examples(train: federated.FederatedData) -> float:
+  """``MIN_SHAPE_SAVING_BYTES`` in examples of ``train`` (inputs, labels and mask)."""
+  per_example = (int(np.prod(train.x.shape[2:])) * train.x.dtype.itemsize +
+                 train.y.dtype.itemsize + 1)
+  return MIN_SHAPE_SAVING_BYTES / per_example
 
 
 def examples_first(data: federated.FederatedData) -> bool:
@@ -390,7 +412,7 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
   new_client_splits = sorted(bench.info.get('new_clients', {}))
   key = plan = None
   if built is None and algorithm is None and programs is not None:
-    key = program_key(config, algorithm_name, bench)
+    key = program_key(config, algorithm_name, bench, programs)
     plan = key.round
   if built is None and key is not None:
     built = (programs or {}).get(key)
@@ -753,14 +775,16 @@ def grid_round(round_fn: Callable, num_points: int, num_seeds: int) -> Callable:
   return jax.jit(grid)
 
 
-def program_key(config: ml_collections.ConfigDict, name: str, bench: Benchmark) -> ProgramKey:
+def program_key(config: ml_collections.ConfigDict, name: str, bench: Benchmark,
+                programs: Optional[Dict] = None) -> ProgramKey:
   """The key of method ``name``'s programs on ``bench``, shared by every seed of
-  ``config`` whose shapes match (the round planned for all of their client sizes)."""
+  ``config`` whose shapes match (the round planned for all of their client sizes;
+  ``programs``: the cache that keeps those sizes)."""
   train = bench.splits['train']
   return ProgramKey(name, train.x.shape, train.x.dtype.str, bench.num_classes,
                     json.dumps(algorithms.base.build_info(bench.info), sort_keys=True),
                     tuple(sorted(bench.info.get('new_clients', {}))),
-                    round_config(config, train, name, seed_populations(config)))
+                    round_config(config, train, name, seed_populations(config, programs)))
 
 
 def hyperparameter_programs(config: ml_collections.ConfigDict, name: str, bench: Benchmark,
@@ -769,7 +793,7 @@ def hyperparameter_programs(config: ml_collections.ConfigDict, name: str, bench:
   """The (cached in ``programs``) HyperparameterPrograms of method ``name`` on
   ``bench``'s shapes, with the non-traced swept fields at ``fixed``."""
   base = sweep.with_values(config, fixed)
-  shared = program_key(base, name, bench)
+  shared = program_key(base, name, bench, programs)
   key = ('sweep', shared, tuple(fields), tuple(sorted(fixed.items())))
   if key not in programs:
     module = models.create(config.model, bench.num_classes)
