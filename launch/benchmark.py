@@ -1129,18 +1129,17 @@ def profile_comparison(clients: int, conv: str) -> str:
     lines.append(f'- {p}: {len(n)} clients, {int(n.sum()):,} examples (min {n.min()}, median '
                  f'{int(statistics.median(n.tolist()))}, max {n.max()}), '
                  f'{real_steps(n)} real local steps')
-  lines += ['', '| case | ' + ' | '.join(f'{p} s/round' for p in profiles) + ' | ' +
-            ' | '.join(f'{p} / {profiles[0]}' for p in profiles[1:]) + ' | ' +
-            ' | '.join(f'{p} real/scanned steps' for p in profiles) + ' |',
-            '|---' * (1 + 2 * len(profiles) + len(profiles) - 1) + '|']
+  columns = ([f'{p} s/round' for p in profiles] + [f'{p} / {profiles[0]}' for p in profiles[1:]]
+             + [f'{p} real/scanned steps' for p in profiles])
+  lines += ['', '| case | ' + ' | '.join(columns) + ' |', '|---' * (1 + len(columns)) + '|']
   seconds = {}
   for name in cases:
     cells = [cell(p, name) for p in profiles]
     for p, (value, _, _) in zip(profiles, cells):
       seconds[(p, name)] = value
     ratios = [f'{c[0] / cells[0][0]:.2f}×' if c[0] and cells[0][0] else '—' for c in cells[1:]]
-    lines.append(f'| {label(name)} | ' + ' | '.join(c[1] for c in cells) + ' | ' +
-                 ' | '.join(ratios) + ' | ' + ' | '.join(c[2] or '—' for c in cells) + ' |')
+    row = [c[1] for c in cells] + ratios + [c[2] or '—' for c in cells]
+    lines.append(f'| {label(name)} | ' + ' | '.join(row) + ' |')
   for ours in ('round', 'loop_backend'):
     for peer in ('torch', 'fedjax'):
       pairs = [f'{p} {seconds[(p, ours)] / seconds[(p, peer)]:.2f}' for p in profiles

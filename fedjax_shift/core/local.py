@@ -120,7 +120,9 @@ def run_steps(step_fn: Callable[[PyTree, jax.Array], PyTree], carry: PyTree,
   A ``lax.while_loop`` on ``num_steps`` (traced; under vmap the loop runs to the batch's
   largest count and a lane whose count is reached keeps its carry). ``unroll``: an int
   U runs U steps per iteration, the ones past ``num_steps`` masked; True scans the
-  static ``bound`` steps, every one unrolled and masked past ``num_steps``.
+  static ``bound`` steps, every one unrolled and masked past ``num_steps`` — the form
+  to use for reverse-mode differentiation through the whole loop (a while loop
+  differentiates in forward mode only).
   """
   def masked(carry, step):
     return select(step < num_steps, step_fn(carry, step), carry), None
