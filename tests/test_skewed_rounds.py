@@ -218,3 +218,21 @@ def test_max_scanned_zero_keeps_one_vmapped_group():
   assert round_config(config, data).client_chunk == 0
   config.engine.backend = 'loop'
   assert round_config(config, data).example_buckets[-1] == max(SIZES)
+
+
+def test_a_round_out_of_device_memory_names_the_fields_to_lower():
+  def exhausted(*args):
+    raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to '
+                                     'allocate 80.00GiB.')
+
+  round_fn = engine.explain_out_of_memory(exhausted, RoundConfig(cohort_size=1000,
+                                                                 client_chunk=250))
+  with pytest.raises(MemoryError, match=r'config.engine.client_chunk \(now 250.*'
+                                        r'config.cohort_size'):
+    round_fn()
+
+  def other(*args):
+    raise jax.errors.JaxRuntimeError('INVALID_ARGUMENT: something else')
+
+  with pytest.raises(jax.errors.JaxRuntimeError, match='INVALID_ARGUMENT'):
+    engine.explain_out_of_memory(other, RoundConfig(cohort_size=4))()

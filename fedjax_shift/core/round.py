@@ -446,13 +446,47 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
     return round_on_rows(server_state, client_states, store, cohort_ids, cohort_ids, key)
 
   donate_argnums = (0, 1) if donate else ()
+  explain = functools.partial(explain_out_of_memory, config=config)
   on_device = _scan_rounds(round_device) if rounds_per_call > 1 else round_device
   # Over several processes every output is replicated on the mesh: each process holds
   # the whole state, to checkpoint and evaluate (fedjax_shift/distributed.py).
   out = ({'out_shardings': NamedSharding(mesh, PartitionSpec())}
          if mesh is not None and jax.process_count() > 1 else {})
-  return (jax.jit(on_device, donate_argnums=donate_argnums, **out),
-          jax.jit(round_on_cohort, donate_argnums=donate_argnums, **out))
+  return (explain(jax.jit(on_device, donate_argnums=donate_argnums, **out)),
+          explain(jax.jit(round_on_cohort, donate_argnums=donate_argnums, **out)))
+
+
+def explain_out_of_memory(round_fn, config: RoundConfig) -> 'ExplainedRound':
+  """``round_fn`` whose out-of-memory error says which fields to lower."""
+  return ExplainedRound(round_fn, config)
+
+
+class ExplainedRound:
+  """A compiled round whose out-of-memory error names the fields to lower: the width of
+  the vmapped client groups (``client_chunk``) or the cohort. Everything else
+  (``lower``, the cache) is the jitted function's."""
+
+  def __init__(self, round_fn, config: RoundConfig):
+    self._round_fn = round_fn
+    self._config = config
+
+  def __getattr__(self, name):
+    return getattr(self._round_fn, name)
+
+  def __call__(self, *args):
+    try:
+      return self._round_fn(*args)
+    except jax.errors.JaxRuntimeError as err:
+      if 'RESOURCE_EXHAUSTED' not in str(err) and 'Out of memory' not in str(err):
+        raise
+      config = self._config
+      width = config.client_chunk or config.cohort_size
+      raise MemoryError(
+          f'the round of {config.cohort_size} clients in vmapped groups of {width} does not '
+          f'fit in device memory: lower config.engine.client_chunk (now '
+          f'{config.client_chunk}; each group of that many clients is in memory at once) '
+          f'or config.cohort_size; the data of the population itself moves to the host '
+          f"with config.data.store='host'. ({str(err).splitlines()[0]})") from err
 
 
 def _scan_rounds(round_device):
