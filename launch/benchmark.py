@@ -13,6 +13,9 @@ B, FedAvg with SGD):
               GPU when torch sees one
   (e) torch_vmap  PyTorch torch.func: the clients' parameters stacked, one vmapped
               gradient per local step (BatchNorm on batch statistics); GPU as (d)
+  (f) fedjax  fedjax 0.0.17's FedAvg (a Python loop of its jitted per-client step) on a
+              Haiku twin of the MLP, in --fedjax_python's environment (fedjax needs an
+              older jax); skipped with the reason when fedjax does not import
   loop_backend  the engine's round with ``engine.backend='loop'`` (sampling, keys,
               stragglers, scatter included), to compare with (a) and (b)
   tta_vmap / tta_loop  an online adapter (--tta_adapter: ATP with α = 0.1, Tent, Surgical
@@ -64,7 +67,16 @@ B, FedAvg with SGD):
               cohort (entropy forward/backward for h, then CE forward/backward
               through θ − α⊙h) (opt-in)
 
-then a population sweep (host store, cohort fixed) over K clients. Each case runs in
+then a population sweep (host store, cohort fixed) over K clients.
+
+Client sizes: --sizes picks a profile ('uniform': N each; 'skewed': SKEWED_SIZES, a
+floor of 20 plus a Dirichlet(0.5) split, tiled and scaled to C clients of mean N;
+'default_experiment': the train split of configs/default.py, seed 0). --profiles
+runs every case at each listed profile instead, interleaved case by case, --passes
+times, and prints one table: seconds with the machine's load, the ratio to the first
+profile, and the round's real / scanned local steps (its own metrics). The round cases
+plan the cohort as the pipeline does (groups sorted by size, width fitted under
+--max_scanned or --client_chunk, padded sizes fitted to the sizes). Each case runs in
 its own subprocess so its peak RSS is its own. Prints a markdown table; --out writes it.
 
 --clients and --conv take lists: every case runs at each cohort size with each
@@ -76,6 +88,9 @@ targets on a GPU: (a)/(e) ≤ 1 at every size and (a)/(c) ≤ 2 at 240 clients).
     python launch/benchmark.py --model=mlp --out=/tmp/bench_mlp.md
     python launch/benchmark.py --model=atp_cnn --clients=60,240,1000 --conv=lax,patches \
         --cases=round,fused,torch,torch_vmap --populations= --out=/tmp/bench_sweep.md
+    python launch/benchmark.py --model=mlp --profiles=uniform,skewed --passes=3 --unroll=1 \
+        --cases=round,loop_backend,fused,torch,fedjax --torch_threads=1 \
+        --fedjax_python=/path/to/fedjax-venv/bin/python --populations=
 """
 import ast
 import functools

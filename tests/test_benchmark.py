@@ -60,6 +60,38 @@ def test_bad_sweep_flags_are_errors_naming_the_flag(flag, message):
   assert message in proc.stderr
 
 
+def test_size_profiles_table_puts_skewed_next_to_uniform_with_real_and_scanned_steps(tmp_path):
+  out = tmp_path / 'profiles.md'
+  proc = _run('--model=mlp', '--clients=6', '--examples=8', '--batch_size=4', '--repeats=1',
+              '--unroll=1', '--profiles=uniform,skewed', '--cases=round,fedjax',
+              '--populations=', f'--out={out}')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  text = out.read_text()
+  # The skewed profile keeps the total: 6 clients x mean 8 = 48 examples.
+  assert '- uniform: 6 clients, 48 examples (min 8, median 8, max 8), 12 real local steps' in text
+  assert re.search(r'- skewed: 6 clients, 4\d examples', text)
+  results = {}
+  for line in proc.stdout.splitlines():
+    match = re.match(r'(uniform|skewed) (round|fedjax) (\{.*)', line)
+    if match:
+      results[match[1], match[2]] = json.loads(match[3])
+  row = next(line for line in text.splitlines() if line.startswith('| (a)')).split('|')[1:-1]
+  uniform, skewed = results['uniform', 'round'], results['skewed', 'round']
+  assert float(row[1].split()[0]) == pytest.approx(uniform['seconds'], rel=1e-3)
+  assert row[3].strip() == f"{skewed['seconds'] / uniform['seconds']:.2f}×"
+  assert row[4].strip() == '12/12 (100%)'   # uniform: every scanned step is real
+  assert skewed['local_steps'] <= skewed['scanned_steps']
+  fedjax_row = next(line for line in text.splitlines() if line.startswith('| (f)'))
+  if 'seconds' not in results['uniform', 'fedjax']:   # no fedjax here: the reason is shown
+    assert 'fedjax does not import here' in fedjax_row or 'no fedjax twin' in fedjax_row
+
+
+def test_an_unknown_size_profile_is_an_error_naming_the_flag():
+  proc = _run('--model=mlp', '--profiles=uniform,lumpy', '--populations=')
+  assert proc.returncode != 0
+  assert "--profiles: unknown 'lumpy'" in proc.stderr
+
+
 GPU_CHECK = os.path.join(ROOT, 'launch', 'gpu_check.sh')
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
-from fedjax_shift.core.local import LocalSchedule, client_num_steps
+from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.data.federated import FederatedData
 
 PyTree = Any
