@@ -26,6 +26,9 @@ CASES = {   # method, swept field, values, extra config fields
     'fedavg': ('fedavg', 'client.learning_rate', (0.05, 0.1), {}),
     'fedprox': ('fedprox', 'fedprox.mu', (0.0, 0.1), {}),
     'ditto': ('ditto', 'ditto.lam', (0.1, 1.0), {}),   # per-client state
+    # the cohort sorted by size in groups of one, cut to two padded sizes
+    'grouped': ('fedavg', 'client.learning_rate', (0.05, 0.1),
+                {'engine.client_chunk': 1, 'engine.example_buckets': (256, 700, 100_000)}),
     'tent': ('fedavg', 'adapters.tent.learning_rate', (0.001, 0.01),
              {'model.name': 'bn_mlp', 'eval_adapters': ('tent:online',),
               'eval_adapter_algorithms': ('fedavg',), 'eval_adapter_splits': ('test', 'val'),

@@ -28,10 +28,16 @@ def run(config, workdir):
   return {(r['algorithm'], r['seed']): r for r in out.records['results']}
 
 
-@pytest.mark.parametrize('algorithm', ['fedavg', 'fedrep'])
-def test_vmapped_seeds_equal_sequential_seeds(tmp_path, algorithm):
-  sequential = config_for(algorithms=(algorithm,))
-  vmapped = config_for(algorithms=(algorithm,))
+GROUPED = {'engine.client_chunk': 1, 'engine.example_buckets': (256, 700, 100_000)}
+
+
+@pytest.mark.parametrize('algorithm,fields', [('fedavg', {}), ('fedrep', {}),
+                                              ('fedavg', GROUPED)])
+def test_vmapped_seeds_equal_sequential_seeds(tmp_path, algorithm, fields):
+  # GROUPED: the cohort sorted by size in groups of one, cut to padded sizes that hold
+  # every seed's clients.
+  sequential = config_for(algorithms=(algorithm,), **fields)
+  vmapped = config_for(algorithms=(algorithm,), **fields)
   vmapped.engine.vmap_seeds = True
   a = run(sequential, tmp_path / 'sequential')
   b = run(vmapped, tmp_path / 'vmapped')

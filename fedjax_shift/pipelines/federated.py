@@ -120,16 +120,18 @@ def round_config(config, train: Optional[federated.FederatedData] = None,
   if cut and backend == 'vmap':
     width = chunk or config.cohort_size
     bounds = np.max([group_bounds(k, config.cohort_size, width) for k in sizes], axis=0)
-    group_examples = plan_group_examples(
+    planned = plan_group_examples(
         bounds, buckets or fit_example_buckets(bounds, width, engine.example_shapes,
                                                min_saving_examples(train)),
         'config.engine.example_buckets')
+    group_examples = tuple(min(examples, train.max_examples) for examples in planned)
   elif cut:
     every = np.concatenate(sizes)
     example_buckets = buckets or fit_example_buckets(np.sort(every)[::-1], 1,
                                                      engine.example_shapes,
                                                      min_saving_examples(train))
     check_example_buckets(example_buckets, int(every.max()), 'config.engine.example_buckets')
+    example_buckets = tuple(sorted({min(b, train.max_examples) for b in example_buckets}))
   elif buckets:
     check_example_buckets(buckets, train.max_examples, 'config.engine.example_buckets')
   return RoundConfig(client_chunk=chunk, group_examples=group_examples,
