@@ -289,3 +289,40 @@ def test_every_learnable_rate_frozen_gives_the_fixed_adapter_and_has_a_gradient(
       variables, x, y, n, jax.random.key(2), mode))(rates)
   leaves = np.asarray([float(g) for g in jax.tree.leaves(grad)])
   assert np.all(np.isfinite(leaves)) and np.any(np.abs(leaves) > 1e-9), leaves
+
+
+def test_a_rate_learned_through_adam_has_a_finite_gradient_where_a_gradient_is_zero():
+  """Two Adam steps at a learned per-layer rate on tanh(W·x) with x = (1, 0): the second
+  input's weights have gradient x₂·δ = 0 exactly, yet depend on W. With √v at v = 0
+  (optax's default eps_root 0) the meta-gradient is ∞ · 0 = NaN on any CPU; the
+  adapters' Adam direction (``common.DIRECTIONS``) gives the finite gradient a central
+  difference gives, and the same steps as ``optax.adam``."""
+  from fedjax_shift.adapters.common import DIRECTIONS, per_layer_rates
+  x = jnp.array([1.0, 0.0])
+  start = {('dense', 'kernel'): jnp.array([[0.3, 0.2], [0.5, -1.0]])}
+
+  def loss(params):
+    return jnp.sum((jnp.tanh(params[('dense', 'kernel')] @ x) - 1.0) ** 2)
+
+  def two_steps(rate, direction):
+    optimizer = per_layer_rates(direction, {'dense': jnp.asarray(rate, jnp.float32)})
+    params, state = start, optimizer.init(start)
+    for _ in range(2):
+      updates, state = optimizer.update(jax.grad(loss)(params), state, params)
+      params = optax.apply_updates(params, updates)
+    return params
+
+  assert np.isnan(jax.grad(lambda r: loss(two_steps(r, optax.scale_by_adam())))(0.1))
+  grad = jax.grad(lambda r: loss(two_steps(r, DIRECTIONS['adam']())))(0.1)
+  step = 1e-3
+  central = (loss(two_steps(0.1 + step, DIRECTIONS['adam']())) -
+             loss(two_steps(0.1 - step, DIRECTIONS['adam']()))) / (2 * step)
+  assert np.isfinite(grad)
+  np.testing.assert_allclose(grad, central, rtol=1e-2)
+  plain = optax.adam(0.1)   # the fixed adapters' optimizer: the same two steps
+  params, state = start, plain.init(start)
+  for _ in range(2):
+    updates, state = plain.update(jax.grad(loss)(params), state, params)
+    params = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(params[('dense', 'kernel')],
+                                two_steps(0.1, DIRECTIONS['adam']())[('dense', 'kernel')])

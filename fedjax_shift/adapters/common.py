@@ -2,6 +2,7 @@
 and the one-optimizer-step-per-batch adapter."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
@@ -15,8 +16,15 @@ from fedjax_shift.parts.losses import entropy, weighted_entropy  # noqa: F401
 from fedjax_shift.registry import POSITIVE, one_of
 
 PREDICT = ('before', 'after')
+# Adam inside a differentiated test-time step (learned rates) takes √(v + ε_root): with
+# ε_root = 0 a coordinate whose gradient is exactly 0 but depends on the parameters (the
+# weights of a zero input: g = x·δ with x = 0) gives d√v/dv · dv/dg = ∞ · 0 = NaN in the
+# meta-gradient (optax documents eps_root for gradients through Adam). 1e-30 changes no
+# step: v + 1e-30 == v in float32 for every v above 1e-23.
+ADAM_EPS_ROOT = 1e-30
 # An adapter's ``optimizer`` field: the step direction, scaled by the learning rate.
-DIRECTIONS = {'adam': optax.scale_by_adam, 'sgd': optax.identity}
+DIRECTIONS = {'adam': functools.partial(optax.scale_by_adam, eps_root=ADAM_EPS_ROOT),
+              'sgd': optax.identity}
 # The ranges of an adapter's ``optimizer``, ``learning_rate`` and ``predict`` fields.
 OPTIMIZER_RANGES = {'optimizer': one_of(*DIRECTIONS), 'learning_rate': POSITIVE}
 PREDICT_RANGE = one_of(*PREDICT)
