@@ -35,6 +35,10 @@ from helpers import tiny_config
     ('data.store', 'disk', r'config.data.store'),
     ('engine.backend', 'pmap', r'config.engine.backend: unknown'),
     ('engine.client_chunk', -1, r'config.engine.client_chunk: must be >= 0'),
+    ('client.momentum', 1.5, r'config.client.momentum: must be in \[0, 1\), got 1.5'),
+    ('client.weight_decay', -0.1, r'config.client.weight_decay: must be >= 0'),
+    ('server.momentum', 1.5, r'config.server.momentum: must be in \[0, 1\)'),
+    ('server.beta2', 1.0, r'config.server.beta2: must be in \[0, 1\)'),
     ('engine.example_buckets', (64, 32), r'config.engine.example_buckets: must be strictly '
                                          r'ascending'),
     ('engine.example_buckets', (0, 32), r'config.engine.example_buckets: every bucket must '

@@ -157,6 +157,18 @@ def check_training(config: ml_collections.ConfigDict) -> None:
   require(config.client.local_steps >= 0, 'client.local_steps',
            f'must be >= 0, got {config.client.local_steps}')
   augment.check_view_names(config.client.augmentation, 'client.augmentation')
+  # Optimizer constants: a momentum or Adam β of 1 or more never forgets (the steps grow
+  # without bound), a negative weight decay grows the weights.
+  in_unit = {'client.momentum': config.client.momentum,
+             'server.momentum': config.server.momentum, 'server.beta1': config.server.beta1,
+             'server.beta2': config.server.beta2}
+  for field, value in in_unit.items():
+    if not traced(value):
+      require(0.0 <= value < 1.0, field, f'must be in [0, 1), got {value}')
+  for field, value in {'client.weight_decay': config.client.weight_decay,
+                       'server.adam_eps': config.server.adam_eps}.items():
+    if not traced(value):
+      require(value >= 0.0, field, f'must be >= 0, got {value}')
 
 
 # The Benchmark.info fields a builder may read. Only these reach BuildContext.info,
