@@ -182,6 +182,16 @@ def build_info(info: Optional[dict]) -> dict:
   return {key: info[key] for key in BUILD_INFO if key in (info or {})}
 
 
+def method_schedule(config: ml_collections.ConfigDict, name: str, max_examples: int
+                    ) -> LocalSchedule:
+  """Method ``name``'s local schedule (its own batch size, if set; ``config.client``
+  when ``name`` is '') for clients padded to ``max_examples``."""
+  c = method_client(config, name) if name else config.client
+  return LocalSchedule(batch_size=c.batch_size, num_epochs=c.local_epochs,
+                       num_steps=c.local_steps, max_examples=max_examples,
+                       unroll=config.engine.unroll, augmentation=tuple(c.augmentation))
+
+
 def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
                   info: Optional[dict] = None, num_clients: Optional[int] = None,
                   example_shape: tuple = (), global_variables=None,
@@ -191,9 +201,7 @@ def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
   ``config.engine.unroll`` and ``config.cohort_size`` over ``num_clients`` (the
   training split's K; None: a cohort fraction of 1)."""
   c = method_client(config, name) if name else config.client
-  schedule = LocalSchedule(batch_size=c.batch_size, num_epochs=c.local_epochs,
-                           num_steps=c.local_steps, max_examples=max_examples,
-                           unroll=config.engine.unroll, augmentation=tuple(c.augmentation))
+  schedule = method_schedule(config, name, max_examples)
   fraction = min(1.0, config.cohort_size / num_clients) if num_clients else 1.0
   return BuildContext(module, client_optimizer(c), server_optimizer(config.server), schedule,
                       number(c.learning_rate), build_info(info), fraction, num_clients or 0,

@@ -29,7 +29,6 @@ from fedjax_shift import algorithms, distributed, models, report
 from fedjax_shift.benchmarks import BENCHMARKS, Benchmark
 from fedjax_shift.core import evaluation
 from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
-from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.core.round import (NO_STEP_LIMIT, HostStore, RoundConfig, build_round,
                                      check_example_buckets, client_mesh, fit_client_chunk,
                                      fit_example_buckets, group_bounds, plan_group_examples,
@@ -99,10 +98,7 @@ def round_config(config, train: Optional[federated.FederatedData] = None,
                 straggler_max_steps=config.straggler_max_steps)
   if train is None:
     return RoundConfig(client_chunk=engine.client_chunk, **fields)
-  client = (algorithms.base.method_client(config, algorithm_name) if algorithm_name
-            else config.client)
-  schedule = LocalSchedule(client.batch_size, client.local_epochs, client.local_steps,
-                           train.max_examples, engine.unroll)
+  schedule = algorithms.base.method_schedule(config, algorithm_name, train.max_examples)
   own = np.asarray(train.num_examples)
   sizes = [np.asarray(p) for p in populations]
   if not any(np.array_equal(own, p) for p in sizes):
