@@ -202,6 +202,56 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog):
   assert not os.path.exists(tmp_path / '.lock')  # released at the end
 
 
+def race_for_locks(barrier, workdirs, stale_pid, held):
+  """One racing process: per workdir, waits at ``barrier`` with the other racer,
+  tries to take the workdir's lock (a dead run's lock of ``stale_pid`` in it when
+  given), and puts in ``held`` whether it holds the lock while the other tries."""
+  for workdir in workdirs:
+    if stale_pid is not None and barrier.wait() == 0:
+      with open(os.path.join(workdir, '.lock'), 'w') as f:
+        json.dump({'host': os.uname().nodename, 'pid': stale_pid, 'started': 'then'}, f)
+    lock = WorkdirLock(workdir)
+    barrier.wait()
+    try:
+      lock.acquire()
+    except WorkdirBusyError:
+      pass
+    held.put((workdir, lock.held))
+    barrier.wait()     # both have tried before the holder lets go
+    lock.release()
+
+
+@pytest.mark.parametrize('stale', [False, True], ids=['free', 'dead_holder'])
+def test_two_processes_released_together_never_both_hold_the_lock(tmp_path, stale):
+  # 100 trials, each two processes released by one barrier onto one workdir (empty,
+  # or holding a dead run's lock): exactly one of them holds the lock each time.
+  import multiprocessing
+  context = multiprocessing.get_context('spawn')
+  workdirs = [str(tmp_path / f'trial_{i}') for i in range(100)]
+  for workdir in workdirs:
+    os.makedirs(workdir)
+  stale_pid = None
+  if stale:
+    dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+    dead.wait()
+    stale_pid = dead.pid
+  barrier, held = context.Barrier(2), context.Queue()
+  racers = [context.Process(target=race_for_locks, args=(barrier, workdirs, stale_pid, held))
+            for _ in range(2)]
+  for racer in racers:
+    racer.start()
+  holders = {}
+  for _ in range(2 * len(workdirs)):
+    workdir, took = held.get(timeout=120)
+    holders[workdir] = holders.get(workdir, 0) + took
+  for racer in racers:
+    racer.join(timeout=60)
+  assert [racer.exitcode for racer in racers] == [0, 0]
+  assert sorted(holders) == sorted(workdirs)
+  assert {workdir: count for workdir, count in holders.items() if count != 1} == {}
+  assert all(os.listdir(workdir) == [] for workdir in workdirs)   # released, no drafts
+
+
 def test_lock_held_on_another_host_names_it(tmp_path):
   with open(tmp_path / '.lock', 'w') as f:
     json.dump({'host': 'elsewhere', 'pid': 1, 'started': 'then'}, f)
@@ -432,7 +482,8 @@ def test_a_workdir_never_holds_seeds_of_different_configurations(tmp_path):
 def test_backbone_weights_are_fingerprinted_by_content_hashed_once(tmp_path, monkeypatch):
   """backbone.weights=<path> enters a run's fingerprint by its bytes, not its path:
   weights rewritten in place make the run another configuration. The file is hashed
-  once; a re-run reads the cached digest (keyed by path, size and modification time)."""
+  once; a re-run reads the cached digest (keyed by path, size, modification time, inode
+  and status-change time)."""
   from fedjax_shift.pipelines import base, workdir as workdir_lib
   monkeypatch.setattr(workdir_lib, 'DIGEST_CACHE', str(tmp_path / 'cache' / 'digests.json'))
   weights = tmp_path / 'weights.npz'
@@ -446,6 +497,16 @@ def test_backbone_weights_are_fingerprinted_by_content_hashed_once(tmp_path, mon
   weights.write_bytes(b'other weights' * 1000)                          # same path, new bytes
   os.utime(weights, ns=(1, 10 ** 18))
   assert base.run_fields(config, 'fedavg')['backbone.content'] != first['backbone.content']
+  assert hashed == [str(weights)]
+  # Same size and the modification time put back: the status-change time still moves.
+  hashed.clear()
+  edited = os.stat(weights)
+  time.sleep(0.05)    # past the file system's clock tick
+  weights.write_bytes(b'third weights' * 1000)
+  os.utime(weights, ns=(edited.st_atime_ns, edited.st_mtime_ns))
+  assert os.stat(weights).st_size == edited.st_size
+  assert os.stat(weights).st_mtime_ns == edited.st_mtime_ns
+  base.run_fields(config, 'fedavg')
   assert hashed == [str(weights)]
   # A directory: the digest covers every file in it.
   folder = tmp_path / 'saved'

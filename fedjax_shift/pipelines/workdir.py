@@ -76,8 +76,8 @@ def state_fields(config: ml_collections.ConfigDict, method_sections: Iterable[st
   return out
 
 
-# Where content digests of large input files are cached, keyed by path, size and
-# modification time, so that a re-run reads the digest instead of hashing the file again.
+# Where content digests of large input files are cached, keyed by path, size,
+# modification time, inode and status-change time, so that a re-run reads the digest instead of hashing the file again.
 DIGEST_CACHE = os.path.join(os.path.expanduser('~'), '.cache', 'fedjax_shift', 'digests.json')
 
 
@@ -93,7 +93,9 @@ def content_digest(path: str, cache: Optional[str] = None) -> str:
   """sha256 of a file's bytes, or of a directory's files (relative names and digests, in
   order): what a run reads from ``path`` (e.g. ``backbone.weights``), so rewriting the
   file in place changes the run's fingerprint. Each file is hashed once per (path,
-  size, modification time); later calls read the digest from ``cache``."""
+  size, modification time, inode, status-change time: an edit that restores the size
+  and the modification time still changes the last, which no user can set); later
+  calls read the digest from ``cache``."""
   if not os.path.exists(path):
     raise FileNotFoundError(f'{path} does not exist')
   cache = cache or DIGEST_CACHE
@@ -107,7 +109,8 @@ def content_digest(path: str, cache: Optional[str] = None) -> str:
   parts, changed = [], False
   for name in files:
     stat = os.stat(name)
-    key = f'{os.path.abspath(name)}|{stat.st_size}|{stat.st_mtime_ns}'
+    key = '|'.join(str(part) for part in (os.path.abspath(name), stat.st_size, stat.st_mtime_ns,
+                                           stat.st_ino, stat.st_ctime_ns))
     if key not in known:
       known[key] = _hash_file(name)
       changed = True
@@ -238,60 +241,89 @@ def _alive(pid: int) -> bool:
 class WorkdirLock:
   """``<workdir>/.lock`` holding host, pid and start time, created exclusively.
 
-  A lock left by a dead process on this host is taken over with a warning; a live
-  one (or one from another host, whose process cannot be checked) is an error that
-  names its holder. Use as a context manager.
+  The lock's content is written to a file of this process's own first and then
+  linked into place (``os.link`` fails when ``.lock`` exists), so a ``.lock`` is
+  never seen empty or half-written: of processes started together exactly one
+  takes it. A lock left by a dead process on this host is taken over with a
+  warning: it is moved aside by ``os.rename`` (which one process alone can do to
+  one file) and removed only when the file moved is the one found dead, else put
+  back. A live lock (or one from another host, whose process cannot be checked)
+  is an error that names its holder. Use as a context manager.
   """
 
   def __init__(self, workdir: str):
     self.path = os.path.join(workdir, '.lock')
     self.held = False
 
-  def _holder(self) -> Optional[dict]:
+  def _holder(self) -> Tuple[Optional[dict], Optional[int]]:
+    """(the lock's content or None when unreadable, its inode or None when absent)."""
     try:
       with open(self.path) as f:
-        return json.load(f)
-    except (OSError, json.JSONDecodeError):
-      return None
+        inode = os.fstat(f.fileno()).st_ino
+        try:
+          return json.load(f), inode
+        except ValueError:
+          return None, inode
+    except OSError:
+      return None, None
+
+  def _take_over(self, inode: int) -> None:
+    """Removes the lock file of inode ``inode`` (found dead), unless another process
+    replaced it meanwhile: then that process's lock is put back in place."""
+    aside = f'{self.path}.stale.{socket.gethostname()}.{os.getpid()}'
+    try:
+      os.rename(self.path, aside)
+    except FileNotFoundError:    # another process moved it first
+      return
+    if os.stat(aside).st_ino != inode:   # a live lock taken meanwhile: put it back
+      try:
+        os.link(aside, self.path)
+      except FileExistsError:
+        pass
+    os.remove(aside)
 
   def acquire(self) -> 'WorkdirLock':
     mine = {'host': socket.gethostname(), 'pid': os.getpid(),
             'started': time.strftime('%Y-%m-%dT%H:%M:%S')}
-    for _ in range(2):
-      try:
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-      except FileExistsError:
-        holder = self._holder()
-        if holder is None:
-          log.warning('%s is unreadable (a run killed while taking it?); taking it over',
-                      self.path)
-        elif holder.get('host') != mine['host']:
-          raise WorkdirBusyError(
-              f'{os.path.dirname(self.path)} is in use by pid {holder.get("pid")} on host '
-              f'{holder.get("host")} since {holder.get("started")}; if that run is dead, '
-              f'delete {self.path}') from None
-        elif _alive(int(holder.get('pid', -1))):
-          raise WorkdirBusyError(
-              f'{os.path.dirname(self.path)} is in use by a live run: pid {holder["pid"]} on '
-              f'this host since {holder.get("started")}; wait for it or use another '
-              f'--workdir') from None
-        else:
-          log.warning('taking over the lock of a dead run (pid %s, started %s) in %s',
-                      holder.get('pid'), holder.get('started'), os.path.dirname(self.path))
+    draft = f'{self.path}.{mine["host"]}.{mine["pid"]}.tmp'
+    with open(draft, 'w') as f:
+      json.dump(mine, f)
+    try:
+      for _ in range(3):
         try:
-          os.remove(self.path)
-        except FileNotFoundError:
-          pass
-        continue
-      with os.fdopen(fd, 'w') as f:
-        json.dump(mine, f)
-      self.held = True
-      return self
-    raise WorkdirBusyError(f'could not take {self.path}: another run took it meanwhile')
+          os.link(draft, self.path)
+        except FileExistsError:
+          holder, inode = self._holder()
+          if inode is None:     # released meanwhile
+            continue
+          if holder is None:
+            log.warning('%s is unreadable (not written by this library?); taking it over',
+                        self.path)
+          elif holder.get('host') != mine['host']:
+            raise WorkdirBusyError(
+                f'{os.path.dirname(self.path)} is in use by pid {holder.get("pid")} on host '
+                f'{holder.get("host")} since {holder.get("started")}; if that run is dead, '
+                f'delete {self.path}') from None
+          elif _alive(int(holder.get('pid', -1))):
+            raise WorkdirBusyError(
+                f'{os.path.dirname(self.path)} is in use by a live run: pid {holder["pid"]} '
+                f'on this host since {holder.get("started")}; wait for it or use another '
+                f'--workdir') from None
+          else:
+            log.warning('taking over the lock of a dead run (pid %s, started %s) in %s',
+                        holder.get('pid'), holder.get('started'), os.path.dirname(self.path))
+          self._take_over(inode)
+          continue
+        self.held = True
+        return self
+    finally:
+      os.remove(draft)
+    raise WorkdirBusyError(f'could not take {self.path}: other runs took it meanwhile; '
+                           f'wait for them or use another --workdir')
 
   def release(self) -> None:
     if self.held:
-      holder = self._holder()
+      holder, _ = self._holder()
       if holder is not None and holder.get('pid') == os.getpid():
         os.remove(self.path)
       self.held = False
