@@ -594,3 +594,42 @@ def test_full_disk_while_checkpointing_is_one_clear_error(tmp_path, monkeypatch)
   monkeypatch.setattr(checkpointer.manager, 'save', broken)
   with pytest.raises(RuntimeError, match='something else'):
     checkpointer.save(5, state)
+
+
+def test_a_diverged_record_must_belong_to_its_run_and_deleting_it_retrains(tmp_path, caplog):
+  # fedavg at lr 1e8 diverges in round 1 (no checkpoint kept); at lr 0.05 it finishes
+  # its 4 rounds with a checkpoint of round 4.
+  diverging = quick(**{'client.learning_rate': 1e8, 'on_divergence': 'continue'})
+  healthy = quick(on_divergence='continue')
+  pipelines.run(diverging, str(tmp_path / 'diverged'))
+  pipelines.run(healthy, str(tmp_path / 'healthy'))
+  record = tmp_path / 'diverged' / RUN / 'diverged.json'
+  recorded = json.loads(record.read_text())
+  assert recorded['round'] == 1 and recorded['fingerprint'] == json.loads(
+      (tmp_path / 'diverged' / RUN / 'run.json').read_text())['fingerprint']
+  # Copied into the healthy run: another run's fingerprint; refused, nothing rewritten.
+  copied = tmp_path / 'healthy' / RUN / 'diverged.json'
+  shutil.copy(record, copied)
+  results = (tmp_path / 'healthy' / RUN / 'results.json').read_text()
+  with pytest.raises(RunMismatchError, match=r'healthy/fedavg/seed_0/diverged.json belongs to '
+                                             r'another run.*delete it'):
+    pipelines.run(healthy, str(tmp_path / 'healthy'))
+  # The healthy run's own fingerprint, but a round it holds a checkpoint past.
+  own = json.loads((tmp_path / 'healthy' / RUN / 'run.json').read_text())['fingerprint']
+  copied.write_text(json.dumps({**recorded, 'fingerprint': own}))
+  with pytest.raises(RunMismatchError, match=r'diverged in round 1, but the run holds a '
+                                             r'checkpoint of round 4'):
+    pipelines.run(healthy, str(tmp_path / 'healthy'))
+  for damaged in ('{"round": 1, "err', '{"round": "one", "error": "x"}'):
+    copied.write_text(damaged)
+    with pytest.raises(ValueError, match=r'diverged.json is not .*delete it to train the run '
+                                         r'again'):
+      pipelines.run(healthy, str(tmp_path / 'healthy'))
+  assert (tmp_path / 'healthy' / RUN / 'results.json').read_text() == results
+  # Deleting a diverged run's record trains it again (its results.json says diverged
+  # too, but only the record settles a run): it diverges again and is recorded anew.
+  record.unlink()
+  with caplog.at_level(logging.INFO, logger='fedjax_shift'):
+    again = pipelines.run(diverging, str(tmp_path / 'diverged')).records['results'][0]
+  assert 'diverged before' not in caplog.text and 'in round 1' in again['diverged']
+  assert json.loads(record.read_text())['round'] == 1

@@ -35,7 +35,7 @@ from fedjax_shift.core.round import (NO_STEP_LIMIT, HostStore, RoundConfig, buil
                                      population_steps, round_key, stack_client_states)
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
-from fedjax_shift.metrics import read_metrics
+from fedjax_shift.metrics import read_json, read_metrics
 from fedjax_shift.pipelines import loop, pretrain, sweep
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.loop import DivergenceError  # noqa: F401  (importers catch it here)
@@ -621,22 +621,34 @@ def evaluated_rounds(run_dir: str, rounds: int) -> List[Dict[str, float]]:
 
 
 def settled_divergence(run_dir: str, rounds: int) -> Optional[DivergenceError]:
-  """The divergence within ``rounds`` that ``run_dir`` records (None: none), which
-  re-training would meet again (training is deterministic): its diverged.json
-  (``loop.record_divergence``), or a diverged results.json whose run targeted at most
-  ``rounds`` (a workdir written before diverged.json was)."""
-  marker, results = (os.path.join(run_dir, name) for name in (loop.DIVERGED_FILE,
-                                                               'results.json'))
-  if os.path.exists(marker):
-    with open(marker) as f:
-      recorded = json.load(f)
-    return DivergenceError(recorded['error']) if recorded['round'] <= rounds else None
-  if os.path.exists(results):
-    with open(results) as f:
-      recorded = json.load(f)
-    if 'diverged' in recorded and recorded.get('rounds', rounds + 1) <= rounds:
-      return DivergenceError(recorded['diverged'])
-  return None
+  """The divergence within ``rounds`` that ``run_dir``'s diverged.json records (None:
+  none), which re-training would meet again (training is deterministic). The record
+  must belong to the run it sits in: its fingerprint that of the run's run.json, its
+  round past the run's newest checkpoint (a run keeps no checkpoint once diverged);
+  else it is refused naming the file. Deleting the file retrains the run."""
+  marker = os.path.join(run_dir, loop.DIVERGED_FILE)
+  if not os.path.exists(marker):
+    return None
+  advice = 'delete it to train the run again'
+  recorded = read_json(marker, advice)
+  if not (isinstance(recorded, dict) and isinstance(recorded.get('round'), int) and
+          recorded['round'] >= 1 and isinstance(recorded.get('error'), str)):
+    raise workdir_lib.RunMismatchError(
+        f'{marker} is not a record of a diverged run ({{"round": a round >= 1, "error": the '
+        f'message, "fingerprint": the run\'s}}); {advice}.')
+  own = loop.run_fingerprint(run_dir)
+  if own is None or recorded.get('fingerprint', own) != own:
+    raise workdir_lib.RunMismatchError(
+        f'{marker} belongs to another run: its fingerprint is not the one of '
+        f'{os.path.join(run_dir, "run.json")}' + (' (absent)' if own is None else '') +
+        f'; {advice}.')
+  kept = workdir_lib.checkpoint_rounds(run_dir)
+  if kept and kept[-1] >= recorded['round']:
+    raise workdir_lib.RunMismatchError(
+        f'{marker} says the run diverged in round {recorded["round"]}, but the run holds a '
+        f'checkpoint of round {kept[-1]} (a diverged run keeps none past its divergence): '
+        f'it belongs to another run; {advice}.')
+  return DivergenceError(recorded['error']) if recorded['round'] <= rounds else None
 
 
 def log_settled(run_dir: str) -> None:

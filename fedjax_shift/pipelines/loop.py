@@ -42,13 +42,24 @@ class DivergenceError(FloatingPointError):
 
 
 # Written in a run's directory when its loss turns non-finite and the others go on
-# (``keep_going``): {'round': the round, 'error': the message}.
+# (``keep_going``): {'round': the round, 'error': the message, 'fingerprint': the
+# run's fingerprint from its run.json}.
 DIVERGED_FILE = 'diverged.json'
 
 
+def run_fingerprint(run_dir: str) -> Optional[str]:
+  """The fingerprint ``run_dir``'s run.json records (None: no run.json)."""
+  path = os.path.join(run_dir, 'run.json')
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f).get('fingerprint')
+
+
 def record_divergence(run_dir: str, round_index: int, error: DivergenceError) -> None:
+  record = {'round': round_index, 'error': str(error), 'fingerprint': run_fingerprint(run_dir)}
   with distributed.open_output(os.path.join(run_dir, DIVERGED_FILE)) as f:
-    json.dump({'round': round_index, 'error': str(error)}, f, indent=1)
+    json.dump(record, f, indent=1)
 
 
 class Preempted(Exception):
