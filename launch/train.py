@@ -25,10 +25,13 @@ import ml_collections  # noqa: E402
 
 from fedjax_shift import distributed, pipelines  # noqa: E402
 from fedjax_shift.pipelines import loop  # noqa: E402
+from fedjax_shift.pipelines.workdir import WorkdirBusyError  # noqa: E402
 
 # The exit status of a run stopped by SIGTERM / SIGUSR1 after checkpointing (128 + 15, as a
 # shell reports a SIGTERM'd job): a scheduler sees a failure and re-queues the command.
 PREEMPTED_STATUS = 143
+# The exit status after Ctrl-C (128 + SIGINT's 2, as a shell reports it).
+INTERRUPTED_STATUS = 130
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file[:variant].')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics, results.')
@@ -49,6 +52,12 @@ _COMPILATION_CACHE = flags.DEFINE_string(
     "same shapes reuses compiled programs ('' turns it off).")
 flags.mark_flags_as_required(['config', 'workdir'])
 
+# Mistakes a user mends (a config value, a workdir, a file, the disk, the memory):
+# printed as the library's one-paragraph message, without a traceback, unless
+# FEDJAX_SHIFT_TRACEBACK=1.
+USER_ERRORS = (ValueError, OSError, MemoryError, WorkdirBusyError, pipelines.PrimaryRefused)
+TRACEBACK_VARIABLE = 'FEDJAX_SHIFT_TRACEBACK'
+
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> pipelines.Results:
   """Runs ``config.pipeline`` in ``workdir`` and prints its results."""
@@ -59,7 +68,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> pipelines.Results:
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:   # e.g. an unquoted --workdir with a space: its second word lands here
+    sys.exit(f'launch/train.py: unexpected words on the command line: {argv[1:]}; every '
+             f'argument is a --flag=value (quote a value holding a space)')
   config = _CONFIG.value
   if config.engine.deterministic:
     # XLA's deterministic GPU ops: read when the backend starts, i.e. before any array is
@@ -105,6 +116,15 @@ def main(argv):
   except loop.Preempted as stopped:
     log.warning('%s', stopped)
     sys.exit(PREEMPTED_STATUS)
+  except KeyboardInterrupt:
+    print('launch/train.py: interrupted; the rounds trained so far are checkpointed (the line '
+          'above names them): run the same command again to resume', file=sys.stderr)
+    sys.exit(INTERRUPTED_STATUS)
+  except USER_ERRORS as err:
+    if os.environ.get(TRACEBACK_VARIABLE) == '1':
+      raise
+    sys.exit(f'launch/train.py: {type(err).__name__}: {err}\n(the traceback: re-run with '
+             f'{TRACEBACK_VARIABLE}=1)')
   except jax.errors.JaxRuntimeError as err:
     if jax.process_count() == 1:
       raise

@@ -83,6 +83,21 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
   assert a == b  # exact equality of every loss and accuracy
 
 
+def test_command_line_mistakes_are_one_paragraph_and_touch_nothing(tmp_path):
+  # A stray word (an unquoted workdir with a space) and a value out of range: a
+  # message that names it, no traceback, no workdir written.
+  stray = subprocess.run(_launch(tmp_path / 'my', 2) + ['run'], capture_output=True,
+                         text=True, cwd=ROOT)
+  assert stray.returncode != 0 and "unexpected words on the command line: ['run']" in \
+      stray.stderr
+  bad = subprocess.run(_launch(tmp_path / 'bad', 2) + ['--config.client.momentum=1.5'],
+                       capture_output=True, text=True, cwd=ROOT)
+  assert bad.returncode == 1 and 'Traceback' not in bad.stderr, bad.stderr[-3000:]
+  assert 'config.client.momentum: must be in [0, 1), got 1.5' in bad.stderr
+  assert 'FEDJAX_SHIFT_TRACEBACK=1' in bad.stderr
+  assert not os.path.exists(tmp_path / 'my') and not os.path.exists(tmp_path / 'bad')
+
+
 def test_divergence_stops_with_round_and_keeps_checkpoint(tmp_path):
   config = tiny_config(rounds=6, checkpoint_every=1, **{'client.learning_rate': 1e30})
   with pytest.raises(FloatingPointError, match=r'non-finite training loss .* in round \d'):

@@ -117,8 +117,10 @@ def test_checkpoint_of_other_shapes_is_an_error_naming_them(tmp_path):
 
 @pytest.mark.parametrize('field, value, pattern', [
     ('seeds', (0, 0), r'config.seeds: names 0 more than once'),
-    ('seeds', (-1,), r'config.seeds: seeds are integers >= 0, got \[-1\]'),
-    ('seeds', (0, 1.5), r'config.seeds: seeds are integers >= 0, got \[1.5\]'),
+    ('seeds', (-1,), r'config.seeds: seeds are integers in \[0, 2\*\*32\), got \[-1\]'),
+    ('seeds', (0, 1.5), r'config.seeds: seeds are integers in \[0, 2\*\*32\), got \[1.5\]'),
+    ('seeds', (2 ** 32,), r'config.seeds: .*got \[4294967296\]'),   # its keys: seed 0's
+    ('seeds', (2 ** 64,), r'config.seeds: .*got \[18446744073709551616\]'),
     ('algorithms', ('fedavg', 'fedavg'), r"config.algorithms: names 'fedavg' more than once"),
     ('eval_adapters', ('tent:online', 'tent:online'),
      r"config.eval_adapters: names \('tent', 'online'\) more than once"),

@@ -173,11 +173,14 @@ def adapts(adapter: str, algorithm: str) -> bool:
 
 
 def check_seeds(config: ml_collections.ConfigDict) -> None:
-  """``config.seeds``: one or more distinct integers >= 0 (each (method, seed) one run)."""
+  """``config.seeds``: one or more distinct integers in [0, 2**32) (each (method,
+  seed) one run): a JAX key holds 32 bits of a seed, so a larger one would share its
+  keys with another seed while its data partition differed."""
   seeds = tuple(config.seeds)
   require(len(seeds) >= 1, 'seeds', 'name at least one seed')
-  bad = [s for s in seeds if isinstance(s, bool) or not float(s).is_integer() or s < 0]
-  require(not bad, 'seeds', f'seeds are integers >= 0, got {bad} in {list(seeds)}')
+  bad = [s for s in seeds if isinstance(s, bool) or not float(s).is_integer() or
+         not 0 <= s < 2 ** 32]
+  require(not bad, 'seeds', f'seeds are integers in [0, 2**32), got {bad} in {list(seeds)}')
   require_distinct(seeds, 'seeds', 'one (method, seed) run')
 
 
