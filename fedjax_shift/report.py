@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import math
 import os
 import re
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
@@ -81,6 +82,55 @@ def with_selected_points(table: Dict[str, object], points: Mapping[str, str]
   header = [table['header'][0], 'selected (sweep)'] + list(table['header'][1:])
   rows = [[row[0], points.get(row[0], '—')] + list(row[1:]) for row in table['rows']]
   return {'header': header, 'rows': rows, 'markdown': markdown(header, rows)}
+
+
+def run_result(path: str) -> Dict:
+  """A run's results.json whose accuracies are numbers in [0, 1] (or NaN); a hand-edited
+  or damaged one is a ValueError naming the file and the key."""
+  record = read_result(path)
+  for key, value in record.get('metrics', {}).items():
+    if key.endswith('accuracy') and not (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and
+        (math.isnan(value) or 0.0 <= value <= 1.0)):
+      raise ValueError(f'{path}: {key} is {value!r}, not an accuracy in [0, 1]; the file was '
+                       f'edited or damaged: re-run that workdir to rewrite it')
+  return record
+
+
+def sweep_state(workdir: str) -> str:
+  """Why ``workdir`` has no sweep.json: it does not exist, its sweep has not finished
+  (how many of its points' runs have), or it ran no sweep."""
+  if not os.path.isdir(workdir):
+    return f'{workdir} does not exist'
+  runs = glob.glob(os.path.join(glob.escape(workdir), '*', '*=*', 'seed_*'))
+  if runs:
+    done = sum(os.path.exists(os.path.join(run, 'results.json')) for run in runs)
+    return (f'{workdir} holds a sweep not finished yet: {done} of the {len(runs)} runs '
+            f'begun have results.json; sweep.json is written when every point has trained '
+            f'(re-run the same launch/train.py command to resume it)')
+  return f'{workdir} holds no sweep.json (it ran no config.sweep)'
+
+
+def workdir_notes(workdir: str) -> List[str]:
+  """What a table over ``workdir`` leaves out: a run still training in it (its .lock),
+  the seeds its config.json names that have no results.json yet."""
+  notes = []
+  if os.path.exists(os.path.join(workdir, '.lock')):
+    notes.append(f'{workdir} is in use by a run (its .lock): the table holds the runs '
+                 f'finished so far')
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path) or read_sweep(workdir) is not None:
+    return notes
+  config = read_result(path)
+  if config.get('pipeline', 'federated') != 'federated':
+    return notes
+  for method in config.get('algorithms', ()):
+    missing = [seed for seed in config.get('seeds', ()) if not os.path.exists(
+        os.path.join(workdir, method, f'seed_{seed}', 'results.json'))]
+    if missing:
+      notes.append(f'{workdir}: {method} has no results of seeds {missing} (config.seeds '
+                   f'{list(config["seeds"])}): not trained yet, or still training')
+  return notes
 
 
 def read_sweep(workdir: str) -> Optional[Dict]:
@@ -240,7 +290,11 @@ class PaperTable(NamedTuple):
   needs: Tuple[str, ...] = ()
 
 
-# name -> PaperTable; meta ``pipelines``: the pipelines whose runs it reads.
+# name -> PaperTable; meta, what the workdirs a layout reads must be (``check_workdirs``):
+# ``pipelines``, the pipelines whose runs it reads; ``benchmarks``, the config.data.benchmark
+# values its rows describe (absent: any); ``methods``, of which a workdir must have run one
+# (absent: any); ``fields``, {dotted config field: what it must be set to, in words}, each
+# set (non-empty, non-zero).
 PAPER_TABLES: Registry = Registry('paper table')
 
 
@@ -254,6 +308,58 @@ def missing_columns(table: PaperTable, records: Dict[str, Any]) -> List[str]:
   columns = {key for run in runs for key in run.get('metrics', {})}
   return [need for need in table.needs
           if need not in records and not any(c.endswith(need) for c in columns)]
+
+
+def config_field(tree: Mapping[str, Any], path: str):
+  """The value of dotted ``path`` in a nested dict (None when absent)."""
+  for part in path.split('.'):
+    if not isinstance(tree, Mapping) or part not in tree:
+      return None
+    tree = tree[part]
+  return tree
+
+
+def check_workdirs(kind: str, workdirs: Sequence[str]) -> None:
+  """Raises ValueError (one paragraph naming the workdir and what it lacks) unless each
+  of ``workdirs`` is a finished run that paper table ``kind`` lays out: its
+  config.json's pipeline and benchmark among the table's, its declared fields set, one
+  of its methods run, and the table's columns among its runs' metrics."""
+  table, meta = PAPER_TABLES.get(kind, '--kind'), PAPER_TABLES.meta(kind)
+  pipelines, benchmarks = meta.get('pipelines', ()), meta.get('benchmarks', ())
+  methods, fields = meta.get('methods', ()), meta.get('fields', {})
+  want = (f'--kind={kind} lays out runs of the {" or ".join(pipelines)} pipeline' +
+          (f' on the {" or ".join(benchmarks)} benchmark' if benchmarks else '') +
+          ''.join(f', with {field} set ({what})' for field, what in fields.items()) +
+          (f', of {" or ".join(methods)}' if methods else '') +
+          (f', with the columns {list(table.needs)}' if table.needs else ''))
+  for workdir in workdirs:
+    path = os.path.join(workdir, 'config.json')
+    if not os.path.exists(path):
+      raise FileNotFoundError(f'{want}; {workdir} has no config.json: not a finished '
+                              f'launch/train.py workdir')
+    config = read_result(path)
+    pipeline = config.get('pipeline', 'federated')
+    benchmark = config_field(config, 'data.benchmark')
+    problem = ''
+    if pipelines and pipeline not in pipelines:
+      problem = f'it is a run of the {pipeline!r} pipeline (config.pipeline)'
+    elif benchmarks and benchmark not in benchmarks:
+      problem = f'it ran config.data.benchmark={benchmark!r}'
+    else:
+      unset = [field for field in fields if not config_field(config, field)]
+      problem = f'it leaves {", ".join(unset)} unset' if unset else ''
+    if not problem:
+      records = (read_result(os.path.join(workdir, 'results.json')) if pipeline == 'atp' else
+                 {'results': next(iter(load_runs([workdir]).values()))})
+      ran = sorted({run.get('algorithm') for run in records.get('results', ())})
+      lacking = missing_columns(table, records)
+      if lacking:
+        problem = f'its runs lack the columns {lacking}'
+      elif methods and not set(ran) & set(methods):
+        problem = f'it ran {ran} only'
+    if problem:
+      raise ValueError(f'{want}; {workdir} does not: {problem} (its config.json). Pass the '
+                       f'workdirs of the runs the table\'s page names.')
 
 
 def paper_table(config, records: Dict[str, Any]) -> str:
@@ -381,13 +487,20 @@ def load_runs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> Dict[str, 
     paths = sorted(glob.glob(os.path.join(workdir, '*', 'seed_*', 'results.json')))
     swept = read_sweep(workdir)
     for name, method in (swept or {}).get('methods', {}).items():   # its selected point
+      plain = sorted(os.path.relpath(path, workdir) for path in paths
+                     if path.split(os.sep)[-3] == name)
+      if plain:
+        raise ValueError(
+            f'{workdir}: {name} holds plain runs ({", ".join(plain)}) and a config.sweep '
+            f'whose selected point is {method["selected"]}: they are not seeds of one '
+            f'configuration. Move one of them to a workdir of its own.')
       paths += sorted(glob.glob(os.path.join(glob.escape(workdir), name,
                                              glob.escape(method['selected']), 'seed_*',
                                              'results.json')))
     if not paths:
       raise FileNotFoundError(f'no <method>/seed_<s>/results.json under {workdir!r}')
     check_seeds_agree(paths)
-    out[label] = [read_result(path) for path in paths]
+    out[label] = [run_result(path) for path in paths]
   return out
 
 

@@ -32,8 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from fedjax_shift import papers  # noqa: E402,F401  (registers the papers' tables)
-from fedjax_shift.report import (PAPER_TABLES, read_sweep, rebuild_event_files,  # noqa: E402
-                                 run_config, sweep_grid_table, table_figures)
+from fedjax_shift.report import (PAPER_TABLES, check_workdirs, read_sweep,  # noqa: E402
+                                 rebuild_event_files, run_config, sweep_grid_table,
+                                 sweep_state, table_figures, workdir_notes)
 
 _WORKDIRS = flags.DEFINE_list('workdirs', [], 'Finished workdirs, one per run or column.')
 _TENSORBOARD = flags.DEFINE_list('tensorboard', [], 'Workdirs whose TensorBoard event files '
@@ -61,6 +62,7 @@ def build(workdirs: Sequence[str], kind: str = '', labels: Sequence[str] = ()) -
     raise ValueError(f'--kind={kind} is printed by launch/train.py after a run; tables built '
                      f'from workdirs: ' + str([n for n in PAPER_TABLES.names()
                                                 if PAPER_TABLES.get(n).from_workdirs]))
+  check_workdirs(kind, workdirs)
   return table.from_workdirs(list(workdirs), list(labels))
 
 
@@ -85,7 +87,7 @@ def main(argv):
       except ValueError as err:
         sys.exit(f'launch/report.py: {err}')
       if record is None:
-        sys.exit(f'launch/report.py: {workdir} holds no sweep.json (it ran no config.sweep)')
+        sys.exit(f'launch/report.py: {sweep_state(workdir)}')
       print(f'{workdir}: selected on {record["metric"]} ({record["select"]})')
       print(sweep_grid_table(record))
     return
@@ -96,6 +98,9 @@ def main(argv):
     text = build(workdirs, _KIND.value, _LABELS.value)
   except (ValueError, FileNotFoundError) as err:
     sys.exit(f'launch/report.py: {err}')
+  for workdir in workdirs:
+    for note in workdir_notes(workdir):
+      print(f'launch/report.py: note: {note}', file=sys.stderr)
   print(text)
   if _OUT.value:
     with open(_OUT.value, 'w') as f:

@@ -3,6 +3,7 @@ through launch/train.py and launch/report.py; bad names and missing columns are
 errors; the papers' numbers stand beside ours with their claims checked; every command
 in every README builds and validates."""
 import ast
+import json
 import glob
 import importlib.util
 import os
@@ -16,7 +17,7 @@ import pytest
 from fedjax_shift import config as config_lib
 from fedjax_shift import report
 from fedjax_shift.report import PAPER_TABLES, PaperTable
-from tests.helpers import launch_module, tiny_config
+from tests.helpers import launch_module, tiny_config, write_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -192,3 +193,62 @@ def test_a_table_parses_into_means_spreads_and_the_papers_numbers_and_draws(tmp_
   (path,) = report.table_figures(markdown, str(tmp_path / 'table.png'))
   with open(path, 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+
+WORKDIR_KINDS = [name for name in PAPER_TABLES.names() if PAPER_TABLES.get(name).from_workdirs]
+
+
+def fake_workdir(path, pipeline='federated', benchmark='label_skew_corrupted', methods=('fedavg',),
+                 **fields):
+  """A finished workdir as launch/report.py reads it: config.json naming the pipeline
+  and benchmark (``fields``: other dotted config fields), one run per method with
+  every accuracy column, and, for the atp pipeline, its top-level results.json."""
+  config = ml_collections.ConfigDict({'pipeline': pipeline, 'data': {'benchmark': benchmark}})
+  for field, value in fields.items():
+    section, name = field.split('.')
+    config[section][name] = value
+  metrics = {f'{model}/{split}/{stat}': 0.5 for model in ('global', 'personalized')
+             for split in ('val', 'test') for stat in ('accuracy', 'client_accuracy')}
+  for i, method in enumerate(methods):
+    write_run(path, method, 0, metrics, config if i == 0 else None)
+  if pipeline == 'atp':
+    (path / 'results.json').write_text(json.dumps({'table1': {}, 'table3': {}}))
+  return str(path)
+
+
+@pytest.mark.parametrize('kind', WORKDIR_KINDS)
+def test_a_table_refuses_workdirs_it_does_not_lay_out_naming_what_it_needs(kind, tmp_path):
+  # A label-skew FedAvg workdir and a hetero-pipeline one: every table built from
+  # workdirs refuses them in one paragraph (no table printed under invented labels).
+  build = launch_module('report').build
+  label_skew = fake_workdir(tmp_path / 'label_skew')
+  hetero = fake_workdir(tmp_path / 'hetero', pipeline='hetero', benchmark='upfl',
+                        methods=('fedtta',))
+  for workdir in (label_skew, hetero):
+    with pytest.raises(ValueError, match=rf'--kind={kind} lays out runs of the .*; {workdir} '
+                                         rf'does not: it (is a run of|ran config.data.bench)'):
+      build([workdir], kind, ['a'])
+
+
+@pytest.mark.parametrize('kind, fields, problem', [
+    ('fedins_backbones', {'methods': ('fedavg',), 'data.backbone_reserve': 0.5},
+     r"it ran \['fedavg'\] only"),
+    ('fedins_backbones', {'methods': ('fedins',), 'data.backbone_reserve': 0.0},
+     'it leaves data.backbone_reserve unset'),
+    ('fedicon_lodo', {'data.held_out_domain': ''}, 'it leaves data.held_out_domain unset'),
+    ('fedevolve_straggler', {}, r"it ran \['fedavg'\] only"),
+])
+def test_a_table_refuses_a_workdir_of_its_benchmark_without_what_its_rows_need(
+    kind, fields, problem, tmp_path):
+  benchmark = {'fedins_backbones': 'mixed_domains', 'fedicon_lodo': 'digit_domains',
+               'fedevolve_straggler': 'rotated_digits'}[kind]
+  workdir = fake_workdir(tmp_path / 'run', benchmark=benchmark, **fields)
+  with pytest.raises(ValueError, match=problem):
+    launch_module('report').build([workdir], kind, ['a'])
+
+
+def test_a_paper_table_named_at_train_time_must_lay_out_the_configs_benchmark():
+  with pytest.raises(ValueError, match=r"config.paper_tables: 'fedtta' lays out runs on the "
+                                       r"\['upfl'\] benchmark\(s\), not config.data.benchmark="
+                                       r"'label_skew_corrupted'"):
+    config_lib.validate(tiny_config(paper_tables='fedtta'))

@@ -335,6 +335,8 @@ def test_report_errors_name_the_file_and_exit_nonzero(tmp_path):
   empty = subprocess.run([sys.executable, report, '--workdirs='], capture_output=True,
                          text=True, cwd=ROOT)
   assert empty.returncode != 0 and 'no workdirs' in empty.stderr
+  (tmp_path / 'config.json').write_text(json.dumps({'pipeline': 'atp',
+                                                    'data': {'benchmark': 'atp_shift'}}))
   (tmp_path / 'results.json').write_text('{"table1": {')
   cut = subprocess.run([sys.executable, report, '--kind=atp', f'--workdirs={tmp_path}'],
                        capture_output=True,
@@ -635,3 +637,34 @@ def test_a_diverged_record_must_belong_to_its_run_and_deleting_it_retrains(tmp_p
     again = pipelines.run(diverging, str(tmp_path / 'diverged')).records['results'][0]
   assert 'diverged before' not in caplog.text and 'in round 1' in again['diverged']
   assert json.loads(record.read_text())['round'] == 1
+
+
+def test_report_refuses_accuracies_that_are_not_accuracies_naming_the_file(tmp_path):
+  from fedjax_shift.report import load_runs
+  for value in (1.7, 'high', True):
+    workdir = tmp_path / f'edited_{value}'
+    write_run(workdir, 'fedavg', 0, {'global/test/accuracy': value, 'loss': 7.0})
+    with pytest.raises(ValueError, match=r'fedavg/seed_0/results.json: global/test/accuracy is '
+                                         rf'{value!r}, not an accuracy in \[0, 1\]'):
+      load_runs([str(workdir)])
+  write_run(tmp_path / 'fine', 'fedavg', 0, {'global/test/accuracy': float('nan')})
+  assert len(load_runs([str(tmp_path / 'fine')])['fine']) == 1   # NaN: a diverged cell
+
+
+def test_report_says_why_a_workdir_has_no_sweep_and_what_a_table_leaves_out(tmp_path):
+  from fedjax_shift.report import sweep_state, workdir_notes
+  assert sweep_state(str(tmp_path / 'nowhere')) == f'{tmp_path / "nowhere"} does not exist'
+  for seed, done in ((0, True), (1, False)):
+    run = tmp_path / 'half' / 'fedavg' / 'client.learning_rate=0.1' / f'seed_{seed}'
+    run.mkdir(parents=True)
+    if done:
+      (run / 'results.json').write_text('{}')
+  assert 'a sweep not finished yet: 1 of the 2 runs begun have results.json' in \
+      sweep_state(str(tmp_path / 'half'))
+  write_run(tmp_path / 'plain', 'fedavg', 0, {}, tiny_config(seeds=(0, 1, 2)))
+  assert 'it ran no config.sweep' in sweep_state(str(tmp_path / 'plain'))
+  notes = workdir_notes(str(tmp_path / 'plain'))
+  assert notes == [f'{tmp_path / "plain"}: fedavg has no results of seeds [1, 2] (config.seeds '
+                   f'[0, 1, 2]): not trained yet, or still training']
+  (tmp_path / 'plain' / '.lock').write_text('{}')
+  assert 'is in use by a run (its .lock)' in workdir_notes(str(tmp_path / 'plain'))[0]

@@ -13,6 +13,7 @@ import pytest
 
 from fedjax_shift import pipelines, report
 from fedjax_shift.pipelines import sweep
+from fedjax_shift.pipelines.workdir import RunMismatchError
 from tests.helpers import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,6 +181,43 @@ def test_a_sweep_resumes_per_point_and_reports_the_selected_point(tmp_path):
   assert f'{chosen} (selected)' in out.stdout and 'client.learning_rate=' in out.stdout
 
 
+def test_a_plain_run_and_a_sweep_of_one_method_never_share_a_workdir(tmp_path):
+  # A plain fedavg run into a swept workdir (and a sweep into a plain one) is refused
+  # before anything is written; the report refuses a workdir that already mixes them
+  # (one trained before this check), instead of averaging the two as seeds.
+  swept = tiny_config(rounds=1, eval_every=1, sweep="{'client.learning_rate': (0.05, 0.1)}")
+  plain = tiny_config(rounds=1, eval_every=1, **{'client.learning_rate': 0.1})
+  pipelines.run(swept, str(tmp_path / 'swept'))
+  with pytest.raises(RunMismatchError, match=r'swept/fedavg holds points of a config.sweep '
+                                             r'\(client.learning_rate=0.05, client.learning_'
+                                             r'rate=0.1\); this run trains fedavg without'):
+    pipelines.run(plain, str(tmp_path / 'swept'))
+  assert not os.path.exists(tmp_path / 'swept' / 'fedavg' / 'seed_0')
+  pipelines.run(plain, str(tmp_path / 'plain'))
+  with pytest.raises(RunMismatchError, match=r'plain/fedavg holds plain runs \(seed_0\); this '
+                                             r'run trains fedavg a point of a config.sweep'):
+    pipelines.run(swept, str(tmp_path / 'plain'))
+  assert sorted(os.listdir(tmp_path / 'plain' / 'fedavg')) == ['seed_0']
+  import shutil
+  shutil.copytree(tmp_path / 'plain' / 'fedavg' / 'seed_0',
+                  tmp_path / 'swept' / 'fedavg' / 'seed_0')
+  with pytest.raises(ValueError, match=r'fedavg holds plain runs \(fedavg/seed_0/results.json\) '
+                                       r'and a config.sweep whose selected point is'):
+    report.load_runs([str(tmp_path / 'swept')])
+
+
+def test_an_integer_swept_over_a_float_field_is_the_floats_point():
+  # (1, 1.0) over client.learning_rate: one point, one run directory, not two.
+  config = tiny_config(sweep="{'client.learning_rate': (1, 0.5)}")
+  points = sweep.method_points(config, 'fedavg')
+  assert points == [{'client.learning_rate': 1.0}, {'client.learning_rate': 0.5}]
+  assert [type(p['client.learning_rate']) for p in points] == [float, float]
+  assert sweep.point_name(points[0]) == 'client.learning_rate=1.0'
+  # an integer field keeps its integers
+  config = tiny_config(sweep="{'client.batch_size': (8, 16)}")
+  assert sweep.point_name(sweep.method_points(config, 'fedavg')[0]) == 'client.batch_size=8'
+
+
 def test_points_times_vmapped_seeds_equal_the_points_seed_by_seed(tmp_path):
   from fedjax_shift.pipelines.federated import build_data
 
@@ -214,9 +252,11 @@ def test_sweep_metric_names_each_methods_validation_metric():
   assert sweep.validation_metric(config, keys, 'fedavg') == 'global+tent/val/accuracy'
   config = tiny_config(sweep_metric='global+tent/val/accuracy')   # one key: every method
   assert sweep.validation_metric(config, keys, 'fedper') == 'global+tent/val/accuracy'
-  with pytest.raises(ValueError, match="config.sweep_metric: 'global/val/loss' \\(fedavg\\)"):
-    sweep.validation_metric(tiny_config(sweep_metric="{'fedavg': 'global/val/loss'}"), keys,
-                            'fedavg')
+  with pytest.raises(ValueError, match="config.sweep_metric: 'global/val2/accuracy' \\(fedavg\\) "
+                                       "is not among the runs' metrics \\['global\\+tent/val/"
+                                       "accuracy', 'global/val/accuracy', 'personalized"):
+    sweep.validation_metric(tiny_config(sweep_metric="{'fedavg': 'global/val2/accuracy'}"),
+                            keys * 2, 'fedavg')   # each key once in the message
 
 
 @pytest.mark.parametrize('text,message', [
@@ -224,6 +264,8 @@ def test_sweep_metric_names_each_methods_validation_metric():
     ("{'fedavg': 0.5}", 'maps method names to metric keys'),
     ('{}', 'must be a metric key or a non-empty dict'),
     ("{'fedavg': 'global/val/accuracy'", 'not a metric key nor a Python dict literal'),
+    ('global/val/acc', "'global/val/acc' is not an accuracy key"),
+    ("{'fedavg': 'global/val/loss'}", "'global/val/loss' is not an accuracy key"),
 ])
 def test_bad_sweep_metrics_are_refused_before_anything_compiles(tmp_path, text, message):
   config = tiny_config(sweep="{'client.learning_rate': (0.05, 0.1)}", sweep_metric=text)

@@ -163,6 +163,10 @@ def check_paper_tables(config: ml_collections.ConfigDict) -> None:
   require(config.pipeline in readers, 'paper_tables',
           f'{config.paper_tables!r} lays out runs of the {list(readers)} pipeline(s), not '
           f'config.pipeline={config.pipeline!r}')
+  benchmarks = report.PAPER_TABLES.meta(config.paper_tables).get('benchmarks', ())
+  require(not benchmarks or config.data.benchmark in benchmarks, 'paper_tables',
+          f'{config.paper_tables!r} lays out runs on the {list(benchmarks)} benchmark(s), not '
+          f'config.data.benchmark={config.data.benchmark!r}')
 
 
 def adapts(adapter: str, algorithm: str) -> bool:
@@ -439,6 +443,7 @@ def preflight(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Checks every run directory the pipeline will train before anything is written."""
   entries = PIPELINES.meta(config.pipeline)['run_dirs'](config, workdir)
   running = [entry[0] for entry in entries]
+  workdir_lib.check_layout(running)
   for run_dir, run_config, section, *depends_on in entries:
     fields = check_run_dir(run_dir, run_config, section, config.resume, *depends_on)
     workdir_lib.check_other_seeds(run_dir, fields, run_config.rounds,

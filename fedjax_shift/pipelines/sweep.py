@@ -167,9 +167,19 @@ def tune_client_rates(config: ml_collections.ConfigDict, rates: Sequence[float],
 def method_points(config: ml_collections.ConfigDict, name: str) -> List[Point]:
   """The grid points method ``name`` runs: the product of the swept fields it reads
   (those of other methods' sections left out), in grid order; [{}] when none."""
-  grid = {path: values for path, values in parse(config.sweep).items()
+  grid = {path: [as_field_type(config, path, value) for value in values]
+          for path, values in parse(config.sweep).items()
           if path.split('.')[0] not in ALGORITHMS or path.split('.')[0] == name}
   return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+
+def as_field_type(config: ml_collections.ConfigDict, path: str, value):
+  """``value`` as the type of field ``path``: an integer swept over a float field is
+  that float, so `1` and `1.0` are one point (one run directory)."""
+  if isinstance(field_value(config, path), float) and isinstance(value, int) and \
+      not isinstance(value, bool):
+    return float(value)
+  return value
 
 
 def point_name(point: Point) -> str:
@@ -209,7 +219,7 @@ def parse_metric(text: str) -> Dict[str, str]:
   if not text:
     return {}
   if not text.lstrip().startswith('{'):
-    return {'*': text}
+    return {'*': check_metric_key(text)}
   try:
     metrics = ast.literal_eval(text)
   except (ValueError, SyntaxError) as err:
@@ -220,7 +230,23 @@ def parse_metric(text: str) -> Dict[str, str]:
   for name, metric in metrics.items():
     require(isinstance(name, str) and isinstance(metric, str) and metric, 'sweep_metric',
             f'maps method names to metric keys, got {name!r}: {metric!r}')
-  return dict(metrics)
+  return {name: check_metric_key(metric) for name, metric in metrics.items()}
+
+
+# What a selection metric's key ends with: '<model>/<split>/<statistic>'.
+SELECTION_STATISTICS = ('accuracy', 'client_accuracy')
+
+
+def check_metric_key(metric: str) -> str:
+  """``metric`` when it has the form of an accuracy key, '<model>/<split>/accuracy'
+  or '.../client_accuracy' (e.g. 'personalized/val/accuracy'), before anything trains;
+  else ValueError naming config.sweep_metric."""
+  parts = metric.split('/')
+  require(len(parts) == 3 and all(parts) and parts[2] in SELECTION_STATISTICS,
+          'sweep_metric', f'{metric!r} is not an accuracy key '
+          f'<model>/<split>/{{{", ".join(SELECTION_STATISTICS)}}}, e.g. global/val/accuracy '
+          f'or personalized/val/client_accuracy')
+  return metric
 
 
 def validation_metric(config: ml_collections.ConfigDict, keys: Sequence[str],
@@ -234,14 +260,14 @@ def validation_metric(config: ml_collections.ConfigDict, keys: Sequence[str],
   if chosen:
     require(chosen in keys, 'sweep_metric',
             f'{chosen!r} ({name or "every method"}) is not among the runs\' metrics '
-            f'{sorted(keys)}')
+            f'{sorted(set(keys))}')
     return chosen
   candidates = sorted(k for k in keys if k.endswith('/accuracy') and
                       k.split('/')[1].startswith('val'))
   candidates.sort(key=lambda k: not k.startswith('global/'))
   require(candidates, 'sweep_select',
           f'selects on validation accuracy, and the benchmark has no split named val… '
-          f'(metrics: {sorted(keys)}); give it one (e.g. config.data.split_fractions) or '
+          f'(metrics: {sorted(set(keys))}); give it one (e.g. config.data.split_fractions) or '
           f'name the metric with config.sweep_metric')
   return candidates[0]
 

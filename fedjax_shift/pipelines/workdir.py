@@ -187,6 +187,33 @@ def check_other_seeds(run_dir: str, fields: Dict[str, str], rounds: int,
           'them together).')
 
 
+def check_layout(run_dirs: Iterable[str]) -> None:
+  """Raises RunMismatchError when one of ``run_dirs`` is a plain run
+  (``<method>/seed_<s>``) of a method whose directory holds points of a sweep
+  (``<method>/<field>=<value>/seed_<s>``), or a point of a sweep of a method whose
+  directory holds plain runs: a report would average the two as seeds of one
+  configuration. Reads only."""
+  for run_dir in run_dirs:
+    parent = os.path.dirname(os.path.normpath(run_dir))
+    swept = '=' in os.path.basename(parent)
+    method_dir = os.path.dirname(parent) if swept else parent
+    if not os.path.isdir(method_dir):
+      continue
+    others = [name for name in sorted(os.listdir(method_dir))
+              if os.path.isdir(os.path.join(method_dir, name)) and
+              (name.startswith('seed_') if swept else '=' in name)]
+    if others:
+      held = (f'plain runs ({", ".join(others)})' if swept else
+              f'points of a config.sweep ({", ".join(others)})')
+      this = (f'a point of a config.sweep into {parent}' if swept else
+              f'without config.sweep into {run_dir}')
+      raise RunMismatchError(
+          f'{method_dir} holds {held}; this run trains {os.path.basename(method_dir)} {this}: '
+          f'a report would average the two as seeds of one configuration. Use a new '
+          f'--workdir, or add a value to the workdir\'s sweep as one more point '
+          f'(config_history.jsonl holds its config.sweep).')
+
+
 def record_run(run_dir: str, fields: Dict[str, str], rounds: int) -> None:
   """Writes (or updates) ``run.json`` after ``check_run_dir`` passed."""
   path = os.path.join(run_dir, 'run.json')

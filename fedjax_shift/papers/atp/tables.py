@@ -130,7 +130,7 @@ def table7_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) ->
           paper_markdown(header, rows, numbers.TABLE7, numbers.TABLE7_CLAIMS))
 
 
-PAPER_TABLES.register('atp', pipelines=('atp',))(
+PAPER_TABLES.register('atp', pipelines=('atp',), benchmarks=('atp_shift',))(
     PaperTable(from_run, from_workdirs, needs=('table1', 'table3')))
-PAPER_TABLES.register('atp_table7', pipelines=('atp',))(
+PAPER_TABLES.register('atp_table7', pipelines=('atp',), benchmarks=('atp_shift',))(
     PaperTable(None, table7_from_workdirs, needs=('table1',)))

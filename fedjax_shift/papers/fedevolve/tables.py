@@ -297,16 +297,22 @@ def plot_increments(increments: Sequence[float], header: Sequence[str],
                    'accuracy on the target domain (%)', legend_columns=2)
 
 
-PAPER_TABLES.register('fedevolve', pipelines=('federated',))(
+PAPER_TABLES.register('fedevolve', pipelines=('federated',),
+                       benchmarks=('rotated_digits', 'circle', 'timed_images'))(
     PaperTable(lambda config, records: fedevolve_tables(config, records['results']),
                from_workdirs, needs=('/client_accuracy',)))
-PAPER_TABLES.register('fedevolve_straggler', pipelines=('federated',))(
+PAPER_TABLES.register('fedevolve_straggler', pipelines=('federated',),
+                       benchmarks=('rotated_digits',), methods=('fedevolve', 'fedevp'))(
     PaperTable(None, straggler_from_workdirs, needs=('/client_accuracy',)))
-PAPER_TABLES.register('fedevolve_personalization', pipelines=('federated',))(
+PAPER_TABLES.register('fedevolve_personalization', pipelines=('federated',),
+                       benchmarks=('rotated_digits',), methods=('fedevp',))(
     PaperTable(None, personalization_from_workdirs, needs=('/client_accuracy',)))
-PAPER_TABLES.register('fedevolve_unexpected', pipelines=('federated',))(
+PAPER_TABLES.register('fedevolve_unexpected', pipelines=('federated',),
+                       benchmarks=('rotated_digits',), methods=('fedavg', 'fedevolve', 'fedevp'))(
     PaperTable(None, unexpected_from_workdirs, needs=('/client_accuracy',)))
-PAPER_TABLES.register('fedevolve_domains', pipelines=('federated',))(
+PAPER_TABLES.register('fedevolve_domains', pipelines=('federated',),
+                       benchmarks=('rotated_digits',), methods=('fedavg', 'fedevolve', 'fedevp'))(
     PaperTable(None, domains_from_workdirs, needs=('/client_accuracy',)))
-PAPER_TABLES.register('fedevolve_increments', pipelines=('federated',))(
+PAPER_TABLES.register('fedevolve_increments', pipelines=('federated',),
+                       benchmarks=('rotated_digits',))(
     PaperTable(None, increments_from_workdirs, needs=('/client_accuracy',)))

@@ -183,5 +183,6 @@ def lodo_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> s
 PAPER_TABLES.register('fedicon', pipelines=('federated',))(
     PaperTable(lambda config, records: fedicon_tables(config, records['results']), None,
                needs=('/accuracy',)))
-PAPER_TABLES.register('fedicon_lodo', pipelines=('federated',))(
+PAPER_TABLES.register('fedicon_lodo', pipelines=('federated',), benchmarks=('digit_domains',),
+                       fields={'data.held_out_domain': 'configs/fedicon.py:lodo_<domain>'})(
     PaperTable(None, lodo_from_workdirs, needs=('/test/accuracy',)))

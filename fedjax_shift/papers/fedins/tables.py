@@ -189,9 +189,12 @@ def plot_backbones(coverages: Sequence[str], splits: Sequence[str], means: Dict,
                    legend_columns=2)
 
 
-PAPER_TABLES.register('fedins_backbones', pipelines=('federated',))(
+PAPER_TABLES.register('fedins_backbones', pipelines=('federated',),
+                       benchmarks=('mixed_domains',), methods=('fedins',),
+                       fields={'data.backbone_reserve': 'configs/fedins.py:backbone_<domains>'})(
     PaperTable(None, backbones_from_workdirs, needs=('/test/accuracy',)))
-PAPER_TABLES.register('fedins_settings', pipelines=('federated',))(
+PAPER_TABLES.register('fedins_settings', pipelines=('federated',),
+                       benchmarks=('mixed_domains',))(
     PaperTable(None, settings_from_workdirs, needs=('/test/accuracy',)))
 PAPER_TABLES.register('fedins', pipelines=('federated',))(
     PaperTable(lambda config, records: fedins_tables(config, records['results']), None,

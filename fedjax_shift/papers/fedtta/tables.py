@@ -161,8 +161,8 @@ def shift_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> 
       f'Table 2 ({source})'), numbers.CLAIMS)
 
 
-PAPER_TABLES.register('fedtta', pipelines=('federated',))(
+PAPER_TABLES.register('fedtta', pipelines=('federated',), benchmarks=('upfl',))(
     PaperTable(lambda config, records: fedtta_tables(config, records['results']),
                from_workdirs, needs=('/val/accuracy', '/test/accuracy')))
-PAPER_TABLES.register('fedtta_shift', pipelines=('federated',))(
+PAPER_TABLES.register('fedtta_shift', pipelines=('federated',), benchmarks=('upfl',))(
     PaperTable(None, shift_from_workdirs, needs=('/val/accuracy', '/test/accuracy')))
