@@ -35,7 +35,7 @@ class DiskFullError(OSError):
   """The disk under a checkpoint directory filled up while saving."""
 
 
-def _is_disk_full(err: BaseException) -> bool:
+def is_disk_full(err: BaseException) -> bool:
   """Whether ``err`` or an exception it was raised from is ENOSPC / EDQUOT."""
   while err is not None:
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -52,6 +52,20 @@ def check_keep(keep: int) -> None:
   if keep < 1:
     raise ValueError(f'config.keep_checkpoints: must be >= 1 (the final checkpoint is '
                      f'what a re-run resumes from), got {keep}')
+
+
+def prune(directory: str, keep: int, target_round: int) -> Tuple[int, ...]:
+  """Deletes the checkpoints of ``directory`` older than its newest ``keep`` (all but
+  the one of ``target_round``, which a run lowered to that round evaluates), as the
+  run's next save would; returns the rounds deleted. Run before a re-run writes
+  anything, so that lowering config.keep_checkpoints frees a full disk."""
+  if not os.path.isdir(directory):
+    return ()
+  rounds = sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+  deleted = tuple(r for r in rounds[:-keep] if r != target_round)
+  for round_index in deleted:
+    shutil.rmtree(os.path.join(directory, str(round_index)))
+  return deleted
 
 
 class Checkpointer:
@@ -81,17 +95,22 @@ class Checkpointer:
       self.manager.save(round_index, args=ocp.args.StandardSave(leaves), force=True)
       self.manager.wait_until_finished()
     except Exception as err:   # orbax wraps the OSError of a full disk
-      if not _is_disk_full(err):
+      if not is_disk_full(err):
         raise
       needed = sum(leaf.nbytes for leaf in leaves.values()) / 2 ** 20
       free = shutil.disk_usage(self.directory).free / 2 ** 20
+      kept = sorted(step for step in self.manager.all_steps() if step != round_index)
+      older = (f' (e.g. delete its older checkpoints '
+               f'{[os.path.join(self.directory, str(step)) for step in kept[:-1]]}: the newest, '
+               f'round {kept[-1]}, is what a re-run resumes from)' if len(kept) > 1 else '')
       raise DiskFullError(
           errno.ENOSPC,
           f'the disk is full: saving the round-{round_index} checkpoint into '
           f'{self.directory} needs about {needed:.1f} MiB and {free:.1f} MiB are free. The '
           f'run keeps config.keep_checkpoints={self.options.max_to_keep} checkpoints of this '
-          f'size per run: free space (or lower keep_checkpoints, or pass another --workdir) '
-          f'and re-run the same command; it resumes from the newest complete checkpoint.'
+          f'size per run: free space{older}, or pass another --workdir, and re-run the same '
+          f'command; it resumes from the newest complete checkpoint (a lower '
+          f'keep_checkpoints deletes the older ones when the re-run starts).'
       ) from err
     return True
 

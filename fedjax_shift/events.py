@@ -115,6 +115,13 @@ class EventWriter:
     elif present and not intact(self.directory):
       log.warning('%s: damaged event file; rebuilt from metrics.jsonl (%d records)',
                   self.directory, len(records))
+    read_only = [path for path in (run_dir, self.directory)
+                 if os.path.isdir(path) and not os.access(path, os.W_OK)]
+    if read_only:   # else the removal below fails quietly and makedirs says 'File exists'
+      raise EventDirectoryError(
+          f'cannot write TensorBoard event files to {self.directory}: {read_only[0]} is '
+          f'read-only; give it write access (or copy the workdir somewhere writable) and run '
+          f'again')
     try:
       if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
         raise NotADirectoryError(f'{self.directory} is not a directory')

@@ -118,6 +118,29 @@ def read_json(path: str, advice: str) -> Dict:
     raise ValueError(f'{path} is not valid JSON ({err}); {advice}') from None
 
 
+def drop_cut_line(path: str) -> bool:
+  """Rewrites metrics.jsonl ``path`` without its last line when that line was cut short
+  (a kill while writing it; ``parse_metrics`` warns), the line kept in ``<path>.cut``;
+  returns whether it did. A finished run's file is repaired this way, as a resumed
+  run's is by ``MetricsWriter``."""
+  if not os.path.exists(path):
+    return False
+  with open(path) as f:
+    text = f.read()
+  records = parse_metrics(text, path)
+  lines = [line for line in text.splitlines() if line.strip()]
+  if len(records) == len(lines):
+    return False
+  with open(path + '.cut', 'a') as f:
+    f.write(lines[-1] + '\n')
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    f.writelines(json.dumps(record) + '\n' for record in records)
+  os.replace(tmp, path)
+  log.warning('%s: its cut last line is moved to %s.cut', path, path)
+  return True
+
+
 def read_metrics(path: str) -> List[Dict]:
   """The records of ``path`` ([] if absent); see ``parse_metrics``."""
   if not os.path.exists(path):

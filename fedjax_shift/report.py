@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import logging
 import math
 import os
 import re
@@ -23,6 +24,8 @@ import numpy as np
 from fedjax_shift import events, metrics
 from fedjax_shift.metrics import read_metrics
 from fedjax_shift.registry import Registry
+
+log = logging.getLogger('fedjax_shift')
 
 
 def mean_std(values: Sequence[float], scale: float = 100.0, digits: int = 2) -> str:
@@ -213,8 +216,9 @@ def save_plot(fig, ax, path: str, xlabel: str, ylabel: str, legend_size: int = 6
 
 def plot_curves(run_dirs: Dict[str, List[str]], path: str, metric_suffix: str = 'accuracy'
                 ) -> str:
-  """Accuracy vs round, one line per (method, model/split), mean over seeds."""
-  fig, ax = new_plot((7, 4))
+  """Accuracy vs round, one line per (method, model/split), mean over seeds; '' (and
+  no file: a stale one removed) when no run has an evaluated round to draw."""
+  curves = {}
   for method, dirs in run_dirs.items():
     series: Dict[str, Dict[int, List[float]]] = {}
     for d in dirs:
@@ -222,10 +226,17 @@ def plot_curves(run_dirs: Dict[str, List[str]], path: str, metric_suffix: str = 
         for key, value in record.items():
           if key.endswith('/' + metric_suffix) and value is not None:
             series.setdefault(key, {}).setdefault(record['round'], []).append(value)
-    for key, points in series.items():
-      rounds = sorted(points)
-      ax.plot(rounds, [100 * np.mean(points[r]) for r in rounds], marker='o', markersize=3,
-              label=f'{method} {key[:-len(metric_suffix) - 1]}')
+    curves.update({(method, key): points for key, points in series.items()})
+  if not curves:
+    log.warning('%s: not drawn, no run has an evaluated round in its metrics.jsonl', path)
+    if os.path.exists(path):
+      os.remove(path)
+    return ''
+  fig, ax = new_plot((7, 4))
+  for (method, key), points in curves.items():
+    rounds = sorted(points)
+    ax.plot(rounds, [100 * np.mean(points[r]) for r in rounds], marker='o', markersize=3,
+            label=f'{method} {key[:-len(metric_suffix) - 1]}')
   return save_plot(fig, ax, path, 'round', f'{metric_suffix} (%)')
 
 

@@ -23,7 +23,7 @@ from ml_collections import config_flags  # noqa: E402
 
 import ml_collections  # noqa: E402
 
-from fedjax_shift import distributed, pipelines  # noqa: E402
+from fedjax_shift import checkpoint, distributed, pipelines  # noqa: E402
 from fedjax_shift.pipelines import loop  # noqa: E402
 from fedjax_shift.pipelines.workdir import WorkdirBusyError  # noqa: E402
 
@@ -123,8 +123,12 @@ def main(argv):
   except USER_ERRORS as err:
     if os.environ.get(TRACEBACK_VARIABLE) == '1':
       raise
-    sys.exit(f'launch/train.py: {type(err).__name__}: {err}\n(the traceback: re-run with '
-             f'{TRACEBACK_VARIABLE}=1)')
+    full = (' The disk is full: free space (a re-run with a lower --config.keep_checkpoints '
+            'deletes the older checkpoints first) or pass another --workdir, then re-run the '
+            'same command to resume.' if checkpoint.is_disk_full(err) and
+            not isinstance(err, checkpoint.DiskFullError) else '')
+    sys.exit(f'launch/train.py: {type(err).__name__}: {err}{full}\n(the traceback: re-run '
+             f'with {TRACEBACK_VARIABLE}=1)')
   except jax.errors.JaxRuntimeError as err:
     if jax.process_count() == 1:
       raise

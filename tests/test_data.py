@@ -201,7 +201,7 @@ def test_tfds_missing_dataset_says_how_to_get_it(tmp_path):
     sources.tfds_source('cifar10', 'train', data_dir=str(tmp_path))
 
 
-def test_image_folders_read_images_as_users_store_them(tmp_path):
+def test_image_folders_read_images_as_users_store_them(tmp_path, monkeypatch):
   """16-bit greyscale PNGs keep their scale (1 of 65535, not clipped at 255), palette,
   greyscale and RGBA files convert to RGB, an EXIF-rotated JPEG is turned upright,
   hidden folders and files ('.ipynb_checkpoints', '__MACOSX', '._x.png') are no classes
@@ -241,6 +241,16 @@ def test_image_folders_read_images_as_users_store_them(tmp_path):
   with pytest.raises(ValueError, match=r'dog/f_broken\.png: cannot be read'):
     sources.image_folder(str(root), 4)
   (root / 'dog' / 'f_broken.png').unlink()
+  # An image of more pixels than PIL decodes (its decompression-bomb guard, here
+  # lowered to 100 pixels): the file named, no PIL traceback.
+  from PIL import Image
+  Image.new('RGB', (30, 30)).save(root / 'dog' / 'g_huge.png')
+  monkeypatch.setattr(Image, 'MAX_IMAGE_PIXELS', 100)
+  with pytest.raises(ValueError, match=r'dog/g_huge\.png: cannot be read as an image: Image '
+                                       r'size \(900 pixels\) exceeds .*Shrink or remove'):
+    sources.image_folder(str(root), 4)
+  monkeypatch.undo()
+  (root / 'dog' / 'g_huge.png').unlink()
   from helpers import data_config
   from fedjax_shift.benchmarks import BENCHMARKS
   config = data_config(benchmark='small_clients', source='folder:images', data_dir=str(tmp_path),

@@ -359,7 +359,15 @@ def test_loader_round_trips_a_saved_backbone_and_names_a_wrong_shape(tmp_path):
         with open(os.path.join(root, name), 'r+b') as f:
           f.truncate(max(0, os.path.getsize(os.path.join(root, name)) // 3))
   with pytest.raises(pretrain.BackboneReadError,
-                     match=rf'cannot be read .*delete {damaged} and re-run'):
+                     match=rf'cannot be read: .* bytes, written as .*delete {damaged} and re-run'):
+    pretrain.load_encoder(str(damaged), module, example)
+  # A file of it deleted: named before the checkpoint library reads (whose failed
+  # asynchronous reads could print tracebacks at exit).
+  shutil.rmtree(damaged)
+  shutil.copytree(tmp_path / 'bb', damaged)
+  os.remove(damaged / 'params' / 'manifest.ocdbt')
+  with pytest.raises(pretrain.BackboneReadError,
+                     match=rf'{damaged}/params/manifest.ocdbt is missing.*delete {damaged}'):
     pretrain.load_encoder(str(damaged), module, example)
   with pytest.raises(pretrain.BackboneReadError, match='holds no saved backbone'):
     pretrain.load_encoder(str(tmp_path / 'nowhere'), module, example)
@@ -646,3 +654,41 @@ def test_settings_report_puts_each_workdir_in_a_column_with_the_papers_number(tm
   assert '| FedAvg (w.Full) | 62.50 ± 0.00 | — | 80.02 | 2 |' in text
   assert '| FedIns | 62.50 ± 12.50 | 25.00 | 83.12 | 1 / 2 |' in text
   assert 'SOLO' not in text   # rows no workdir ran are left out
+
+
+@pytest.mark.parametrize('val_layout', ['annotations', 'class_folders'])
+def test_tiny_imagenet_variant_tests_on_the_val_folder(tmp_path, val_layout):
+  """configs/fedins.py:tiny_imagenet as the authors' code: the first 10 images of each
+  class for training, the whole val/ folder (theirs: ImageFolder(<dir>/val/), 10,000
+  images) as the test set, dealt over the clients, labels matched by wnid, in Tiny-ImageNet's
+  own val layout (images/ + val_annotations.txt) or in class folders."""
+  from PIL import Image
+  rng = np.random.default_rng(0)
+  wnids = ('n01443537', 'n01629819', 'n01641577')
+  root = tmp_path / 'tiny-imagenet-200'
+  for wnid in wnids:
+    (root / 'train' / wnid / 'images').mkdir(parents=True)
+    for i in range(11):
+      Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(
+          root / 'train' / wnid / 'images' / f'{wnid}_{i}.png')
+  val = [(f'val_{j}.png', wnids[(j * 2) % 3]) for j in range(7)]   # all but class 1 first
+  for name, wnid in val:
+    folder = (root / 'val' / 'images' if val_layout == 'annotations'
+              else root / 'val' / wnid / 'images')
+    folder.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(folder / name)
+  if val_layout == 'annotations':
+    (root / 'val' / 'val_annotations.txt').write_text(
+        ''.join(f'{n}\t{w}\t0\t0\t7\t7\n' for n, w in val))
+  config = fedins_config.get_config('tiny_imagenet')
+  assert config.data.test_split == 'folder:tiny-imagenet-200/val'
+  config.data.data_dir = str(tmp_path)
+  BENCHMARKS.check('small_clients', config.data, 'config.data', known_fields_only=False)
+  bench = BENCHMARKS.get('small_clients')(config.data, 0)
+  train, test = bench.splits['train'], bench.splits['test']
+  assert int(train.num_examples.sum()) == 30 and int(test.num_examples.sum()) == 7
+  labels = np.concatenate([np.asarray(test.y[k, :n]) for k, n in enumerate(test.num_examples)])
+  assert sorted(labels.tolist()) == sorted(wnids.index(w) for _, w in val)
+  config.data.test_split = ''
+  with pytest.raises(ValueError, match='data.test_split'):
+    BENCHMARKS.check('small_clients', config.data, 'config.data', known_fields_only=False)

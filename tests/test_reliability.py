@@ -587,9 +587,13 @@ def test_full_disk_while_checkpointing_is_one_clear_error(tmp_path, monkeypatch)
     except OSError as err:
       raise RuntimeError('orbax: write failed') from err
 
+  checkpointer.save(1, state)
+  checkpointer.save(2, state)
   monkeypatch.setattr(checkpointer.manager, 'save', full)
   with pytest.raises(DiskFullError, match=r'the disk is full: saving the round-4 checkpoint '
-                     r'into .*ckpt needs about 2.0 MiB .*config.keep_checkpoints=3 .* re-run'):
+                     r'into .*ckpt needs about 2.0 MiB .*config.keep_checkpoints=3 .*delete its '
+                     r"older checkpoints \['.*ckpt/1'\]: the newest, round 2, is what a re-run "
+                     r'resumes from.* re-run'):
     checkpointer.save(4, state)
 
   def broken(*args, **kwargs):
@@ -668,3 +672,52 @@ def test_report_says_why_a_workdir_has_no_sweep_and_what_a_table_leaves_out(tmp_
                    f'[0, 1, 2]): not trained yet, or still training']
   (tmp_path / 'plain' / '.lock').write_text('{}')
   assert 'is in use by a run (its .lock)' in workdir_notes(str(tmp_path / 'plain'))[0]
+
+
+def test_a_benchmark_without_an_evaluation_split_is_an_error(tmp_path):
+  """A run that could measure no accuracy (every example dealt to training) is refused
+  before it trains, not finished with status 0 and no accuracy."""
+  config = tiny_config(**{'data.split_fractions': ml_collections.ConfigDict({'train': 1.0})})
+  with pytest.raises(ValueError, match='no evaluation split'):
+    pipelines.run(config, str(tmp_path))
+
+
+def test_a_lower_keep_checkpoints_frees_space_before_a_rerun_writes(tmp_path, monkeypatch):
+  # A full disk: the re-run's first write (config.json) fails. With a lower
+  # keep_checkpoints the older checkpoint is deleted before it, so the advice the
+  # disk-full message gives can work; the newest is kept.
+  import errno
+  from fedjax_shift.pipelines import base
+  pipelines.run(quick(), str(tmp_path))
+  checkpoints = tmp_path / RUN / 'checkpoints'
+  assert sorted(os.listdir(checkpoints)) == ['3', '4']
+
+  def full_disk(path, *args, **kwargs):
+    if path.endswith('config.json'):
+      raise OSError(errno.ENOSPC, 'No space left on device', path)
+    return open(path, *args, **kwargs)
+  monkeypatch.setattr(base, 'open', full_disk, raising=False)
+  with pytest.raises(OSError, match='No space left on device'):
+    pipelines.run(quick(keep_checkpoints=1), str(tmp_path))
+  assert sorted(os.listdir(checkpoints)) == ['4']
+  monkeypatch.undo()
+  again = pipelines.run(quick(keep_checkpoints=1), str(tmp_path)).records['results'][0]
+  assert again['rounds'] == 4 and sorted(os.listdir(checkpoints)) == ['4']
+
+
+def test_a_finished_runs_cut_last_line_is_moved_aside_and_curves_need_a_round(tmp_path):
+  from fedjax_shift.report import plot_curves
+  pipelines.run(quick(), str(tmp_path))
+  path = tmp_path / RUN / 'metrics.jsonl'
+  whole = path.read_text()
+  path.write_text(whole + '{"round": 5, "lo')   # a kill while writing a line
+  pipelines.run(quick(), str(tmp_path))       # finished: evaluated, not trained
+  assert path.read_text() == whole
+  assert (tmp_path / RUN / 'metrics.jsonl.cut').read_text() == '{"round": 5, "lo\n'
+  assert os.path.getsize(tmp_path / 'curves.png') > 0
+  # A run with no evaluated round draws no curves (a stale figure is removed).
+  (tmp_path / 'empty').mkdir()
+  (tmp_path / 'empty' / 'metrics.jsonl').write_text('{"round": 1, "loss": 2.0}\n')
+  (tmp_path / 'stale.png').write_bytes(b'old')
+  assert plot_curves({'fedavg': [str(tmp_path / 'empty')]}, str(tmp_path / 'stale.png')) == ''
+  assert not os.path.exists(tmp_path / 'stale.png')

@@ -94,6 +94,19 @@ def test_an_unwritable_event_directory_stops_the_run_before_training(tmp_path):
   assert read_metrics(str(run_dir / 'metrics.jsonl')) == []
 
 
+def test_a_read_only_run_directory_is_named_not_file_exists(tmp_path, monkeypatch):
+  # Permissions as a non-root user meets them (root may write anywhere): the run
+  # directory read-only. The message says so, not "[Errno 17] File exists".
+  run_dir = tmp_path / 'fedavg' / 'seed_0'
+  (run_dir / events.DIRECTORY).mkdir(parents=True)
+  real_access = os.access
+  monkeypatch.setattr(os, 'access', lambda path, mode: False if str(path) == str(run_dir)
+                      else real_access(path, mode))
+  with pytest.raises(events.EventDirectoryError,
+                     match=rf'{run_dir}/tensorboard: {run_dir} is read-only; give it write'):
+    events.rebuild(str(run_dir), [{'round': 1, 'loss': 1.0}])
+
+
 def test_scalars_keep_non_finite_values_and_skip_the_round():
   record = {'round': 4, 'loss': None, 'gap': 'inf', 'accuracy': 0.5, 'diverged': True}
   scalars = events.scalars(record)

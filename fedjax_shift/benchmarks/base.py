@@ -87,7 +87,7 @@ class Benchmark(NamedTuple):
   info: dict  # partition statistics, corruptions per client, ...
 
 
-def load_source(data_config: ml_collections.ConfigDict) -> sources.Source:
+def load_source(data_config: ml_collections.ConfigDict, class_names=()) -> sources.Source:
   """Pooled source data named by ``data_config.source``, resized if asked."""
   name = data_config.source
   check_source(data_config)
@@ -100,7 +100,8 @@ def load_source(data_config: ml_collections.ConfigDict) -> sources.Source:
                               data_config.data_dir or None, data_config.max_examples or None)
   elif name.startswith('folder:'):
     src = sources.image_folder(os.path.join(data_config.data_dir, name[len('folder:'):]),
-                               data_config.image_size or 64, data_config.max_examples or None)
+                               data_config.image_size or 64, data_config.max_examples or None,
+                               class_names)
   x = src.x
   size = data_config.image_size
   if size and x.shape[1] != size:

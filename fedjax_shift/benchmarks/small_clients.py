@@ -35,9 +35,14 @@ def check(data_config: ml_collections.ConfigDict) -> None:
   if data_config.images_per_class:
     require(data_config.num_clients >= 1, 'data.num_clients',
             f'must be >= 1, got {data_config.num_clients}')
-  require(not data_config.test_split or data_config.source.startswith('tfds:'),
-          'data.test_split', f'is a split of a TFDS source (tfds:<name>); the source is '
-          f'{data_config.source!r}')
+  split, source = data_config.test_split, data_config.source
+  require(not split or (source.startswith('tfds:') and not split.startswith('folder:')) or
+          (source.startswith('folder:') and split.startswith('folder:')),
+          'data.test_split', f'is a split of a TFDS source (tfds:<name>) or, for a folder: '
+          f'source, folder:<path> under data.data_dir; got {split!r} for source {source!r}')
+  require(bool(split) or not data_config.images_per_class, 'data.test_split',
+          'data.images_per_class deals every image it takes to training: name the test data '
+          '(a TFDS split, or folder:<path>, e.g. folder:tiny-imagenet-200/val)')
 
 
 def per_class_clients(labels: np.ndarray, num_classes: int, per_class: int, num_clients: int,
@@ -86,13 +91,23 @@ def small_clients(data_config: ml_collections.ConfigDict, seed: int) -> Benchmar
   shape = src.x.shape[1:]
   arrays = {split: (src.x, src.y) for split in ('train', 'test')}
   if data_config.test_split:   # the whole split, dealt in order over the clients
-    test = load_source(override_split(data_config, data_config.test_split))
+    test = (load_source(override_split(data_config, data_config.test_split))
+            if data_config.source.startswith('tfds:') else
+            load_source(override_source(data_config, data_config.test_split),
+                        class_names=src.class_names))
     arrays['test'] = (test.x, test.y)
     indices['test'] = np.array_split(np.arange(len(test.y)), len(indices['train']))
   splits = {split: stack_clients([arrays[split][0][i] for i in parts],
                                  [arrays[split][1][i] for i in parts], example_shape=shape)
             for split, parts in indices.items()}
   return Benchmark(splits, src.num_classes, shape, {'client_class_counts': counts})
+
+
+def override_source(data_config: ml_collections.ConfigDict, source: str):
+  """``data_config`` reading the folder source ``source``, every example of it."""
+  config = ml_collections.ConfigDict(data_config.to_dict())
+  config.source, config.max_examples = source, 0
+  return config
 
 
 def override_split(data_config: ml_collections.ConfigDict, split: str):

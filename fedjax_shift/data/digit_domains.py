@@ -189,7 +189,6 @@ def domain(name: str, count: int, rng: np.random.Generator,
 def folder_domain(name: str, count: int, rng: np.random.Generator,
                   data_dir: Optional[str]) -> sources.Source:
   """``count`` images of ``<data_dir>/<name>/<digit>/``, resized to 28×28 RGB."""
-  from PIL import Image
   root = os.path.join(data_dir or '', name)
   if not data_dir or not os.path.isdir(root):
     raise FileNotFoundError(f'config.data.domains: folder:{name} reads {root!r}, which does '
@@ -207,9 +206,5 @@ def folder_domain(name: str, count: int, rng: np.random.Generator,
     raise FileNotFoundError(f'config.data.domains: no images in the digit folders '
                             f'{root}/0 … {root}/9')
   order = rng.permutation(len(files))[:count]
-  images = []
-  for index in order:
-    with Image.open(files[index]) as image:
-      image = image.convert('RGB').resize((SIZE, SIZE), Image.BILINEAR)
-      images.append(np.asarray(image, np.float32) / 255.0)
+  images = [sources.read_image(files[index], SIZE, 3) for index in order]
   return sources.Source(np.stack(images), np.asarray(labels, np.int32)[order], 10)

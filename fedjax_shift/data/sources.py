@@ -268,6 +268,9 @@ def read_image(path: str, size: int, channels: int) -> np.ndarray:
       image = image.convert('L' if channels == 1 else 'RGB').resize((size, size),
                                                                     Image.BILINEAR)
       return np.asarray(image, np.float32).reshape(size, size, channels) / 255.0
+  except Image.DecompressionBombError as err:   # more pixels than PIL will decode
+    raise ValueError(f'{path}: cannot be read as an image: {err} Shrink or remove the '
+                     f'file.') from None
   except (OSError, ValueError) as err:
     raise ValueError(f'{path}: cannot be read as an image ({err})') from err
 
@@ -312,7 +315,8 @@ def timed_image_folder(data_dir: str, timestamp: str, size: int, channels: int) 
   return TimedImages(np.stack(images), np.asarray(labels, np.int32), stamps, class_names)
 
 
-def image_folder(root: str, size: int, max_examples: Optional[int] = None) -> Source:
+def image_folder(root: str, size: int, max_examples: Optional[int] = None,
+                 class_names: Sequence[str] = ()) -> Source:
   """Class-folder images ``<root>/<class>/**/<file>.{png,jpg,jpeg}`` (classes = the sorted
   sub-folder names; files found at any depth below them, so Tiny-ImageNet's
   ``train/<wnid>/images/`` reads as is), resized to size×size RGB in [0, 1]; the first
@@ -320,16 +324,33 @@ def image_folder(root: str, size: int, max_examples: Optional[int] = None) -> So
   if not os.path.isdir(root):
     raise FileNotFoundError(f'config.data.source: image folder {root!r} does not exist; set '
                             f'config.data.data_dir to the folder that holds it')
-  classes = sorted(d for d in os.listdir(root)
-                   if os.path.isdir(os.path.join(root, d)) and not is_hidden(d))
-  files, labels = [], []
-  for label, name in enumerate(classes):
-    for folder, subfolders, names in os.walk(os.path.join(root, name)):
-      subfolders[:] = sorted(d for d in subfolders if not is_hidden(d))   # walked in order
-      for file in sorted(names):
-        if not is_hidden(file) and file.lower().endswith(IMAGE_EXTENSIONS):
-          files.append(os.path.join(folder, file))
-          labels.append(label)
+  annotations = os.path.join(root, 'val_annotations.txt')
+  if os.path.isfile(annotations):   # Tiny-ImageNet's own val/: images/<file> + <file>\t<wnid>…
+    with open(annotations) as f:
+      pairs = sorted(tuple(line.split('\t')[:2]) for line in f if line.strip())
+    classes = tuple(class_names) or tuple(sorted({wnid for _, wnid in pairs}))
+    unknown = sorted({w for _, w in pairs} - set(classes))
+    if unknown:
+      raise ValueError(f'{annotations}: classes {unknown[:5]} are not among the training '
+                       f'classes')
+    files = [os.path.join(root, 'images', file) for file, _ in pairs]
+    labels = [classes.index(wnid) for _, wnid in pairs]
+  else:
+    folders = sorted(d for d in os.listdir(root)
+                     if os.path.isdir(os.path.join(root, d)) and not is_hidden(d))
+    classes = tuple(class_names) or tuple(folders)
+    unknown = sorted(set(folders) - set(classes))
+    if unknown:
+      raise ValueError(f'{root!r}: class folders {unknown[:5]} are not among the training '
+                       f'classes')
+    files, labels = [], []
+    for name in folders:
+      for folder, subfolders, names in os.walk(os.path.join(root, name)):
+        subfolders[:] = sorted(d for d in subfolders if not is_hidden(d))   # walked in order
+        for file in sorted(names):
+          if not is_hidden(file) and file.lower().endswith(IMAGE_EXTENSIONS):
+            files.append(os.path.join(folder, file))
+            labels.append(classes.index(name))
   if not files:
     raise FileNotFoundError(f'config.data.source: no images under the class folders of {root!r}')
   files, labels = files[:max_examples or None], labels[:max_examples or None]

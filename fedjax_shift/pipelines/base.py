@@ -418,7 +418,7 @@ def open_run(run_dir: str, config: ml_collections.ConfigDict, fields: dict, stat
   latest checkpoint of ``run_dir`` up to ``config.rounds`` (and ``max_round``: runs
   trained in lockstep resume at a round they all have), records run.json and opens
   metrics.jsonl from the restored round."""
-  from fedjax_shift.metrics import MetricsWriter, NullWriter, read_metrics
+  from fedjax_shift.metrics import MetricsWriter, NullWriter, drop_cut_line, read_metrics
   checkpointer = checkpoint.Checkpointer(os.path.join(run_dir, 'checkpoints'),
                                          config.checkpoint_every, config.keep_checkpoints)
   limit = config.rounds if max_round is None else min(config.rounds, max_round)
@@ -434,13 +434,17 @@ def open_run(run_dir: str, config: ml_collections.ConfigDict, fields: dict, stat
   if start_round < config.rounds:
     writer = (MetricsWriter(run_dir, start_round, fields, tensorboard) if primary else
               NullWriter())
-  elif tensorboard and primary:   # finished: its event files are written only if missing or damaged
-    events.ensure(run_dir, read_metrics(os.path.join(run_dir, 'metrics.jsonl')), fields)
+  elif primary:   # finished: a cut last line dropped, its event files written if missing
+    drop_cut_line(os.path.join(run_dir, 'metrics.jsonl'))
+    if tensorboard:
+      events.ensure(run_dir, read_metrics(os.path.join(run_dir, 'metrics.jsonl')), fields)
   return OpenRun(checkpointer, start_round, state, writer)
 
 
 def preflight(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Checks every run directory the pipeline will train before anything is written."""
+  """Checks every run directory the pipeline will train before anything is written,
+  then deletes the checkpoints each keeps past its config.keep_checkpoints (a re-run
+  with a lower value frees disk space before it writes)."""
   entries = PIPELINES.meta(config.pipeline)['run_dirs'](config, workdir)
   running = [entry[0] for entry in entries]
   workdir_lib.check_layout(running)
@@ -448,6 +452,12 @@ def preflight(config: ml_collections.ConfigDict, workdir: str) -> None:
     fields = check_run_dir(run_dir, run_config, section, config.resume, *depends_on)
     workdir_lib.check_other_seeds(run_dir, fields, run_config.rounds,
                                   other_benchmark_fields(run_config.data.benchmark), running)
+  for run_dir, run_config, *_ in entries:
+    deleted = checkpoint.prune(os.path.join(run_dir, 'checkpoints'),
+                               run_config.keep_checkpoints, run_config.rounds)
+    if deleted:
+      log.info('%s: deleted the checkpoints of rounds %s (config.keep_checkpoints=%d)',
+               run_dir, list(deleted), run_config.keep_checkpoints)
 
 
 # Names a pipeline had before; a config that still uses one is told the new name.
@@ -499,5 +509,5 @@ def write_results(workdir: str, results: Results) -> str:
 def format_results(results: Results, workdir: str) -> str:
   """What ``launch/train.py`` prints for any pipeline."""
   written = ', '.join([os.path.join(workdir, 'results.md')] +
-                      [os.path.relpath(p, workdir) for p in results.files])
+                      [os.path.relpath(p, workdir) for p in results.files if p])
   return '\n' + '\n\n'.join([results.preamble] + list(results.tables)) + f'\n\nwritten: {written}'

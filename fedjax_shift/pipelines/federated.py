@@ -76,6 +76,9 @@ def validate_benchmark(bench: Benchmark) -> None:
     if split.num_clients != bench.splits['train'].num_clients:
       raise ValueError(f'split {name!r} has {split.num_clients} clients, the train split '
                        f'{bench.splits["train"].num_clients}')
+  if not any(int(np.sum(s.num_examples)) for n, s in bench.splits.items() if n != 'train'):
+    raise ValueError(f'the benchmark builds no evaluation split with examples (splits: '
+                     f'{sorted(bench.splits)}): no accuracy would be measured')
   if int(np.sum(bench.splits['train'].num_examples)) == 0:
     raise ValueError('the train split holds no examples at any client (e.g. '
                      'config.data.split_fractions.train=0): nothing would be trained')

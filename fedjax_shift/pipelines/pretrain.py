@@ -172,9 +172,24 @@ def save(directory: str, params, record: dict) -> None:
   flat = {'/'.join(path): np.asarray(leaf)
           for path, leaf in traverse_util.flatten_dict(params).items()}
   checkpointer = ocp.PyTreeCheckpointer()
-  checkpointer.save(os.path.join(os.path.abspath(directory), 'params'), flat, force=True)
+  params = os.path.join(os.path.abspath(directory), 'params')
+  checkpointer.save(params, flat, force=True)
+  with open(os.path.join(directory, PARAMS_FILES), 'w') as f:
+    json.dump(file_sizes(params), f, indent=1, sort_keys=True)
   with open(os.path.join(directory, 'backbone.json'), 'w') as f:
     json.dump(record, f, indent=1, sort_keys=True)
+
+
+# Beside a saved backbone's params/: {relative path: size in bytes} of every file the
+# checkpoint wrote, checked before reading it (a missing or cut file is named, not
+# handed to the checkpoint library, whose reads fail asynchronously).
+PARAMS_FILES = 'params_files.json'
+
+
+def file_sizes(directory: str) -> dict:
+  return {os.path.relpath(os.path.join(root, name), directory):
+          os.path.getsize(os.path.join(root, name))
+          for root, _, names in os.walk(directory) for name in names}
 
 
 class BackboneReadError(ValueError):
@@ -190,14 +205,32 @@ def read_backbone(path: str) -> dict:
     raise BackboneReadError(f'config.backbone.weights: {path} holds no saved backbone '
                             f'(no {params}): point it at a directory the pretrain pipeline '
                             f'wrote, a ViT-B/16 .npz or a torchvision ResNet-18 .npz')
+  advice = (f'It is damaged or was cut off while being written: delete {path} and re-run '
+            f'(with backbone.weights=\'pretrain\' the run pretrains it again).')
+  listed = os.path.join(path, PARAMS_FILES)
+  if os.path.exists(listed):
+    with open(listed) as f:
+      written = json.load(f)
+    found = file_sizes(params)
+    damaged = sorted(name for name, size in written.items() if found.get(name) != size)
+    if damaged:
+      raise BackboneReadError(
+          f'config.backbone.weights: the backbone in {path} cannot be read: '
+          f'{os.path.join(params, damaged[0])} is ' +
+          ('missing' if damaged[0] not in found else
+           f'{found[damaged[0]]} bytes, written as {written[damaged[0]]}') +
+          (f' ({len(damaged) - 1} more files too)' if len(damaged) > 1 else '') +
+          f'. {advice}')
+  checkpointer = ocp.PyTreeCheckpointer()
   try:
-    return ocp.PyTreeCheckpointer().restore(params)
+    return checkpointer.restore(params)
   except Exception as err:  # orbax / tensorstore raise many types for a damaged file
     first_line = str(err).strip().splitlines()[0][:300] if str(err).strip() else repr(err)
     raise BackboneReadError(
         f'config.backbone.weights: the backbone in {path} cannot be read ({type(err).__name__}: '
-        f'{first_line}). It is damaged or was cut off while being written: delete {path} and '
-        f're-run (with backbone.weights=\'pretrain\' the run pretrains it again).') from None
+        f'{first_line}). {advice}') from None
+  finally:
+    checkpointer.close()
 
 
 def load_encoder(path: str, module, example_x: jax.Array) -> dict:
