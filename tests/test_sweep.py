@@ -407,3 +407,21 @@ def test_a_swept_workdir_of_several_methods_reports_each_at_its_point(tmp_path):
   pipelines.run(config, str(tmp_path))
   runs = report.load_runs([str(tmp_path)])[os.path.basename(str(tmp_path))]
   assert sorted(r['algorithm'] for r in runs) == ['fedavg', 'fedprox']
+
+
+def test_a_narrowed_grid_names_a_better_point_it_left_on_disk(tmp_path, caplog):
+  # Two points trained, then the grid narrowed to the worse one: the better point is
+  # still on disk, and the results say so instead of hiding it.
+  config = tiny_config(rounds=1, eval_every=1, sweep="{'client.learning_rate': (0.05, 0.1)}")
+  first = pipelines.run(config, str(tmp_path)).records['all_results']
+  record = report.read_sweep(str(tmp_path))['methods']['fedavg']
+  better = record['selected']
+  worse = next(p for p in record['grid'] if p['name'] != better)
+  assert worse['validation_mean'] < record['grid'][[p['name'] for p in record['grid']].index(
+      better)]['validation_mean']
+  config.sweep = repr({'client.learning_rate': (worse['point']['client.learning_rate'],)})
+  with caplog.at_level(logging.WARNING, logger='fedjax_shift'):
+    narrowed = pipelines.run(config, str(tmp_path))
+  note = (f'fedavg: {better}, trained in this workdir outside this grid, has validation')
+  assert note in caplog.text and note in narrowed.records['sweep_grid']
+  assert len(first) == 2

@@ -1073,6 +1073,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   programs: Dict = {}  # compiled once per method and data shapes, reused across seeds
   backbone = backbone_for(config, workdir)
   selected: Dict[str, tuple] = {}   # method -> (selected point index, per-point summaries)
+  notes: List[str] = []   # points of a narrowed grid on disk that validate better
   selection_metrics: Dict[str, str] = {}   # method -> the validation metric it was selected on
   for name in algorithm_names(config):
     points = sweep.method_points(config, name)
@@ -1090,6 +1091,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
       best = points[selected[name][0]]
       log.info('config.sweep: %s selects %s (validation %s, %s)', name,
                sweep.point_name(best), metric, config.sweep_select)
+      chosen = selected[name][1][selected[name][0]]
+      for hidden in sweep.better_off_grid(workdir, name, points, config.seeds, chosen, metric,
+                                          config.sweep_select):
+        notes.append(f'{name}: {hidden["name"]}, trained in this workdir outside this grid, '
+                     f'has validation {100 * hidden["validation_mean"]:.2f} > the selected '
+                     f'{chosen["name"]}\'s {100 * chosen["validation_mean"]:.2f} ({metric}); '
+                     f'add its values to config.sweep to select among them')
+        log.warning('config.sweep: %s', notes[-1])
       mine_all, mine = mine, [r for r in mine if r.get('sweep_point') == best]
       all_results.extend(mine_all)
     else:
@@ -1102,7 +1111,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
     record = sweep.grid_record(selection_metrics, config.sweep_select, selected)
     if distributed.is_primary():
       sweep.write(workdir, record)
-    grid = report.sweep_grid_table(record)
+    grid = report.sweep_grid_table(record) + ''.join(f'\n\nNote: {note}' for note in notes)
   table = report.results_table(results)
   if selected:
     table = report.with_selected_points(table, {name: sweep.point_name(

@@ -32,6 +32,7 @@ grid order. The results table reports each method at its selected point;
 from __future__ import annotations
 
 import ast
+import glob
 import itertools
 import json
 import math
@@ -42,6 +43,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_shift.algorithms import ALGORITHMS
+from fedjax_shift.metrics import changed_fields
 from fedjax_shift.registry import require
 
 SECTIONS = ('client', 'server', 'adapters')   # besides each method's own section
@@ -314,6 +316,49 @@ def select(results: Sequence[Dict], points: Sequence[Point], metric: str, select
     return (eligible, s['validation_mean'] if eligible else -math.inf, -index)
 
   return max(range(len(points)), key=rank), summaries
+
+
+def better_off_grid(workdir: str, name: str, points: Sequence[Point], seeds: Sequence[int],
+                    selected: Dict, metric: str, select_rule: str) -> List[Dict]:
+  """The summaries (as ``select``'s) of points of method ``name`` trained in
+  ``workdir`` before, outside ``points`` (a grid since narrowed), over every seed of
+  ``seeds``, trained as the ``selected`` summary's runs but for the swept fields, whose
+  mean validation accuracy is above the selected point's: a narrowed grid must not
+  hide a better point it once had."""
+  names = {point_name(point) for point in points}
+  reference = os.path.join(workdir, name, selected['name'], f'seed_{seeds[0]}', 'run.json')
+  if not os.path.exists(reference):
+    return []
+  with open(reference) as f:
+    recorded = json.load(f)
+  swept = set(selected['point'])
+  found: Dict[str, List[Dict]] = {}
+  for directory in sorted(glob.glob(os.path.join(glob.escape(workdir), glob.escape(name),
+                                                 '*=*'))):
+    runs = []
+    for seed in seeds:
+      run_dir = os.path.join(directory, f'seed_{seed}')
+      paths = [os.path.join(run_dir, file) for file in ('results.json', 'run.json')]
+      if os.path.basename(directory) in names or not all(map(os.path.exists, paths)):
+        break
+      with open(paths[0]) as f:
+        result = json.load(f)
+      with open(paths[1]) as f:
+        other = json.load(f)
+      unswept = {k: v for k, v in recorded['fields'].items() if k not in swept}
+      if set(result.get('sweep_point', {})) != swept or other['rounds'] != \
+          recorded['rounds'] or changed_fields(other['fields'], unswept, swept):
+        break
+      runs.append(result)
+    else:
+      found[os.path.basename(directory)] = runs
+  if not found:
+    return []
+  off_points = [runs[0]['sweep_point'] for runs in found.values()]
+  _, summaries = select([r for runs in found.values() for r in runs], off_points, metric,
+                        select_rule)
+  return [s for s in summaries if not s['diverged'] and np.isfinite(s['validation_mean']) and
+          s['validation_mean'] > selected['validation_mean']]
 
 
 def grid_record(metrics: Mapping[str, str], select_rule: str,
