@@ -14,8 +14,9 @@ With one process every function here is the single-process behaviour.
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -44,6 +45,55 @@ def agree(error: Optional[str]) -> Optional[str]:
   if not buffer[0]:
     return None
   return bytes(buffer[1:]).rstrip(b'\0').decode(errors='replace')
+
+
+class PrimaryDecided(RuntimeError):
+  """Process 0 raised while taking a decision the other processes follow."""
+
+
+def primary_decides(decide: Callable[[], Any], what: str) -> Any:
+  """``decide()`` evaluated on process 0 alone, its value (JSON; under MESSAGE_BYTES)
+  returned on every process, or its error raised on every process (the others' naming
+  ``what``). For decisions read from the workdir's files, which process 0 writes and
+  the others could read half-written: every process then takes the same path to the
+  collectives that follow. Every process must call it at the same point; with one
+  process it returns ``decide()``."""
+  if jax.process_count() == 1:
+    return decide()
+  if not is_primary():
+    reply = json.loads(agree(None) or '{}')
+    if 'error' in reply:
+      raise PrimaryDecided(f'process 0 stopped at {what}: {reply["error"]}')
+    return reply.get('value')
+  try:
+    value = decide()
+  except Exception as err:
+    agree(json.dumps({'error': f'{type(err).__name__}: {err}'[:MESSAGE_BYTES // 2]}))
+    raise
+  message = json.dumps({'value': value})
+  if len(message.encode()) >= MESSAGE_BYTES:
+    raise ValueError(f'{what}: a decision of {len(message)} bytes, more than the '
+                     f'{MESSAGE_BYTES} process 0 can send')   # not raised in the others: a bug
+  agree(message)
+  return value
+
+
+def require_in_step(what: str) -> None:
+  """Raises RuntimeError naming ``what`` on every process when the processes reached
+  this call at different points (``what`` differs, e.g. another run directory): a
+  run whose processes took different paths stops here, before a collective that
+  would wait for the others until a timeout. Every process must call it."""
+  differing = differing_processes(what)
+  if differing:
+    from jax.experimental import multihost_utils
+    names = multihost_utils.process_allgather(np.frombuffer(
+        what.encode()[:256].ljust(256, b'\0'), np.uint8))
+    where = {i: bytes(np.asarray(names)[i]).rstrip(b'\0').decode(errors='replace')
+             for i in range(np.asarray(names).shape[0])}
+    raise RuntimeError(f'the processes of this run are out of step: process 0 is at '
+                       f'{where[0]!r}, ' + ', '.join(f'process {i} at {where[i]!r}'
+                                                       for i in differing) +
+                       '; every process must run the same command on the same workdir')
 
 
 def open_output(path: str, mode: str = 'w'):
@@ -82,3 +132,20 @@ def lost_processes(wait_seconds: float) -> list:
     if lost or time.time() > deadline:
       return lost
     time.sleep(1.0)
+
+
+def wait_for_coordinator(address: str, timeout_seconds: float) -> Optional[str]:
+  """Waits up to ``timeout_seconds`` for ``address`` ('host:port', process 0's
+  coordinator) to accept a TCP connection; None when it did, else the last error."""
+  import socket
+  import time
+  host, _, port = address.rpartition(':')
+  deadline = time.time() + timeout_seconds
+  while True:
+    try:
+      with socket.create_connection((host.strip('[]'), int(port)), timeout=5):
+        return None
+    except (OSError, ValueError) as err:
+      if time.time() >= deadline:
+        return f'{type(err).__name__}: {err}'
+    time.sleep(0.5)

@@ -86,6 +86,15 @@ def main(argv):
     print(f'launch/train.py: process {_PROCESS_ID.value} joining the run at coordinator '
           f'{_COORDINATOR.value or "(found by JAX from the cluster environment)"} '
           f'(--initialization_timeout={_INIT_TIMEOUT.value}s)', file=sys.stderr, flush=True)
+    if _COORDINATOR.value and _PROCESS_ID.value:
+      # JAX's runtime aborts the process (SIGABRT) when the coordinator never answers;
+      # a process other than 0 (which serves it) first waits for its port to open.
+      problem = distributed.wait_for_coordinator(_COORDINATOR.value, _INIT_TIMEOUT.value)
+      if problem:
+        sys.exit(f'launch/train.py: --distributed: could not reach the coordinator '
+                 f'{_COORDINATOR.value} (process 0) within --initialization_timeout='
+                 f'{_INIT_TIMEOUT.value}s ({problem}): start process 0 with the same '
+                 f'--coordinator, or check the address and the network between the hosts')
     try:
       jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
                                  num_processes=_NUM_PROCESSES.value,

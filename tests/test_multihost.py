@@ -154,8 +154,10 @@ def test_bad_starts_are_refused_on_every_process(tmp_path):
                         '--num_processes=2', '--process_id=1', '--initialization_timeout=5',
                         *FLAGS], env=environment(2), capture_output=True, text=True,
                        timeout=120)
-  assert out.returncode != 0 and time.time() - tick < 60
+  assert out.returncode == 1 and time.time() - tick < 60      # not SIGABRT's -6
   assert f'joining the run at coordinator 127.0.0.1:{port}' in out.stderr
+  assert (f'could not reach the coordinator 127.0.0.1:{port} (process 0) within '
+          f'--initialization_timeout=5s') in out.stderr
 
 
 def wait_for_checkpoint(workdir, deadline):

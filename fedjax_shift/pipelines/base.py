@@ -395,13 +395,32 @@ def check_run_dir(run_dir: str, run_config: ml_collections.ConfigDict, section: 
   """Checks ``run_dir`` against its ``run.json`` (fingerprint, round target) and kept
   checkpoints (read-only); returns the run's fingerprinted fields, with
   ``depends_on.<key>`` for what the run reads from another run (``depends_on``)."""
-  fields = run_fields(run_config, section)
-  fields.update({f'depends_on.{key}': json.dumps(value, sort_keys=True)
-                 for key, value in (depends_on or {}).items()})
+  fields = state_fields(run_config, section, depends_on)
   workdir_lib.check_run_dir(run_dir, fields, run_config.rounds, resume,
                             other_benchmark_fields(run_config.data.benchmark))
   workdir_lib.check_rounds(run_dir, run_config.rounds)
   return fields
+
+
+def state_fields(run_config: ml_collections.ConfigDict, section: str,
+                 depends_on: Optional[dict] = None) -> dict:
+  """A run's fingerprinted fields (``run_fields``) with ``depends_on.<key>`` for what
+  it reads from another run (``depends_on``)."""
+  fields = run_fields(run_config, section)
+  fields.update({f'depends_on.{key}': json.dumps(value, sort_keys=True)
+                 for key, value in (depends_on or {}).items()})
+  return fields
+
+
+def checked_fields(run_dir: str, run_config: ml_collections.ConfigDict, section: str,
+                   resume: str, depends_on: Optional[dict] = None) -> dict:
+  """``check_run_dir`` on every process of a run: process 0 reads the run's files
+  (which it writes, and the others could read half-written), its verdict reaches every
+  process; returns the fields."""
+  distributed.primary_decides(
+      lambda: check_run_dir(run_dir, run_config, section, resume, depends_on) and None,
+      f'the check of {run_dir}/run.json')
+  return state_fields(run_config, section, depends_on)
 
 
 class OpenRun(NamedTuple):

@@ -40,7 +40,7 @@ from fedjax_shift.pipelines import loop, pretrain, sweep
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.loop import DivergenceError  # noqa: F401  (importers catch it here)
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, adapts,
-                                         algorithm_names, check_run, check_run_dir,
+                                         algorithm_names, check_run, checked_fields,
                                          eval_adapter_specs, hardware, open_run, round_backend)
 
 log = logging.getLogger('fedjax_shift')
@@ -282,7 +282,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   re-run whose fields differ, or that raises ``rounds`` without
   ``config.resume='extend'``, is refused before anything is touched (pipelines/workdir.py).
   """
-  settled = settled_divergence(workdir, config.rounds) if keep_going else None
+  distributed.require_in_step(f'{algorithm_name} seed {seed}')
+  settled = distributed.primary_decides(
+      lambda: str(settled_divergence(workdir, config.rounds) or '') or None,
+      f'the divergence record of {workdir}') if keep_going else None
+  settled = DivergenceError(settled) if settled is not None else None
   if settled is not None:
     log_settled(workdir)
     return diverged_record(config, workdir, algorithm_name, seed, settled)
@@ -383,7 +387,7 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
   method, its compiled round and evaluation, initialises the state (from the pretrained encoder
   ``backbone`` when given: pipelines/pretrain.py) and restores it from the latest
   checkpoint."""
-  fields = check_run_dir(workdir, config, algorithm_name, config.resume, depends_on)
+  fields = checked_fields(workdir, config, algorithm_name, config.resume, depends_on)
   os.makedirs(workdir, exist_ok=True)
   if bench is None:
     bench = build_data(config, seed)
@@ -397,7 +401,9 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
   stats = {name: federated.partition_statistics(s, bench.num_classes)
            for name, s in bench.splits.items()}
   digest = data_digest(bench)
-  check_same_data(os.path.join(workdir, 'partition.json'), digest)
+  distributed.primary_decides(lambda: check_same_data(os.path.join(workdir, 'partition.json'),
+                                                      digest),
+                              f'the check of {workdir}/partition.json')
   with distributed.open_output(os.path.join(workdir, 'partition.json')) as f:
     json.dump({'statistics': stats, 'info': bench.info, 'data_digest': digest,
                'num_examples': {n: s.num_examples.tolist() for n, s in bench.splits.items()}},
@@ -878,10 +884,16 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
   a call of their own, apart from points still to train."""
   runs = [(point, seed) for point in points for seed in seeds]
   run_dirs = [sweep.run_dir(workdir, name, point, seed) for point, seed in runs]
+  distributed.require_in_step(f'{name} points {[sweep.point_name(p) for p in points]} '
+                              f'seeds {list(seeds)}')
   settled = {}
   if config.on_divergence == 'continue':
-    settled = {i: error for i, run_dir in enumerate(run_dirs)
-               if (error := settled_divergence(run_dir, config.rounds)) is not None}
+    def records() -> Dict[int, str]:
+      errors = {i: settled_divergence(run_dir, config.rounds)
+                for i, run_dir in enumerate(run_dirs)}
+      return {i: str(error) for i, error in errors.items() if error is not None}
+    settled = {int(i): DivergenceError(error) for i, error in distributed.primary_decides(
+        records, f'the divergence records of {workdir}').items()}
   extra = {'vmapped_seeds': list(seeds)} if config.engine.vmap_seeds else {}
 
   def record(i: int, outcome: loop.Outcome, upload, clock) -> Dict:
@@ -1010,9 +1022,10 @@ def common_checkpoint_round(run_dirs: Sequence[str], rounds: int) -> int:
   (0: none), where runs trained in lockstep resume: after a kill between the per-run
   saves, the runs ahead go back to it (training is deterministic, so they retrain the
   same rounds). A run that diverged is not among ``run_dirs`` (``train_lockstep``)."""
-  kept = [set(r for r in workdir_lib.checkpoint_rounds(d) if r <= rounds) for d in run_dirs]
-  common = set.intersection(*kept) if kept else set()
-  return max(common, default=0)
+  def newest() -> int:
+    kept = [set(r for r in workdir_lib.checkpoint_rounds(d) if r <= rounds) for d in run_dirs]
+    return max(set.intersection(*kept) if kept else set(), default=0)
+  return distributed.primary_decides(newest, f'the checkpoints of {len(run_dirs)} runs')
 
 
 def run_dirs(config: ml_collections.ConfigDict, workdir: str):

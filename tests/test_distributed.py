@@ -1,0 +1,81 @@
+"""The decisions several processes of one run take together (fedjax_shift/distributed.py),
+with the collectives replaced by what two processes would exchange: process 0 decides
+what it reads from the workdir and the others follow; processes out of step stop naming
+where each is."""
+import json
+
+import numpy as np
+import pytest
+
+from fedjax_shift import distributed
+
+
+@pytest.fixture
+def two_processes(monkeypatch):
+  """This process as ``index`` of two; ``sent`` holds process 0's broadcast buffers,
+  ``gathered`` what each process contributes to an allgather (the other's fixed)."""
+  from jax.experimental import multihost_utils
+  state = {'index': 0, 'sent': [], 'other': None}
+  monkeypatch.setattr(distributed.jax, 'process_count', lambda: 2)
+  monkeypatch.setattr(distributed.jax, 'process_index', lambda: state['index'])
+
+  def broadcast(buffer):
+    if state['index'] == 0:
+      state['sent'].append(np.array(buffer))
+      return buffer
+    return state['sent'][-1]
+
+  def allgather(mine):
+    other = state['other'](mine) if state['other'] else mine
+    return np.stack([mine, other] if state['index'] == 0 else [other, mine])
+  monkeypatch.setattr(multihost_utils, 'broadcast_one_to_all', broadcast)
+  monkeypatch.setattr(multihost_utils, 'process_allgather', allgather)
+  return state
+
+
+def test_process_0_decides_and_the_others_follow_without_reading(two_processes):
+  read = []
+  assert distributed.primary_decides(lambda: read.append(0) or {'round': 4}, 'x') == \
+      {'round': 4}
+  two_processes['index'] = 1    # process 1: takes process 0's value, reads nothing
+  assert distributed.primary_decides(lambda: read.append(1) or {'round': 0}, 'x') == \
+      {'round': 4}
+  assert read == [0]
+
+
+def test_process_0s_error_stops_every_process_naming_the_decision(two_processes):
+  def refuse():
+    raise ValueError('run.json holds another configuration')
+  with pytest.raises(ValueError, match='another configuration'):
+    distributed.primary_decides(refuse, 'the check of W/run.json')
+  assert json.loads(bytes(two_processes['sent'][-1][1:]).rstrip(b'\0'))['error'] == \
+      'ValueError: run.json holds another configuration'
+  two_processes['index'] = 1
+  with pytest.raises(distributed.PrimaryDecided, match=r'process 0 stopped at the check of '
+                                                      r'W/run.json: ValueError: run.json'):
+    distributed.primary_decides(lambda: None, 'the check of W/run.json')
+
+
+def test_processes_out_of_step_stop_naming_where_each_is(two_processes):
+  distributed.require_in_step('fedavg seed 0')   # both at one place: nothing happens
+  two_processes['other'] = lambda mine: (
+      np.frombuffer(b'ditto seed 0'.ljust(256, b'\0'), np.uint8) if mine.size == 256 else
+      np.zeros_like(mine))
+  with pytest.raises(RuntimeError, match=r"out of step: process 0 is at 'fedavg seed 0', "
+                                         r"process 1 at 'ditto seed 0'"):
+    distributed.require_in_step('fedavg seed 0')
+
+
+def test_a_coordinator_that_never_answers_is_named_within_the_timeout():
+  import socket
+  import time
+  with socket.socket() as s:   # a port nothing listens on
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  tick = time.time()
+  problem = distributed.wait_for_coordinator(f'127.0.0.1:{port}', 1.0)
+  assert 'Connection refused' in problem and time.time() - tick < 10
+  with socket.socket() as server:
+    server.bind(('127.0.0.1', 0))
+    server.listen()
+    assert distributed.wait_for_coordinator(f'127.0.0.1:{server.getsockname()[1]}', 1.0) is None
