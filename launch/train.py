@@ -153,5 +153,52 @@ def main(argv):
     os._exit(1)   # the runtime's shutdown would wait for the lost process
 
 
+def unknown_override(argv) -> str:
+  """Why a ``--config.<field>=<value>`` of ``argv`` names no field of the config that
+  ``--config=<file>[:<variant>]`` builds ('' when each one does, or the file does not
+  load: flag parsing then says why), with the field's near names."""
+  import difflib
+  import importlib.util
+  spec = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), '')
+  path, _, variant = spec.partition(':')
+  try:
+    loader = importlib.util.spec_from_file_location('fedjax_shift_launched_config', path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    config = module.get_config(variant) if variant else module.get_config()
+  except Exception:   # noqa: BLE001  flag parsing reports a config that does not load
+    return ''
+  for arg in argv:
+    if not arg.startswith('--config.'):
+      continue
+    field = arg[len('--config.'):].split('=', 1)[0]
+    node, walked = config, []
+    for part in field.split('.'):
+      if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+        known = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+        near = difflib.get_close_matches(part, known, n=3, cutoff=0.5)
+        where = 'config.' + '.'.join(walked) if walked else 'the config'
+        return (f'--config.{field}: {where} has no field {part!r}' +
+                (f'; did you mean {", ".join(near)}?' if near else
+                 f'; its fields: {", ".join(known)}' if known else
+                 f' ({where} is a value, not a section)'))
+      node = node[part]
+      walked.append(part)
+  return ''
+
+
+def parse_flags(argv):
+  """absl's flag parsing, a mistyped --config.<field> one line naming it."""
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as err:
+    problem = unknown_override(argv)
+    if problem:
+      sys.exit(f'launch/train.py: {problem}')
+    raise err
+  except flags.Error as err:
+    sys.exit(f'launch/train.py: {err}\nPass --helpfull to see the flags.')
+
+
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

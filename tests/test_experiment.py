@@ -84,8 +84,8 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
 
 
 def test_command_line_mistakes_are_one_paragraph_and_touch_nothing(tmp_path):
-  # A stray word (an unquoted workdir with a space) and a value out of range: a
-  # message that names it, no traceback, no workdir written.
+  # A stray word (an unquoted workdir with a space), a value out of range and a
+  # mistyped field: a message that names it, no traceback, no workdir written.
   stray = subprocess.run(_launch(tmp_path / 'my', 2) + ['run'], capture_output=True,
                          text=True, cwd=ROOT)
   assert stray.returncode != 0 and "unexpected words on the command line: ['run']" in \
@@ -95,7 +95,27 @@ def test_command_line_mistakes_are_one_paragraph_and_touch_nothing(tmp_path):
   assert bad.returncode == 1 and 'Traceback' not in bad.stderr, bad.stderr[-3000:]
   assert 'config.client.momentum: must be in [0, 1), got 1.5' in bad.stderr
   assert 'FEDJAX_SHIFT_TRACEBACK=1' in bad.stderr
+  typo = subprocess.run(_launch(tmp_path / 'typo', 2) + ['--config.client.lr=0.1'],
+                        capture_output=True, text=True, cwd=ROOT)
+  assert typo.returncode == 1 and 'Traceback' not in typo.stderr, typo.stderr[-3000:]
+  assert ("--config.client.lr: config.client has no field 'lr'; its fields: augmentation, "
+          "batch_size, learning_rate") in typo.stderr
   assert not os.path.exists(tmp_path / 'my') and not os.path.exists(tmp_path / 'bad')
+  assert not os.path.exists(tmp_path / 'typo')
+
+
+def test_ctrl_c_saves_says_how_to_resume_and_prints_no_traceback(tmp_path):
+  metrics_path = tmp_path / 'fedavg' / 'seed_0' / 'metrics.jsonl'
+  proc = subprocess.Popen(_launch(tmp_path, 200), cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  while time.time() < deadline and len(read_metrics(str(metrics_path))) < 3:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGINT)
+  _, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 130 and 'Traceback' not in stderr, stderr[-3000:]
+  assert 'interrupted: saved round' in stderr
+  assert 'run the same command again to resume' in stderr
 
 
 def test_divergence_stops_with_round_and_keeps_checkpoint(tmp_path):
