@@ -32,6 +32,9 @@ from fedjax_shift.pipelines.workdir import WorkdirBusyError  # noqa: E402
 PREEMPTED_STATUS = 143
 # The exit status after Ctrl-C (128 + SIGINT's 2, as a shell reports it).
 INTERRUPTED_STATUS = 130
+# The exit status of a config, flag or workdir the run refuses (as command-line tools
+# report a usage error); other errors a user mends (disk, memory) exit with 1.
+USAGE_STATUS = 2
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file[:variant].')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics, results.')
@@ -69,8 +72,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> pipelines.Results:
 
 def main(argv):
   if len(argv) > 1:   # e.g. an unquoted --workdir with a space: its second word lands here
-    sys.exit(f'launch/train.py: unexpected words on the command line: {argv[1:]}; every '
-             f'argument is a --flag=value (quote a value holding a space)')
+    print(f'launch/train.py: unexpected words on the command line: {argv[1:]}; every '
+          f'argument is a --flag=value (quote a value holding a space)', file=sys.stderr)
+    sys.exit(USAGE_STATUS)
   config = _CONFIG.value
   if config.engine.deterministic:
     # XLA's deterministic GPU ops: read when the backend starts, i.e. before any array is
@@ -136,8 +140,9 @@ def main(argv):
             'deletes the older checkpoints first) or pass another --workdir, then re-run the '
             'same command to resume.' if checkpoint.is_disk_full(err) and
             not isinstance(err, checkpoint.DiskFullError) else '')
-    sys.exit(f'launch/train.py: {type(err).__name__}: {err}{full}\n(the traceback: re-run '
-             f'with {TRACEBACK_VARIABLE}=1)')
+    print(f'launch/train.py: {type(err).__name__}: {err}{full}\n(the traceback: re-run '
+          f'with {TRACEBACK_VARIABLE}=1)', file=sys.stderr)
+    sys.exit(USAGE_STATUS if isinstance(err, ValueError) else 1)
   except jax.errors.JaxRuntimeError as err:
     if jax.process_count() == 1:
       raise
@@ -194,10 +199,12 @@ def parse_flags(argv):
   except (AttributeError, KeyError) as err:
     problem = unknown_override(argv)
     if problem:
-      sys.exit(f'launch/train.py: {problem}')
+      print(f'launch/train.py: {problem}', file=sys.stderr)
+      sys.exit(USAGE_STATUS)
     raise err
   except flags.Error as err:
-    sys.exit(f'launch/train.py: {err}\nPass --helpfull to see the flags.')
+    print(f'launch/train.py: {err}\nPass --helpfull to see the flags.', file=sys.stderr)
+    sys.exit(USAGE_STATUS)
 
 
 if __name__ == '__main__':

@@ -88,16 +88,16 @@ def test_command_line_mistakes_are_one_paragraph_and_touch_nothing(tmp_path):
   # mistyped field: a message that names it, no traceback, no workdir written.
   stray = subprocess.run(_launch(tmp_path / 'my', 2) + ['run'], capture_output=True,
                          text=True, cwd=ROOT)
-  assert stray.returncode != 0 and "unexpected words on the command line: ['run']" in \
+  assert stray.returncode == 2 and "unexpected words on the command line: ['run']" in \
       stray.stderr
   bad = subprocess.run(_launch(tmp_path / 'bad', 2) + ['--config.client.momentum=1.5'],
                        capture_output=True, text=True, cwd=ROOT)
-  assert bad.returncode == 1 and 'Traceback' not in bad.stderr, bad.stderr[-3000:]
+  assert bad.returncode == 2 and 'Traceback' not in bad.stderr, bad.stderr[-3000:]
   assert 'config.client.momentum: must be in [0, 1), got 1.5' in bad.stderr
   assert 'FEDJAX_SHIFT_TRACEBACK=1' in bad.stderr
   typo = subprocess.run(_launch(tmp_path / 'typo', 2) + ['--config.client.lr=0.1'],
                         capture_output=True, text=True, cwd=ROOT)
-  assert typo.returncode == 1 and 'Traceback' not in typo.stderr, typo.stderr[-3000:]
+  assert typo.returncode == 2 and 'Traceback' not in typo.stderr, typo.stderr[-3000:]
   assert ("--config.client.lr: config.client has no field 'lr'; its fields: augmentation, "
           "batch_size, learning_rate") in typo.stderr
   assert not os.path.exists(tmp_path / 'my') and not os.path.exists(tmp_path / 'bad')
