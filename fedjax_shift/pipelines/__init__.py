@@ -5,6 +5,7 @@ and ``pretrain`` (a backbone only), all over the one run loop of ``loop.py``.
 Adding a pipeline: one file plus one import line here.
 
     results = pipelines.run(config, workdir)   # validate, config.json, run, results.md
+    run = pipelines.load_run(workdir, 'fedavg', seed=0)   # a trained run, back in Python
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from fedjax_shift import distributed
 from fedjax_shift.pipelines import atp, federated, hetero, pretrain  # noqa: F401
 from fedjax_shift.pipelines.base import (PIPELINES, Results, format_results,  # noqa: F401
                                          prologue, validate, write_results)
+from fedjax_shift.pipelines.load import LoadedRun, load_run  # noqa: F401
 from fedjax_shift.pipelines.workdir import (RunMismatchError, WorkdirBusyError,  # noqa: F401
                                             WorkdirLock)
 
