@@ -60,6 +60,18 @@ def _hparam_value(text: str):
   return json.dumps(value, sort_keys=True)
 
 
+def run_identity(run_dir: str) -> Dict[str, str]:
+  """The hyperparameters that name a run in TensorBoard's HParams view, from its
+  directory ``<workdir>/<method>[/<point>]/seed_<s>``: 'method', 'point' (a sweep's,
+  '' for none), 'seed' (JSON values, as the fingerprint fields)."""
+  parts = os.path.normpath(run_dir).split(os.sep)
+  if len(parts) < 2 or not parts[-1].startswith('seed_') or not parts[-1][5:].isdigit():
+    return {}
+  swept = len(parts) >= 3 and '=' in parts[-2]
+  return {'method': json.dumps(parts[-3] if swept else parts[-2]),
+          'point': json.dumps(parts[-2] if swept else ''), 'seed': parts[-1][5:]}
+
+
 def event_files(directory: str) -> List[str]:
   """The TensorBoard event files in ``directory`` ([] if it does not exist)."""
   return glob.glob(os.path.join(directory, 'events.out.tfevents.*'))
@@ -136,8 +148,8 @@ class EventWriter:
           f'cannot write TensorBoard event files to {self.directory} ({error}); make it a '
           f'writable directory (or remove what is in the way) and run again') from None
     self.writer = SummaryWriter(logdir=self.directory, flush_secs=3600)
-    if hparams:
-      self._write_hparams(hparams, records)
+    if hparams:   # the run's name first: the HParams view groups runs by it
+      self._write_hparams({**run_identity(run_dir), **hparams}, records)
     for record in records:
       self._add(record)
     self.writer.flush()

@@ -53,6 +53,20 @@ def test_event_files_hold_the_metrics_records_and_the_fingerprint(workdir):
   assert {'round_seconds', 'examples_per_second', 'compile_seconds'} <= set(scalars)
   assert 1 in scalars['compile_seconds']                       # the first call compiled
   assert '_hparams_/session_start_info' in accumulator.PluginTagToContent('hparams')
+  from tensorboard.plugins.hparams import plugin_data_pb2
+  start = plugin_data_pb2.HParamsPluginData.FromString(
+      accumulator.PluginTagToContent('hparams')['_hparams_/session_start_info'])
+  hparams = start.session_start_info.hparams
+  assert (hparams['method'].string_value, hparams['seed'].number_value,
+          hparams['point'].string_value) == ('fedavg', 0, '')   # the run named first
+  assert 'client.learning_rate' in hparams
+
+
+def test_a_run_is_named_by_its_directory():
+  assert events.run_identity('/w/fedavg/client.learning_rate=0.1/seed_2') == {
+      'method': '"fedavg"', 'point': '"client.learning_rate=0.1"', 'seed': '2'}
+  assert events.run_identity('/w/fedbn/seed_0')['method'] == '"fedbn"'
+  assert events.run_identity('/w/atp/alpha') == {}
 
 
 def test_deleted_or_damaged_event_files_are_rebuilt_with_a_warning(workdir, caplog):
