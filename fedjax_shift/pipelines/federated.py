@@ -1133,7 +1133,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
               f"{config.cohort_size}; accuracy (%) mean ± std over seeds {tuple(config.seeds)}; "
               f"hardware: {info['device_kind']} ({info['backend']}).")
   files = ((report.write_csv(table, os.path.join(workdir, 'results.csv')),
-            report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png')))
+            report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png'),
+                               title=f'{config.data.benchmark}, {config.rounds} rounds, cohort '
+                                     f'{config.cohort_size}, seeds {tuple(config.seeds)}'))
            if distributed.is_primary() else ())
   paper_tables = report.paper_table(config, {'results': results})
   tables = ((table['markdown'],) + ((grid,) if grid else ()) +

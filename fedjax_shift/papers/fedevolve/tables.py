@@ -12,9 +12,9 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from fedjax_shift.papers.fedevolve import numbers
-from fedjax_shift.report import (PAPER_TABLES, PaperTable, cell_value, column_labels, load_runs,
-                                 markdown, mean_std, new_plot, paper_markdown, run_config,
-                                 save_plot, seeds_cell)
+from fedjax_shift.report import (PAPER_TABLES, PaperTable, cell_value, colours, column_labels,
+                                 load_runs, markdown, mean_std, new_plot, paper_markdown,
+                                 run_config, save_plot, seeds_cell)
 
 # The paper's table that a benchmark's run is a column of (numbers.PAPER_NUMBERS keys).
 TIMED_SOURCES = {'portraits': 'Portraits', 'caltran': 'Caltran'}
@@ -285,14 +285,14 @@ def plot_increments(increments: Sequence[float], header: Sequence[str],
   (dashed) accuracy against the increments (the columns of ``evolving_rows``)."""
   order = np.argsort(increments)
   columns = [h[:-len(' Client')] for h in header if h.endswith(' Client')]
-  fig, ax = new_plot()
-  for row in rows:
+  fig, ax = new_plot((7, 4))
+  for row, colour in zip(rows, colours(len(rows))):
     for kind, style in (('Client', '-'), ('Server', '--')):
       values = [cell_value(row[header.index(f'{column} {kind}')]) for column in columns]
       if any(v is not None for v in values):
         ax.plot(np.asarray(increments)[order],
                 [np.nan if values[i] is None else values[i] for i in order], style,
-                marker='o', markersize=3, label=f'{row[0]} ({kind})')
+                color=colour, marker='o', markersize=3, label=f'{row[0]} ({kind})')
   return save_plot(fig, ax, path, 'rotation increment (degrees)',
                    'accuracy on the target domain (%)', legend_columns=2)
 

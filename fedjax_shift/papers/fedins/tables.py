@@ -11,8 +11,9 @@ import numpy as np
 
 from fedjax_shift.benchmarks.mixed_domains import domain_label
 from fedjax_shift.papers.fedins import numbers
-from fedjax_shift.report import (PAPER_TABLES, PaperTable, load_runs, markdown, mean_std,
-                                 new_plot, paper_markdown, run_config, save_plot, seeds_cell)
+from fedjax_shift.report import (PAPER_TABLES, PaperTable, colours, load_runs, markdown,
+                                 mean_std, new_plot, paper_markdown, run_config, save_plot,
+                                 seeds_cell)
 
 
 # FedIns Table 1 rows: (label, method, model). SOLO and FedBN are scored with
@@ -178,8 +179,7 @@ def plot_backbones(coverages: Sequence[str], splits: Sequence[str], means: Dict,
   """FedIns − FedAvg (solid) and − SSF (dashed) per test domain against the coverage."""
   fig, ax = new_plot()
   positions = np.arange(len(coverages))
-  for index, split in enumerate(splits):
-    colour = f'C{index}'
+  for split, colour in zip(splits, colours(len(splits))):
     for (_, name), style in zip(BACKBONE_BASELINES, ('-', '--')):
       ax.plot(positions, [means[(c, split, name)] for c in coverages], style, color=colour,
               marker='o', markersize=3, label=f'{split}: − {name}')
