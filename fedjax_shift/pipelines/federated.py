@@ -49,6 +49,10 @@ log = logging.getLogger('fedjax_shift')
 def build_data(config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   bench = BENCHMARKS.get(config.data.benchmark, 'config.data.benchmark')(config.data, seed)
   validate_benchmark(bench)
+  if not any(int(np.sum(s.num_examples)) for n, s in bench.splits.items() if n != 'train'):
+    raise ValueError(f'config.data: benchmark {config.data.benchmark!r} builds no evaluation '
+                     f'split with examples (splits: {sorted(bench.splits)}): no accuracy '
+                     f'would be measured')
   pad_to = config.data.pad_to
   if pad_to:
     if 'domain_size' in bench.info:
@@ -76,9 +80,6 @@ def validate_benchmark(bench: Benchmark) -> None:
     if split.num_clients != bench.splits['train'].num_clients:
       raise ValueError(f'split {name!r} has {split.num_clients} clients, the train split '
                        f'{bench.splits["train"].num_clients}')
-  if not any(int(np.sum(s.num_examples)) for n, s in bench.splits.items() if n != 'train'):
-    raise ValueError(f'the benchmark builds no evaluation split with examples (splits: '
-                     f'{sorted(bench.splits)}): no accuracy would be measured')
   if int(np.sum(bench.splits['train'].num_examples)) == 0:
     raise ValueError('the train split holds no examples at any client (e.g. '
                      'config.data.split_fractions.train=0): nothing would be trained')
