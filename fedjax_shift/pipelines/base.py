@@ -396,10 +396,17 @@ def check_run_dir(run_dir: str, run_config: ml_collections.ConfigDict, section: 
   checkpoints (read-only); returns the run's fingerprinted fields, with
   ``depends_on.<key>`` for what the run reads from another run (``depends_on``)."""
   fields = state_fields(run_config, section, depends_on)
+  check_recorded(run_dir, fields, run_config, resume)
+  return fields
+
+
+def check_recorded(run_dir: str, fields: dict, run_config: ml_collections.ConfigDict,
+                   resume: str) -> None:
+  """``fields`` and ``run_config.rounds`` against ``run_dir``'s run.json and kept
+  checkpoints (read-only)."""
   workdir_lib.check_run_dir(run_dir, fields, run_config.rounds, resume,
                             other_benchmark_fields(run_config.data.benchmark))
   workdir_lib.check_rounds(run_dir, run_config.rounds)
-  return fields
 
 
 def state_fields(run_config: ml_collections.ConfigDict, section: str,
@@ -417,10 +424,10 @@ def checked_fields(run_dir: str, run_config: ml_collections.ConfigDict, section:
   """``check_run_dir`` on every process of a run: process 0 reads the run's files
   (which it writes, and the others could read half-written), its verdict reaches every
   process; returns the fields."""
-  distributed.primary_decides(
-      lambda: check_run_dir(run_dir, run_config, section, resume, depends_on) and None,
-      f'the check of {run_dir}/run.json')
-  return state_fields(run_config, section, depends_on)
+  fields = state_fields(run_config, section, depends_on)
+  distributed.primary_decides(lambda: check_recorded(run_dir, fields, run_config, resume),
+                              f'the check of {run_dir}/run.json')
+  return fields
 
 
 class OpenRun(NamedTuple):

@@ -284,10 +284,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
   ``config.resume='extend'``, is refused before anything is touched (pipelines/workdir.py).
   """
   distributed.require_in_step(f'{algorithm_name} seed {seed}')
-  settled = distributed.primary_decides(
-      lambda: str(settled_divergence(workdir, config.rounds) or '') or None,
-      f'the divergence record of {workdir}') if keep_going else None
-  settled = DivergenceError(settled) if settled is not None else None
+  settled = settled_divergences([workdir], config.rounds).get(0) if keep_going else None
   if settled is not None:
     log_settled(workdir)
     return diverged_record(config, workdir, algorithm_name, seed, settled)
@@ -661,6 +658,16 @@ def settled_divergence(run_dir: str, rounds: int) -> Optional[DivergenceError]:
   return DivergenceError(recorded['error']) if recorded['round'] <= rounds else None
 
 
+def settled_divergences(run_dirs: Sequence[str], rounds: int) -> Dict[int, DivergenceError]:
+  """{index in ``run_dirs``: its ``settled_divergence``} of the runs that have one,
+  read by process 0 and the same on every process (``distributed.primary_decides``)."""
+  def read() -> Dict[int, str]:
+    errors = {i: settled_divergence(run_dir, rounds) for i, run_dir in enumerate(run_dirs)}
+    return {i: str(error) for i, error in errors.items() if error is not None}
+  decided = distributed.primary_decides(read, f'the divergence records of {list(run_dirs)}')
+  return {int(i): DivergenceError(error) for i, error in decided.items()}   # JSON: str keys
+
+
 def log_settled(run_dir: str) -> None:
   log.info('%s: diverged before (%s); recorded again, not retrained (delete it to retrain)',
            run_dir, loop.DIVERGED_FILE)
@@ -887,14 +894,8 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
   run_dirs = [sweep.run_dir(workdir, name, point, seed) for point, seed in runs]
   distributed.require_in_step(f'{name} points {[sweep.point_name(p) for p in points]} '
                               f'seeds {list(seeds)}')
-  settled = {}
-  if config.on_divergence == 'continue':
-    def records() -> Dict[int, str]:
-      errors = {i: settled_divergence(run_dir, config.rounds)
-                for i, run_dir in enumerate(run_dirs)}
-      return {i: str(error) for i, error in errors.items() if error is not None}
-    settled = {int(i): DivergenceError(error) for i, error in distributed.primary_decides(
-        records, f'the divergence records of {workdir}').items()}
+  settled = (settled_divergences(run_dirs, config.rounds)
+             if config.on_divergence == 'continue' else {})
   extra = {'vmapped_seeds': list(seeds)} if config.engine.vmap_seeds else {}
 
   def record(i: int, outcome: loop.Outcome, upload, clock) -> Dict:

@@ -332,20 +332,22 @@ def better_off_grid(workdir: str, name: str, points: Sequence[Point], seeds: Seq
   with open(reference) as f:
     recorded = json.load(f)
   swept = set(selected['point'])
+  unswept = {k: v for k, v in recorded['fields'].items() if k not in swept}
   found: Dict[str, List[Dict]] = {}
   for directory in sorted(glob.glob(os.path.join(glob.escape(workdir), glob.escape(name),
                                                  '*=*'))):
+    if os.path.basename(directory) in names:
+      continue
     runs = []
     for seed in seeds:
-      run_dir = os.path.join(directory, f'seed_{seed}')
-      paths = [os.path.join(run_dir, file) for file in ('results.json', 'run.json')]
-      if os.path.basename(directory) in names or not all(map(os.path.exists, paths)):
+      paths = [os.path.join(directory, f'seed_{seed}', file)
+               for file in ('results.json', 'run.json')]
+      if not all(map(os.path.exists, paths)):
         break
       with open(paths[0]) as f:
         result = json.load(f)
       with open(paths[1]) as f:
         other = json.load(f)
-      unswept = {k: v for k, v in recorded['fields'].items() if k not in swept}
       if set(result.get('sweep_point', {})) != swept or other['rounds'] != \
           recorded['rounds'] or changed_fields(other['fields'], unswept, swept):
         break

@@ -77,7 +77,8 @@ def state_fields(config: ml_collections.ConfigDict, method_sections: Iterable[st
 
 
 # Where content digests of large input files are cached, keyed by path, size,
-# modification time, inode and status-change time, so that a re-run reads the digest instead of hashing the file again.
+# modification time, inode and status-change time, so that a re-run reads the digest
+# instead of hashing the file again.
 DIGEST_CACHE = os.path.join(os.path.expanduser('~'), '.cache', 'fedjax_shift', 'digests.json')
 
 
