@@ -1,8 +1,13 @@
 """Full-state checkpoints with orbax: server state, client states, round.
 
-The state pytree is saved as its flat list of leaves and restored into the
-structure of a freshly initialised state, so any NamedTuple / dict layout an
-algorithm uses round-trips without orbax needing to know it.
+A state pytree is saved as a nested dict named by its pytree paths (NamedTuple and
+dataclass fields, dict keys, list positions): a run's checkpoint reads as
+``{'server': {'params': {'Dense_0': {'kernel': ...}}, ...}, 'clients': ..., 'seconds': ...}``
+and ``read`` returns it without the library (any orbax reader does too). Restoring
+into a run puts the arrays into the structure of a freshly initialised state, so any
+NamedTuple / dict layout an algorithm uses round-trips without orbax needing to know
+it. Checkpoints written before the names (arrays ``leaf_00000``, ``leaf_00001``, … in
+the state's flattening order) still restore.
 
 Restoring tries the newest checkpoint first; one that cannot be read (a truncated
 file, a missing manifest or ``default/`` folder) is moved aside to
@@ -17,7 +22,7 @@ import logging
 import os
 import shutil
 import time
-from typing import Any, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
 import numpy as np
@@ -25,6 +30,57 @@ import orbax.checkpoint as ocp
 
 PyTree = Any
 log = logging.getLogger('fedjax_shift')
+
+
+class RunState(NamedTuple):
+  """What a run checkpoints: its method's server state, the per-client (or per-group)
+  states stacked on a leading axis, and the training seconds so far."""
+  server: Any
+  clients: Any
+  seconds: Any
+
+
+LEGACY_PREFIX = 'leaf_'   # checkpoints of anonymous leaves, in flattening order
+
+
+def _path_name(key) -> str:
+  for attribute in ('name', 'key', 'idx'):
+    if hasattr(key, attribute):
+      return str(getattr(key, attribute)).replace('.', '_')
+  return str(key).replace('.', '_')
+
+
+def leaf_names(state: PyTree) -> list:
+  """The '.'-joined path name of every leaf of ``state``, in flattening order."""
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+  return ['.'.join(_path_name(key) for key in path) or 'value' for path in paths]
+
+
+def named_tree(state: PyTree) -> dict:
+  """``state`` as a nested dict of numpy arrays named by its pytree paths (what a
+  checkpoint holds)."""
+  tree: dict = {}
+  leaves = jax.tree_util.tree_leaves(state)
+  names = leaf_names(state)
+  if len(set(names)) != len(names):
+    raise ValueError(f'two leaves of the state have one name: {sorted(names)}')
+  for name, leaf in zip(names, leaves):
+    node = tree
+    *parents, last = name.split('.')
+    for parent in parents:
+      node = node.setdefault(parent, {})
+    node[last] = np.asarray(leaf)
+  return tree
+
+
+def _flat_names(tree, prefix: str = '') -> dict:
+  """{'a.b.c': leaf} of a nested dict (a checkpoint's tree or its metadata)."""
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  flat = {}
+  for key, value in tree.items():
+    flat.update(_flat_names(value, f'{prefix}.{key}' if prefix else str(key)))
+  return flat
 
 
 class CheckpointMismatchError(ValueError):
@@ -77,12 +133,8 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self.options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                 enable_async_checkpointing=False)
-    self.manager = ocp.CheckpointManager(self.directory, options=self.options)
-
-  @staticmethod
-  def _as_leaves(state: PyTree) -> dict:
-    return {f'leaf_{i:05d}': np.asarray(leaf)
-            for i, leaf in enumerate(jax.tree_util.tree_leaves(state))}
+    self.manager = ocp.CheckpointManager(self.directory, options=self.options,
+                                        item_handlers=ocp.StandardCheckpointHandler())
 
   def save(self, round_index: int, state: PyTree, force: bool = False) -> bool:
     """Saves ``state`` after round ``round_index`` if due (or ``force``)."""
@@ -90,14 +142,14 @@ class Checkpointer:
       return False
     if round_index in self.manager.all_steps():
       return False
-    leaves = self._as_leaves(state)
+    tree = named_tree(state)
     try:
-      self.manager.save(round_index, args=ocp.args.StandardSave(leaves), force=True)
+      self.manager.save(round_index, args=ocp.args.StandardSave(tree), force=True)
       self.manager.wait_until_finished()
     except Exception as err:   # orbax wraps the OSError of a full disk
       if not is_disk_full(err):
         raise
-      needed = sum(leaf.nbytes for leaf in leaves.values()) / 2 ** 20
+      needed = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree)) / 2 ** 20
       free = shutil.disk_usage(self.directory).free / 2 ** 20
       kept = sorted(step for step in self.manager.all_steps() if step != round_index)
       older = (f' (e.g. delete its older checkpoints '
@@ -129,28 +181,41 @@ class Checkpointer:
     with open(os.path.join(target, 'WHY.txt'), 'w') as f:
       f.write(reason + '\n')
     self.manager.close()
-    self.manager = ocp.CheckpointManager(self.directory, options=self.options)
+    self.manager = ocp.CheckpointManager(self.directory, options=self.options,
+                                        item_handlers=ocp.StandardCheckpointHandler())
     return target
 
   def _restore_step(self, step: int, template: PyTree) -> PyTree:
     leaves, treedef = jax.tree_util.tree_flatten(template)
-    abstract = {f'leaf_{i:05d}': jax.ShapeDtypeStruct(np.shape(leaf), np.asarray(leaf).dtype)
-                for i, leaf in enumerate(leaves)}
-    restored = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
-    if len(restored) != len(leaves):
-      raise CheckpointMismatchError(
-          f'the checkpoint of round {step} in {self.directory} holds {len(restored)} arrays, '
-          f'this run\'s state {len(leaves)}: it is another model\'s or method\'s state')
-    new_leaves = []
-    for i, leaf in enumerate(leaves):
-      value = restored[f'leaf_{i:05d}']
-      if np.shape(value) != np.shape(leaf):
+    saved = _flat_names(self.manager.item_metadata(step).tree)
+    names = leaf_names(template)
+    if all(name.startswith(LEGACY_PREFIX) for name in saved):
+      names = [f'{LEGACY_PREFIX}{i:05d}' for i in range(len(leaves))]
+      if len(saved) != len(leaves):
         raise CheckpointMismatchError(
-            f'the checkpoint of round {step} in {self.directory} holds array {i} of shape '
-            f'{np.shape(value)} where this run\'s state has {np.shape(leaf)}: it is another '
-            f'model\'s state')
-      new_leaves.append(value)
-    return jax.tree_util.tree_unflatten(treedef, new_leaves)
+            f'the checkpoint of round {step} in {self.directory} holds {len(saved)} arrays, '
+            f'this run\'s state {len(leaves)}: it is another model\'s or method\'s state')
+    elif set(saved) != set(names):
+      missing = sorted(set(names) - set(saved))
+      extra = sorted(set(saved) - set(names))
+      raise CheckpointMismatchError(
+          f'the checkpoint of round {step} in {self.directory} is another model\'s or '
+          f'method\'s state: this run\'s state has {missing[:3]}{" …" if len(missing) > 3 else ""}'
+          f' that it lacks, it has {extra[:3]}{" …" if len(extra) > 3 else ""} that the state '
+          f'lacks')
+    for name, leaf in zip(names, leaves):
+      if tuple(saved[name].shape) != np.shape(leaf):
+        raise CheckpointMismatchError(
+            f'the checkpoint of round {step} in {self.directory} holds {name} of shape '
+            f'{tuple(saved[name].shape)} where this run\'s state has {np.shape(leaf)}: it is '
+            f'another model\'s state')
+    abstract = {name: jax.ShapeDtypeStruct(np.shape(leaf), np.asarray(leaf).dtype)
+                for name, leaf in zip(names, leaves)}
+    if not names[0].startswith(LEGACY_PREFIX):
+      abstract = named_tree(template)
+      abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), abstract)
+    restored = _flat_names(self.manager.restore(step, args=ocp.args.StandardRestore(abstract)))
+    return jax.tree_util.tree_unflatten(treedef, [restored[name] for name in names])
 
   def restore(self, template: PyTree, max_round: Optional[int] = None
               ) -> Tuple[Optional[int], PyTree]:
@@ -173,3 +238,24 @@ class Checkpointer:
 
   def close(self):
     self.manager.close()
+
+
+def read(directory: str, round_index: Optional[int] = None) -> Tuple[int, dict]:
+  """(round, tree) of the checkpoint of ``round_index`` (None: the newest) in a run's
+  ``checkpoints/`` ``directory``: the nested dict of numpy arrays it holds, named by the
+  state's pytree paths, read without a template. FileNotFoundError naming the kept
+  rounds when there is no such checkpoint."""
+  directory = os.path.abspath(directory)
+  rounds = sorted(int(name) for name in os.listdir(directory) if name.isdigit()) \
+      if os.path.isdir(directory) else []
+  if round_index is None and rounds:
+    round_index = rounds[-1]
+  if round_index not in rounds:
+    raise FileNotFoundError(f'{directory} holds no checkpoint of round {round_index}; its '
+                            f'rounds: {rounds}')
+  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+      enable_async_checkpointing=False), item_handlers=ocp.StandardCheckpointHandler())
+  try:
+    return round_index, manager.restore(round_index)
+  finally:
+    manager.close()

@@ -383,6 +383,11 @@ def test_pipeline_pretrains_once_starts_every_method_from_it_and_prints_table_1(
   encoder = pretrain.load_encoder(os.path.join(workdir, 'backbone'), module,
                                   jnp.zeros((1, 28, 28, 3)))['params']
   results = {r['algorithm']: r for r in out.records['results']}
+  # The backbone and the runs started from it load back in Python.
+  chex.assert_trees_all_equal(pipelines.load_backbone(workdir)['encoder'], encoder)
+  loaded = pipelines.load_run(workdir, 'fedins', seed=config.seeds[0])
+  chex.assert_trees_all_equal(loaded.extras['backbone']['params'], encoder)
+  chex.assert_trees_all_equal(loaded.server_state, results['fedins']['server_state'])
   # FedIns never moves the backbone: its final encoder is the pretrained one, bit for bit.
   for a, b in zip(jax.tree.leaves(encoder),
                   jax.tree.leaves(results['fedins']['server_state'].variables['params']['encoder'])):

@@ -35,7 +35,7 @@ def toy_trainer(bad_round=None, bad_run=None, calls=None):
     if bad_round is not None and start < bad_round <= stop:
       loss[bad_round - start - 1, bad_run] = np.nan
     return (counters,), {'loss': loss, 'num_steps': np.ones_like(loss)}
-  return loop.Trainer(advance, lambda state, i: (state[0][i],), rounds_per_call=1)
+  return loop.Trainer(advance, lambda state, i: (state[0][i], ()), rounds_per_call=1)
 
 
 def test_runs_in_lockstep_write_their_own_records_and_checkpoints(tmp_path):

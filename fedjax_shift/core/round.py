@@ -19,6 +19,7 @@ import concurrent.futures
 import functools
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -476,6 +477,13 @@ class ExplainedRound:
   def __call__(self, *args):
     try:
       return self._round_fn(*args)
+    except flax.errors.ScopeParamShapeError as err:
+      x = args[2].x   # the store or cohort: FederatedData x [K, N, ...]
+      raise ValueError(
+          f'the data do not fit the model\'s parameters: x of shape {tuple(x.shape)} holds '
+          f'examples of shape {tuple(x.shape[2:])}, and the state was initialised for '
+          f'examples of another shape ({str(err).split(" (https")[0]}). Initialise the '
+          f'state with an example of these data: algorithm.init(key, x[0, :1])') from None
     except jax.errors.JaxRuntimeError as err:
       if 'RESOURCE_EXHAUSTED' not in str(err) and 'Out of memory' not in str(err):
         raise

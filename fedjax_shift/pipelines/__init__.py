@@ -17,7 +17,7 @@ from fedjax_shift import distributed
 from fedjax_shift.pipelines import atp, federated, hetero, pretrain  # noqa: F401
 from fedjax_shift.pipelines.base import (PIPELINES, Results, format_results,  # noqa: F401
                                          prologue, validate, write_results)
-from fedjax_shift.pipelines.load import LoadedRun, load_run  # noqa: F401
+from fedjax_shift.pipelines.load import LoadedRun, load_backbone, load_run  # noqa: F401
 from fedjax_shift.pipelines.workdir import (RunMismatchError, WorkdirBusyError,  # noqa: F401
                                             WorkdirLock)
 

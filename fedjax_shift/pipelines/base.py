@@ -448,7 +448,7 @@ def open_run(run_dir: str, config: ml_collections.ConfigDict, fields: dict, stat
   checkpointer = checkpoint.Checkpointer(os.path.join(run_dir, 'checkpoints'),
                                          config.checkpoint_every, config.keep_checkpoints)
   limit = config.rounds if max_round is None else min(config.rounds, max_round)
-  start_round, state = checkpointer.restore(state, max_round=limit)
+  start_round, state = checkpointer.restore(checkpoint.RunState(*state), max_round=limit)
   start_round = start_round or 0
   if start_round:
     log.info('resumed from round %d in %s', start_round, run_dir)

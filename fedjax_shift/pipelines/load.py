@@ -1,31 +1,41 @@
 """A trained run out of a workdir, for analysis in Python: the config it ran with, its
 data rebuilt from that config and seed, the Flax module, the method and its state
-restored from a kept checkpoint (the federated pipeline's runs: plain runs, sweep
-points, vmapped seeds).
+restored from a kept checkpoint, its extras (ATP's α and learned rates, a pretrained
+backbone), metrics and partition. Every pipeline's runs load:
 
-    from fedjax_shift.pipelines import load_run
-    run = load_run('/tmp/fedjax_shift_default', 'fedbn', seed=0)
+    run = load_run(workdir, 'fedbn', seed=0)              # federated: plain runs, sweep
+                                                          # points, vmapped seeds
+    run = load_run(workdir, 'atp', seed=0, shift='hybrid')   # ATP: α training (the
+                                                          # pretraining method's name: its run)
+    run = load_run(workdir, 'hetero_fedtta_lambda1', seed=0)   # HeteroFedTTA, one λ
+    backbone = load_backbone(workdir)                     # the pretrain pipeline's encoder
     logits, _ = models.apply(run.module, run.global_variables, x)
 
 Reads only (the checkpoint library may move a damaged checkpoint aside, as a re-run
-would). A workdir without that method, seed or point, or a round that was not kept,
-is one error naming what the workdir has.
+would). A workdir without that method, seed, shift or point, or a round that was not
+kept, is one error naming what the workdir has. A checkpoint also reads without the
+library's templates: ``checkpoint.read(<run>/checkpoints)`` is a nested dict named by
+the state's fields.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Dict, List, NamedTuple, Optional
 
 import jax.numpy as jnp
 import ml_collections
+from flax import traverse_util
 
 from fedjax_shift import algorithms, checkpoint, models, report
 from fedjax_shift.benchmarks import Benchmark
-from fedjax_shift.core.algorithm import FederatedAlgorithm
+from fedjax_shift.benchmarks.atp_shift import atp_protocol
+from fedjax_shift.core.groups import init_group_states
 from fedjax_shift.core.round import stack_client_states
 from fedjax_shift.metrics import read_metrics
-from fedjax_shift.pipelines import pretrain, sweep
+from fedjax_shift.pipelines import atp, hetero, pretrain, sweep
 from fedjax_shift.pipelines import workdir as workdir_lib
+from fedjax_shift.pipelines.base import algorithm_names
 from fedjax_shift.pipelines.federated import backbone_for, build_data, run_keys
 
 
@@ -42,6 +52,11 @@ class LoadedRun(NamedTuple):
   global_variables: Any               # algorithm.global_model(server_state), or None
   metrics: List[Dict]                 # metrics.jsonl, one record per round
   results: Optional[Dict]             # results.json (None: the run has not finished)
+  partition: Dict                     # partition.json: per-split statistics, examples
+  extras: Dict[str, Any]              # the method's extras: 'alpha' {module: α},
+                                      # 'learned_rates' {row: {rate: value}} and the
+                                      # 'target' clients' data (ATP), 'setup' (hetero),
+                                      # 'backbone' (the encoder variables it started from)
 
 
 def _names(directory: str, keep=lambda name: True) -> List[str]:
@@ -75,52 +90,159 @@ def run_directory(workdir: str, method: str, seed: int,
   return run_dir
 
 
-def load_run(workdir: str, method: str, seed: int, round: Optional[int] = None,
-             point: Optional[Dict[str, Any]] = None) -> LoadedRun:
-  """Run (``method``, ``seed``[, sweep ``point``]) of a federated-pipeline workdir,
-  restored from its checkpoint of ``round`` (None: the final round of a finished run).
-  Raises FileNotFoundError naming the methods, points, seeds or kept rounds the
-  workdir has."""
-  run_dir = run_directory(workdir, method, seed, point)
-  config = report.run_config(workdir)
-  if config.get('pipeline', 'federated') != 'federated':
-    raise ValueError(f'{workdir} is a run of the {config.pipeline!r} pipeline; load_run reads '
-                     f'the federated pipeline\'s runs')
-  if point is None and os.path.basename(os.path.dirname(run_dir)) != method:
-    point = report.read_sweep(workdir)['methods'][method]['values']
-  if point:
-    config = sweep.with_values(config, point)
+def _read_json(path: str) -> Optional[dict]:
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def _chosen(kind: str, value, options: List, where: str):
+  """``value`` if it is one of ``options`` (the only one when None); else an error
+  naming them."""
+  if value is None and len(options) == 1:
+    return options[0]
+  if value not in options:
+    raise FileNotFoundError(f'{where} holds no {kind} {value!r}; its {kind}s: {options}')
+  return value
+
+
+def restore(config: ml_collections.ConfigDict, run_dir: str, seed: int, round: Optional[int],
+            template: checkpoint.RunState, rounds: int) -> tuple:
+  """(round, restored RunState, results or None) of the run in ``run_dir`` from its
+  checkpoint of ``round`` (None: ``rounds``, the final one of a finished run)."""
   kept = workdir_lib.checkpoint_rounds(run_dir)
-  results_path = os.path.join(run_dir, 'results.json')
-  results = report.read_result(results_path) if os.path.exists(results_path) else None
+  results = _read_json(os.path.join(run_dir, 'results.json'))
   if round is None:
-    if results is None or not kept or kept[-1] < config.rounds:
-      raise FileNotFoundError(f'{run_dir} has not finished (config.rounds={config.rounds}; '
-                              f'checkpoints of rounds {list(kept)}): pass round=, one of them')
-    round = config.rounds
+    if results is None or not kept or kept[-1] < rounds:
+      raise FileNotFoundError(f'{run_dir} has not finished ({rounds} rounds; checkpoints of '
+                              f'rounds {list(kept)}): pass round=, one of them')
+    round = rounds
   if round not in kept:
     raise FileNotFoundError(f'{run_dir} kept no checkpoint of round {round}; its rounds: '
                             f'{list(kept)} (config.keep_checkpoints={config.keep_checkpoints})')
-  bench = build_data(config, seed)
-  train = bench.splits['train']
-  module = models.create(config.model, bench.num_classes)
-  algorithm = algorithms.build(method, config, module, train.max_examples, bench.info,
-                               train.num_clients, train.x.shape[2:])
-  server_state = algorithm.init(run_keys(seed)[0], jnp.asarray(train.x[0, :1]))
-  backbone = backbone_for(config, workdir)
-  if backbone is not None:
-    server_state = pretrain.with_backbone(server_state, backbone, method)
-  template = (server_state, stack_client_states(algorithm, server_state, train.num_clients),
-              jnp.float32(0.0))
   checkpointer = checkpoint.Checkpointer(os.path.join(run_dir, 'checkpoints'), 1, len(kept))
   try:
-    restored, (server_state, client_states, _) = checkpointer.restore(template, round)
+    restored, state = checkpointer.restore(template, round)
   finally:
     checkpointer.close()
   if restored != round:
     raise FileNotFoundError(f'{run_dir}: the checkpoint of round {round} could not be read '
                             f'(moved to corrupt_checkpoints/); restored round {restored}')
+  return round, state, results
+
+
+def federated_run(config: ml_collections.ConfigDict, run_dir: str, method: str, seed: int,
+                  round: Optional[int], bench: Benchmark, module, algorithm=None,
+                  backbone: Optional[dict] = None, extras: Optional[dict] = None) -> LoadedRun:
+  """A run of the federated engine (``federated.train_and_evaluate``) in ``run_dir``,
+  restored into the state its method (``algorithm``, else built by name) initialises."""
+  train = bench.splits['train']
+  if algorithm is None:
+    algorithm = algorithms.build(method, config, module, train.max_examples, bench.info,
+                                 train.num_clients, train.x.shape[2:])
+  server_state = algorithm.init(run_keys(seed)[0], jnp.asarray(train.x[0, :1]))
+  if backbone is not None:
+    server_state = pretrain.with_backbone(server_state, backbone, method)
+  template = checkpoint.RunState(
+      server_state, stack_client_states(algorithm, server_state, train.num_clients),
+      jnp.float32(0.0))
+  round, state, results = restore(config, run_dir, seed, round, template, config.rounds)
   global_model = algorithm.global_model
-  return LoadedRun(config, run_dir, round, bench, module, algorithm, server_state,
-                   client_states, global_model(server_state) if global_model else None,
-                   read_metrics(os.path.join(run_dir, 'metrics.jsonl')), results)
+  extras = dict(extras or {}, **({'backbone': backbone} if backbone is not None else {}))
+  return LoadedRun(config, run_dir, round, bench, module, algorithm, state.server,
+                   state.clients, global_model(state.server) if global_model else None,
+                   read_metrics(os.path.join(run_dir, 'metrics.jsonl')), results,
+                   _read_json(os.path.join(run_dir, 'partition.json')) or {}, extras)
+
+
+def _load_federated(workdir, config, method, seed, round, point) -> LoadedRun:
+  run_dir = run_directory(workdir, method, seed, point)
+  if point is None and os.path.basename(os.path.dirname(run_dir)) != method:
+    point = report.read_sweep(workdir)['methods'][method]['values']
+  if point:
+    config = sweep.with_values(config, point)
+  bench = build_data(config, seed)
+  module = models.create(config.model, bench.num_classes)
+  return federated_run(config, run_dir, method, seed, round, bench, module,
+                       backbone=backbone_for(config, workdir))
+
+
+def _load_atp(workdir, config, method, seed, round, shift) -> LoadedRun:
+  """ATP's pretraining run (``method`` = the pretraining method) or its α training
+  (``method='atp'``) of one shift and seed; extras: the learned α and rates."""
+  shift = _chosen('shift', shift, list(config.tta.shifts), workdir)
+  pretraining = algorithm_names(config)[0]
+  _chosen('method', method, [pretraining, 'atp'], f'{workdir} (ATP\'s protocol)')
+  seed = _chosen('seed', seed, list(config.seeds), f'{workdir} ({shift})')
+  seed_dir = os.path.join(workdir, shift, f'seed_{seed}')
+  shift_config = atp.for_shift(config, shift)
+  data = atp_protocol(shift_config.data, seed)
+  module = models.create(config.model, data.source.num_classes)
+  backbone = None
+  if config.backbone.weights:
+    backbone = pretrain.load_encoder(config.backbone.weights, module,
+                                     jnp.asarray(data.source.splits['train'].x[0, :1]))
+  extras = {name: values for name in ('alpha', 'learned_rates')
+            if (values := _read_json(os.path.join(seed_dir, f'{name}.json'))) is not None}
+  extras['target'] = data.target   # the target clients' test data (FederatedData)
+  pre = federated_run(shift_config, os.path.join(seed_dir, 'pretrain'), pretraining, seed,
+                      round if method == pretraining else None, data.source, module,
+                      backbone=backbone, extras=extras)
+  if method == pretraining:
+    return pre
+  alpha_config = atp.alpha_config(shift_config)
+  val = data.source.splits['val']
+  algorithm = algorithms.build('atp', alpha_config, module, val.max_examples,
+                               global_variables=pre.global_variables)
+  return federated_run(alpha_config, os.path.join(seed_dir, 'alpha'), 'atp', seed, round,
+                       Benchmark({'train': val}, data.source.num_classes,
+                                 data.source.example_shape, data.info),
+                       module, algorithm, extras=extras)
+
+
+def _load_hetero(workdir, config, method, seed, round) -> LoadedRun:
+  """One λ's HeteroFedTTA run: the server state and each architecture group's client
+  states ([K_g, ...] per group); the groups' architectures in ``algorithm.groups``."""
+  names = {hetero.run_name(value): value for value in hetero.lambdas(config)}
+  kd_lambda = names[_chosen('method', method, sorted(names), workdir)]
+  run_dir = run_directory(workdir, method, seed)
+  config = hetero.run_config(config, kd_lambda)
+  bench = build_data(config, seed)
+  parts = hetero.setup(config, bench, seed)
+  init_key = run_keys(seed)[0]
+  template = checkpoint.RunState(parts.algorithm.init(init_key),
+                                 init_group_states(parts.algorithm, init_key, parts.group_ids),
+                                 jnp.float32(0.0))
+  round, state, results = restore(config, run_dir, seed, round, template, config.rounds)
+  return LoadedRun(config, run_dir, round, bench, None, parts.algorithm, state.server,
+                   state.clients, None, read_metrics(os.path.join(run_dir, 'metrics.jsonl')),
+                   results, _read_json(os.path.join(run_dir, 'partition.json')) or {},
+                   {'setup': parts})
+
+
+def load_run(workdir: str, method: str, seed: int, round: Optional[int] = None,
+             point: Optional[Dict[str, Any]] = None, shift: Optional[str] = None) -> LoadedRun:
+  """Run (``method``, ``seed``) of a workdir restored from its checkpoint of ``round``
+  (None: the final round of a finished run). ``point``: a sweep point of the federated
+  pipeline (default: the selected one); ``shift``: ATP's shift (default: the only one).
+  Raises FileNotFoundError naming the methods, points, shifts, seeds or kept rounds the
+  workdir has."""
+  config = report.run_config(workdir)
+  if config.pipeline == 'atp':
+    return _load_atp(workdir, config, method, seed, round, shift)
+  if config.pipeline == 'hetero':
+    return _load_hetero(workdir, config, method, seed, round)
+  if config.pipeline == 'pretrain':
+    raise ValueError(f'{workdir} is a run of the pretrain pipeline, a backbone alone: '
+                     f'load_backbone({workdir!r}) reads it')
+  return _load_federated(workdir, config, method, seed, round, point)
+
+
+def load_backbone(workdir: str) -> dict:
+  """The encoder parameters the pretrain pipeline (or a run with
+  ``backbone.weights='pretrain'``) saved in ``<workdir>/backbone``, as a nested dict;
+  ``<workdir>/backbone/backbone.json`` holds its record (source accuracy)."""
+  flat = pretrain.read_backbone(pretrain.backbone_directory(workdir))
+  return traverse_util.unflatten_dict({tuple(name.split('/')): value
+                                       for name, value in flat.items()})

@@ -33,6 +33,7 @@ import numpy as np
 from jax import monitoring
 
 from fedjax_shift import distributed
+from fedjax_shift.checkpoint import RunState
 
 log = logging.getLogger('fedjax_shift')
 
@@ -124,7 +125,8 @@ class Trainer(NamedTuple):
   Attributes:
     advance: (state, start, stop) -> (state after round ``stop``, per-round metrics
       {name: [stop − start, R] array}, 'loss' first); one compiled call.
-    take: (state, i) -> run i's state, a tuple that is checkpointed with its seconds.
+    take: (state, i) -> run i's (server state, client states), checkpointed with its
+      seconds as a ``checkpoint.RunState``.
     rounds_per_call: rounds one call may train (it stops early at an evaluation round
       and the last round).
     examples_per_step: examples one client step reads times the cohort (progress only;
@@ -273,7 +275,7 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
   bar = Progress(rounds, completed, description, log_every) if progress else None
 
   def save(round_index: int, i: int) -> None:
-    runs[i].checkpointer.save(round_index, (*trainer.take(state, i), jnp.float32(elapsed[i])),
+    runs[i].checkpointer.save(round_index, RunState(*trainer.take(state, i), jnp.float32(elapsed[i])),
                               force=True)
 
   def save_live() -> None:
