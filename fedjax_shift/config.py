@@ -179,7 +179,7 @@ def _source_partition(c: ml_collections.ConfigDict, match: re.Match) -> None:
 def _label_skew_tiny(c: ml_collections.ConfigDict, match=None) -> None:
   c.data.min_examples_per_client = 2
   c.data.corruptions = ('gaussian_noise', 'contrast')
-  c.model.name = 'mlp'
+  c.model.name = 'bn_mlp' if c.model.name == 'bn_mlp' else 'mlp'   # FedBN keeps its BN
   c.model.hidden = (32,)
 
 

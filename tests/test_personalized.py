@@ -156,3 +156,20 @@ def test_uploaded_parameters_are_counted_from_the_update_pytrees():
   assert counts['fedrep'] == total - models.num_parameters(params['head'])
   assert counts['fedbn'] == total - batch_norm
   assert counts['local'] == 0
+
+
+def test_fedbn_on_a_model_without_batch_norm_is_refused_and_tiny_keeps_batch_norm():
+  """FedBN on a model with no BatchNorm would train exactly as FedAvg (nothing stays
+  local): refused naming both; the label-skew ``tiny`` variant keeps a BN model's BN."""
+  from configs import default
+  config = tiny_config()
+  config.model.name = 'mlp'
+  data, _, _ = toy_clients([6, 9], num_classes=NUM_CLASSES)
+  with pytest.raises(ValueError, match=r"fedbn keeps each client's BatchNorm layers local, and "
+                                       r"the model \(MLPEncoder\) has none"):
+    make('fedbn', config, data)
+  config.fedbn.local_norms = 'all'
+  with pytest.raises(ValueError, match=r"normalisation layers local.*MLPEncoder"):
+    make('fedbn', config, data)
+  tiny = default.get_config('tiny')
+  assert 'fedbn' in tiny.algorithms and tiny.model.name == 'bn_mlp'

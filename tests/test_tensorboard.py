@@ -126,3 +126,17 @@ def test_scalars_keep_non_finite_values_and_skip_the_round():
   scalars = events.scalars(record)
   assert set(scalars) == {'loss', 'gap', 'accuracy'}
   assert np.isnan(scalars['loss']) and scalars['gap'] == np.inf and scalars['accuracy'] == 0.5
+
+
+def test_the_viewer_is_installed_with_the_package():
+  """``pip install -e .`` brings the viewer the README's command runs, not only the
+  writer: tensorboard is a base dependency, not a development extra."""
+  import re
+  import tomllib
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, 'pyproject.toml'), 'rb') as f:
+    project = tomllib.load(f)['project']
+  base = {re.split(r'[<>=\[ ]', requirement)[0] for requirement in project['dependencies']}
+  assert {'tensorboard', 'tensorboardX'} <= base
+  assert not any(r.startswith('tensorboard') for extra in project['optional-dependencies'].values()
+                 for r in extra)

@@ -63,8 +63,22 @@ def fedbn(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fed
     del data, rng
     return merge_local(server_state.variables, client_local)
 
+  init_server = base.init_server(module, server_opt)
+
+  def init(rng, example_x):
+    server_state = init_server(rng, example_x)
+    if not local_part(server_state.variables, norms):   # FedBN would be FedAvg
+      kind = 'BatchNorm' if norms == 'batch_norm' else 'normalisation'
+      raise ValueError(
+          f"config.algorithms: fedbn keeps each client's {kind} layers local, and the model "
+          f"({type(module.encoder).__name__ if hasattr(module, 'encoder') else type(module).__name__}"
+          f") has none, so FedBN would train exactly as FedAvg: pick a model with "
+          f"BatchNorm (config.model.name='bn_mlp', 'atp_cnn', 'resnet18', …)" +
+          (" or fedbn.local_norms='all' for its LayerNorms" if norms == 'batch_norm' else ''))
+    return server_state
+
   return FederatedAlgorithm(
-      init=base.init_server(module, server_opt),
+      init=init,
       init_client_state=lambda server_state: local_part(server_state.variables, norms),
       client_update=client_update,
       server_update=base.partial_server_update(server_opt),
