@@ -114,6 +114,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_adapter_batch_size = 32    # their test batch size
   c.eval_adapter_splits = ('test',) # ... run on the evaluation splits named with these prefixes
   c.paper_tables = ''               # a registered paper table (fedjax_shift/papers/) to print too
+  c.paper_rounds = 0                # the rounds of the protocol the config follows (set by
+                                    # apply_variant): fewer, and its claims are not judged
   c.checkpoint_every = 5
   c.keep_checkpoints = 2            # >= 1: the final checkpoint is what a re-run resumes from
   c.resume = ''                     # '' | 'extend': continue finished runs to a larger rounds
@@ -199,7 +201,17 @@ def apply_variant(config: ml_collections.ConfigDict, arg: Optional[str],
   """Applies a ``get_config(arg)`` variant: comma-separated parts, each matched in
   full by the shared ``RUN_VARIANTS`` (``tiny``, ``quick``) and/or one of the
   config's own ``variants`` (both run, the shared one first). ``usage`` names the
-  config's own variants in the error for an unknown part."""
+  config's own variants in the error for an unknown part. ``config.paper_rounds``
+  becomes the rounds of the protocol without the shortening ``tiny`` and ``quick``
+  (a variant that shortens a paper's protocol itself sets the paper's rounds there)."""
+  protocol = ml_collections.ConfigDict(config.to_dict())
+  for part in filter(None, (arg or '').split(',')):
+    if not any(re.fullmatch(pattern, part) for pattern, _ in RUN_VARIANTS):
+      for pattern, apply in variants:
+        match = re.fullmatch(pattern, part)
+        if match:
+          apply(protocol, match)
+          break
   for part in filter(None, (arg or '').split(',')):
     matched = False
     for pattern, apply in tuple(RUN_VARIANTS) + tuple(variants):
@@ -212,6 +224,7 @@ def apply_variant(config: ml_collections.ConfigDict, arg: Optional[str],
     if not matched:
       raise ValueError(f'unknown config variant {part!r}; the known variants are {usage}, '
                        f'tiny and quick (an unknown variant is never ignored)')
+  config.paper_rounds = max(protocol.paper_rounds, protocol.rounds)
   return config
 
 

@@ -444,7 +444,7 @@ def paper_table(config, records: Dict[str, Any]) -> str:
     have = sorted({k for run in records.get('results', ()) for k in run.get('metrics', {})})
     raise ValueError(f'config.paper_tables: {name!r} needs the columns {missing}, which this '
                      f'run lacks (its columns: {have or sorted(records)})')
-  return table.from_run(config, records)
+  return mark_unjudged(table.from_run(config, records), unjudged_reason([config.to_dict()]))
 
 
 def read_result(path: str):
@@ -656,7 +656,7 @@ def beside_paper(header: Sequence[str], rows: Sequence[Sequence[str]],
       mark = '✓' if wins == total else f'✗ ({wins} of {total})'
       checked.setdefault(better, []).append(f'> {worse} {mark}')
   if claims:
-    new_header.append("paper's claims, on our numbers")
+    new_header.append(CLAIMS_HEADER)
   new_rows = []
   for row in rows:
     new = [row[0]]
@@ -669,6 +669,89 @@ def beside_paper(header: Sequence[str], rows: Sequence[Sequence[str]],
       new.append('; '.join(checked.get(row[0], [])) or '—')
     new_rows.append(new)
   return new_header, new_rows
+
+
+CLAIMS_HEADER = "paper's claims, on our numbers"
+
+
+def unjudged_reason(configs: Sequence[Mapping[str, Any]]) -> str:
+  """Why runs of these configs cannot judge a paper's claims ('' when they can): fewer
+  rounds than the protocol their config follows (``paper_rounds``), or one seed."""
+  reasons = []
+  short = [c for c in configs if int(c.get('paper_rounds') or 0) > int(c['rounds'])]
+  if short:
+    reasons.append(f"{min(int(c['rounds']) for c in short)} rounds of the protocol's "
+                   f"{max(int(c['paper_rounds']) for c in short)}")
+  if any(len(c['seeds']) < 2 for c in configs):
+    reasons.append('1 seed')
+  return ', '.join(reasons)
+
+
+def mark_unjudged(markdown: str, reason: str) -> str:
+  """``markdown`` whose claims columns (``CLAIMS_HEADER``) keep each claim but say
+  'too short to judge (<reason>)' in place of its ✓ / ✗ (unchanged when ``reason`` is
+  '')."""
+  if not reason:
+    return markdown
+  lines, column = [], None
+  for line in markdown.split('\n'):
+    cells = line.split('|')
+    if not line.startswith('|'):
+      column = None
+    elif CLAIMS_HEADER in (cell.strip() for cell in cells):
+      column = [cell.strip() for cell in cells].index(CLAIMS_HEADER)
+    elif column is not None and column < len(cells) and cells[column].strip() not in ('', '—') \
+        and set(line) - set('|-: '):
+      claims = re.sub(r' (✓|✗ \(\d+ of \d+\))', '', cells[column].strip())
+      cells[column] = f' {claims}: too short to judge ({reason}) '
+      line = '|'.join(cells)
+    lines.append(line)
+  return '\n'.join(lines)
+
+
+def fit_width(markdown: str, width: int) -> str:
+  """``markdown`` for a terminal ``width`` characters wide: each table with a line
+  wider is printed in parts of the columns that fit, every part led by the row labels
+  (the first column) and headed 'columns i–j of n'; text and narrow tables unchanged."""
+  out, block = [], []
+
+  def flush():
+    if block and max(len(line) for line in block) > width:
+      out.extend(_column_parts(block, width))
+    else:
+      out.extend(block)
+    block.clear()
+
+  for line in markdown.split('\n'):
+    if line.startswith('|'):
+      block.append(line)
+    else:
+      flush()
+      out.append(line)
+  flush()
+  return '\n'.join(out)
+
+
+def _column_parts(table: List[str], width: int) -> List[str]:
+  rows = [[cell.strip() for cell in line.strip().strip('|').split('|')] for line in table]
+  count = len(rows[0])
+  widths = [max(len(row[i]) if i < len(row) else 0 for row in rows) for i in range(count)]
+  parts, start = [], 1
+  while start < count:
+    stop, used = start, widths[0] + 7
+    while stop < count and (stop == start or used + widths[stop] + 3 <= width):
+      used += widths[stop] + 3
+      stop += 1
+    parts.append((start, stop))
+    start = stop
+  out = []
+  for start, stop in parts:
+    out.append(f'(columns {start + 1}–{stop} of {count})')
+    for row in rows:
+      picked = [row[0]] + row[start:stop]
+      out.append('| ' + ' | '.join(picked) + ' |')
+    out.append('')
+  return out[:-1]
 
 
 def paper_markdown(header, rows, numbers: Optional[Mapping[str, Any]], claims=(),

@@ -32,8 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from fedjax_shift import papers  # noqa: E402,F401  (registers the papers' tables)
-from fedjax_shift.report import (PAPER_TABLES, check_workdirs, read_sweep,  # noqa: E402
-                                 rebuild_event_files, run_config, sweep_grid_table,
+from fedjax_shift.report import (PAPER_TABLES, check_workdirs, mark_unjudged,  # noqa: E402
+                                 read_sweep, rebuild_event_files, run_config, sweep_grid_table,
+                                 unjudged_reason,
                                  sweep_state, table_figures, workdir_notes)
 
 _WORKDIRS = flags.DEFINE_list('workdirs', [], 'Finished workdirs, one per run or column.')
@@ -63,7 +64,8 @@ def build(workdirs: Sequence[str], kind: str = '', labels: Sequence[str] = ()) -
                      f'from workdirs: ' + str([n for n in PAPER_TABLES.names()
                                                 if PAPER_TABLES.get(n).from_workdirs]))
   check_workdirs(kind, workdirs)
-  return table.from_workdirs(list(workdirs), list(labels))
+  return mark_unjudged(table.from_workdirs(list(workdirs), list(labels)),
+                       unjudged_reason([run_config(w).to_dict() for w in workdirs]))
 
 
 def main(argv):

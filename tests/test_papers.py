@@ -52,13 +52,18 @@ def test_a_toy_paper_table_prints_through_train_and_report(toy_paper, tmp_path, 
   printed = capsys.readouterr().out
   assert 'Toy paper, Table 1' in printed
   assert "Paper's numbers: Table 1 of the toy paper." in printed
-  # Our column, the paper's beside it, and the claim checked on our numbers.
-  header = next(line for line in printed.splitlines() if line.startswith('| Method'))
-  assert header == "| Method | Test | paper: Test | paper's claims, on our numbers |"
-  row = [line for line in printed.splitlines() if line.startswith('| fedavg')][-1]
-  assert '| 99.00 |' in row and '> fedprox' in row
+  # Our column, the paper's beside it, and the claim, which a one-seed run of
+  # tiny's rounds does not judge; results.md has the table whole, the terminal (120
+  # characters off a terminal) its columns in parts.
   with open(os.path.join(workdir, 'results.md')) as f:
-    assert 'Toy paper, Table 1' in f.read()
+    lines = f.read().splitlines()
+  assert "| Method | Test | paper: Test | paper's claims, on our numbers |" in lines
+  row = [line for line in lines if line.startswith('| fedavg')][-1]
+  assert '| 99.00 |' in row and row.endswith(
+      f'| > fedprox: too short to judge ({config.rounds} rounds of the protocol\'s '
+      f'{config.paper_rounds}, 1 seed) |'), row
+  assert '(columns 2–3 of 4)' in printed and '(columns 4–4 of 4)' in printed
+  assert all(len(line) <= 120 for line in printed.splitlines() if line.startswith('|'))
   build = launch_module('report').build
   assert build([workdir]) == 'Toy paper from workdirs: run 2 runs'   # its config's table
   assert build([workdir], 'toy_paper', ['A']) == 'Toy paper from workdirs: A 2 runs'
@@ -252,3 +257,27 @@ def test_a_paper_table_named_at_train_time_must_lay_out_the_configs_benchmark():
                                        r"\['upfl'\] benchmark\(s\), not config.data.benchmark="
                                        r"'label_skew_corrupted'"):
     config_lib.validate(tiny_config(paper_tables='fedtta'))
+
+
+def test_claims_of_short_runs_are_not_judged_and_wide_tables_fit_the_terminal():
+  """A run shorter than its protocol (``paper_rounds``) or of one seed keeps each claim
+  but says 'too short to judge' instead of ✓ / ✗; a table wider than the terminal is
+  printed in parts of its columns, each led by the row labels."""
+  table = ("| Method | A | paper: A | seeds | paper's claims, on our numbers |\n"
+           "|---|---|---|---|---|\n"
+           "| FedTTA | 9.40 | 9.9 | 3 | > FedAvg ✓; > Local ✗ (1 of 2) |\n"
+           "| FedAvg | 9.24 | 9.1 | 3 | — |")
+  assert report.unjudged_reason([{'rounds': 200, 'paper_rounds': 200, 'seeds': [0, 1]}]) == ''
+  assert report.unjudged_reason([{'rounds': 3, 'paper_rounds': 200, 'seeds': [0, 1]},
+                                 {'rounds': 200, 'paper_rounds': 200, 'seeds': [0]}]) == \
+      "3 rounds of the protocol's 200, 1 seed"
+  assert report.mark_unjudged(table, '') == table
+  marked = report.mark_unjudged(table, '1 seed').splitlines()
+  assert marked[2] == ('| FedTTA | 9.40 | 9.9 | 3 | > FedAvg; > Local: too short to judge '
+                       '(1 seed) |') and marked[3] == table.splitlines()[3]
+  assert report.fit_width(table, 200) == table
+  parts = report.fit_width('caption\n\n' + table, 40).splitlines()
+  assert parts[:3] == ['caption', '', '(columns 2–4 of 5)']
+  assert parts[3] == '| Method | A | paper: A | seeds |'
+  assert parts[8] == '(columns 5–5 of 5)' and parts[9] == "| Method | paper's claims, on our numbers |"
+  assert parts[11] == '| FedTTA | > FedAvg ✓; > Local ✗ (1 of 2) |'

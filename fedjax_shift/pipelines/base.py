@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import platform
+import shutil
 import time
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
@@ -206,6 +207,8 @@ def check_run_loop(config: ml_collections.ConfigDict) -> None:
   require(config.weighting in WEIGHTING, 'weighting',
           f'unknown {config.weighting!r}; choose from {list(WEIGHTING)}')
   require(config.eval_every >= 1, 'eval_every', f'must be >= 1, got {config.eval_every}')
+  require(config.paper_rounds >= 0, 'paper_rounds',
+          f'must be >= 0 (0: no protocol to compare with), got {config.paper_rounds}')
   require(config.log_every >= 0, 'log_every',
           f'must be >= 0 (0: about a tenth of the run), got {config.log_every}')
   require(config.checkpoint_every >= 1, 'checkpoint_every',
@@ -532,8 +535,16 @@ def write_results(workdir: str, results: Results) -> str:
   return path
 
 
-def format_results(results: Results, workdir: str) -> str:
-  """What ``launch/train.py`` prints for any pipeline."""
+def format_results(results: Results, workdir: str, width: Optional[int] = None) -> str:
+  """What ``launch/train.py`` prints for any pipeline: a table wider than the terminal
+  (``width`` characters; None: the terminal's, 120 off a terminal) in parts of its
+  columns that fit, the whole one in results.md."""
   written = ', '.join([os.path.join(workdir, 'results.md')] +
                       [os.path.relpath(p, workdir) for p in results.files if p])
-  return '\n' + '\n\n'.join([results.preamble] + list(results.tables)) + f'\n\nwritten: {written}'
+  width = width or shutil.get_terminal_size((120, 24)).columns
+  tables = [report.fit_width(table, width) for table in results.tables]
+  note = ('\n\n(tables wider than the terminal are shown in parts of their columns; '
+          f'{os.path.join(workdir, "results.md")} has them whole)'
+          if tables != list(results.tables) else '')
+  return ('\n' + '\n\n'.join([results.preamble] + tables) + note +
+          f'\n\nwritten: {written}')

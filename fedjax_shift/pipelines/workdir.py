@@ -37,7 +37,8 @@ RESUME_CHOICES = ('', 'extend')
 # Top-level fields (and dotted paths) that do not change a run's trained state.
 NON_STATE_FIELDS = ('progress', 'eval_every', 'checkpoint_every', 'keep_checkpoints', 'seeds',
                     'algorithms', 'rounds', 'resume', 'eval_adapters', 'eval_adapter_algorithms',
-                    'eval_adapter_batch_size', 'eval_adapter_splits', 'paper_tables', 'engine', 'adapters', 'tta',
+                    'eval_adapter_batch_size', 'eval_adapter_splits', 'paper_tables', 'paper_rounds',
+                    'engine', 'adapters', 'tta',
                     'pipeline', 'data.store', 'data.pad_to', 'on_divergence', 'log_every',
                     'tensorboard', 'sweep', 'sweep_select', 'sweep_metric')
 
