@@ -758,7 +758,17 @@ def paper_markdown(header, rows, numbers: Optional[Mapping[str, Any]], claims=()
                    paper_column: Callable[[str], str] = lambda label: label) -> str:
   """``beside_paper``'s table as markdown, under a line naming where the paper's
   numbers come from."""
+  unfilled = unfilled_note(numbers, rows)
   header, rows = beside_paper(header, rows, numbers, claims, paper_column)
   source = (f"Paper's numbers: {numbers['source']}.\n\n" if numbers else
             'The paper reports no numbers for this layout.\n\n')
-  return source + markdown(header, rows)
+  return source + markdown(header, rows) + unfilled
+
+
+def unfilled_note(numbers: Optional[Mapping[str, Any]], rows: Sequence[Sequence[str]]) -> str:
+  """A line under a table naming the rows the paper reports that ``rows`` (first cell:
+  the label) do not fill, e.g. a method whose workdir was not passed ('' when none)."""
+  ours = {row[0] for row in rows}
+  missing = [label for label in (numbers or {}).get('rows', {}) if label not in ours]
+  return (f"\n\nRows the paper reports that these runs do not fill: {', '.join(missing)}."
+          if missing else '')

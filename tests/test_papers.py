@@ -281,3 +281,15 @@ def test_claims_of_short_runs_are_not_judged_and_wide_tables_fit_the_terminal():
   assert parts[3] == '| Method | A | paper: A | seeds |'
   assert parts[8] == '(columns 5–5 of 5)' and parts[9] == "| Method | paper's claims, on our numbers |"
   assert parts[11] == '| FedTTA | > FedAvg ✓; > Local ✗ (1 of 2) |'
+
+
+def test_a_table_names_the_paper_rows_its_runs_do_not_fill():
+  """Given the workdirs of some methods only, a layout says which of the paper's rows
+  it could not fill instead of dropping them silently."""
+  numbers = {'source': 'Table 1', 'rows': {'FedAvg': {'A': 1.0}, 'FedTTA': {'A': 2.0},
+                                           'FedTTA++': {'A': 3.0}}}
+  text = report.paper_markdown(['Method', 'A'], [['FedAvg', '50.00']], numbers)
+  assert text.endswith('\n\nRows the paper reports that these runs do not fill: FedTTA, '
+                       'FedTTA++.')
+  full = report.paper_markdown(['Method', 'A'], [[m, '1'] for m in numbers['rows']], numbers)
+  assert 'do not fill' not in full

@@ -12,7 +12,7 @@ import numpy as np
 
 from fedjax_shift.papers.atp import numbers
 from fedjax_shift.report import (PAPER_TABLES, PaperTable, beside_paper, markdown, mean_std,
-                                 paper_markdown, read_result)
+                                 paper_markdown, read_result, unfilled_note)
 
 SHIFT_ORDER = ('feature', 'label', 'hybrid')
 
@@ -37,13 +37,15 @@ def tta_tables(table1: Dict[str, Dict[str, Dict[int, float]]],
   rows = [[labels.get(key, key)] + [cell(table1[key].get(shift, {})) for shift in shifts] +
           [f'{np.mean(ranks[key]):.1f}'] for key in table1]
   source = ''
+  unfilled = ''
   if paper:
+    unfilled = unfilled_note(numbers.PAPER_NUMBERS['Table 1 (CIFAR-10)'], rows)
     header, rows = beside_paper(header, rows, numbers.PAPER_NUMBERS['Table 1 (CIFAR-10)'],
                                 numbers.CLAIMS)
     source = (f"; the paper's numbers: "
               f"{numbers.PAPER_NUMBERS['Table 1 (CIFAR-10)']['source']}")
   text = (f'Table 1 (ATP layout): accuracy on target clients{source}\n\n' +
-          markdown(header, rows))
+          markdown(header, rows) + unfilled)
   if table3:
     for key in ('atp_batch', 'atp_online'):
       header = ['Train \\ Test'] + [f'{s.capitalize()} shift' for s in shifts]
