@@ -143,11 +143,30 @@ def read_sweep(workdir: str) -> Optional[Dict]:
   return read_result(path) if os.path.exists(path) else None
 
 
+def grid_edges(points: Sequence[Mapping[str, Any]], chosen: Mapping[str, Any]) -> List[str]:
+  """The swept fields (two or more values in ``points``) whose value at ``chosen`` is
+  the grid's smallest or largest, e.g. 'client.learning_rate=0.1 is the largest of
+  0.01, 0.03, 0.1': the best value may lie outside the grid."""
+  edges = []
+  for field, value in chosen.items():
+    values = sorted({point[field] for point in points if field in point})
+    if len(values) >= 2 and value in (values[0], values[-1]):
+      edges.append(f'{field}={value:g} is the {"largest" if value == values[-1] else "smallest"}'
+                   f' of {", ".join(f"{v:g}" for v in values)}')
+  return edges
+
+
+def edge_note(method: str, edges: Sequence[str]) -> str:
+  return (f"{method}'s selected point is on the grid's edge ({'; '.join(edges)}): a better "
+          f"value may lie outside the grid; extend config.sweep past it")
+
+
 def sweep_grid_table(record: Dict, test_suffix: str = '/test/accuracy') -> str:
   """The whole grid of a sweep (``read_sweep``): one row per method × point with its
   validation accuracy (the selection's metric and rule) and, at the same rounds, every
   test accuracy of the model the method's metric names, a column per test split; the
-  selected point marked. Methods selected on different metrics get a column naming
+  selected point marked, and a note under the table for a selected point on the grid's
+  edge (``grid_edges``). Methods selected on different metrics get a column naming
   each one's."""
   def metric_of(method: Dict) -> str:
     return method.get('metric', record['metric'])   # sweep.json before per-method metrics
@@ -169,17 +188,21 @@ def sweep_grid_table(record: Dict, test_suffix: str = '/test/accuracy') -> str:
     full = {split: key for k in keys.values() for split, key in k.items()}
     header = (['method', 'point', f'{record["metric"]} ({record["select"]})'] +
               [full[split] for split in splits] + ['seeds'])
-  rows = []
+  rows, notes = [], []
   for name, method in methods.items():
+    edges = grid_edges([point['point'] for point in method['grid']], method['values'])
+    if edges:
+      notes.append(f'\n\nNote: {edge_note(name, edges)}.')
     for point in method['grid']:
-      mark = ' (selected)' if point['name'] == method['selected'] else ''
+      mark = ((' (selected, grid edge)' if edges else ' (selected)')
+              if point['name'] == method['selected'] else '')
       seeds = str(len(point['seeds'])) + (f' ({len(point["diverged"])} diverged)'
                                           if point['diverged'] else '')
       tests = [mean_std([m.get(keys[name][split]) for m in point['metrics']])
                if split in keys[name] else 'n/a' for split in splits]
       rows.append([name] + ([metric_of(method)] if per_method else []) +
                   [point['name'] + mark, mean_std(point['validation'])] + tests + [seeds])
-  return markdown(header, rows)
+  return markdown(header, rows) + ''.join(notes)
 
 
 def write_csv(table: Dict[str, object], path: str) -> str:

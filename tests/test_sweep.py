@@ -172,13 +172,15 @@ def test_a_sweep_resumes_per_point_and_reports_the_selected_point(tmp_path):
     assert a['metrics'] == b['metrics']
   record = report.read_sweep(str(tmp_path))
   chosen = record['methods']['fedavg']['selected']
-  assert first.records['table']['rows'][0][1] == chosen
+  assert first.records['table']['rows'][0][1] == f'{chosen} (grid edge)'
   # a paper table over this workdir reads the selected point's runs
   runs = report.load_runs([str(tmp_path)])[os.path.basename(str(tmp_path))]
   assert [r['sweep_point'] for r in runs] == [record['methods']['fedavg']['values']]
   out = subprocess.run([sys.executable, os.path.join(ROOT, 'launch', 'report.py'),
                         f'--sweep={tmp_path}'], capture_output=True, text=True, check=True)
-  assert f'{chosen} (selected)' in out.stdout and 'client.learning_rate=' in out.stdout
+  # a two-value grid: either selection is on its edge, marked and explained
+  assert f'{chosen} (selected, grid edge)' in out.stdout and 'client.learning_rate=' in out.stdout
+  assert "fedavg's selected point is on the grid's edge" in out.stdout
 
 
 def test_a_plain_run_and_a_sweep_of_one_method_never_share_a_workdir(tmp_path):
@@ -298,10 +300,10 @@ def test_methods_selected_on_their_own_metrics_are_recorded_and_tabled_each():
   assert record['methods']['fedper']['metric'] == 'personalized/val/accuracy'
   table = report.sweep_grid_table(record)
   assert '| method | metric | point | validation (last) | test | seeds |' in table
-  assert ('| fedper | personalized/val/accuracy | client.learning_rate=0.3 (selected) | '
-          '90.00 | 45.00 | 1 |') in table
-  assert '| fedavg | global/val/accuracy | client.learning_rate=0.1 (selected) | 80.00 | 40.00' \
-      in table
+  assert ('| fedper | personalized/val/accuracy | client.learning_rate=0.3 (selected, grid '
+          'edge) | 90.00 | 45.00 | 1 |') in table
+  assert ('| fedavg | global/val/accuracy | client.learning_rate=0.1 (selected, grid edge) | '
+          '80.00 | 40.00') in table
   one = sweep.grid_record({'fedavg': 'global/val/accuracy'}, 'last',
                           {'fedavg': chosen['fedavg']})
   assert one['metric'] == 'global/val/accuracy'
@@ -425,3 +427,33 @@ def test_a_narrowed_grid_names_a_better_point_it_left_on_disk(tmp_path, caplog):
   note = (f'fedavg: {better}, trained in this workdir outside this grid, has validation')
   assert note in caplog.text and note in narrowed.records['sweep_grid']
   assert len(first) == 2
+
+
+def test_a_selected_point_on_the_grids_edge_is_flagged():
+  """The best of a grid at its smallest or largest value of a swept field may lie
+  outside it: flagged (table mark and note); a point inside the grid, or a field swept
+  at one value, is not."""
+  points = [{'client.learning_rate': lr, 'fedprox.mu': mu} for lr in (0.01, 0.03, 0.1)
+            for mu in (0.001,)]
+  assert report.grid_edges(points, points[1]) == []
+  assert report.grid_edges(points, points[2]) == [
+      'client.learning_rate=0.1 is the largest of 0.01, 0.03, 0.1']
+  assert report.grid_edges(points, points[0]) == [
+      'client.learning_rate=0.01 is the smallest of 0.01, 0.03, 0.1']
+  runs = [{'seed': 0, 'sweep_point': p, 'metrics': {'global/val/accuracy': v,
+                                                     'global/test/accuracy': v}}
+          for p, v in zip(points, (0.5, 0.9, 0.7))]
+  inside = report.sweep_grid_table(sweep.grid_record(
+      {'fedprox': 'global/val/accuracy'}, 'last',
+      {'fedprox': sweep.select(runs, points, 'global/val/accuracy', 'last')}))
+  assert 'client.learning_rate=0.03' in next(line for line in inside.splitlines()
+                                              if '(selected) |' in line)
+  assert 'grid edge' not in inside and 'Note' not in inside
+  runs[2]['metrics'] = {'global/val/accuracy': 0.95, 'global/test/accuracy': 0.95}
+  edge = report.sweep_grid_table(sweep.grid_record(
+      {'fedprox': 'global/val/accuracy'}, 'last',
+      {'fedprox': sweep.select(runs, points, 'global/val/accuracy', 'last')}))
+  assert '(selected, grid edge) |' in edge
+  assert edge.endswith("Note: fedprox's selected point is on the grid's edge "
+                       "(client.learning_rate=0.1 is the largest of 0.01, 0.03, 0.1): a better "
+                       "value may lie outside the grid; extend config.sweep past it.")

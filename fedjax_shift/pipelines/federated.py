@@ -1090,6 +1090,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   selected: Dict[str, tuple] = {}   # method -> (selected point index, per-point summaries)
   notes: List[str] = []   # points of a narrowed grid on disk that validate better
   selection_metrics: Dict[str, str] = {}   # method -> the validation metric it was selected on
+  selected_cells: Dict[str, str] = {}   # method -> its selected point ('(grid edge)' marked)
   for name in algorithm_names(config):
     points = sweep.method_points(config, name)
     if points == [{}] and not config.engine.vmap_seeds:
@@ -1107,6 +1108,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
       log.info('config.sweep: %s selects %s (validation %s, %s)', name,
                sweep.point_name(best), metric, config.sweep_select)
       chosen = selected[name][1][selected[name][0]]
+      edges = report.grid_edges(points, best)
+      selected_cells[name] = sweep.point_name(best) + (' (grid edge)' if edges else '')
+      if edges:
+        log.warning('config.sweep: %s', report.edge_note(name, edges))
       for hidden in sweep.better_off_grid(workdir, name, points, config.seeds, chosen, metric,
                                           config.sweep_select):
         notes.append(f'{name}: {hidden["name"]}, trained in this workdir outside this grid, '
@@ -1129,8 +1134,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
     grid = report.sweep_grid_table(record) + ''.join(f'\n\nNote: {note}' for note in notes)
   table = report.results_table(results)
   if selected:
-    table = report.with_selected_points(table, {name: sweep.point_name(
-        sweep.method_points(config, name)[index]) for name, (index, _) in selected.items()})
+    table = report.with_selected_points(table, selected_cells)
   preamble = (f"Benchmark {data_summary(config, run_dirs)}, {config.rounds} rounds, cohort "
               f"{config.cohort_size}; accuracy (%) mean ± std over seeds {tuple(config.seeds)}; "
               f"hardware: {info['device_kind']} ({info['backend']}).")
