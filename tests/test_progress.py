@@ -42,6 +42,24 @@ def test_default_period_is_a_tenth_of_the_run_and_resumes_on_its_grid(caplog):
   assert rounds == [50, 60, 70, 80, 90, 100]
 
 
+def test_the_eta_leaves_out_compile_time(caplog):
+  """A first call of 52 s of which 50 s compiled, then 2 s per round: 2.00 s/round and
+  an ETA of 9 × 2 s (not 9 × 52 s), then 8 × 2 s."""
+  clock = iter([0.0, 52.0, 54.0])
+  original = loop.time.perf_counter
+  loop.time.perf_counter = lambda: next(clock)
+  try:
+    progress = loop.Progress(10, 0, 'run', log_every=1, terminal=False)
+    with caplog.at_level(logging.INFO, logger='fedjax_shift'):
+      progress.update(1, {}, compile_seconds=50.0)
+      progress.update(1, {})
+  finally:
+    loop.time.perf_counter = original
+  lines = [r.getMessage() for r in caplog.records]
+  assert lines[0].endswith('2.00 s/round, ETA 00:00:18') and lines[1].endswith(
+      '2.00 s/round, ETA 00:00:16'), lines
+
+
 def test_piped_run_writes_no_carriage_return_and_few_lines(tmp_path):
   """The default experiment's tiny variant with its output piped (a job's log file):
   progress on, no '\\r' anywhere, and at most 60 lines in all (the bar would write a

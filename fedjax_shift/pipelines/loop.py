@@ -210,8 +210,9 @@ def _divergence(run: Run, loss: float, round_index: int) -> DivergenceError:
 class Progress:
   """The round counter a person reads. On a terminal, tqdm's bar; without one (a job's
   log file, a pipe) a plain log line every ``log_every`` rounds — 0: about a tenth of
-  the run, at most one a second — and one at the end, with the bar's fields and the ETA.
-  ``terminal`` None: whether stderr is a terminal."""
+  the run, at most one a second — and one at the end, with the bar's fields and the ETA
+  (from the seconds per round without compilation: a first call's compile time is not
+  charged to every round left). ``terminal`` None: whether stderr is a terminal."""
 
   def __init__(self, total: int, initial: int, description: str, log_every: int = 0,
                terminal: Optional[bool] = None):
@@ -225,10 +226,13 @@ class Progress:
     self.min_seconds = 0.0 if log_every else 1.0
     self.next = (initial // self.every + 1) * self.every
     self.start, self.start_round, self.last = time.perf_counter(), initial, -float('inf')
+    self.compiling = 0.0
 
-  def update(self, count: int, fields: Dict[str, str]) -> None:
-    """``count`` more rounds done; ``fields`` (e.g. loss, examples_per_s) to show."""
+  def update(self, count: int, fields: Dict[str, str], compile_seconds: float = 0.0) -> None:
+    """``count`` more rounds done, ``compile_seconds`` of their time compiling; ``fields``
+    (e.g. loss, examples_per_s) to show."""
     self.done += count
+    self.compiling += compile_seconds
     if self.bar is not None:
       self.bar.update(count)
       self.bar.set_postfix(**fields)
@@ -236,7 +240,7 @@ class Progress:
     now = time.perf_counter()
     if self.done < self.total and (self.done < self.next or now - self.last < self.min_seconds):
       return
-    seconds_per_round = (now - self.start) / max(self.done - self.start_round, 1)
+    seconds_per_round = (now - self.start - self.compiling) / max(self.done - self.start_round, 1)
     eta = seconds_per_round * (self.total - self.done)
     log.info('%s: round %d/%d, %s, %.2f s/round, ETA %s', self.description, self.done,
              self.total, ', '.join(f'{k} {v}' for k, v in fields.items()), seconds_per_round,
@@ -275,8 +279,8 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
   bar = Progress(rounds, completed, description, log_every) if progress else None
 
   def save(round_index: int, i: int) -> None:
-    runs[i].checkpointer.save(round_index, RunState(*trainer.take(state, i), jnp.float32(elapsed[i])),
-                              force=True)
+    runs[i].checkpointer.save(
+        round_index, RunState(*trainer.take(state, i), jnp.float32(elapsed[i])), force=True)
 
   def save_live() -> None:
     for i, run in enumerate(runs):
@@ -346,7 +350,7 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
           scanned = float(np.sum(metrics['scanned_steps'][:, live]))
           postfix['real_steps'] = (f"{float(np.sum(metrics['local_steps'][:, live])) / scanned:.0%}"
                                    if scanned else 'n/a')
-        bar.update(calls, postfix)
+        bar.update(calls, postfix, compile_seconds)
       if requests and completed < rounds:
         save_live()
         raise Preempted(f'{requests[0]} received: stopped after round {completed} of '
