@@ -35,15 +35,32 @@ import ml_collections
 from fedjax_shift.benchmarks.atp_shift import SHIFTS
 from fedjax_shift.config import apply_variant, base_config
 
-# Table 1's rows, each adapter's hyperparameters (its paper's defaults) and the α
-# training settings are the registered defaults: fedjax_shift/pipelines/atp.py and algorithms/atp.py
-# (ROWS, config.tta, config.atp) and fedjax_shift/adapters/<name>.py (config.adapters).
+# ATP Table 1's rows in order: (key, label, adapter, test-time mode). Each adapter's
+# hyperparameters (its paper's defaults) and the α training settings are the registered
+# defaults: fedjax_shift/adapters/<name>.py (config.adapters), algorithms/atp.py
+# (config.atp) and pipelines/atp.py (config.tta, config.learned).
+TABLE1_ROWS = (('no_adapt', 'No adaptation', 'no_adapt', 'episodic'),
+               ('bn_adapt', 'BN-Adapt', 'bn_adapt', 'episodic'),
+               ('shot', 'SHOT', 'shot', 'online'),
+               ('tent', 'Tent', 'tent', 'online'),
+               ('eata', 'EATA', 'eata', 'online'),
+               ('t3a', 'T3A', 't3a', 'online'),
+               ('memo', 'MEMO', 'memo', 'episodic'),
+               ('em', 'EM', 'em', 'episodic'),
+               ('bbse', 'BBSE', 'bbse', 'episodic'),
+               ('surgical', 'Surgical', 'surgical', 'online'),
+               ('atp_batch', 'ATP-batch', 'atp', 'episodic'),
+               ('atp_online', 'ATP-online', 'atp', 'online'))
 
 
 def get_config(arg: str = 'digits_hybrid') -> ml_collections.ConfigDict:
   c = base_config()
   c.pipeline = 'atp'
   c.paper_tables = 'atp'             # launch/train.py prints Tables 1 and 3 beside the paper's
+  c.tta.rows = tuple(key for key, _, _, _ in TABLE1_ROWS)   # drop keys to skip methods
+  c.tta.label = {key: label for key, label, _, _ in TABLE1_ROWS}
+  c.tta.adapter = {key: adapter for key, _, adapter, _ in TABLE1_ROWS}
+  c.tta.mode = {key: mode for key, _, _, mode in TABLE1_ROWS}
   c.algorithms = ('fedavg',)          # the global model's training (ATP Table 7: fedprox, qffl)
   c.rounds = 200                      # ATP: FedAvg 200 rounds (CNN)
   c.cohort_size = 240                 # ATP release: FedAvg with every source client a round

@@ -1,10 +1,11 @@
 """fedjax_shift: federated learning under distribution shift in JAX/Flax.
 
-Layering (each layer imports only from the layers before it; no two modules import
-each other; tests/test_registry.py checks both with the ``ast`` module):
+Layering (each layer imports only from the layers before it; siblings in braces never
+import each other; no two modules import each other; tests/test_registry.py checks all
+three with the ``ast`` module):
 
     registry, metrics, checkpoint     leaves: name tables, JSONL metrics, orbax
-    data → models → core → parts → algorithms → adapters → benchmarks → report
+    data → models → core → parts → {algorithms, adapters, benchmarks} → report
          → pipelines → papers → config → (launch/, configs/, outside the package)
 
 ``data`` holds sources, shifts and partitions; ``models`` the Flax classifiers;

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import ml_collections
 
-from fedjax_shift import papers, pipelines  # noqa: F401  (papers: their table layouts)
+from fedjax_shift import papers, pipelines  # noqa: F401  (papers: registers their table layouts)
 from fedjax_shift.adapters import ADAPTERS
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS
@@ -181,7 +181,9 @@ def _source_partition(c: ml_collections.ConfigDict, match: re.Match) -> None:
 def _label_skew_tiny(c: ml_collections.ConfigDict, match=None) -> None:
   c.data.min_examples_per_client = 2
   c.data.corruptions = ('gaussian_noise', 'contrast')
-  c.model.name = 'bn_mlp' if c.model.name == 'bn_mlp' else 'mlp'   # FedBN keeps its BN
+  # A small MLP; with BatchNorm where the config's model has it (FedBN keeps it local).
+  batch_norm = c.model.name in ('bn_mlp', 'atp_cnn', 'resnet18') or 'fedbn' in c.algorithms
+  c.model.name = 'bn_mlp' if batch_norm else 'mlp'
   c.model.hidden = (32,)
 
 

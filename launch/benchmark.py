@@ -876,12 +876,13 @@ def case_tta(vmapped: bool, mode: str = 'online'):
   from fedjax_shift.adapters import atp as atp_lib
   from fedjax_shift.adapters.tent import tent
   from fedjax_shift.core.test_time import AdaptBatch, build_test_time
+  from fedjax_shift.parts import atp_rates
   config = make_config()
   module = models.create(config.model, 10)
   data = cohort_data(num_clients())
   variables = models.init(module, jax.random.key(0), jnp.asarray(data.x[0, :1]))
   if FLAGS.tta_adapter == 'atp':
-    alpha = jax.tree.map(lambda a: a + 0.1, atp_lib.init_alpha(variables))
+    alpha = jax.tree.map(lambda a: a + 0.1, atp_rates.init_alpha(variables))
     adapter = atp_lib.atp(module, alpha)
   elif FLAGS.tta_adapter == 'tent':
     adapter = tent(module)

@@ -98,3 +98,9 @@ def write_run(workdir: pathlib.Path, method: str, seed: int, metrics: dict,
   (workdir / method / f'seed_{seed}').mkdir(parents=True)
   (workdir / method / f'seed_{seed}' / 'results.json').write_text(json.dumps(
       {'algorithm': method, 'seed': seed, 'metrics': metrics}))
+
+
+def compiled_programs(jitted) -> int:
+  """How many programs a ``jax.jit``-wrapped function has compiled (one per distinct
+  argument shapes and static values): the one place the tests count compilations."""
+  return jitted._cache_size()

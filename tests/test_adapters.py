@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from fedjax_shift import models
-from fedjax_shift.adapters import ADAPTERS, SourceContext, common
-from fedjax_shift.adapters import atp as atp_lib
+from fedjax_shift.adapters import ADAPTERS, SourceContext
 from fedjax_shift.adapters.bbse import importance_weights
 from fedjax_shift.adapters.em import em, em_prior
 from fedjax_shift.adapters.memo import marginal_entropy, memo
@@ -21,6 +20,8 @@ from fedjax_shift.adapters.surgical import surgical
 from fedjax_shift.adapters.t3a import Supports, merge, t3a
 from fedjax_shift.core.test_time import AdaptBatch, build_test_time
 from fedjax_shift.data.augment import augment_many
+from fedjax_shift.parts import atp_rates
+from fedjax_shift.parts import losses
 from helpers import backend_tolerance, toy_clients
 
 NUM_CLASSES = 3
@@ -57,7 +58,7 @@ def setup(model='bn_mlp', seed=0):
   rng = np.random.default_rng(seed + 10)
   source_x = rng.random((16, 4, 4, 1)).astype(np.float32)
   source_y = rng.integers(0, NUM_CLASSES, 16).astype(np.int32)
-  alpha = jax.tree.map(lambda a: a + 0.3, atp_lib.init_alpha(variables))
+  alpha = jax.tree.map(lambda a: a + 0.3, atp_rates.init_alpha(variables))
   context = SourceContext(variables, NUM_CLASSES, 4, source_x, source_y, alpha)
   return module, variables, context
 
@@ -73,12 +74,12 @@ def variables_for(name, variables):
   """Adapters of models trained by particular methods (FedTTA's g, ODPFL-HN's
   hypernetwork) get those parts."""
   if 'odpfl_hn' in ADAPTERS.meta(name).get('trained_by', ()):
-    from fedjax_shift.algorithms import odpfl_hn
-    template = odpfl_hn.target_template(setup('mlp')[0], jnp.zeros((1, 4, 4, 1)))
-    omega = odpfl_hn.init_parameters(jax.random.key(7), template, (4, 4, 1), 5, 6, 2)
-    return {**variables, odpfl_hn.HYPERNETWORK: omega}
+    from fedjax_shift.parts import hypernetwork
+    template = hypernetwork.target_template(setup('mlp')[0], jnp.zeros((1, 4, 4, 1)))
+    omega = hypernetwork.init_parameters(jax.random.key(7), template, (4, 4, 1), 5, 6, 2)
+    return {**variables, hypernetwork.HYPERNETWORK: omega}
   if 'fedicon' in ADAPTERS.meta(name).get('trained_by', ()):
-    from fedjax_shift.algorithms.fedicon import Projection
+    from fedjax_shift.parts.contrastive import Projection
     features = models.features(setup()[0], variables, jnp.zeros((1, 4, 4, 1)))
     projection = Projection(5).init(jax.random.key(7), features)['params']
     return {**variables, 'params': {**variables['params'], 'projection': projection}}
@@ -90,7 +91,7 @@ def variables_for(name, variables):
     return {**variables, EXTRA: {'global_head': other, 'local_feature': jnp.full((width,), 0.2),
                                  'global_feature': jnp.full((width,), -0.1)}}
   if 'fedtta' in ADAPTERS.meta(name).get('trained_by', ()):
-    from fedjax_shift.algorithms.fedtta import ADAPTATION
+    from fedjax_shift.parts.fedtta_step import ADAPTATION
     g = models.AdaptationMLP((4,))
     params = g.init(jax.random.key(7), jnp.zeros((1, NUM_CLASSES)))['params']
     return {**variables, ADAPTATION: params}
@@ -199,7 +200,7 @@ def test_shot_clustering_recovers_separated_clusters():
 
 def test_memo_marginal_entropy_and_augmentations():
   logits = jnp.array([[2.0, 0.0, -1.0]] * 5)
-  np.testing.assert_allclose(marginal_entropy(logits), common.entropy(logits[:1])[0], rtol=1e-6)
+  np.testing.assert_allclose(marginal_entropy(logits), losses.entropy(logits[:1])[0], rtol=1e-6)
   # Two confident but opposite views: the marginal is uniform over them, entropy ln 2.
   np.testing.assert_allclose(marginal_entropy(jnp.array([[30.0, 0.0], [0.0, 30.0]])),
                              np.log(2), rtol=1e-5)
@@ -505,7 +506,7 @@ def test_sgd_option_takes_a_plain_gradient_step_on_the_selected_parameters():
 
   def loss(params):
     logits = models.apply(module, {**variables, 'params': params}, x, 'batch_stats')[0]
-    return common.weighted_entropy(logits, jnp.ones(4))
+    return losses.weighted_entropy(logits, jnp.ones(4))
 
   grads = jax.grad(loss)(variables['params'])
   bn = variables['params']['encoder']['BatchNorm_0']
@@ -554,7 +555,7 @@ def test_upfl_tent_steps_every_parameter_and_predicts_after_the_step():
 
   def entropy_bits(params):
     logits = models.apply(module, {'params': params}, x, 'batch_stats')[0]
-    return common.weighted_entropy(logits, jnp.ones(5)) / np.log(2.0)
+    return losses.weighted_entropy(logits, jnp.ones(5)) / np.log(2.0)
 
   for clip in (10.0, 0.01):     # 0.01: the clip binds (the gradient's norm is larger)
     grads = jax.grad(entropy_bits)(variables['params'])

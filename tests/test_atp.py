@@ -12,6 +12,7 @@ from fedjax_shift.adapters.no_adapt import no_adapt
 from fedjax_shift.algorithms.atp import atp_training
 from fedjax_shift.core.round import RoundConfig, build_round, round_key
 from fedjax_shift.core.test_time import build_test_time
+from fedjax_shift.parts import atp_rates
 from helpers import tiny_config, toy_clients
 
 NUM_CLASSES = 3
@@ -36,12 +37,12 @@ def test_module_count_matches_reference():
     module = models.MODELS.get(name)(10)
     variables = jax.eval_shape(lambda: models.init(module, jax.random.key(0),
                                                    jnp.zeros((1, 32, 32, 3))))
-    assert len(jax.tree.leaves(atp_lib.init_alpha(variables))) == expected
+    assert len(jax.tree.leaves(atp_rates.init_alpha(variables))) == expected
 
 
 def test_bn_direction_is_running_minus_unbiased_eval_mode_batch_statistic():
   module, variables, x, _ = setup()
-  h, _ = atp_lib.update_direction(module, variables, x, jnp.ones(6))
+  h, _ = atp_rates.update_direction(module, variables, x, jnp.ones(6))
   # First BN layer: its input is Dense_0(x), identical in eval and train mode.
   dense = variables['params']['encoder']['Dense_0']
   pre = x.reshape(6, -1) @ dense['kernel'] + dense['bias']
@@ -61,12 +62,12 @@ def test_alpha_gradient_equals_closed_form_and_finite_differences(model):
     variables = jax.tree.map(lambda a: a.astype(jnp.float64), variables)
     x = x.astype(jnp.float64)
     weight = jnp.ones(6)
-    h, _ = atp_lib.update_direction(module, variables, x, weight)
-    alpha = jax.tree.map(lambda a: a + 0.01, atp_lib.init_alpha(variables))
+    h, _ = atp_rates.update_direction(module, variables, x, weight)
+    alpha = jax.tree.map(lambda a: a + 0.01, atp_rates.init_alpha(variables))
     alpha = jax.tree.map(lambda a: a.astype(jnp.float64), alpha)
-    loss = lambda a: atp_lib.alpha_loss(module, variables, a, h, x, y, weight)
+    loss = lambda a: atp_rates.alpha_loss(module, variables, a, h, x, y, weight)
     grad = jax.grad(loss)(alpha)
-    adapted = atp_lib.adapted_variables(variables, alpha, h)
+    adapted = atp_rates.adapted_variables(variables, alpha, h)
     modules = {k: adapted[k] for k in alpha}
     rest = {k: v for k, v in adapted.items() if k not in alpha}
 
@@ -91,7 +92,7 @@ def test_alpha_zero_equals_no_adaptation(mode):
   data, _, _ = toy_clients([7, 0, 5], num_classes=NUM_CLASSES, pad_to=8)
   run = lambda adapter: build_test_time(adapter, 3, mode)(variables, data, jax.random.key(0))
   base = run(no_adapt(module))
-  out = run(atp_lib.atp(module, atp_lib.init_alpha(variables)))
+  out = run(atp_lib.atp(module, atp_rates.init_alpha(variables)))
   np.testing.assert_array_equal(out['predictions'], base['predictions'])
   np.testing.assert_allclose(out['loss'], base['loss'], rtol=1e-6)
 
@@ -100,14 +101,14 @@ def test_online_uses_cumulative_mean_of_directions():
   """Batch 2 of ATP-online predicts with θ − α⊙(h1 + h2)/2 (Algorithm 2, line 8)."""
   module, variables, _, _ = setup()
   data, xs, _ = toy_clients([8], num_classes=NUM_CLASSES)
-  alpha = jax.tree.map(lambda a: a + 0.5, atp_lib.init_alpha(variables))
+  alpha = jax.tree.map(lambda a: a + 0.5, atp_rates.init_alpha(variables))
   out = build_test_time(atp_lib.atp(module, alpha), 4, 'online')(variables, data,
                                                                  jax.random.key(0))
   ones = jnp.ones(4)
-  h1, _ = atp_lib.update_direction(module, variables, jnp.asarray(xs[0][:4]), ones)
-  h2, _ = atp_lib.update_direction(module, variables, jnp.asarray(xs[0][4:]), ones)
+  h1, _ = atp_rates.update_direction(module, variables, jnp.asarray(xs[0][:4]), ones)
+  h2, _ = atp_rates.update_direction(module, variables, jnp.asarray(xs[0][4:]), ones)
   mean_h = jax.tree.map(lambda a, b: (a + b) / 2, h1, h2)
-  adapted = atp_lib.adapted_variables(variables, alpha, mean_h)
+  adapted = atp_rates.adapted_variables(variables, alpha, mean_h)
   logits = models.apply(module, adapted, jnp.asarray(xs[0][4:]))[0]
   np.testing.assert_array_equal(out['predictions'][0][4:], np.argmax(logits, -1))
   batch = build_test_time(atp_lib.atp(module, alpha), 4, 'episodic')(variables, data,
@@ -117,9 +118,9 @@ def test_online_uses_cumulative_mean_of_directions():
 
 def test_adapted_running_variance_is_clamped():
   module, variables, x, _ = setup()
-  h, _ = atp_lib.update_direction(module, variables, x, jnp.ones(6))
-  alpha = jax.tree.map(lambda a: a + 100.0, atp_lib.init_alpha(variables))
-  adapted = atp_lib.adapted_variables(variables, alpha, h)
+  h, _ = atp_rates.update_direction(module, variables, x, jnp.ones(6))
+  alpha = jax.tree.map(lambda a: a + 100.0, atp_rates.init_alpha(variables))
+  adapted = atp_rates.adapted_variables(variables, alpha, h)
   for layer in adapted['batch_stats']['encoder'].values():
     assert float(jnp.min(layer['var'])) >= 0.0
 
@@ -129,9 +130,9 @@ def test_alpha_that_does_not_match_the_model_is_rejected():
   other = models.MODELS.get('bn_mlp')(NUM_CLASSES, hidden=(8, 8))
   other_vars = models.init(other, jax.random.key(0), jnp.zeros((1, 4, 4, 1)))
   with pytest.raises(ValueError, match='modules do not match the model'):
-    atp_lib.atp(module, atp_lib.init_alpha(other_vars)).init(variables, jax.random.key(0))
+    atp_lib.atp(module, atp_rates.init_alpha(other_vars)).init(variables, jax.random.key(0))
   with pytest.raises(ValueError, match='atp.scaling'):
-    atp_lib.gradient_scale(variables, 'log')
+    atp_rates.gradient_scale(variables, 'log')
 
 
 def alpha_round_setup(scaling='sqrt', weighting='uniform'):
@@ -153,13 +154,13 @@ def test_alpha_round_equals_hand_loop_over_clients():
   module, variables, config, data, algorithm, state, round_config = alpha_round_setup()
   round_device, _ = build_round(algorithm, round_config)
   out = round_device(state, (), data, round_key(jax.random.key(0), 0))
-  scale = atp_lib.gradient_scale(variables, 'sqrt')
+  scale = atp_rates.gradient_scale(variables, 'sqrt')
   expected = []
   for k in (0, 1, 3):
     n = int(data.num_examples[k])
     x, y, w = data.x[k, :n], data.y[k, :n], jnp.ones(n)
-    h, _ = atp_lib.update_direction(module, variables, x, w)
-    grad = jax.grad(lambda a: atp_lib.alpha_loss(module, variables, a, h, x, y, w))(state.alpha)
+    h, _ = atp_rates.update_direction(module, variables, x, w)
+    grad = jax.grad(lambda a: atp_rates.alpha_loss(module, variables, a, h, x, y, w))(state.alpha)
     expected.append(jax.tree.map(lambda a, g, s: a - config.atp.learning_rate * s * g,
                                  state.alpha, grad, scale))
   mean = jax.tree.map(lambda *a: sum(a) / 3, *expected)
@@ -188,8 +189,8 @@ def test_variance_clamp_rules_on_a_hand_built_clamped_case():
   straight-through rule, and over the unclamped channels only with 'zero', where g is
   ∂CE/∂(adapted variance) at the clamped model."""
   module, variables, x, y = setup()
-  h, _ = atp_lib.update_direction(module, variables, x, jnp.ones(6))
-  alpha = jax.tree.map(jnp.zeros_like, atp_lib.init_alpha(variables))
+  h, _ = atp_rates.update_direction(module, variables, x, jnp.ones(6))
+  alpha = jax.tree.map(jnp.zeros_like, atp_rates.init_alpha(variables))
   path = ('batch_stats', 'encoder', 'BatchNorm_0', 'var')
   get = lambda tree: tree[path[0]][path[1]][path[2]][path[3]]
   running, direction = get(variables), get(h)
@@ -201,8 +202,8 @@ def test_variance_clamp_rules_on_a_hand_built_clamped_case():
   clamped = adapted < 0
   assert clamped.any() and (~clamped).any()  # both kinds of channel
   weight = jnp.ones(6)
-  at = {'straight_through': atp_lib.adapted_variables(variables, alpha, h, 'straight_through'),
-        'zero': atp_lib.adapted_variables(variables, alpha, h, 'zero')}
+  at = {'straight_through': atp_rates.adapted_variables(variables, alpha, h, 'straight_through'),
+        'zero': atp_rates.adapted_variables(variables, alpha, h, 'zero')}
   np.testing.assert_allclose(get(at['zero']), np.maximum(adapted, 0.0))
   chex.assert_trees_all_equal(at['zero'], at['straight_through'])  # same forward
 
@@ -212,7 +213,7 @@ def test_variance_clamp_rules_on_a_hand_built_clamped_case():
 
   g = get(jax.grad(ce, allow_int=True)(at['zero']))
   for clamp, keep in (('straight_through', np.ones_like(clamped)), ('zero', ~clamped)):
-    grad = jax.grad(lambda a: atp_lib.alpha_loss(module, variables, a, h, x, y, weight,
+    grad = jax.grad(lambda a: atp_rates.alpha_loss(module, variables, a, h, x, y, weight,
                                                  clamp))(alpha)
     expected = -np.sum(np.asarray(g) * np.asarray(direction) * keep)
     np.testing.assert_allclose(get(grad), expected, rtol=1e-4, atol=1e-7)

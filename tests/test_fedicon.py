@@ -12,14 +12,14 @@ from fedjax_shift.papers.fedicon import tables as report
 from fedjax_shift.adapters import fedicon as fedicon_adapter
 from fedjax_shift.adapters import fedthe as fedthe_adapter
 from fedjax_shift.algorithms import fedthe as fedthe_algorithm
-from fedjax_shift.algorithms.fedicon import supcon_loss
+from fedjax_shift.parts.contrastive import supcon_loss
 from fedjax_shift.benchmarks import BENCHMARKS, label_skew
 from fedjax_shift.core.algorithm import ClientData
 from fedjax_shift.core.evaluation import personalized_variables
 from fedjax_shift.core.round import RoundConfig, build_round, stack_client_states
 from fedjax_shift.core.test_time import AdaptBatch, build_test_time
 from fedjax_shift.data import augment
-from tests.helpers import data_config, tiny_config, toy_clients
+from tests.helpers import compiled_programs, data_config, tiny_config, toy_clients
 
 NUM_CLASSES = 3
 
@@ -561,7 +561,7 @@ def test_round_is_one_compiled_call_for_a_whole_run(name):
   for r in range(3):
     out = round_device(server, clients, data, round_key(jax.random.key(0), r))
     server, clients = out.server_state, out.client_states
-  assert round_device._cache_size() == 1
+  assert compiled_programs(round_device) == 1
 
 
 def test_fedicon_lodo_table_has_one_column_per_held_out_domain():

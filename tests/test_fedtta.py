@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from fedjax_shift import algorithms, models
-from fedjax_shift.adapters import common
 from fedjax_shift.adapters.fedtta import adapt, adaptation_module_of
-from fedjax_shift.algorithms.fedtta import ADAPTATION, inner_step, personalization_loss
+from fedjax_shift.parts import losses
+from fedjax_shift.parts.fedtta_step import ADAPTATION, inner_step, personalization_loss
 from fedjax_shift.core.algorithm import ClientData
 from fedjax_shift.core.round import NO_STEP_LIMIT
 from fedjax_shift.core.test_time import ADAPTERS, AdaptBatch, SourceContext
@@ -163,7 +163,7 @@ def test_fedtta_pp_candidates_are_the_steps_unless_the_initial_model_is_included
   raises the entropy (H_1 > H_0) the default keeps ψ_1, include_initial keeps ψ_0."""
   module, variables, client = _variables()
   x, weight = client.x[:7], jnp.ones(7)
-  entropy = lambda params: float(common.weighted_entropy(
+  entropy = lambda params: float(losses.weighted_entropy(
       models.apply(module, {'params': params}, x)[0], weight))
   adaptation_module = adaptation_module_of(variables[ADAPTATION])
   for rate in (0.5, 2.0, 8.0, 32.0, -0.5, -2.0, -8.0):   # a step that raises H
@@ -282,7 +282,7 @@ def test_early_stop_fires_when_the_entropy_stops_decreasing():
   adaptation_module = adaptation_module_of(variables[ADAPTATION])
   lr = 25.0   # large steps so the entropy goes up and down
   params, history, entropies = variables['params'], [variables['params']], []
-  from fedjax_shift.adapters.common import weighted_entropy
+  from fedjax_shift.parts.losses import weighted_entropy
   entropy = lambda p: float(weighted_entropy(models.apply(module, {'params': p}, x)[0], weight))
   entropies.append(entropy(params))
   for _ in range(12):

@@ -10,14 +10,15 @@ import optax
 import pytest
 
 from fedjax_shift import pipelines
-from fedjax_shift.algorithms import fedtta, hetero_fedtta
+from fedjax_shift.algorithms import hetero_fedtta
 from fedjax_shift.config import base_config
 from fedjax_shift.core.algorithm import ClientData, ClientOutput
 from fedjax_shift.core.groups import (build_grouped_round, cohort_sizes, init_group_states,
                                       split_groups)
 from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.core.round import NO_STEP_LIMIT
-from helpers import backend_tolerance, override, toy_clients
+from fedjax_shift.parts import fedtta_step
+from helpers import backend_tolerance, compiled_programs, override, toy_clients
 
 SHAPE = (4, 4, 1)
 NUM_CLASSES = 3
@@ -103,7 +104,7 @@ def test_grouped_round_equals_a_loop_over_clients(toy):
                                 **backend_tolerance(2e-5, 1e-6))
     server, states = out.server_state, out.group_states
   assert int(server.round) == 2
-  assert ROUNDS[(id(algorithm), (2, 1))][1]._cache_size() == 1   # one compilation
+  assert compiled_programs(ROUNDS[(id(algorithm), (2, 1))][1]) == 1   # one compilation
 
 
 def test_grouped_round_on_skewed_sizes_equals_a_loop_over_clients():
@@ -134,7 +135,7 @@ def test_knowledge_is_the_mean_of_the_clients_public_logits(toy):
       base.append(arch.module.apply({'params': params['base']}, public_x))
       blocks = []
       for x in public_x.reshape((2, 4) + SHAPE):
-        adapted = fedtta.inner_step(arch.module, arch.adaptation_module, params['base'],
+        adapted = fedtta_step.inner_step(arch.module, arch.adaptation_module, params['base'],
                                     params['adaptation'], x, jnp.ones(4),
                                     hp.inner_learning_rate, hp.norm_epsilon)
         blocks.append(arch.module.apply({'params': adapted}, x))
@@ -169,7 +170,7 @@ def test_kd_loss_is_eq14_computed_by_hand(kd_lambda):
   params = hetero_fedtta.init_params(arch, jax.random.key(4), x)
   teacher_base = np.random.default_rng(5).normal(size=(4, NUM_CLASSES))
   teacher_per = np.random.default_rng(6).normal(size=(4, NUM_CLASSES))
-  adapted = fedtta.inner_step(arch.module, arch.adaptation_module, params['base'],
+  adapted = fedtta_step.inner_step(arch.module, arch.adaptation_module, params['base'],
                               params['adaptation'], x, jnp.ones(4), hp.inner_learning_rate,
                               hp.norm_epsilon)
   student_per = np.asarray(arch.module.apply({'params': adapted}, x), np.float64)

@@ -253,13 +253,14 @@ SMALL = {'eata': {'fisher_weight': 0.0, 'entropy_margin': 1.0}, 'memo': {'num_au
 def test_every_learnable_rate_is_a_number_its_adapter_reads():
   # Read from the registry: a rate is a numeric field of the adapter's config section,
   # or ATP's α, which the adapter takes from its source context; every learned row of
-  # the default config trains rates its base adapter registered.
+  # ATP's config trains rates its base adapter registered.
+  from configs import atp as atp_configs
   assert LEARNABLE
   for adapter, rate in LEARNABLE:
     parameterisation = learned_rates.learnable(adapter)[rate]
     defaults = learned_rates.ADAPTERS.defaults(adapter)
     assert parameterisation == 'alpha' or isinstance(defaults[rate], float), (adapter, rate)
-  config = config_lib.base_config()
+  config = atp_configs.get_config()
   for row, rates in config.learned.rates.items():
     adapter = config.tta.adapter[config.learned.base[row]]
     assert set(rates) <= set(learned_rates.learnable(adapter)), (row, rates)

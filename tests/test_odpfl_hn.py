@@ -8,7 +8,7 @@ import pytest
 
 from fedjax_shift import algorithms, models
 from fedjax_shift.adapters.odpfl_hn import odpfl_hn_adapter
-from fedjax_shift.algorithms import odpfl_hn as lib
+from fedjax_shift.parts import hypernetwork as lib
 from fedjax_shift.core.algorithm import ClientData
 from fedjax_shift.core.round import NO_STEP_LIMIT
 from fedjax_shift.core.test_time import AdaptBatch

@@ -1,4 +1,6 @@
 """Personalised-FL baselines against the special cases their papers name."""
+import os
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -161,7 +163,6 @@ def test_uploaded_parameters_are_counted_from_the_update_pytrees():
 def test_fedbn_on_a_model_without_batch_norm_is_refused_and_tiny_keeps_batch_norm():
   """FedBN on a model with no BatchNorm would train exactly as FedAvg (nothing stays
   local): refused naming both; the label-skew ``tiny`` variant keeps a BN model's BN."""
-  from configs import default
   config = tiny_config()
   config.model.name = 'mlp'
   data, _, _ = toy_clients([6, 9], num_classes=NUM_CLASSES)
@@ -171,5 +172,28 @@ def test_fedbn_on_a_model_without_batch_norm_is_refused_and_tiny_keeps_batch_nor
   config.fedbn.local_norms = 'all'
   with pytest.raises(ValueError, match=r"normalisation layers local.*MLPEncoder"):
     make('fedbn', config, data)
-  tiny = default.get_config('tiny')
-  assert 'fedbn' in tiny.algorithms and tiny.model.name == 'bn_mlp'
+
+
+def _configs_running_fedbn_tiny():
+  import glob
+  import importlib
+  names = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(
+      os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', '*.py')))
+  return [n for n in names if 'fedbn' in importlib.import_module(f'configs.{n}').get_config(
+      'tiny').algorithms]
+
+
+@pytest.mark.parametrize('name', _configs_running_fedbn_tiny())
+def test_every_tiny_variant_that_runs_fedbn_gives_it_layers_to_keep(name):
+  """``configs/<name>.py:tiny`` swaps in a small model: where FedBN runs, the model
+  keeps normalisation layers, so its state initialises (it refuses a model without)."""
+  import importlib
+  from fedjax_shift.pipelines.federated import build_data
+  config = importlib.import_module(f'configs.{name}').get_config('tiny')
+  bench = build_data(config, config.seeds[0])
+  train = bench.splits['train']
+  module = models.create(config.model, bench.num_classes)
+  algorithm = algorithms.build('fedbn', config, module, train.max_examples, bench.info,
+                               train.num_clients, train.x.shape[2:])
+  server = algorithm.init(jax.random.key(0), jnp.asarray(train.x[0, :1]))
+  assert jax.tree.leaves(algorithm.init_client_state(server))

@@ -63,12 +63,20 @@ def test_the_eta_leaves_out_compile_time(caplog):
 def test_piped_run_writes_no_carriage_return_and_few_lines(tmp_path):
   """The default experiment's tiny variant with its output piped (a job's log file):
   progress on, no '\\r' anywhere, and at most 60 lines in all (the bar would write a
-  segment per refresh)."""
+  segment per refresh). Outside the workdir it writes only what the README says: the
+  compilation cache under ~/.cache/fedjax_shift/ (and matplotlib its font cache)."""
+  home = tmp_path / 'home'
+  env = {k: v for k, v in os.environ.items() if not k.startswith(('XDG_', 'MPLCONFIGDIR'))}
+  env['HOME'] = str(home)
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, 'launch', 'train.py'),
        '--config=' + os.path.join(ROOT, 'configs', 'default.py') + ':tiny',
-       '--config.progress=True', f'--workdir={tmp_path}'],
-      capture_output=True, text=True, cwd=ROOT, timeout=600)
+       '--config.progress=True', f'--workdir={tmp_path / "run"}'],
+      capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
+  written = sorted(os.path.relpath(os.path.join(d, f), home) for d, _, files in os.walk(home)
+                   for f in files)
+  assert written and all(path.startswith(('.cache/fedjax_shift/jax/', '.cache/matplotlib/'))
+                         for path in written), written
   assert proc.returncode == 0, proc.stderr[-2000:]
   output = proc.stdout + proc.stderr
   assert '\r' not in output

@@ -21,9 +21,10 @@ from fedjax_shift.algorithms.fedavg import fedavg
 from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.core.algorithm import ClientOutput
 from fedjax_shift.core.test_time import Adapter, build_test_time
+from fedjax_shift.parts import atp_rates
 from fedjax_shift.pipelines import PIPELINES
 from fedjax_shift.pipelines.atp import adapter_accuracy, adapter_evaluator
-from helpers import tiny_config, toy_clients
+from helpers import compiled_programs, tiny_config, toy_clients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, 'fedjax_shift')
@@ -138,12 +139,13 @@ def test_registry_rejects_duplicates_and_names_choices():
     PIPELINES.get('x')
 
 
-# data → models → core → parts → algorithms → adapters → benchmarks → report → pipelines
+# data → models → core → parts → {algorithms, adapters, benchmarks} → report → pipelines
 # → papers → config, as stated in fedjax_shift/__init__.py; registry, metrics and
-# checkpoint are leaves anyone may use.
-LAYERS = {'registry': 0, 'distributed': 0, 'metrics': 0, 'events': 0, 'checkpoint': 0, 'data': 1, 'models': 2, 'core': 3,
-          'parts': 4, 'algorithms': 5, 'adapters': 6, 'benchmarks': 7, 'report': 8,
-          'pipelines': 9, 'papers': 10, 'config': 11}
+# checkpoint are leaves anyone may use. Siblings (one layer, different packages) never
+# import each other: a training method never reads a test-time method or a benchmark.
+LAYERS = {'registry': 0, 'distributed': 0, 'metrics': 0, 'events': 0, 'checkpoint': 0,
+          'data': 1, 'models': 2, 'core': 3, 'parts': 4, 'algorithms': 5, 'adapters': 5,
+          'benchmarks': 5, 'report': 6, 'pipelines': 7, 'papers': 8, 'config': 9}
 
 
 def package_modules():
@@ -176,14 +178,37 @@ def layer(module):
   return LAYERS[parts[1]] if len(parts) > 1 else None
 
 
+def layering_violations(graph):
+  """(upward, sideways): the imports ``graph`` ({module: imported modules}) makes to a
+  higher layer, and to a sibling (same layer, another top-level package)."""
+  pairs = [(m, d) for m, deps in graph.items() for d in deps
+           if layer(m) is not None and layer(d) is not None]
+  upward = [(m, d) for m, d in pairs if layer(d) > layer(m)]
+  sideways = [(m, d) for m, d in pairs
+              if layer(d) == layer(m) and layer(m) > 0 and m.split('.')[1] != d.split('.')[1]]
+  return upward, sideways
+
+
+def test_a_cross_sibling_or_upward_import_is_a_violation():
+  graph = {'fedjax_shift.adapters.tent': {'fedjax_shift.algorithms.fedavg',
+                                          'fedjax_shift.parts.atp_rates'},
+           'fedjax_shift.algorithms.fedavg': {'fedjax_shift.benchmarks.upfl',
+                                              'fedjax_shift.algorithms.base'},
+           'fedjax_shift.core.round': {'fedjax_shift.pipelines.loop'}}
+  upward, sideways = layering_violations(graph)
+  assert upward == [('fedjax_shift.core.round', 'fedjax_shift.pipelines.loop')]
+  assert sorted(sideways) == [('fedjax_shift.adapters.tent', 'fedjax_shift.algorithms.fedavg'),
+                              ('fedjax_shift.algorithms.fedavg', 'fedjax_shift.benchmarks.upfl')]
+
+
 def test_imports_follow_the_layering_and_have_no_cycles():
   modules = package_modules()
   assert set(LAYERS) >= {m.split('.')[1] for m in modules if '.' in m}, \
       'a new top-level module needs its layer in LAYERS and fedjax_shift/__init__.py'
   graph = {m: imported_modules(path, modules) - {m} for m, path in modules.items()}
-  upward = [(m, d) for m, deps in graph.items() for d in deps
-            if layer(m) is not None and layer(d) is not None and layer(d) > layer(m)]
+  upward, sideways = layering_violations(graph)
   assert not upward, f'modules importing from a higher layer: {upward}'
+  assert not sideways, f'modules importing from a sibling layer: {sideways}'
   # No cycle of any length (Tarjan's strongly connected components).
   index, low, stack, on_stack, cycles = {}, {}, [], set(), []
 
@@ -212,7 +237,8 @@ def test_imports_follow_the_layering_and_have_no_cycles():
     if v not in index:
       visit(v)
   assert not cycles, f'modules importing each other: {cycles}'
-  assert 'data → models → core' in open(os.path.join(PACKAGE, '__init__.py')).read()
+  assert 'parts → {algorithms, adapters, benchmarks}' in open(
+      os.path.join(PACKAGE, '__init__.py')).read()
 
 
 def test_the_layering_test_sees_an_upward_import_and_a_cycle(tmp_path):
@@ -240,14 +266,14 @@ def test_adapter_evaluation_compiles_once_and_takes_alpha_as_an_argument():
   rng = jax.random.key(3)
   results = []
   for shift in (0.3, 3.0):
-    alpha = jax.tree.map(lambda a, s=shift: a + s, atp_lib.init_alpha(variables))
+    alpha = jax.tree.map(lambda a, s=shift: a + s, atp_rates.init_alpha(variables))
     inputs = AdapterInputs(variables, None, None, alpha)
     accuracy = adapter_accuracy(evaluate_chunk, inputs, variables, data, rng, client_chunk=2)
     reference = build_test_time(atp_lib.atp(module, alpha), 4, 'online')(variables, data, rng)
     np.testing.assert_allclose(accuracy, np.asarray(reference['correct']) /
                                np.asarray(reference['count']), rtol=1e-6)
     results.append(accuracy)
-  assert evaluate_chunk._cache_size() == 1
+  assert compiled_programs(evaluate_chunk) == 1
   chex.assert_tree_all_finite(results)
 
 
@@ -286,3 +312,70 @@ def test_importing_the_library_and_configs_does_not_start_the_jax_backend():
           'from configs import atp, default, fedevolve, fedicon, fedins, fedtta\n'
           'assert not xla_bridge.backends_are_initialized()\n')
   subprocess.run([sys.executable, '-c', code], cwd=ROOT, check=True)
+
+
+def unused_imports(source: str):
+  """Names a module imports from the package but never uses (a re-export: the name gets
+  a second import path). ``# noqa: F401`` on the import marks an import for its side
+  effect (registering names), which is not a re-export."""
+  tree = ast.parse(source)
+  lines = source.splitlines()
+  used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+  used |= {node.value.id for node in ast.walk(tree)
+           if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)}
+  exported = set()
+  for node in ast.walk(tree):   # __all__ = [...] names what a module re-exports on purpose
+    if isinstance(node, ast.Assign) and any(getattr(t, 'id', '') == '__all__' for t in node.targets):
+      exported |= {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)}
+  unused = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and (node.module or '').startswith('fedjax_shift'):
+      if 'noqa: F401' in lines[node.lineno - 1] and 'register' in lines[node.lineno - 1]:
+        continue
+      for alias in node.names:
+        name = alias.asname or alias.name
+        if name not in used and name not in exported:
+          unused.append(name)
+  return unused
+
+
+def test_every_name_has_one_import_path():
+  """No module outside the packages' ``__init__.py`` imports a name it does not use:
+  a moved name is imported from where it lives, not through a module that re-exports
+  it."""
+  found = {}
+  for module, path in package_modules().items():
+    if path.endswith('__init__.py'):
+      continue
+    unused = unused_imports(open(path).read())
+    if unused:
+      found[module] = unused
+  assert not found, f'names imported and not used (re-exports): {found}'
+  assert unused_imports('from fedjax_shift.parts.trees import tree_sub, weighted_sum\n'
+                        'x = tree_sub(1, 2)\n') == ['weighted_sum']
+
+
+def paper_table_strings(source: str):
+  """The string literals of ``source`` that name a paper's table ('Table 1', …),
+  docstrings left out (they cite what code implements)."""
+  tree = ast.parse(source)
+  docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                     ast.AsyncFunctionDef))
+                and node.body and isinstance(node.body[0], ast.Expr)
+                and isinstance(node.body[0].value, ast.Constant)}
+  return [node.value for node in ast.walk(tree)
+          if isinstance(node, ast.Constant) and isinstance(node.value, str)
+          and id(node) not in docstrings and re.search(r'\bTable \d', node.value)]
+
+
+def test_no_paper_table_lives_outside_the_papers_folders():
+  """The library knows no paper by its tables: row layouts, labels and captions of a
+  paper's table live in fedjax_shift/papers/<paper>/ (or the paper's config), never in
+  the engine, the methods or the pipelines."""
+  found = {module: paper_table_strings(open(path).read())
+           for module, path in package_modules().items()
+           if not module.startswith('fedjax_shift.papers')}
+  assert not {m: s for m, s in found.items() if s}, found
+  assert paper_table_strings('"""Implements Table 1."""\nCAPTION = "Table 3 (ATP)"\n') == [
+      'Table 3 (ATP)']

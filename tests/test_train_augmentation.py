@@ -11,7 +11,7 @@ from fedjax_shift.algorithms import base
 from fedjax_shift.core import algorithm as alg
 from fedjax_shift.core import local
 from fedjax_shift.data import augment
-from fedjax_shift.pipelines import workdir
+from fedjax_shift import metrics as metrics_lib
 from helpers import tiny_config
 
 from configs import fedins as fedins_config
@@ -128,15 +128,15 @@ def test_a_run_recorded_before_the_field_existed_matches_only_its_old_behaviour(
   """A run.json without client.augmentation trained without augmentation: it matches a
   configuration with () and not one that augments."""
   recorded = {'client.learning_rate': '0.1'}
-  assert workdir.changed_fields(recorded, {'client.learning_rate': '0.1',
+  assert metrics_lib.changed_fields(recorded, {'client.learning_rate': '0.1',
                                            'client.augmentation': '[]'}) == []
-  changed = workdir.changed_fields(recorded, {'client.learning_rate': '0.1',
+  changed = metrics_lib.changed_fields(recorded, {'client.learning_rate': '0.1',
                                               'client.augmentation': '["horizontal_flip"]'})
   assert changed == ['client.augmentation: [] → ["horizontal_flip"]']
   # a record that has the field is compared as recorded
-  assert workdir.changed_fields({'client.augmentation': '["rotate15"]'},
+  assert metrics_lib.changed_fields({'client.augmentation': '["rotate15"]'},
                                 {'client.augmentation': '[]'}) != []
-  np.testing.assert_equal(workdir.FIELDS_ADDED_AT['client.augmentation'], '[]')
+  np.testing.assert_equal(metrics_lib.FIELDS_ADDED_AT['client.augmentation'], '[]')
 
 
 def test_cifar100_variant_trains_end_to_end_with_its_augmentation_on_mock_data(tmp_path):

@@ -21,9 +21,7 @@ import jax.numpy as jnp
 
 from fedjax_shift import models
 from fedjax_shift.core.test_time import ADAPTERS, AdaptBatch, Adapter, SourceContext
-from fedjax_shift.parts.atp_rates import (  # noqa: F401  (the adapter's API)
-    SCALINGS, VARIANCE_CLAMPS, Alpha, adapted_variables, alpha_loss, check_alpha,
-    clamp_variance, gradient_scale, init_alpha, module_names, update_direction)
+from fedjax_shift.parts.atp_rates import Alpha, adapted_variables, check_alpha, update_direction
 
 
 class ATPState(NamedTuple):

@@ -12,7 +12,6 @@ from flax import traverse_util
 
 from fedjax_shift import models
 from fedjax_shift.core.test_time import Adapter
-from fedjax_shift.parts.losses import entropy, weighted_entropy  # noqa: F401
 from fedjax_shift.registry import POSITIVE, one_of
 
 PREDICT = ('before', 'after')

@@ -26,6 +26,7 @@ from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.parts import losses
 from fedjax_shift.registry import NONNEGATIVE, POSITIVE, POSITIVE_INT, interval
 
 
@@ -72,7 +73,7 @@ def eata(module, num_classes: int, fisher=None, learning_rate: float = 0.005,
   def loss_fn(variables, batch, extra: EATAExtra):
     logits = forward(variables, batch.x)
     probs = jax.nn.softmax(logits)
-    ents = common.entropy(logits)
+    ents = losses.entropy(logits)
     reliable = (ents < margin) & (batch.weight > 0)
     cosine = (probs @ extra.mean_probs) / jnp.maximum(
         jnp.linalg.norm(probs, axis=1) * jnp.linalg.norm(extra.mean_probs), 1e-12)

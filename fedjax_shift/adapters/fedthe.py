@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_shift import models
-from fedjax_shift.adapters.common import entropy
+from fedjax_shift.parts.losses import entropy
 from fedjax_shift.adapters.memo import marginal_entropy
 from fedjax_shift.parts.fedthe_extras import EXTRA
 from fedjax_shift.core.local import masked_mean

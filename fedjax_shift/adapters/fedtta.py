@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from fedjax_shift import models
-from fedjax_shift.adapters import common
+from fedjax_shift.parts import losses
 from fedjax_shift.parts.fedtta_step import ADAPTATION, inner_step
 from fedjax_shift.core.local import select
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
@@ -95,7 +95,7 @@ def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rat
     if patience == 0:   # no early stopping: the entropy is never read (FedTTA's one step)
       return jnp.float32(0.0)
     logits = models.apply(module, {'params': params, **model_state}, x)[0]
-    return common.weighted_entropy(logits, weight)
+    return losses.weighted_entropy(logits, weight)
 
   def step(carry, _=None):
     params, best, best_value, lowest, waited, stopped, steps = carry

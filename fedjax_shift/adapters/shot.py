@@ -24,6 +24,7 @@ from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.parts import losses
 from fedjax_shift.registry import NONNEGATIVE
 
 
@@ -61,7 +62,7 @@ def shot(module, learning_rate: float = 1e-3, pseudo_label_weight: float = 0.3,
     mean_probs = jnp.sum(probs * batch.weight[:, None], 0) / jnp.maximum(
         jnp.sum(batch.weight), 1e-12)
     diversity = -jnp.sum(mean_probs * jnp.log(mean_probs + 1e-5))
-    loss = common.weighted_entropy(logits, batch.weight) - diversity
+    loss = losses.weighted_entropy(logits, batch.weight) - diversity
     if pseudo_label_weight:
       labels = jax.lax.stop_gradient(cluster_pseudo_labels(features, probs, batch.weight))
       ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)

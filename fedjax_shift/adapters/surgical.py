@@ -22,6 +22,7 @@ from flax import traverse_util
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.parts import losses
 from fedjax_shift.registry import POSITIVE_INT, Range, one_of, require, sequence_of
 
 
@@ -50,7 +51,7 @@ def surgical(module, block='first', learning_rate: float = 1e-3,
 
   def loss_fn(variables, batch, extra):
     logits = forward(variables, batch.x)
-    return common.weighted_entropy(logits, batch.weight), (logits, extra)
+    return losses.weighted_entropy(logits, batch.weight), (logits, extra)
 
   return common.gradient_adapter('surgical', block_selector(module, block, input_shape),
                                  f'surgical block {block!r}', loss_fn, forward,
@@ -83,7 +84,7 @@ def masked_sgd_step(module, variables, x, weight, mask, index_of, learning_rate:
 
   def entropy(params):
     logits = models.apply(module, {**variables, 'params': params}, x, 'eval')[0]
-    return common.weighted_entropy(logits, weight)
+    return losses.weighted_entropy(logits, weight)
 
   flat_params = traverse_util.flatten_dict(params)
   flat_grads = traverse_util.flatten_dict(jax.grad(entropy)(params))

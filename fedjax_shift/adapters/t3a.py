@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_shift import models
-from fedjax_shift.adapters.common import entropy
+from fedjax_shift.parts.losses import entropy
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 from fedjax_shift.registry import POSITIVE_INT
 

@@ -27,6 +27,7 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.parts import losses
 from fedjax_shift.parts.trees import clipped_and_decayed
 from fedjax_shift.registry import NONNEGATIVE, one_of
 
@@ -52,7 +53,7 @@ def tent(module, learning_rate: Union[float, Dict[str, Any]] = 1e-3, predict: st
 
   def loss_fn(variables, batch, extra):
     logits = forward(variables, batch.x)
-    return scale * common.weighted_entropy(logits, batch.weight), (logits, extra)
+    return scale * losses.weighted_entropy(logits, batch.weight), (logits, extra)
 
   if parameters == 'all':
     return common.gradient_adapter('tent', lambda path: True, 'tent (all parameters)',

@@ -30,6 +30,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import masked_mean
+from fedjax_shift.parts import trees
 from fedjax_shift.registry import NONNEGATIVE
 
 PyTree = Any
@@ -88,7 +89,7 @@ def afl(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Feder
     # A client without examples (padding) leaves the simplex: μ = −∞ gives it λ = 0.
     new_proposal = jnp.where(data.num_examples > 0,
                              weight + hparams.lambda_learning_rate * loss, -jnp.inf)
-    update = AFLUpdate(base.tree_sub(new_variables, server_state.variables), weight,
+    update = AFLUpdate(trees.tree_sub(new_variables, server_state.variables), weight,
                        new_proposal)
     return ClientOutput(update, {**metrics, 'start_loss': loss}), new_proposal
 

@@ -18,6 +18,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean
+from fedjax_shift.parts import trees
 from fedjax_shift.registry import FRACTION
 
 
@@ -48,7 +49,7 @@ def apfl(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fede
     both, model_state, _, metrics = local_train(loss_fn, client_opt,
                                                 {'w': params, 'v': personal}, model_state,
                                                 data, rng, schedule)
-    delta = base.tree_sub({'params': both['w'], **model_state}, server_state.variables)
+    delta = trees.tree_sub({'params': both['w'], **model_state}, server_state.variables)
     return ClientOutput(delta, metrics), both['v']
 
   def personalize(server_state, personal, data, rng):

@@ -27,6 +27,7 @@ from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import LocalSchedule, local_train
 from fedjax_shift.parts import atp_rates as atp_adapter
+from fedjax_shift.parts import trees
 from fedjax_shift.registry import (NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, one_of,
                                    require)
 
@@ -120,10 +121,10 @@ def atp_training(atp_config: ml_collections.ConfigDict, module, max_examples: in
 
     alpha, _, _, metrics = local_train(loss_fn, alpha_optimizer(atp_config, variables),
                                        server_state.alpha, (), data, rng, schedule)
-    return ClientOutput(base.tree_sub(alpha, server_state.alpha), metrics), client_state
+    return ClientOutput(trees.tree_sub(alpha, server_state.alpha), metrics), client_state
 
   def server_update(state: ATPServerState, outputs: ClientOutput, weights) -> ATPServerState:
-    mean_delta = base.weighted_sum(outputs.update, weights)
+    mean_delta = trees.weighted_sum(outputs.update, weights)
     updates, opt_state = server_opt.update(jax.tree.map(jnp.negative, mean_delta),
                                            state.opt_state, state.alpha)
     return ATPServerState(state.variables, optax.apply_updates(state.alpha, updates),

@@ -17,7 +17,7 @@ from fedjax_shift import models
 from fedjax_shift.core.algorithm import ClientData, ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import LocalSchedule, local_train, masked_mean
 from fedjax_shift.data import augment
-from fedjax_shift.parts.trees import tree_sub, weighted_sum  # noqa: F401
+from fedjax_shift.parts.trees import tree_sub, weighted_sum
 from fedjax_shift.registry import NONNEGATIVE, NONNEGATIVE_INT, Registry, require
 
 PyTree = Any

@@ -12,6 +12,7 @@ import ml_collections
 
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
+from fedjax_shift.parts import trees
 
 
 @base.ALGORITHMS.register('fedavg', pretrains=True)
@@ -27,7 +28,7 @@ def fedavg(hparams: ml_collections.ConfigDict, context: base.BuildContext,
     variables = server_state.variables
     extra = extra_loss_fn(variables['params']) if extra_loss_fn else None
     new_variables, metrics = base.train_variables(context, variables, data, rng, extra)
-    return ClientOutput(base.tree_sub(new_variables, variables), metrics), client_state
+    return ClientOutput(trees.tree_sub(new_variables, variables), metrics), client_state
 
   return FederatedAlgorithm(
       init=base.init_server(module, server_opt),

@@ -15,6 +15,7 @@ from flax import traverse_util
 from fedjax_shift.algorithms import base
 from fedjax_shift.models import is_batch_norm_path
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
+from fedjax_shift.parts import trees
 from fedjax_shift.registry import one_of
 
 LOCAL_NORMS = ('batch_norm', 'all')
@@ -55,7 +56,7 @@ def fedbn(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fed
     start = merge_local(server_state.variables, client_local)
     new_variables, metrics = base.train_variables(context, start, data, rng)
     # Only the shared (non-BN) part is uploaded and averaged.
-    delta = base.send_only(base.tree_sub(new_variables, start),
+    delta = base.send_only(trees.tree_sub(new_variables, start),
                            lambda p: not is_local(p, norms))
     return ClientOutput(delta, metrics), local_part(new_variables, norms)
 

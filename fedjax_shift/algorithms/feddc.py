@@ -36,6 +36,7 @@ from fedjax_shift.algorithms import base
 from fedjax_shift.algorithms.fedprox import proximal_term
 from fedjax_shift.algorithms.scaffold import add_to_gradient
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
+from fedjax_shift.parts import trees
 from fedjax_shift.registry import NONNEGATIVE
 
 PyTree = Any
@@ -79,14 +80,14 @@ def feddc(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fed
     penalty = proximal_term(alpha)(jax.tree.map(jnp.subtract, w, client.drift))
     new_variables, metrics = base.train_variables(context._replace(client_optimizer=corrected),
                                                   server_state.variables, data, rng, penalty)
-    delta = base.tree_sub(new_variables, server_state.variables)
+    delta = trees.tree_sub(new_variables, server_state.variables)
     ran = metrics['num_steps'] > 0
     steps = jnp.maximum(metrics['num_steps'], 1.0)
     drift = jax.tree.map(jnp.add, client.drift, delta['params'])
     correction = jax.tree.map(
         lambda ci, c, d: jnp.where(ran, ci - c - d / (steps * local_learning_rate), ci),
         client.correction, server_state.correction, delta['params'])
-    update = FedDCUpdate(delta, base.tree_sub(correction, client.correction))
+    update = FedDCUpdate(delta, trees.tree_sub(correction, client.correction))
     return ClientOutput(update, metrics), FedDCClient(drift, correction)
 
   average = base.average_server_update(server_opt)
@@ -96,9 +97,9 @@ def feddc(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fed
     model = average(base.ServerState(state.variables, state.opt_state, state.round),
                     ClientOutput(outputs.update.model, outputs.metrics), weights)
     mean_drift = jax.tree.map(lambda h, d: h + fraction * d, state.mean_drift,
-                              base.weighted_sum(outputs.update.model['params'], weights))
+                              trees.weighted_sum(outputs.update.model['params'], weights))
     correction = jax.tree.map(lambda c, d: c + fraction * d, state.correction,
-                              base.weighted_sum(outputs.update.correction, weights))
+                              trees.weighted_sum(outputs.update.correction, weights))
     # The broadcast model: the aggregate Σ p θ_i plus the new h̄ (the authors' code adds
     # the mean drift every round, on top of a w that already held last round's).
     params = jax.tree.map(jnp.add, model.variables['params'], mean_drift)

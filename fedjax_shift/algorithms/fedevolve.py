@@ -39,6 +39,7 @@ from fedjax_shift.algorithms.prototypes import (DISTANCES, class_prototypes, pro
                                                 prototype_loss)
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import run_steps
+from fedjax_shift.parts import trees
 from fedjax_shift.registry import one_of
 
 
@@ -163,13 +164,13 @@ def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
     sums, counts = last_domain_sums(params['phi'], stats['phi'], data)
     steps = budget * (layout.num_domains - 1)
     metrics = {'loss': loss_sum / jnp.maximum(steps, 1), 'num_steps': steps.astype(jnp.float32)}
-    update = {'params': base.tree_sub(params, server_state.params),
-              'batch_stats': base.tree_sub(stats, server_state.batch_stats),
+    update = {'params': trees.tree_sub(params, server_state.params),
+              'batch_stats': trees.tree_sub(stats, server_state.batch_stats),
               'proto_sums': sums, 'proto_counts': counts}
     return ClientOutput(update, metrics), client_state
 
   def server_update(state: FedEvolveState, outputs: ClientOutput, weights) -> FedEvolveState:
-    mean_delta = base.weighted_sum(outputs.update['params'], weights)
+    mean_delta = trees.weighted_sum(outputs.update['params'], weights)
     updates, opt_state = server_opt.update(jax.tree.map(jnp.negative, mean_delta),
                                            state.opt_state, state.params)
     included = (weights > 0).astype(jnp.float32)
@@ -178,7 +179,7 @@ def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
     prototypes = sums / jnp.maximum(counts, 1e-12)[:, None]
     # Running statistics are not trained: the weighted mean of the clients' directly.
     stats = jax.tree.map(jnp.add, state.batch_stats,
-                         base.weighted_sum(outputs.update['batch_stats'], weights))
+                         trees.weighted_sum(outputs.update['batch_stats'], weights))
     return FedEvolveState(optax.apply_updates(state.params, updates), opt_state, prototypes,
                           counts > 0, state.round + 1, stats)
 

@@ -37,6 +37,7 @@ from fedjax_shift.algorithms.domains import (TAU_UNITS, domain_batch, iteration_
 from fedjax_shift.algorithms.prototypes import class_prototypes, prototype_loss
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean, run_steps, select
+from fedjax_shift.parts import trees
 from fedjax_shift.registry import NONNEGATIVE_INT, one_of
 
 
@@ -146,7 +147,7 @@ def fedevp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
         iterations, context.schedule.unroll)
     steps = budget * (layout.num_domains - 1 if algorithm2 else layout.num_domains)
     metrics = {'loss': loss_sum / jnp.maximum(steps, 1), 'num_steps': steps.astype(jnp.float32)}
-    update = base.tree_sub({'params': params, **model_state}, server_state.variables)
+    update = trees.tree_sub({'params': params, **model_state}, server_state.variables)
     return ClientOutput(update, metrics), client_state
 
   def personalize(server_state, client_state, data, rng):

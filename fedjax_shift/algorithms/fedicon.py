@@ -45,8 +45,8 @@ from fedjax_shift.data import augment
 from fedjax_shift.registry import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, one_of,
                                    registered, sequence_of)
 
-from fedjax_shift.parts.contrastive import (  # noqa: F401
-    MIN_BATCH, Projection, projection_of, representation, supcon_loss)
+from fedjax_shift.parts import trees
+from fedjax_shift.parts.contrastive import MIN_BATCH, Projection, representation, supcon_loss
 
 
 def contrastive_loss(module, projection: Optional[Projection], head, names, temperature: float,
@@ -158,7 +158,7 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
   def shared_update(server_state, head, data, rng):
     variables, metrics = train(with_head(server_state.variables, head), data, rng)
     head = variables['params']['head']
-    delta = base.tree_sub(variables, with_head(server_state.variables, head))
+    delta = trees.tree_sub(variables, with_head(server_state.variables, head))
     return ClientOutput(body_only(delta), metrics), head
 
   def shared_personalize(server_state, head, data, rng):
@@ -182,7 +182,7 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
 
   def federated_update(server_state, client_state, data, rng):
     variables, metrics = train(server_state.variables, data, rng)
-    delta = base.tree_sub(variables, server_state.variables)
+    delta = trees.tree_sub(variables, server_state.variables)
     return ClientOutput(base.send_only(delta, lambda path: True), metrics), client_state
 
   def federated_personalize(server_state, client_state, data, rng):

@@ -39,6 +39,7 @@ from fedjax_shift import models
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean
 from fedjax_shift.models import vit
+from fedjax_shift.parts import trees
 from fedjax_shift.registry import BOOL, NONNEGATIVE, POSITIVE_INT, interval, one_of, require
 
 PyTree = Any
@@ -163,12 +164,12 @@ def build(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fed
     params, _, _, metrics = local_train(loss_fn, context.client_optimizer, start,
                                         frozen(server_state.variables), data, rng,
                                         context.schedule)
-    return ClientOutput(base.tree_sub(params, start), metrics), client_state
+    return ClientOutput(trees.tree_sub(params, start), metrics), client_state
 
   def server_update(state: base.ServerState, outputs: ClientOutput, weights) -> base.ServerState:
     # Eq. 8 with config.server's optimizer (SGD lr 1: the weighted mean of the FI_k).
     current = trainable(state.variables)
-    pseudo_grad = jax.tree.map(jnp.negative, base.weighted_sum(outputs.update, weights))
+    pseudo_grad = jax.tree.map(jnp.negative, trees.weighted_sum(outputs.update, weights))
     updates, opt_state = server_opt.update(pseudo_grad, state.opt_state, current)
     variables = merge(optax.apply_updates(current, updates), frozen(state.variables))
     return base.ServerState(variables, opt_state, state.round + 1)

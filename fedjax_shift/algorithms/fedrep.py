@@ -16,6 +16,7 @@ import ml_collections
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train
+from fedjax_shift.parts import trees
 from fedjax_shift.registry import POSITIVE_INT
 
 
@@ -51,7 +52,7 @@ def fedrep(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
     if body_epochs:
       variables, metrics = train_part(context, variables, 'encoder',
                                       body_epochs, data, jax.random.fold_in(rng, 1))
-    delta = base.tree_sub(variables, with_head(server_state.variables, head))
+    delta = trees.tree_sub(variables, with_head(server_state.variables, head))
     return ClientOutput(body_only(delta), metrics), head
 
   return personal_head_algorithm(context, client_update)
@@ -87,7 +88,7 @@ def fedper(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
   def client_update(server_state, head, data, rng):
     start = with_head(server_state.variables, head)
     variables, metrics = base.train_variables(context, start, data, rng)
-    return (ClientOutput(body_only(base.tree_sub(variables, start)), metrics),
+    return (ClientOutput(body_only(trees.tree_sub(variables, start)), metrics),
             variables['params']['head'])
 
   return personal_head_algorithm(context, client_update)

@@ -20,6 +20,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean
+from fedjax_shift.parts import trees
 
 
 def label_log_prior(data, num_classes: int) -> jax.Array:
@@ -53,7 +54,7 @@ def fedrod(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
     both, model_state, _, metrics = local_train(
         loss_fn, client_opt, {'generic': params, 'personal': personal_head}, model_state,
         data, rng, schedule)
-    delta = base.tree_sub({'params': both['generic'], **model_state}, server_state.variables)
+    delta = trees.tree_sub({'params': both['generic'], **model_state}, server_state.variables)
     return ClientOutput(delta, metrics), both['personal']
 
   def personalize(server_state, personal_head, data, rng):

@@ -37,6 +37,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.algorithms.fedrep import train_part, with_head
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
+from fedjax_shift.parts import trees
 from fedjax_shift.registry import BOOL, NONNEGATIVE, POSITIVE, POSITIVE_INT, one_of
 
 from fedjax_shift.parts.fedthe_extras import EXTRA  # the collection the adapter reads
@@ -139,7 +140,7 @@ def fedthe(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
     personal_from = server_state.variables if hparams.personal_on == 'received' else variables
     trained, feature = personal_train(personal_from, state.head, data,
                                       jax.random.fold_in(rng, 1))
-    update = {'model': base.tree_sub(variables, server_state.variables), 'feature': feature}
+    update = {'model': trees.tree_sub(variables, server_state.variables), 'feature': feature}
     return (ClientOutput(update, metrics),
             PersonalState(trained['params']['head'], feature))
 
@@ -148,7 +149,7 @@ def fedthe(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fe
                     outputs._replace(update=outputs.update['model']), weights)
     if hparams.feature_weighting == 'uniform':   # the plain mean over the cohort
       weights = (weights > 0).astype(weights.dtype) / jnp.maximum(jnp.sum(weights > 0), 1)
-    feature = base.weighted_sum(outputs.update['feature'], weights)
+    feature = trees.weighted_sum(outputs.update['feature'], weights)
     feature = jnp.where(jnp.sum(weights) > 0, feature, server_state.global_feature)
     return ServerState(*model, feature)
 

@@ -29,11 +29,11 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean
+from fedjax_shift.parts import trees
 from fedjax_shift.parts.trees import clipped_and_decayed
 from fedjax_shift.registry import NONNEGATIVE, interval, one_of
 
-from fedjax_shift.parts.fedtta_step import (  # noqa: F401
-    ADAPTATION, ADAPTATION_SIZES, inner_step, personalization_loss)
+from fedjax_shift.parts.fedtta_step import ADAPTATION, ADAPTATION_SIZES, inner_step
 
 
 CLIP_GROUPS = ('separate', 'joint')   # meta_optimizer's clip: per group (ψ, φ) or both at once
@@ -121,7 +121,7 @@ def build(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fed
 
     new_params, _, _, metrics = local_train(loss_fn, client_opt, params, {}, data, rng,
                                             context.schedule)
-    delta = base.tree_sub({'params': new_params}, server_state.variables)
+    delta = trees.tree_sub({'params': new_params}, server_state.variables)
     return ClientOutput(delta, metrics), client_state
 
   def global_model(server_state):

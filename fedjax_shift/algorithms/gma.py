@@ -16,6 +16,7 @@ import optax
 from fedjax_shift.algorithms import base
 from fedjax_shift.algorithms.fedavg import fedavg
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
+from fedjax_shift.parts import trees
 from fedjax_shift.registry import FRACTION
 
 
@@ -38,7 +39,7 @@ def gma(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Feder
   server_opt = context.server_optimizer
 
   def server_update(state: base.ServerState, outputs: ClientOutput, weights):
-    mean_delta = base.weighted_sum(outputs.update, weights)
+    mean_delta = trees.weighted_sum(outputs.update, weights)
     params, rest = base.split_variables(state.variables)
     delta_params, delta_rest = base.split_variables(mean_delta)
     stacked_params, _ = base.split_variables(outputs.update)

@@ -37,13 +37,14 @@ from fedjax_shift.algorithms import fedtta
 from fedjax_shift.core.algorithm import ClientOutput
 from fedjax_shift.core.groups import ClientGroup, GroupedAlgorithm
 from fedjax_shift.core.local import LocalSchedule, local_train
+from fedjax_shift.parts import fedtta_step
 from fedjax_shift.registry import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE_INT, one_of,
                                    sequence_of)
 
 # The three complexity levels (App. G "by controlling the hidden channels", Table 3):
 # base_model 'lenet5' is Table 3's, conv 5x5 of these channels → MLP(512) → MLP(C) (the
 # authors' CIFAR10_LeNet5_small / medium / big); 'mlp' is the CPU-cheap stand-in, MLPs
-# of these hidden widths. g's widths are Table 3's in both (fedtta.ADAPTATION_SIZES).
+# of these hidden widths. g's widths are Table 3's in both (fedtta_step.ADAPTATION_SIZES).
 BASE_CHANNELS = {'small': (16, 32), 'medium': (32, 64), 'big': (64, 128)}
 BASE_HIDDEN = {'small': (100, 100), 'medium': (200, 200), 'big': (400, 400)}
 SIZES = tuple(BASE_HIDDEN)
@@ -120,7 +121,7 @@ def public_batches(public_x: jax.Array, batch_size: int) -> jax.Array:
 def batch_logits(arch: Architecture, params, x: jax.Array, hparams):
   """(f(x; ψ), f(x; ψ̃)) on one public batch x [b, ...], ψ̃ the inner step of ψ under φ
   on x itself (Eq. 5): the logits a client sends and the ones Eq. 14 distils."""
-  adapted = fedtta.inner_step(arch.module, arch.adaptation_module, params['base'],
+  adapted = fedtta_step.inner_step(arch.module, arch.adaptation_module, params['base'],
                               params['adaptation'], x, jnp.ones(x.shape[0]),
                               hparams.inner_learning_rate, hparams.norm_epsilon)
   return (arch.module.apply({'params': params['base']}, x),
@@ -244,7 +245,7 @@ def new_client_params(size: str, num_classes: int, hparams, knowledge: Knowledge
 
 def variables_of(params) -> Dict:
   """Model variables in the layout ``adapters/fedtta.py`` reads."""
-  return {'params': params['base'], fedtta.ADAPTATION: params['adaptation']}
+  return {'params': params['base'], fedtta_step.ADAPTATION: params['adaptation']}
 
 
 def assign_sizes(num_clients: int, sizes: Sequence[str], rng) -> list:

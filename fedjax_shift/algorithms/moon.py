@@ -25,6 +25,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean
+from fedjax_shift.parts import trees
 from fedjax_shift.registry import NONNEGATIVE, POSITIVE
 
 
@@ -66,7 +67,7 @@ def moon(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fede
     # A client that ran no step keeps its previous model.
     ran = metrics['num_steps'] > 0
     kept = jax.tree.map(lambda new, old: jnp.where(ran, new, old), new_variables, previous)
-    return ClientOutput(base.tree_sub(new_variables, global_variables), metrics), kept
+    return ClientOutput(trees.tree_sub(new_variables, global_variables), metrics), kept
 
   return FederatedAlgorithm(
       init=base.init_server(module, server_opt),

@@ -35,12 +35,12 @@ import ml_collections
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train
+from fedjax_shift.parts import trees
+from fedjax_shift.parts.hypernetwork import (HYPERNETWORK, client_embedding, generate,
+                                             init_parameters, target_template)
 from fedjax_shift.registry import POSITIVE, POSITIVE_INT
 
 PyTree = Any
-from fedjax_shift.parts.hypernetwork import (  # noqa: F401
-    HYPERNETWORK, client_embedding, dense_init, generate, init_parameters, mlp_apply,
-    mlp_init, personalized_params, target_template)
 
 
 @base.ALGORITHMS.register('odpfl_hn', defaults={
@@ -77,7 +77,7 @@ def odpfl_hn(hparams: ml_collections.ConfigDict, context: base.BuildContext
     trained, _, _, metrics = local_train(base.cross_entropy_loss(module),
                                          context.client_optimizer, theta, {}, data, rng,
                                          context.schedule)
-    classifier_delta = base.tree_sub(theta, trained)              # θ_i − θ̃_i
+    classifier_delta = trees.tree_sub(theta, trained)              # θ_i − θ̃_i
     (encoder_grad,) = encoder_vjp(*embedding_vjp(classifier_delta))
     upload = {'encoder': jax.tree.map(lambda g: -scale['encoder'] * g, encoder_grad),
               'embedding': embedding, 'classifier_delta': classifier_delta}
@@ -96,7 +96,7 @@ def odpfl_hn(hparams: ml_collections.ConfigDict, context: base.BuildContext
         upload['classifier_delta'])
     (hypernetwork_grad,) = hypernetwork_vjp(weighted)
     return {'params': {
-        'encoder': base.weighted_sum(upload['encoder'], weights),
+        'encoder': trees.weighted_sum(upload['encoder'], weights),
         'hypernetwork': jax.tree.map(lambda g: -scale['hypernetwork'] * g, hypernetwork_grad)}}
 
   def global_model(server_state):

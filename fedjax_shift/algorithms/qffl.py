@@ -22,6 +22,7 @@ from fedjax_shift import models
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import masked_mean
+from fedjax_shift.parts import trees
 from fedjax_shift.registry import NONNEGATIVE
 
 
@@ -49,11 +50,11 @@ def qffl(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> Fede
     sq_norm = sum(jnp.sum(d ** 2) for d in jax.tree.leaves(delta_w))
     update = {'delta': jax.tree.map(lambda d: loss ** q * d, delta_w),
               'h': q * loss ** (q - 1) * sq_norm + lipschitz * loss ** q,
-              'rest': base.tree_sub(new_rest, rest)}
+              'rest': trees.tree_sub(new_rest, rest)}
     return ClientOutput(update, metrics), client_state
 
   def server_update(state: base.ServerState, outputs: ClientOutput, weights):
-    sums = base.weighted_sum(outputs.update, weights)
+    sums = trees.weighted_sum(outputs.update, weights)
     params, rest = base.split_variables(state.variables)
     step = jax.tree.map(lambda d: d / jnp.maximum(sums['h'], 1e-12), sums['delta'])
     updates, opt_state = server_opt.update(step, state.opt_state, params)

@@ -30,6 +30,7 @@ import optax
 
 from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
+from fedjax_shift.parts import trees
 from fedjax_shift.registry import POSITIVE
 
 PyTree = Any
@@ -72,7 +73,7 @@ def scaffold(hparams: ml_collections.ConfigDict, context: base.BuildContext
     corrected = optax.chain(add_to_gradient(correction), context.client_optimizer)
     new_variables, metrics = base.train_variables(context._replace(client_optimizer=corrected),
                                                   server_state.variables, data, rng)
-    delta = base.tree_sub(new_variables, server_state.variables)
+    delta = trees.tree_sub(new_variables, server_state.variables)
     steps = jnp.maximum(metrics['num_steps'], 1.0)
     # Option II; a client that ran no step keeps its c_i (Δc = 0).
     ran = metrics['num_steps'] > 0
@@ -82,7 +83,7 @@ def scaffold(hparams: ml_collections.ConfigDict, context: base.BuildContext
         lambda ci, c, d: jnp.where(ran, ci - c - d / (steps.astype(d.dtype) *
                                                       local_learning_rate), ci),
         client_control, server_state.control, delta['params'])
-    update = ScaffoldUpdate(delta, base.tree_sub(new_control, client_control))
+    update = ScaffoldUpdate(delta, trees.tree_sub(new_control, client_control))
     return ClientOutput(update, metrics), new_control
 
   average = base.average_server_update(server_opt, hparams.global_learning_rate)
@@ -90,7 +91,7 @@ def scaffold(hparams: ml_collections.ConfigDict, context: base.BuildContext
   def server_update(state: ScaffoldState, outputs: ClientOutput, weights) -> ScaffoldState:
     model = average(base.ServerState(state.variables, state.opt_state, state.round),
                     ClientOutput(outputs.update.model, outputs.metrics), weights)
-    control_delta = base.weighted_sum(outputs.update.control, weights)
+    control_delta = trees.weighted_sum(outputs.update.control, weights)
     control = jax.tree.map(lambda c, d: c + context.cohort_fraction * d, state.control,
                            control_delta)
     return ScaffoldState(*model, control)

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Dict, Tuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 

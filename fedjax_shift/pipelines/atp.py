@@ -56,27 +56,16 @@ from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.federated import train_and_evaluate
 
 log = logging.getLogger('fedjax_shift')
-# ATP Table 1's rows in order: (key, label, adapter, test-time mode).
-ROWS = (('no_adapt', 'No adaptation', 'no_adapt', 'episodic'),
-        ('bn_adapt', 'BN-Adapt', 'bn_adapt', 'episodic'),
-        ('shot', 'SHOT', 'shot', 'online'),
-        ('tent', 'Tent', 'tent', 'online'),
-        ('eata', 'EATA', 'eata', 'online'),
-        ('t3a', 'T3A', 't3a', 'online'),
-        ('memo', 'MEMO', 'memo', 'episodic'),
-        ('em', 'EM', 'em', 'episodic'),
-        ('bbse', 'BBSE', 'bbse', 'episodic'),
-        ('surgical', 'Surgical', 'surgical', 'online'),
-        ('atp_batch', 'ATP-batch', 'atp', 'episodic'),
-        ('atp_online', 'ATP-online', 'atp', 'online'))
+# The test-time rows: a key each, with its label, adapter and mode (one row here, the
+# model without adaptation; configs/atp.py sets ATP Table 1's).
 SECTIONS = {
     'tta': {
-        'shifts': ('hybrid',),        # Table 1 columns run by this config
+        'shifts': ('hybrid',),        # the shifts (table columns) run by this config
         'batch_size': 20,             # ATP: test batch 20
-        'rows': tuple(key for key, _, _, _ in ROWS),  # drop keys to skip methods
-        'label': {key: label for key, label, _, _ in ROWS},
-        'adapter': {key: adapter for key, _, adapter, _ in ROWS},
-        'mode': {key: mode for key, _, _, mode in ROWS},
+        'rows': ('no_adapt',),        # the rows run, in order
+        'label': {'no_adapt': 'No adaptation'},
+        'adapter': {'no_adapt': 'no_adapt'},
+        'mode': {'no_adapt': 'episodic'},
         'client_chunk': 0,            # target clients per compiled call (0 = all)
     },
     # Learned-rates rows (adapters/learned_rates.py): a Table 1 row (``base``) whose
@@ -130,8 +119,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   require(not config.data.pad_to, 'data.pad_to',
           'the test-time pipeline builds its own client splits; leave pad_to at 0')
   tta = config.tta
-  require_distinct(tta.shifts, 'tta.shifts', 'one Table 1 column')
-  require_distinct(tta.rows, 'tta.rows', 'one Table 1 row')
+  require_distinct(tta.shifts, 'tta.shifts', 'one column per shift')
+  require_distinct(tta.rows, 'tta.rows', 'one row per key')
   for key in tta.rows:
     for field in ('label', 'adapter', 'mode'):
       require(key in tta[field], f'tta.{field}', f'has no entry for row {key!r}')
@@ -160,10 +149,10 @@ def validate_learned(config: ml_collections.ConfigDict) -> None:
     for field in ('base', 'rates', 'label', 'num_batches'):
       require(key in learned[field], f'learned.{field}', f'has no entry for row {key!r}')
     require(key not in config.tta.rows, 'learned.rows',
-            f'{key!r} is also a Table 1 row (config.tta.rows); name it differently')
+            f'{key!r} is also a test-time row (config.tta.rows); name it differently')
     base = learned.base[key]
     require(base in config.tta.adapter, f'learned.base.{key}',
-            f'{base!r} is not a Table 1 row; choose from {sorted(config.tta.adapter)}')
+            f'{base!r} is not a test-time row; choose from {sorted(config.tta.adapter)}')
     adapter, mode, names = learned_row(config, key)
     require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
     ADAPTERS.check(adapter, config.adapters[adapter], f'config.adapters.{adapter}')

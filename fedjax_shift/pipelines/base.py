@@ -458,7 +458,7 @@ def open_run(run_dir: str, config: ml_collections.ConfigDict, fields: dict, stat
   primary = distributed.is_primary()
   if primary:
     workdir_lib.record_run(run_dir, fields, config.rounds)
-  tensorboard = config.get('tensorboard', True)
+  tensorboard = config.tensorboard
   writer = None
   if start_round < config.rounds:
     writer = (MetricsWriter(run_dir, start_round, fields, tensorboard) if primary else
@@ -501,7 +501,7 @@ def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> N
   require(jax.process_count() == 1 or config.pipeline == 'federated', 'pipeline',
           f'runs over {jax.process_count()} processes are the federated pipeline\'s; '
           f'{config.pipeline!r} runs in one process')
-  require(not config.get('sweep') or config.pipeline == 'federated', 'sweep',
+  require(not config.sweep or config.pipeline == 'federated', 'sweep',
           f'hyperparameter sweeps run in the federated pipeline, not config.pipeline='
           f'{config.pipeline!r}')
   PIPELINES.check(config.pipeline, config, 'config', known_fields_only=False)

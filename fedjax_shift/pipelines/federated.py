@@ -38,7 +38,7 @@ from fedjax_shift.data import federated
 from fedjax_shift.metrics import read_json, read_metrics
 from fedjax_shift.pipelines import loop, pretrain, sweep
 from fedjax_shift.pipelines import workdir as workdir_lib
-from fedjax_shift.pipelines.loop import DivergenceError  # noqa: F401  (importers catch it here)
+from fedjax_shift.pipelines.loop import DivergenceError
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, adapts,
                                          algorithm_names, check_run, checked_fields,
                                          eval_adapter_specs, hardware, open_run, round_backend)
@@ -247,7 +247,9 @@ def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: 
   for name, mode in specs:
     adapter = ADAPTERS.get(name, 'config.eval_adapters')(
         module, adapter_section(config, name, algorithm_name), context)
-    runners[name] = client_runner(adapter, config.eval_adapter_batch_size, mode)
+    # Jitted on its own: the splits of one shape (a test split and its corrupted
+    # copies) and both models trace it once inside the evaluation program.
+    runners[name] = jax.jit(client_runner(adapter, config.eval_adapter_batch_size, mode))
   models_of = {name: ADAPTERS.meta(name)['adapts_models'] for name in runners
                if 'adapts_models' in ADAPTERS.meta(name)}
   return evaluation.build_adapted_evaluate(algorithm, runners, global_only, models_of)

@@ -30,6 +30,7 @@ from flax import traverse_util
 from fedjax_shift import algorithms, checkpoint, models, report
 from fedjax_shift.benchmarks import Benchmark
 from fedjax_shift.benchmarks.atp_shift import atp_protocol
+from fedjax_shift.core.algorithm import FederatedAlgorithm
 from fedjax_shift.core.groups import init_group_states
 from fedjax_shift.core.round import stack_client_states
 from fedjax_shift.metrics import read_metrics

@@ -28,8 +28,7 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import ml_collections
 
-from fedjax_shift.metrics import (FIELDS_ADDED_AT, changed_fields,  # noqa: F401
-                                  read_json, record_changes)
+from fedjax_shift.metrics import changed_fields, read_json, record_changes
 
 log = logging.getLogger('fedjax_shift')
 

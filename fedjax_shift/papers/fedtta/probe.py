@@ -26,9 +26,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from fedjax_shift import models
-from fedjax_shift.adapters.common import weighted_entropy
+from fedjax_shift.parts.losses import weighted_entropy
 from fedjax_shift.adapters.fedtta import adaptation_module_of, filled_weight
-from fedjax_shift.algorithms.fedtta import ADAPTATION, inner_step
+from fedjax_shift.parts.fedtta_step import ADAPTATION, inner_step
 from fedjax_shift.pipelines import federated
 
 REPORTED_STEPS = (0, 1, 2, 3, 5, 10, 20)
