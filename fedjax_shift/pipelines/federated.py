@@ -229,6 +229,29 @@ def applied_adapters(config: ml_collections.ConfigDict, algorithm_name: str) -> 
           for name, _ in eval_adapter_specs(config) if adapts(name, algorithm_name)}
 
 
+def adapter_runner(name: str, mode: str, batch_size: int, section: ml_collections.ConfigDict,
+                   module, num_classes: int, input_shape: tuple, cache: Dict):
+  """Adapter ``name`` (hyperparameters ``section``) as a jitted ``client_runner``, one
+  function per distinct adapter in ``cache``: the splits of one shape (a test split and
+  its corrupted copies), both models and every method of the same model structure trace
+  it once. A section holding traced values (a swept adapter field) is never cached."""
+  traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(section.to_dict()))
+  key = (name, mode, batch_size, section.to_json_best_effort(sort_keys=True), module,
+         num_classes, input_shape)
+  if traced or key not in cache:
+    context = SourceContext(None, num_classes, batch_size, input_shape=input_shape)
+    adapter = ADAPTERS.get(name, 'config.eval_adapters')(module, section, context)
+    runner = jax.jit(client_runner(adapter, batch_size, mode))
+    if traced:
+      return runner
+    cache[key] = runner
+  return cache[key]
+
+
+# The evaluation adapters' runners of this process (``adapter_runner``).
+ADAPTER_RUNNERS: Dict[tuple, object] = {}
+
+
 def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: int,
                         algorithm: FederatedAlgorithm, global_only=(),
                         algorithm_name: str = '', input_shape: tuple = ()):
@@ -241,15 +264,10 @@ def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: 
            if adapts(name, algorithm_name)]
   if not specs:
     return None
-  context = SourceContext(None, num_classes, config.eval_adapter_batch_size,
-                          input_shape=tuple(input_shape))
-  runners = {}
-  for name, mode in specs:
-    adapter = ADAPTERS.get(name, 'config.eval_adapters')(
-        module, adapter_section(config, name, algorithm_name), context)
-    # Jitted on its own: the splits of one shape (a test split and its corrupted
-    # copies) and both models trace it once inside the evaluation program.
-    runners[name] = jax.jit(client_runner(adapter, config.eval_adapter_batch_size, mode))
+  runners = {name: adapter_runner(name, mode, config.eval_adapter_batch_size,
+                                  adapter_section(config, name, algorithm_name), module,
+                                  num_classes, tuple(input_shape), ADAPTER_RUNNERS)
+             for name, mode in specs}
   models_of = {name: ADAPTERS.meta(name)['adapts_models'] for name in runners
                if 'adapts_models' in ADAPTERS.meta(name)}
   return evaluation.build_adapted_evaluate(algorithm, runners, global_only, models_of)
