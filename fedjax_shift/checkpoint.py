@@ -25,6 +25,7 @@ import time
 from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -56,21 +57,24 @@ def leaf_names(state: PyTree) -> list:
   return ['.'.join(_path_name(key) for key in path) or 'value' for path in paths]
 
 
-def named_tree(state: PyTree) -> dict:
-  """``state`` as a nested dict of numpy arrays named by its pytree paths (what a
-  checkpoint holds)."""
-  tree: dict = {}
-  leaves = jax.tree_util.tree_leaves(state)
-  names = leaf_names(state)
+def _nest(names, values) -> dict:
+  """{'a': {'b': value}} from '.'-joined ``names`` ('a.b') and their ``values``."""
   if len(set(names)) != len(names):
     raise ValueError(f'two leaves of the state have one name: {sorted(names)}')
-  for name, leaf in zip(names, leaves):
+  tree: dict = {}
+  for name, value in zip(names, values):
     node = tree
     *parents, last = name.split('.')
     for parent in parents:
       node = node.setdefault(parent, {})
-    node[last] = np.asarray(leaf)
+    node[last] = value
   return tree
+
+
+def named_tree(state: PyTree) -> dict:
+  """``state`` as a nested dict of numpy arrays named by its pytree paths (what a
+  checkpoint holds)."""
+  return _nest(leaf_names(state), [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(state)])
 
 
 def _flat_names(tree, prefix: str = '') -> dict:
@@ -188,14 +192,14 @@ class Checkpointer:
   def _restore_step(self, step: int, template: PyTree) -> PyTree:
     leaves, treedef = jax.tree_util.tree_flatten(template)
     saved = _flat_names(self.manager.item_metadata(step).tree)
-    names = leaf_names(template)
-    if all(name.startswith(LEGACY_PREFIX) for name in saved):
-      names = [f'{LEGACY_PREFIX}{i:05d}' for i in range(len(leaves))]
-      if len(saved) != len(leaves):
-        raise CheckpointMismatchError(
-            f'the checkpoint of round {step} in {self.directory} holds {len(saved)} arrays, '
-            f'this run\'s state {len(leaves)}: it is another model\'s or method\'s state')
-    elif set(saved) != set(names):
+    legacy = all(name.startswith(LEGACY_PREFIX) for name in saved)
+    names = ([f'{LEGACY_PREFIX}{i:05d}' for i in range(len(leaves))] if legacy else
+             leaf_names(template))
+    if legacy and len(saved) != len(leaves):
+      raise CheckpointMismatchError(
+          f'the checkpoint of round {step} in {self.directory} holds {len(saved)} arrays, '
+          f'this run\'s state {len(leaves)}: it is another model\'s or method\'s state')
+    if not legacy and set(saved) != set(names):
       missing = sorted(set(names) - set(saved))
       extra = sorted(set(saved) - set(names))
       raise CheckpointMismatchError(
@@ -209,11 +213,8 @@ class Checkpointer:
             f'the checkpoint of round {step} in {self.directory} holds {name} of shape '
             f'{tuple(saved[name].shape)} where this run\'s state has {np.shape(leaf)}: it is '
             f'another model\'s state')
-    abstract = {name: jax.ShapeDtypeStruct(np.shape(leaf), np.asarray(leaf).dtype)
-                for name, leaf in zip(names, leaves)}
-    if not names[0].startswith(LEGACY_PREFIX):
-      abstract = named_tree(template)
-      abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), abstract)
+    specs = [jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf)) for leaf in leaves]
+    abstract = dict(zip(names, specs)) if legacy else _nest(names, specs)
     restored = _flat_names(self.manager.restore(step, args=ocp.args.StandardRestore(abstract)))
     return jax.tree_util.tree_unflatten(treedef, [restored[name] for name in names])
 

@@ -108,7 +108,7 @@ def _chosen(kind: str, value, options: List, where: str):
   return value
 
 
-def restore(config: ml_collections.ConfigDict, run_dir: str, seed: int, round: Optional[int],
+def restore(config: ml_collections.ConfigDict, run_dir: str, round: Optional[int],
             template: checkpoint.RunState, rounds: int) -> tuple:
   """(round, restored RunState, results or None) of the run in ``run_dir`` from its
   checkpoint of ``round`` (None: ``rounds``, the final one of a finished run)."""
@@ -148,7 +148,7 @@ def federated_run(config: ml_collections.ConfigDict, run_dir: str, method: str, 
   template = checkpoint.RunState(
       server_state, stack_client_states(algorithm, server_state, train.num_clients),
       jnp.float32(0.0))
-  round, state, results = restore(config, run_dir, seed, round, template, config.rounds)
+  round, state, results = restore(config, run_dir, round, template, config.rounds)
   global_model = algorithm.global_model
   extras = dict(extras or {}, **({'backbone': backbone} if backbone is not None else {}))
   return LoadedRun(config, run_dir, round, bench, module, algorithm, state.server,
@@ -215,7 +215,7 @@ def _load_hetero(workdir, config, method, seed, round) -> LoadedRun:
   template = checkpoint.RunState(parts.algorithm.init(init_key),
                                  init_group_states(parts.algorithm, init_key, parts.group_ids),
                                  jnp.float32(0.0))
-  round, state, results = restore(config, run_dir, seed, round, template, config.rounds)
+  round, state, results = restore(config, run_dir, round, template, config.rounds)
   return LoadedRun(config, run_dir, round, bench, None, parts.algorithm, state.server,
                    state.clients, None, read_metrics(os.path.join(run_dir, 'metrics.jsonl')),
                    results, _read_json(os.path.join(run_dir, 'partition.json')) or {},
