@@ -113,3 +113,41 @@ def test_bad_adapter_arguments():
     bn_adapt(module, 1.5)
   with pytest.raises(ValueError, match='predict'):
     tent(module, predict='during')
+
+
+@pytest.mark.parametrize('mode, traces', [('online', 2), ('episodic', 2), ('transductive', 3)])
+def test_adapted_evaluation_pads_close_splits_to_one_program_with_unpadded_sums(mode, traces):
+  """Splits of 12 and 10 rows (3 batches of 4 each) share one padded shape; a split of 4
+  rows (1 batch: padding would triple it) keeps its own. The sums equal each split run
+  alone at its own size: padding adds only batches without weight. Transductive runs
+  (whose shuffled order depends on the size) are never padded: one program per size."""
+  from types import SimpleNamespace
+  from fedjax_shift.core.evaluation import AdaptRunner, build_adapted_evaluate
+  from fedjax_shift.core.test_time import client_runner
+  module, split_a, _, _, variables = setup([7, 4, 9], pad_to=12)
+  split_b = toy_clients([5, 8, 6], num_classes=NUM_CLASSES, seed=1, pad_to=10)[0]
+  split_c = toy_clients([3, 4, 2], num_classes=NUM_CLASSES, seed=2, pad_to=4)[0]
+  adapter = tent(module, learning_rate=0.1, predict='after')
+  adapter = adapter._replace(predict=lambda state, batch: adapter.step(state, batch)[1])
+  run_one, shapes = client_runner(adapter, 4, mode), []
+
+  def counted(variables, x, *rest):
+    shapes.append(x.shape[0])
+    return run_one(variables, x, *rest)
+
+  algorithm = SimpleNamespace(global_model=lambda server_state: server_state, personalize=None)
+  evaluate_chunk = build_adapted_evaluate(
+      algorithm, {'tent': AdaptRunner(jax.jit(counted), mode, 4)})
+  splits = {'a': split_a, 'b': split_b, 'c': split_c}
+  ids = jnp.arange(3)
+  out = evaluate_chunk(variables, jnp.zeros(3), split_a, splits, ids, jax.random.key(3))
+  assert len(shapes) == traces
+  assert sorted(set(shapes)) == ([4, 10, 12] if mode == 'transductive' else [4, 12])
+  adapt_keys = jax.vmap(jax.random.fold_in, (None, 0))(
+      jax.random.fold_in(jax.random.key(3), 1), ids)
+  for name, split in splits.items():
+    alone = jax.vmap(run_one, (None, 0, 0, 0, 0))(variables, split.x, split.y,
+                                                   split.num_examples, adapt_keys)
+    chex.assert_trees_all_close(out['global+tent'][name],
+                                {k: v for k, v in alone.items() if k != 'predictions'},
+                                **backend_tolerance(1e-6))

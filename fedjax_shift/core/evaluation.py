@@ -6,7 +6,7 @@ so a run compiles it once whatever the population.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -133,16 +133,54 @@ def build_new_client_evaluate(algorithm: FederatedAlgorithm, module, batch_size:
   return jax.jit(personalized_models), jax.jit(evaluate_chunk)
 
 
-def build_adapted_evaluate(algorithm: FederatedAlgorithm, runners: Dict[str, Any],
+# A split is padded to the longest split's size when that adds at most this fraction to
+# its adapted batches (``build_adapted_evaluate``).
+MAX_PADDING = 0.25
+
+
+def padded_sizes(sizes: Sequence[int], batch_size: int) -> list:
+  """The sizes [S] that splits of ``sizes`` examples per client are padded to before
+  online or episodic adaptation: the largest size when that adds at most
+  ``MAX_PADDING`` of a split's batches, else its own. Splits of one padded size trace
+  one adapter program instead of one per size (FedICON's five test splits: 3 → 1)."""
+  largest = max(sizes)
+  batches = lambda size: -(-size // batch_size)
+  return [largest if batches(largest) <= (1 + MAX_PADDING) * batches(size) else size
+          for size in sizes]
+
+
+def pad_examples(split: FederatedData, size: int) -> FederatedData:
+  """``split`` (one client's, x [N, ...]) with x and y zero-padded to ``size`` rows;
+  its ``num_examples`` unchanged, so the padding is never scored."""
+  pad = size - split.x.shape[0]
+  if pad == 0:
+    return split
+  grow = lambda a: jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)])
+  return split._replace(x=grow(split.x), y=grow(split.y))
+
+
+class AdaptRunner(NamedTuple):
+  """A ``core.test_time.client_runner`` ``run`` and its test-time ``mode``."""
+  run: Callable
+  mode: str
+  batch_size: int
+
+
+def build_adapted_evaluate(algorithm: FederatedAlgorithm, runners: Dict[str, AdaptRunner],
                            global_only: Sequence[str] = (),
                            models_of: Dict[str, Sequence[str]] | None = None):
   """Test-time adaptation on top of the trained models (FedEvolve's MEMO(G),
-  MEMO(P), T3A on FedAvg-FT): ``runners`` maps a name to a
-  ``core.test_time.client_runner``. Returns jitted ``evaluate_chunk`` with the
-  signature of ``build_evaluate``'s, giving {'<model>+<name>': {split: sums [C]}} for
-  model 'global' and/or 'personalized' (not on the ``global_only`` splits; only the
-  models ``models_of[name]`` names, when given: FedTHE's ensemble needs the personal
-  head); client k's adapter key is ``fold_in(key, k)``."""
+  MEMO(P), T3A on FedAvg-FT): ``runners`` maps a name to an ``AdaptRunner``. Returns
+  jitted ``evaluate_chunk`` with the signature of ``build_evaluate``'s, giving
+  {'<model>+<name>': {split: sums [C]}} for model 'global' and/or 'personalized' (not
+  on the ``global_only`` splits; only the models ``models_of[name]`` names, when
+  given: FedTHE's ensemble needs the personal head); client k's adapter key is
+  ``fold_in(key, k)``.
+
+  Online and episodic runs see each split zero-padded to ``padded_sizes``: their
+  trailing batches without weight change neither the state nor a score, so the sums
+  equal the unpadded run's; transductive runs (whose shuffled order depends on the
+  padded size) see each split as it is."""
   models_of = models_of or {}
 
   def one_client(server_state, client_state, train: FederatedData,
@@ -156,13 +194,19 @@ def build_adapted_evaluate(algorithm: FederatedAlgorithm, runners: Dict[str, Any
     results = {}
     adapt_key = jax.random.fold_in(jax.random.fold_in(key, 1), client_id)
     for model, variables in models_to_adapt.items():
-      for name, run_one in runners.items():
+      for name, runner in runners.items():
         if model not in models_of.get(name, (model,)):
           continue
+        chosen = {split: s for split, s in splits.items()
+                  if model == 'global' or split not in global_only}
+        if runner.mode != 'transductive' and chosen:
+          sizes = padded_sizes([s.x.shape[0] for s in chosen.values()], runner.batch_size)
+          chosen = {split: pad_examples(s, size)
+                    for (split, s), size in zip(chosen.items(), sizes)}
         results[f'{model}+{name}'] = {
-            split: {k: v for k, v in run_one(variables, s.x, s.y, s.num_examples,
-                                             adapt_key).items() if k != 'predictions'}
-            for split, s in splits.items() if model == 'global' or split not in global_only}
+            split: {k: v for k, v in runner.run(variables, s.x, s.y, s.num_examples,
+                                                adapt_key).items() if k != 'predictions'}
+            for split, s in chosen.items()}
     return results
 
   def evaluate_chunk(server_state, client_states, train, splits, client_ids, key):

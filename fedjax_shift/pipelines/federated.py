@@ -231,17 +231,18 @@ def applied_adapters(config: ml_collections.ConfigDict, algorithm_name: str) -> 
 
 def adapter_runner(name: str, mode: str, batch_size: int, section: ml_collections.ConfigDict,
                    module, num_classes: int, input_shape: tuple, cache: Dict):
-  """Adapter ``name`` (hyperparameters ``section``) as a jitted ``client_runner``, one
-  function per distinct adapter in ``cache``: the splits of one shape (a test split and
-  its corrupted copies), both models and every method of the same model structure trace
-  it once. A section holding traced values (a swept adapter field) is never cached."""
+  """Adapter ``name`` (hyperparameters ``section``) as an ``AdaptRunner`` around a
+  jitted ``client_runner``, one per distinct adapter in ``cache``: the splits of one
+  (padded) shape, both models and every method of the same model structure trace it
+  once. A section holding traced values (a swept adapter field) is never cached."""
   traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(section.to_dict()))
   key = (name, mode, batch_size, section.to_json_best_effort(sort_keys=True), module,
          num_classes, input_shape)
   if traced or key not in cache:
     context = SourceContext(None, num_classes, batch_size, input_shape=input_shape)
     adapter = ADAPTERS.get(name, 'config.eval_adapters')(module, section, context)
-    runner = jax.jit(client_runner(adapter, batch_size, mode))
+    runner = evaluation.AdaptRunner(jax.jit(client_runner(adapter, batch_size, mode)), mode,
+                                    batch_size)
     if traced:
       return runner
     cache[key] = runner
