@@ -257,7 +257,7 @@ def default_experiment_sizes():
   """[20] the train-split sizes of the default experiment (configs/default.py, seed 0)."""
   import numpy as np
   from configs.default import get_config
-  from fedjax_shift.pipelines.federated import build_data
+  from fedjax_shift.pipelines.runs import build_data
   return np.asarray(build_data(get_config(), 0).splits['train'].num_examples, np.int64)
 
 
@@ -369,10 +369,10 @@ def rates_algorithm(config, module, variables, kind: str):
 
 def round_config(config, data, backend: str = 'vmap'):
   """The engine's RoundConfig of the cohort as the pipeline builds it
-  (``pipelines.federated.round_config``): every client in the round, sorted by
+  (``pipelines.programs.round_config``): every client in the round, sorted by
   examples, groups of --client_chunk or fitted under --max_scanned, each cut to its
   fitted padded size."""
-  from fedjax_shift.pipelines.federated import round_config as pipeline_round_config
+  from fedjax_shift.pipelines.programs import round_config as pipeline_round_config
   config.cohort_size = num_clients()
   config.engine.client_chunk = FLAGS.client_chunk
   config.engine.max_scanned = FLAGS.max_scanned
@@ -400,7 +400,7 @@ def case_round(backend='vmap', kind='fedavg'):
   compile_s = time.perf_counter() - tick
   run = lambda: jax.block_until_ready(compiled(server, clients, device_data, ids, key))
   median, times = timed(run, FLAGS.repeats)
-  from fedjax_shift.pipelines.federated import uploaded_parameters
+  from fedjax_shift.pipelines.runs import uploaded_parameters
   result = {'seconds': median, 'times': times, 'compile_s': compile_s,
             'uploaded_parameters': uploaded_parameters(algorithm, server, clients, data),
             'client_chunk': round_cfg.client_chunk}
@@ -484,7 +484,7 @@ def first_then_timed(run) -> dict:
 
 def case_grid(vmapped: bool):
   """len(FLAGS.grid_rates) client learning rates × FLAGS.seeds seeds of the FedAvg
-  round on the same cohort: the sweep's one program (federated.grid_round over the
+  round on the same cohort: the sweep's one program (core.runs.grid_round over the
   traced rate) or one run after another. Seconds per round of all runs; 'compile_s':
   the first round of all runs (every compilation)."""
   import jax
@@ -492,7 +492,7 @@ def case_grid(vmapped: bool):
   from fedjax_shift import algorithms
   from fedjax_shift.core.round import RoundConfig, build_round, round_key, stack_client_states
   from fedjax_shift.pipelines import sweep
-  from fedjax_shift.pipelines.federated import grid_round, stack_runs
+  from fedjax_shift.core.runs import grid_round, stack_runs
   config, module, algorithm, data, _ = setup_algorithm(num_clients())
   rates = [float(rate) for rate in FLAGS.grid_rates]
   seeds = range(FLAGS.seeds)

@@ -923,7 +923,7 @@ def test_domains_report_reads_each_column_off_its_config_beside_table_5(tmp_path
 def test_table_7_upload_kind_reads_nested_and_flattened_keys(tree, kind):
   """Table 7's rows: a leaf is 'params' however its path spells it (nested dicts or one
   flattened tuple key), else its first key."""
-  from fedjax_shift.pipelines.federated import upload_kind
+  from fedjax_shift.pipelines.runs import upload_kind
   (path, _), = jax.tree_util.tree_leaves_with_path(tree)
   assert upload_kind(path) == kind
 

@@ -287,7 +287,7 @@ def test_pad_to_gives_dirichlet_seeds_one_compilation_and_the_same_metrics(tmp_p
   """Dirichlet seeds pad to different client sizes N (each recompiles); with
   data.pad_to, a bound for all of them, seed 1 reuses seed 0's programs — and its
   metrics equal the unpadded run's (padding is masked everywhere)."""
-  from fedjax_shift.pipelines.federated import build_data
+  from fedjax_shift.pipelines.runs import build_data
   config = tiny_config(progress=False)
   sizes = [build_data(config, seed).splits['train'].max_examples for seed in (0, 1)]
   assert sizes[0] != sizes[1], sizes            # the case really differs by seed

@@ -588,7 +588,7 @@ def test_without_sharing_nothing_is_sent_and_each_client_keeps_its_encoder():
   encoders = out.client_states['params']['encoder']
   first = jax.tree.leaves(encoders)[0]
   assert not np.allclose(first[0], first[1])
-  from fedjax_shift.pipelines.federated import uploaded_parameters
+  from fedjax_shift.pipelines.runs import uploaded_parameters
   assert uploaded_parameters(algorithm, server, states, data) == 0
 
 

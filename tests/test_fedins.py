@@ -18,7 +18,7 @@ from fedjax_shift.core.local import local_train, masked_mean
 from fedjax_shift.core.round import NO_STEP_LIMIT, RoundConfig, build_round, stack_client_states
 from fedjax_shift.models import vit
 from fedjax_shift.pipelines import pretrain
-from fedjax_shift.pipelines.federated import uploaded_parameters
+from fedjax_shift.pipelines.runs import uploaded_parameters
 from configs import fedins as fedins_config
 from helpers import build_method, data_config, override, tiny_config, toy_clients, write_run
 

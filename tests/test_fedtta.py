@@ -203,7 +203,7 @@ def test_adapter_takes_eta_inner_and_epsilon_from_the_trained_method(tmp_path):
   value is refused before anything trains, naming both fields and the override."""
   from configs import fedtta as fedtta_configs
   from fedjax_shift import config as config_lib
-  from fedjax_shift.pipelines.federated import adapter_section
+  from fedjax_shift.pipelines.programs import adapter_section
   config = fedtta_configs.get_config('tiny')
   config.fedtta_prox.inner_learning_rate = 0.3
   config_lib.validate(config, str(tmp_path))                  # changing training alone is fine
@@ -246,7 +246,7 @@ def test_a_small_batch_filled_to_the_training_batch_takes_trainings_step():
 def test_fill_batch_defaults_to_the_training_batch_and_bad_values_are_refused(tmp_path):
   from configs import fedtta as fedtta_configs
   from fedjax_shift import config as config_lib
-  from fedjax_shift.pipelines.federated import adapter_section
+  from fedjax_shift.pipelines.programs import adapter_section
   config = fedtta_configs.get_config('tiny')
   config.client.batch_size = 48
   for name in ('fedtta', 'fedtta_pp'):
@@ -329,7 +329,7 @@ def test_while_loop_equals_the_masked_scan_vmapped_over_clients():
 def test_adapter_on_a_model_without_g_and_bad_fields_are_errors():
   module, variables, client = _variables()
   config = tiny_config()
-  from fedjax_shift.pipelines.federated import adapter_section
+  from fedjax_shift.pipelines.programs import adapter_section
   adapter = ADAPTERS.get('fedtta')(module, adapter_section(config, 'fedtta', 'fedtta'),
                                    SourceContext(None, NUM_CLASSES, 8))
   state = adapter.init(variables, jax.random.key(0))
@@ -404,7 +404,7 @@ def test_new_clients_labels_are_never_read_by_the_adaptation():
   from fedjax_shift.core.test_time import client_runner
   module, variables, client = _variables()
   config = tiny_config()
-  from fedjax_shift.pipelines.federated import adapter_section
+  from fedjax_shift.pipelines.programs import adapter_section
   adapter = ADAPTERS.get('fedtta_pp')(module, adapter_section(config, 'fedtta_pp', 'fedtta'),
                                       SourceContext(None, NUM_CLASSES, 4))
   run_one = jax.jit(client_runner(adapter, 4, 'episodic'))

@@ -142,7 +142,7 @@ def test_fedsr_kl_closed_form_and_zero_weights_train_like_fedavg_on_mu():
 def test_uploaded_parameters_are_counted_from_the_update_pytrees():
   """FedEvolve Table 7: FedAvg uploads its model, FedRep only its representation,
   FedBN all but its BatchNorm layers, Local nothing."""
-  from fedjax_shift.pipelines.federated import uploaded_parameters
+  from fedjax_shift.pipelines.runs import uploaded_parameters
   config = tiny_config()
   data, _, _ = toy_clients([6, 9], num_classes=NUM_CLASSES)
   counts = {}
@@ -188,7 +188,7 @@ def test_every_tiny_variant_that_runs_fedbn_gives_it_layers_to_keep(name):
   """``configs/<name>.py:tiny`` swaps in a small model: where FedBN runs, the model
   keeps normalisation layers, so its state initialises (it refuses a model without)."""
   import importlib
-  from fedjax_shift.pipelines.federated import build_data
+  from fedjax_shift.pipelines.runs import build_data
   config = importlib.import_module(f'configs.{name}').get_config('tiny')
   bench = build_data(config, config.seeds[0])
   train = bench.splits['train']

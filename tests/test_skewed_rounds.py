@@ -210,7 +210,7 @@ def test_rounds_record_their_real_and_scanned_steps(tmp_path):
 
 
 def test_max_scanned_zero_keeps_one_vmapped_group():
-  from fedjax_shift.pipelines.federated import round_config
+  from fedjax_shift.pipelines.programs import round_config
   data, _, _ = toy_clients(SIZES, num_classes=NUM_CLASSES)
   config = tiny_config(**{'cohort_size': 8, 'engine.backend': 'vmap', 'client.batch_size': 2})
   assert round_config(config, data).client_chunk > 0

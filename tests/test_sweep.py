@@ -221,7 +221,7 @@ def test_an_integer_swept_over_a_float_field_is_the_floats_point():
 
 
 def test_points_times_vmapped_seeds_equal_the_points_seed_by_seed(tmp_path):
-  from fedjax_shift.pipelines.federated import build_data
+  from fedjax_shift.pipelines.runs import build_data
 
   def config_for(**fields):
     config = tiny_config(seeds=(0, 1), rounds=1, sweep="{'client.learning_rate': (0.05, 0.1)}",

@@ -9,7 +9,7 @@ import pytest
 
 from fedjax_shift import pipelines
 from fedjax_shift.metrics import read_metrics
-from fedjax_shift.pipelines.federated import build_data
+from fedjax_shift.pipelines.runs import build_data
 from fedjax_shift.pipelines.loop import DivergenceError
 from tests.helpers import tiny_config
 

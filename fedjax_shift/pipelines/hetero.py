@@ -54,8 +54,7 @@ from fedjax_shift.pipelines import loop
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
                                          check_run_dir, check_run_loop, check_sections,
                                          hardware, open_run)
-from fedjax_shift.pipelines.federated import (build_data, diverged_record, evaluated_rounds,
-                                               run_keys)
+from fedjax_shift.pipelines.runs import build_data, diverged_record, evaluated_rounds, run_keys
 from fedjax_shift.registry import NONNEGATIVE, check_fields, require, require_distinct, sequence_of
 
 SECTIONS = {

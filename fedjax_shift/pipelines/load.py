@@ -37,7 +37,8 @@ from fedjax_shift.metrics import read_metrics
 from fedjax_shift.pipelines import atp, hetero, pretrain, sweep
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.base import algorithm_names
-from fedjax_shift.pipelines.federated import backbone_for, build_data, run_keys
+from fedjax_shift.pipelines.federated import backbone_for
+from fedjax_shift.pipelines.runs import build_data, run_keys
 
 
 class LoadedRun(NamedTuple):

@@ -87,7 +87,7 @@ def _evolving(runs_by_column, split, server):
 
 
 # Table 7's rows: what a client uploads per round, by entry of its update
-# (pipelines/federated.uploaded_by_part): the model's trained parameters (the paper's
+# (pipelines/runs.uploaded_by_part): the model's trained parameters (the paper's
 # "Parameters"), FedEvolve's prototype sums and counts of S_M, and anything else
 # (BatchNorm running statistics, control variates, ...).
 UPLOAD_ROWS = (('Model parameters', ('params',)),

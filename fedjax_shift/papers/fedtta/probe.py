@@ -29,7 +29,7 @@ from fedjax_shift import models
 from fedjax_shift.parts.losses import weighted_entropy
 from fedjax_shift.adapters.fedtta import adaptation_module_of, filled_weight
 from fedjax_shift.parts.fedtta_step import ADAPTATION, inner_step
-from fedjax_shift.pipelines import federated
+from fedjax_shift.pipelines import federated, programs, runs
 
 REPORTED_STEPS = (0, 1, 2, 3, 5, 10, 20)
 PATIENCES = (1, 3, 5)
@@ -55,7 +55,7 @@ def stop_and_best(entropies: np.ndarray, patience: int, include_initial: bool = 
 
 def probe_seed(config: ml_collections.ConfigDict, workdir: str, algorithm: str,
                seed: int) -> Dict[str, float]:
-  bench = federated.build_data(config, seed)
+  bench = runs.build_data(config, seed)
   result = federated.train_and_evaluate(
       config, os.path.join(workdir, algorithm, f'seed_{seed}'), algorithm, seed, bench)
   module = models.create(config.model, bench.num_classes)
@@ -63,7 +63,7 @@ def probe_seed(config: ml_collections.ConfigDict, workdir: str, algorithm: str,
   state = result['server_state']
   variables = {'params': state.variables['params']['base'],
                ADAPTATION: state.variables['params']['adaptation']}
-  hparams = federated.adapter_section(config, 'fedtta_pp', algorithm)   # η_inner, ε: training's
+  hparams = programs.adapter_section(config, 'fedtta_pp', algorithm)   # η_inner, ε: training's
   num_steps = hparams.max_steps
   g = adaptation_module_of(variables[ADAPTATION])
   test = bench.splits['test']

@@ -1,0 +1,253 @@
+"""What a run compiles: the round's plan for the training data, the method's round and
+evaluation functions (``Programs``), the key under which the runs of one process share
+them (``ProgramKey``), and the evaluation adapters of ``config.eval_adapters``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import ml_collections
+import numpy as np
+
+from fedjax_shift import algorithms
+from fedjax_shift.benchmarks import Benchmark
+from fedjax_shift.core import evaluation
+from fedjax_shift.core.algorithm import FederatedAlgorithm
+from fedjax_shift.core.round import (RoundConfig, build_round, check_example_buckets,
+                                     client_mesh, fit_client_chunk, fit_example_buckets,
+                                     group_bounds, plan_group_examples, population_steps)
+from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
+from fedjax_shift.data import federated
+from fedjax_shift.pipelines.base import adapts, eval_adapter_specs, round_backend
+from fedjax_shift.pipelines.runs import build_data
+
+class ProgramKey(NamedTuple):
+  """What a built method and its compiled programs depend on besides the config: runs
+  with equal keys share them (``train_and_evaluate``'s ``programs``)."""
+  algorithm: str
+  train_shape: tuple           # the training split's x shape [K, N, ...]
+  dtype: str
+  num_classes: int
+  build_info: str              # algorithms.base.build_info of the benchmark, as JSON
+  new_client_splits: tuple
+  round: RoundConfig           # the round's plan (groups, padded sizes) for every seed
+
+
+class Programs(NamedTuple):
+  """A built method and the functions compiled for it."""
+  module: Any
+  algorithm: FederatedAlgorithm
+  round_device: Callable       # core.round.build_round's, over the device store
+  round_host: Callable         # ... over a cohort gathered on the host
+  evaluate_chunk: Callable     # evaluation.build_evaluate's
+  adapted_chunk: Optional[Callable]     # config.eval_adapters on its models, or None
+  new_client_chunk: Optional[Callable]  # PFL-Sampled / -Ensemble on new clients, or None
+
+
+def program_key(config: ml_collections.ConfigDict, name: str, bench: Benchmark,
+                programs: Optional[Dict] = None) -> ProgramKey:
+  """The key of method ``name``'s programs on ``bench``, shared by every seed of
+  ``config`` whose shapes match (the round planned for all of their client sizes;
+  ``programs``: the cache that keeps those sizes)."""
+  train = bench.splits['train']
+  return ProgramKey(name, train.x.shape, train.x.dtype.str, bench.num_classes,
+                    json.dumps(algorithms.base.build_info(bench.info), sort_keys=True),
+                    tuple(sorted(bench.info.get('new_clients', {}))),
+                    round_config(config, train, name, seed_populations(config, programs)))
+
+
+def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, module,
+                   bench: Benchmark, algorithm: Optional[FederatedAlgorithm],
+                   new_client_splits: List[str], check: bool = True,
+                   round_plan: Optional[RoundConfig] = None) -> Programs:
+  """The method (the registered ``algorithm_name`` unless ``algorithm`` is given), its
+  compiled round (planned by ``round_plan``, or for ``bench``'s training split alone)
+  and its evaluation functions (``check=False``: a config whose swept numbers are
+  tracers, pipelines/sweep.py)."""
+  train = bench.splits['train']
+  if algorithm is None:
+    algorithm = algorithms.build(algorithm_name, config, module, train.max_examples,
+                                 bench.info, train.num_clients, train.x.shape[2:],
+                                 check=check)
+  round_device, round_host = build_round(algorithm, round_plan or round_config(
+                                             config, train, algorithm_name),
+                                         client_mesh(config.engine.num_devices)
+                                         if config.engine.num_devices else None,
+                                         donate=config.engine.donate,
+                                         backend=round_backend(config),
+                                         rounds_per_call=config.engine.rounds_per_call)
+  evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size,
+                                             new_client_splits)
+  adapted_chunk = None
+  if algorithm_name in tuple(config.eval_adapter_algorithms):
+    adapted_chunk = build_eval_adapters(config, module, bench.num_classes, algorithm,
+                                        new_client_splits, algorithm_name, train.x.shape[2:])
+  new_client_chunk = None
+  if new_client_splits and algorithm.personalize is not None:
+    new_client_chunk = evaluation.build_new_client_evaluate(algorithm, module,
+                                                            config.engine.eval_batch_size)
+  return Programs(module, algorithm, round_device, round_host, evaluate_chunk, adapted_chunk,
+                  new_client_chunk)
+
+
+def round_config(config, train: Optional[federated.FederatedData] = None,
+                 algorithm_name: str = '', populations: Sequence[np.ndarray] = ()
+                 ) -> RoundConfig:
+  """The compiled round's options. With the training split: the width of the sorted
+  cohort's client groups (``engine.client_chunk``, or with 0 the width
+  ``fit_client_chunk`` fits under ``engine.max_scanned``), each group's padded size
+  from ``engine.example_buckets`` (or at most ``engine.example_shapes`` sizes fitted),
+  and the loop backend's buckets: planned for the training split's client sizes and
+  ``populations`` ([K] sizes of the other runs that share the program: every group's
+  bound holds for each of them). Data not stored real-examples-first (FedEvolve's
+  domain-major layout) keeps the padded size."""
+  engine = config.engine
+  fields = dict(cohort_size=config.cohort_size, sampling=config.sampling,
+                weighting=config.weighting, straggler_prob=config.straggler_prob,
+                straggler_max_steps=config.straggler_max_steps)
+  if train is None:
+    return RoundConfig(client_chunk=engine.client_chunk, **fields)
+  schedule = algorithms.base.method_schedule(config, algorithm_name, train.max_examples)
+  own = np.asarray(train.num_examples)
+  sizes = [np.asarray(p) for p in populations]
+  if not any(np.array_equal(own, p) for p in sizes):
+    sizes.append(own)
+  backend = round_backend(config)
+  chunk = engine.client_chunk
+  if not chunk and engine.max_scanned and backend == 'vmap':
+    chunk = fit_client_chunk(population_steps(schedule, np.concatenate(sizes)),
+                             config.cohort_size, engine.max_scanned, engine.num_devices or 1)
+  buckets = tuple(engine.example_buckets)
+  cut = (examples_first(train) and not (algorithm_name and
+                                        algorithms.base.ALGORITHMS.meta(algorithm_name).get(
+                                            'layout')))
+  group_examples = example_buckets = ()
+  if cut and backend == 'vmap':
+    width = chunk or config.cohort_size
+    bounds = np.max([group_bounds(k, config.cohort_size, width) for k in sizes], axis=0)
+    planned = plan_group_examples(
+        bounds, buckets or fit_example_buckets(bounds, width, engine.example_shapes,
+                                               min_saving_examples(train)),
+        'config.engine.example_buckets')
+    group_examples = tuple(min(examples, train.max_examples) for examples in planned)
+  elif cut:
+    every = np.concatenate(sizes)
+    example_buckets = buckets or fit_example_buckets(np.sort(every)[::-1], 1,
+                                                     engine.example_shapes,
+                                                     min_saving_examples(train))
+    check_example_buckets(example_buckets, int(every.max()), 'config.engine.example_buckets')
+    example_buckets = tuple(sorted({min(b, train.max_examples) for b in example_buckets}))
+  elif buckets:
+    check_example_buckets(buckets, train.max_examples, 'config.engine.example_buckets')
+  return RoundConfig(client_chunk=chunk, group_examples=group_examples,
+                     example_buckets=example_buckets, schedule=schedule, **fields)
+
+
+def seed_populations(config: ml_collections.ConfigDict, programs: Optional[Dict] = None
+                     ) -> Tuple[np.ndarray, ...]:
+  """[K] client sizes of the training split of each of ``config.seeds``: the runs that
+  may share one compiled round, whose plan must hold for every one of them (kept in
+  ``programs``, the process's program cache, per data config and seeds)."""
+  key = ('populations', json.dumps(config.data.to_dict(), sort_keys=True, default=str),
+         tuple(config.seeds))
+  cache = programs if programs is not None else {}
+  if key not in cache:
+    cache[key] = tuple(np.asarray(build_data(config, seed).splits['train'].num_examples)
+                       for seed in config.seeds)
+  return cache[key]
+
+
+# A padded size costs one more compilation of the client update (1-2 s for an MLP on a
+# 2-core CPU); a fitted size is added only where it saves gathering at least this much
+# of the cohort's data a round.
+MIN_SHAPE_SAVING_BYTES = 8 * 2 ** 20
+
+
+def min_saving_examples(train: federated.FederatedData) -> float:
+  """``MIN_SHAPE_SAVING_BYTES`` in examples of ``train`` (inputs, labels and mask)."""
+  per_example = (int(np.prod(train.x.shape[2:])) * train.x.dtype.itemsize +
+                 train.y.dtype.itemsize + 1)
+  return MIN_SHAPE_SAVING_BYTES / per_example
+
+
+def examples_first(data: federated.FederatedData) -> bool:
+  """Whether every client's real examples are its first ``num_examples`` rows (so a
+  client can be cut to fewer padded rows without losing any)."""
+  mask = np.asarray(data.mask)
+  return bool(np.array_equal(mask, np.arange(mask.shape[1])[None, :] <
+                             np.asarray(data.num_examples)[:, None]))
+
+
+def examples_per_step(config: ml_collections.ConfigDict, algorithm_name: str) -> int:
+  """Examples one local step of a round touches over the cohort (the progress bar's
+  examples/s): the method's own batch size (``client_batch_size``) × cohort."""
+  client = (algorithms.base.method_client(config, algorithm_name) if algorithm_name
+            else config.client)
+  return client.batch_size * config.cohort_size
+
+
+def adapter_section(config: ml_collections.ConfigDict, name: str, algorithm_name: str
+                    ) -> ml_collections.ConfigDict:
+  """``config.adapters.<name>`` for ``algorithm_name``'s models: an adapter registered with
+  ``for_method`` (FedTTA's: η_inner and ε are the trained method's) resolves it."""
+  resolve = ADAPTERS.meta(name).get('for_method')
+  return resolve(config.adapters[name], config, algorithm_name) if resolve else \
+      config.adapters[name]
+
+
+def applied_adapters(config: ml_collections.ConfigDict, algorithm_name: str) -> Dict[str, dict]:
+  """{adapter: its section as the run used it (``adapter_section``: FedTTA's η_inner, ε
+  and fill_batch resolved)} of every test-time adapter run on ``algorithm_name``'s
+  models; recorded in results.json."""
+  if algorithm_name not in tuple(config.eval_adapter_algorithms):
+    return {}
+  return {name: adapter_section(config, name, algorithm_name).to_dict()
+          for name, _ in eval_adapter_specs(config) if adapts(name, algorithm_name)}
+
+
+def adapter_runner(name: str, mode: str, batch_size: int, section: ml_collections.ConfigDict,
+                   module, num_classes: int, input_shape: tuple, cache: Dict):
+  """Adapter ``name`` (hyperparameters ``section``) as an ``AdaptRunner`` around a
+  jitted ``client_runner``, one per distinct adapter in ``cache``: the splits of one
+  (padded) shape, both models and every method of the same model structure trace it
+  once. A section holding traced values (a swept adapter field) is never cached."""
+  traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(section.to_dict()))
+  key = (name, mode, batch_size, section.to_json_best_effort(sort_keys=True), module,
+         num_classes, input_shape)
+  if traced or key not in cache:
+    context = SourceContext(None, num_classes, batch_size, input_shape=input_shape)
+    adapter = ADAPTERS.get(name, 'config.eval_adapters')(module, section, context)
+    runner = evaluation.AdaptRunner(jax.jit(client_runner(adapter, batch_size, mode)), mode,
+                                    batch_size)
+    if traced:
+      return runner
+    cache[key] = runner
+  return cache[key]
+
+
+# The evaluation adapters' runners of this process (``adapter_runner``).
+ADAPTER_RUNNERS: Dict[tuple, object] = {}
+
+
+def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: int,
+                        algorithm: FederatedAlgorithm, global_only=(),
+                        algorithm_name: str = '', input_shape: tuple = ()):
+  """The jitted adapted evaluation of ``config.eval_adapters`` ('<adapter>:<mode>'
+  strings, e.g. 'memo:episodic', 't3a:online'; hyperparameters from
+  ``config.adapters.<adapter>``), run on the splits of ``config.eval_adapter_splits``;
+  an adapter registered with ``trained_by`` only on those methods' models. None when
+  there are none."""
+  specs = [(name, mode) for name, mode in eval_adapter_specs(config)
+           if adapts(name, algorithm_name)]
+  if not specs:
+    return None
+  runners = {name: adapter_runner(name, mode, config.eval_adapter_batch_size,
+                                  adapter_section(config, name, algorithm_name), module,
+                                  num_classes, tuple(input_shape), ADAPTER_RUNNERS)
+             for name, mode in specs}
+  models_of = {name: ADAPTERS.meta(name)['adapts_models'] for name in runners
+               if 'adapts_models' in ADAPTERS.meta(name)}
+  return evaluation.build_adapted_evaluate(algorithm, runners, global_only, models_of)
