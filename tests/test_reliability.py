@@ -22,7 +22,7 @@ from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.checkpoint import CheckpointMismatchError, Checkpointer
 from fedjax_shift.data.federated import stack_clients, validate
 from fedjax_shift.metrics import MetricsWriter, read_metrics, without_timing
-from fedjax_shift.pipelines.federated import train_and_evaluate
+from fedjax_shift.pipelines.single_run import train_and_evaluate
 from fedjax_shift.pipelines.workdir import RunMismatchError, WorkdirBusyError, WorkdirLock
 from helpers import tiny_config, write_run
 

@@ -153,7 +153,7 @@ def test_a_bad_bucket_list_is_refused_naming_the_field(buckets, message):
 
 def test_the_pipeline_refuses_buckets_before_compiling(tmp_path):
   from fedjax_shift.pipelines import base as pipeline_base
-  from fedjax_shift.pipelines.federated import train_and_evaluate
+  from fedjax_shift.pipelines.single_run import train_and_evaluate
   config = tiny_config(**{'engine.example_buckets': (8, 4)})
   with pytest.raises(ValueError, match='engine.example_buckets'):
     pipeline_base.validate(config)
@@ -200,7 +200,7 @@ def test_vmapped_seeds_run_the_grouped_round():
 
 def test_rounds_record_their_real_and_scanned_steps(tmp_path):
   from fedjax_shift.metrics import read_metrics
-  from fedjax_shift.pipelines.federated import train_and_evaluate
+  from fedjax_shift.pipelines.single_run import train_and_evaluate
   config = tiny_config(**{'data.partition': 'dirichlet', 'data.dirichlet_alpha': 0.1})
   train_and_evaluate(config, str(tmp_path), 'fedavg', 0)
   records = [r for r in read_metrics(str(tmp_path / 'metrics.jsonl')) if 'loss' in r]

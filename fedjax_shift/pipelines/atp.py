@@ -53,7 +53,7 @@ from fedjax_shift.registry import (BOOL, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT
                                    registered, require_distinct, sequence_of)
 from fedjax_shift.pipelines import pretrain
 from fedjax_shift.pipelines import workdir as workdir_lib
-from fedjax_shift.pipelines.federated import train_and_evaluate
+from fedjax_shift.pipelines.single_run import train_and_evaluate
 
 log = logging.getLogger('fedjax_shift')
 # The test-time rows: a key each, with its label, adapter and mode (one row here, the

@@ -1,6 +1,9 @@
 """The federated pipeline (``config.pipeline = 'federated'``): ``run(config, workdir)``
 trains every configured method over every seed, evaluates, checkpoints, resumes, and
-returns the results table.
+returns the results table. A method's seeds train one after another
+(pipelines/single_run.py) or, for the points of a sweep and vmapped seeds, as one
+program (pipelines/lockstep.py); the data, run keys and records they share are in
+pipelines/runs.py, the compiled programs in pipelines/programs.py.
 
 Workdir layout::
 
@@ -17,120 +20,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
-import jax
-import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
-from fedjax_shift import distributed, models, report
-from fedjax_shift.benchmarks import BENCHMARKS, Benchmark
-from fedjax_shift.core.algorithm import FederatedAlgorithm
-from fedjax_shift.core.round import HostStore, round_key
-from fedjax_shift.data import federated
-from fedjax_shift.pipelines import loop, pretrain, sweep
-from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
-                                         check_run, hardware)
+from fedjax_shift import distributed, report
+from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.pipelines import pretrain, sweep
+from fedjax_shift.pipelines.base import PIPELINES, Results, algorithm_names, check_run, hardware
 from fedjax_shift.pipelines.lockstep import NotTraceable, lockstep_problem, train_lockstep
-from fedjax_shift.pipelines.programs import Programs, examples_per_step, round_config
-from fedjax_shift.pipelines.run_setup import finish_run, setup_run
-from fedjax_shift.pipelines.runs import (build_data, cohort_sharding, diverged_record,
-                                         log_settled, replicated, settled_divergences)
+from fedjax_shift.pipelines.single_run import train_and_evaluate
 
 log = logging.getLogger('fedjax_shift')
-
-
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
-                       seed: int, bench: Optional[Benchmark] = None,
-                       algorithm: Optional[FederatedAlgorithm] = None,
-                       log_state: Optional[Callable[[object], Dict[str, float]]] = None,
-                       programs: Optional[Dict] = None,
-                       backbone: Optional[dict] = None,
-                       keep_going: bool = False,
-                       depends_on: Optional[Dict[str, object]] = None) -> Dict[str, object]:
-  """Trains one method with one seed in ``workdir`` (resuming if it holds a
-  checkpoint); returns {'algorithm', 'seed', 'metrics', 'rounds', 'train_seconds',
-  'compile_seconds', 'compilations', …, 'server_state'} ('server_state' is not written
-  to results.json). 'compile_seconds': tracing, lowering and XLA compilation of every
-  function the run compiled; 'compilations': how many XLA compilations it ran.
-
-  ``bench`` (default: built from ``config.data``; validated either way) and
-  ``algorithm`` (default: the registered ``algorithm_name`` with its section
-  ``config.<algorithm_name>``) let pipelines train on data or with methods of their
-  own (ATP's α training); ``log_state(server_state)`` adds fields to every
-  metrics.jsonl record (ATP: α per module). ``programs``: a dict shared by the runs of
-  one process (``run`` passes one): the built method, its round and its evaluation
-  functions are kept there under a ``ProgramKey``, so a later seed with the same
-  shapes reuses their compilations instead of compiling again. ``keep_going``: a
-  non-finite loss gives a diverged record instead of raising DivergenceError.
-  ``depends_on``: what the trained state depends on outside ``config`` (ATP's α: the
-  pretrained run's fingerprint and rounds), fingerprinted as ``depends_on.<key>``.
-
-  ``workdir/run.json`` records the config fields that determine the trained state; a
-  re-run whose fields differ, or that raises ``rounds`` without
-  ``config.resume='extend'``, is refused before anything is touched (pipelines/workdir.py).
-  """
-  distributed.require_in_step(f'{algorithm_name} seed {seed}')
-  settled = settled_divergences([workdir], config.rounds).get(0) if keep_going else None
-  if settled is not None:
-    log_settled(workdir)
-    return diverged_record(config, workdir, algorithm_name, seed, settled)
-  with CompileClock() as clock:
-    opened = setup_run(config, workdir, algorithm_name, seed, bench, algorithm, programs,
-                       backbone, log_state, depends_on)
-    train = opened.bench.splits['train']
-    host_store = (HostStore(train, opened.train_key, round_config(config),
-                            cohort_sharding(config))
-                  if config.data.store == 'host' else None)
-    try:
-      trainer = single_run_trainer(config, opened.programs, train, opened.train_key,
-                                   host_store, algorithm_name)
-      outcome, = loop.train([opened.run], opened.state, trainer, config.rounds,
-                            config.eval_every, config.checkpoint_every, keep_going,
-                            config.progress, f'{algorithm_name} seed {seed}',
-                            config.log_every)
-    finally:
-      if host_store is not None:
-        host_store.close()
-      opened.run.checkpointer.close()
-  return finish_run(config, workdir, algorithm_name, seed, outcome, opened.upload, clock)
-
-
-def single_run_trainer(config: ml_collections.ConfigDict, programs: Programs,
-                       train: federated.FederatedData, train_key: jax.Array,
-                       host_store: Optional[HostStore], algorithm_name: str = ''
-                       ) -> loop.Trainer:
-  """The loop's Trainer of one run: the compiled round over the device store (R rounds
-  per call with ``engine.rounds_per_call``) or over cohorts gathered from
-  ``host_store``."""
-  per_call = config.engine.rounds_per_call
-  device_train = None
-  if host_store is None:   # several processes: a replicated global array on the mesh
-    device_train = jax.device_put(train, replicated(config))
-
-  def advance(state, start: int, stop: int):
-    server_state, client_states = state
-    if per_call == 1:
-      key = round_key(train_key, start)
-      if host_store is not None:
-        cohort, cohort_ids = host_store.cohort(start)
-        out = programs.round_host(server_state, client_states, cohort, cohort_ids, key)
-      else:
-        out = programs.round_device(server_state, client_states, device_train, key)
-      return (out.server_state, out.client_states), loop.one_round(
-          out.metrics, loop.round_metric_names(out.metrics))
-    count = stop - start
-    indices = start + jnp.minimum(jnp.arange(per_call), count - 1)
-    keys = jax.vmap(lambda r: round_key(train_key, r))(indices)
-    out = programs.round_device(server_state, client_states, device_train, keys,
-                                jnp.arange(per_call) < count)
-    metrics = {name: np.asarray(out.metrics[name])[:count, None]
-               for name in loop.round_metric_names(out.metrics)}
-    return (out.server_state, out.client_states), metrics
-
-  return loop.Trainer(advance, loop.only_run, per_call,
-                      examples_per_step(config, algorithm_name))
 
 
 def train_grid(config: ml_collections.ConfigDict, workdir: str, name: str,
@@ -189,17 +90,6 @@ def check(config: ml_collections.ConfigDict) -> None:
   sweep.check(config, check)
 
 
-def backbone_for(config: ml_collections.ConfigDict, workdir: str) -> Optional[dict]:
-  """The pretrained encoder of ``config.backbone`` for this run's model and data
-  (None without one); pretrains it in ``<workdir>/backbone`` first if asked."""
-  if not config.backbone.weights:
-    return None
-  bench = build_data(config, config.seeds[0])
-  module = models.create(config.model, bench.num_classes)
-  return pretrain.backbone_encoder(config, workdir, module,
-                                   jnp.asarray(bench.splits['train'].x[0, :1]))
-
-
 def data_summary(config: ml_collections.ConfigDict, run_dirs: Dict[str, List[str]]) -> str:
   """'<benchmark>: <clients> clients, <examples> train examples (<min>-<max> per
   client)' as the first run's partition.json recorded them (seed 0's data), preceded by
@@ -231,7 +121,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   all_results: List[Dict] = []   # per run, every point
   run_dirs: Dict[str, List[str]] = {}
   programs: Dict = {}  # compiled once per method and data shapes, reused across seeds
-  backbone = backbone_for(config, workdir)
+  backbone = pretrain.backbone_for(config, workdir)
   selected: Dict[str, tuple] = {}   # method -> (selected point index, per-point summaries)
   notes: List[str] = []   # points of a narrowed grid on disk that validate better
   selection_metrics: Dict[str, str] = {}   # method -> the validation metric it was selected on

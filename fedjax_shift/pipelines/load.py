@@ -37,7 +37,6 @@ from fedjax_shift.metrics import read_metrics
 from fedjax_shift.pipelines import atp, hetero, pretrain, sweep
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.base import algorithm_names
-from fedjax_shift.pipelines.federated import backbone_for
 from fedjax_shift.pipelines.runs import build_data, run_keys
 
 
@@ -137,7 +136,7 @@ def restore(config: ml_collections.ConfigDict, run_dir: str, round: Optional[int
 def federated_run(config: ml_collections.ConfigDict, run_dir: str, method: str, seed: int,
                   round: Optional[int], bench: Benchmark, module, algorithm=None,
                   backbone: Optional[dict] = None, extras: Optional[dict] = None) -> LoadedRun:
-  """A run of the federated engine (``federated.train_and_evaluate``) in ``run_dir``,
+  """A run of the federated engine (``single_run.train_and_evaluate``) in ``run_dir``,
   restored into the state its method (``algorithm``, else built by name) initialises."""
   train = bench.splits['train']
   if algorithm is None:
@@ -167,7 +166,7 @@ def _load_federated(workdir, config, method, seed, round, point) -> LoadedRun:
   bench = build_data(config, seed)
   module = models.create(config.model, bench.num_classes)
   return federated_run(config, run_dir, method, seed, round, bench, module,
-                       backbone=backbone_for(config, workdir))
+                       backbone=pretrain.backbone_for(config, workdir))
 
 
 def _load_atp(workdir, config, method, seed, round, shift) -> LoadedRun:

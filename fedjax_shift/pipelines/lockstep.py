@@ -40,7 +40,7 @@ from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.base import CompileClock, round_backend
 from fedjax_shift.pipelines.programs import (Programs, build_programs, examples_per_step,
                                              program_key)
-from fedjax_shift.pipelines.run_setup import OpenedRun, finish_run, setup_run
+from fedjax_shift.pipelines.single_run import OpenedRun, finish_run, setup_run
 from fedjax_shift.pipelines.runs import build_data, log_settled, run_keys, settled_divergences
 
 log = logging.getLogger('fedjax_shift')

@@ -38,6 +38,7 @@ from fedjax_shift import models
 from fedjax_shift.data import digit_domains, sources
 from fedjax_shift.models import torchvision_resnet, vit
 from fedjax_shift.pipelines.base import PIPELINES, Results, check_sections, hardware
+from fedjax_shift.pipelines.runs import build_data
 from fedjax_shift.benchmarks.digit_domains import DOMAIN
 from fedjax_shift.registry import (NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, TEXT, check_fields,
                                    interval, require, sequence_of)
@@ -356,3 +357,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
               f"{info['device_kind']} ({info['backend']}).")
   return Results(preamble, (table,), (os.path.join(backbone_directory(workdir),
                                                    'backbone.json'),), {'backbone': record})
+
+
+def backbone_for(config: ml_collections.ConfigDict, workdir: str) -> Optional[dict]:
+  """The pretrained encoder of ``config.backbone`` for this run's model and data
+  (None without one); pretrains it in ``<workdir>/backbone`` first if asked."""
+  if not config.backbone.weights:
+    return None
+  bench = build_data(config, config.seeds[0])
+  module = models.create(config.model, bench.num_classes)
+  return backbone_encoder(config, workdir, module,
+                                   jnp.asarray(bench.splits['train'].x[0, :1]))

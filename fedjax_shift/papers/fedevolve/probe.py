@@ -31,7 +31,7 @@ from ml_collections import config_flags
 from fedjax_shift import models
 from fedjax_shift.algorithms.fedevolve import encoder_features
 from fedjax_shift.algorithms.prototypes import class_prototypes
-from fedjax_shift.pipelines import federated, runs
+from fedjax_shift.pipelines import runs, single_run
 
 GROUPS = (1, 2, 4, 10, 20)
 
@@ -49,7 +49,7 @@ def nearest_prototype_accuracy(proto_features, proto_labels, features, labels,
 
 def probe_seed(config: ml_collections.ConfigDict, workdir: str, seed: int) -> Dict[str, float]:
   bench = runs.build_data(config, seed)
-  result = federated.train_and_evaluate(
+  result = single_run.train_and_evaluate(
       config, os.path.join(workdir, 'fedevolve', f'seed_{seed}'), 'fedevolve', seed, bench)
   state = result['server_state']
   module = models.create(config.model, bench.num_classes)

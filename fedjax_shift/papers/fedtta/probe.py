@@ -29,7 +29,7 @@ from fedjax_shift import models
 from fedjax_shift.parts.losses import weighted_entropy
 from fedjax_shift.adapters.fedtta import adaptation_module_of, filled_weight
 from fedjax_shift.parts.fedtta_step import ADAPTATION, inner_step
-from fedjax_shift.pipelines import federated, programs, runs
+from fedjax_shift.pipelines import programs, runs, single_run
 
 REPORTED_STEPS = (0, 1, 2, 3, 5, 10, 20)
 PATIENCES = (1, 3, 5)
@@ -56,7 +56,7 @@ def stop_and_best(entropies: np.ndarray, patience: int, include_initial: bool = 
 def probe_seed(config: ml_collections.ConfigDict, workdir: str, algorithm: str,
                seed: int) -> Dict[str, float]:
   bench = runs.build_data(config, seed)
-  result = federated.train_and_evaluate(
+  result = single_run.train_and_evaluate(
       config, os.path.join(workdir, algorithm, f'seed_{seed}'), algorithm, seed, bench)
   module = models.create(config.model, bench.num_classes)
   # the trained algorithm's global model {'params': ψ, 'fedtta_adaptation': φ}

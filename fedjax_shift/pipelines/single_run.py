@@ -1,6 +1,7 @@
-"""One (method, seed) run opened, trained state restored, and finished: what the
-federated pipeline's sequential runs and its lockstep runs (pipelines/lockstep.py)
-both do around the training loop.
+"""One (method, seed) run trained from start to end (``train_and_evaluate``): the
+federated pipeline's sequential runs, ATP's pretraining and α runs, the probes; and
+what its lockstep runs (pipelines/lockstep.py) share with them around the training
+loop.
 
 ``setup_run`` = ``open_run_dir`` (check the workdir, build the data, write
 partition.json) + ``method_programs`` (build the method's programs or reuse them) +
@@ -24,15 +25,17 @@ from fedjax_shift import algorithms, distributed, models
 from fedjax_shift.benchmarks import Benchmark
 from fedjax_shift.core.algorithm import FederatedAlgorithm
 from fedjax_shift.core import evaluation
-from fedjax_shift.core.round import stack_client_states
+from fedjax_shift.core.round import HostStore, round_key, stack_client_states
 from fedjax_shift.data import federated
 from fedjax_shift.pipelines import loop, pretrain
 from fedjax_shift.pipelines.base import CompileClock, checked_fields, hardware, open_run
 from fedjax_shift.pipelines.programs import (Programs, applied_adapters, build_programs,
-                                             program_key)
-from fedjax_shift.pipelines.runs import (build_data, check_same_data, data_digest,
-                                         diverged_record, evaluated_rounds, replicated,
-                                         run_keys, uploaded_by_part, validate_benchmark)
+                                             examples_per_step, program_key, round_config)
+from fedjax_shift.pipelines.runs import (build_data, check_same_data, cohort_sharding,
+                                         data_digest, diverged_record, evaluated_rounds,
+                                         log_settled, replicated, run_keys,
+                                         settled_divergences, uploaded_by_part,
+                                         validate_benchmark)
 
 log = logging.getLogger('fedjax_shift')
 
@@ -189,6 +192,98 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
                  run_evaluation(config, algorithm_name, built, bench, eval_key, seed),
                  (lambda state: log_state(state[0])) if log_state is not None else None)
   return OpenedRun(run, bench, built, train_key, upload, (server_state, client_states))
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
+                       seed: int, bench: Optional[Benchmark] = None,
+                       algorithm: Optional[FederatedAlgorithm] = None,
+                       log_state: Optional[Callable[[object], Dict[str, float]]] = None,
+                       programs: Optional[Dict] = None,
+                       backbone: Optional[dict] = None,
+                       keep_going: bool = False,
+                       depends_on: Optional[Dict[str, object]] = None) -> Dict[str, object]:
+  """Trains one method with one seed in ``workdir`` (resuming if it holds a
+  checkpoint); returns {'algorithm', 'seed', 'metrics', 'rounds', 'train_seconds',
+  'compile_seconds', 'compilations', …, 'server_state'} ('server_state' is not written
+  to results.json). 'compile_seconds': tracing, lowering and XLA compilation of every
+  function the run compiled; 'compilations': how many XLA compilations it ran.
+
+  ``bench`` (default: built from ``config.data``; validated either way) and
+  ``algorithm`` (default: the registered ``algorithm_name`` with its section
+  ``config.<algorithm_name>``) let pipelines train on data or with methods of their
+  own (ATP's α training); ``log_state(server_state)`` adds fields to every
+  metrics.jsonl record (ATP: α per module). ``programs``: a dict shared by the runs of
+  one process (``run`` passes one): the built method, its round and its evaluation
+  functions are kept there under a ``ProgramKey``, so a later seed with the same
+  shapes reuses their compilations instead of compiling again. ``keep_going``: a
+  non-finite loss gives a diverged record instead of raising DivergenceError.
+  ``depends_on``: what the trained state depends on outside ``config`` (ATP's α: the
+  pretrained run's fingerprint and rounds), fingerprinted as ``depends_on.<key>``.
+
+  ``workdir/run.json`` records the config fields that determine the trained state; a
+  re-run whose fields differ, or that raises ``rounds`` without
+  ``config.resume='extend'``, is refused before anything is touched (pipelines/workdir.py).
+  """
+  distributed.require_in_step(f'{algorithm_name} seed {seed}')
+  settled = settled_divergences([workdir], config.rounds).get(0) if keep_going else None
+  if settled is not None:
+    log_settled(workdir)
+    return diverged_record(config, workdir, algorithm_name, seed, settled)
+  with CompileClock() as clock:
+    opened = setup_run(config, workdir, algorithm_name, seed, bench, algorithm, programs,
+                       backbone, log_state, depends_on)
+    train = opened.bench.splits['train']
+    host_store = (HostStore(train, opened.train_key, round_config(config),
+                            cohort_sharding(config))
+                  if config.data.store == 'host' else None)
+    try:
+      trainer = single_run_trainer(config, opened.programs, train, opened.train_key,
+                                   host_store, algorithm_name)
+      outcome, = loop.train([opened.run], opened.state, trainer, config.rounds,
+                            config.eval_every, config.checkpoint_every, keep_going,
+                            config.progress, f'{algorithm_name} seed {seed}',
+                            config.log_every)
+    finally:
+      if host_store is not None:
+        host_store.close()
+      opened.run.checkpointer.close()
+  return finish_run(config, workdir, algorithm_name, seed, outcome, opened.upload, clock)
+
+
+def single_run_trainer(config: ml_collections.ConfigDict, programs: Programs,
+                       train: federated.FederatedData, train_key: jax.Array,
+                       host_store: Optional[HostStore], algorithm_name: str = ''
+                       ) -> loop.Trainer:
+  """The loop's Trainer of one run: the compiled round over the device store (R rounds
+  per call with ``engine.rounds_per_call``) or over cohorts gathered from
+  ``host_store``."""
+  per_call = config.engine.rounds_per_call
+  device_train = None
+  if host_store is None:   # several processes: a replicated global array on the mesh
+    device_train = jax.device_put(train, replicated(config))
+
+  def advance(state, start: int, stop: int):
+    server_state, client_states = state
+    if per_call == 1:
+      key = round_key(train_key, start)
+      if host_store is not None:
+        cohort, cohort_ids = host_store.cohort(start)
+        out = programs.round_host(server_state, client_states, cohort, cohort_ids, key)
+      else:
+        out = programs.round_device(server_state, client_states, device_train, key)
+      return (out.server_state, out.client_states), loop.one_round(
+          out.metrics, loop.round_metric_names(out.metrics))
+    count = stop - start
+    indices = start + jnp.minimum(jnp.arange(per_call), count - 1)
+    keys = jax.vmap(lambda r: round_key(train_key, r))(indices)
+    out = programs.round_device(server_state, client_states, device_train, keys,
+                                jnp.arange(per_call) < count)
+    metrics = {name: np.asarray(out.metrics[name])[:count, None]
+               for name in loop.round_metric_names(out.metrics)}
+    return (out.server_state, out.client_states), metrics
+
+  return loop.Trainer(advance, loop.only_run, per_call,
+                      examples_per_step(config, algorithm_name))
 
 
 def evaluate_new_clients(new_client_chunk, server_state, client_states,
