@@ -123,7 +123,7 @@ def main(argv):
       config.progress = False
   if _COMPILATION_CACHE.value:
     jax.config.update('jax_compilation_cache_dir', os.path.expanduser(_COMPILATION_CACHE.value))
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
   try:
     train(config, _WORKDIR.value)
   except loop.Preempted as stopped:

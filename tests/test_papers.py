@@ -45,7 +45,9 @@ def toy_paper():
   PAPER_TABLES.unregister('toy_paper')
 
 
-def test_a_toy_paper_table_prints_through_train_and_report(toy_paper, tmp_path, capsys):
+def test_a_toy_paper_table_prints_through_train_and_report(toy_paper, tmp_path, capsys,
+                                                           monkeypatch):
+  monkeypatch.setenv('COLUMNS', '90')   # a 90-column terminal, whatever runs the test
   config = tiny_config(paper_tables='toy_paper', algorithms=('fedavg', 'fedprox'))
   workdir = str(tmp_path / 'run')
   launch_module('train').train(config, workdir)
@@ -53,8 +55,8 @@ def test_a_toy_paper_table_prints_through_train_and_report(toy_paper, tmp_path, 
   assert 'Toy paper, Table 1' in printed
   assert "Paper's numbers: Table 1 of the toy paper." in printed
   # Our column, the paper's beside it, and the claim, which a one-seed run of
-  # tiny's rounds does not judge; results.md has the table whole, the terminal (120
-  # characters off a terminal) its columns in parts.
+  # tiny's rounds does not judge; results.md has the table whole, the 90-column
+  # terminal its columns in parts.
   with open(os.path.join(workdir, 'results.md')) as f:
     lines = f.read().splitlines()
   assert "| Method | Test | paper: Test | paper's claims, on our numbers |" in lines
@@ -63,7 +65,7 @@ def test_a_toy_paper_table_prints_through_train_and_report(toy_paper, tmp_path, 
       f'| > fedprox: too short to judge ({config.rounds} rounds of the protocol\'s '
       f'{config.paper_rounds}, 1 seed) |'), row
   assert '(columns 2–3 of 4)' in printed and '(columns 4–4 of 4)' in printed
-  assert all(len(line) <= 120 for line in printed.splitlines() if line.startswith('|'))
+  assert all(len(line) <= 90 for line in printed.splitlines() if line.startswith('|'))
   build = launch_module('report').build
   assert build([workdir]) == 'Toy paper from workdirs: run 2 runs'   # its config's table
   assert build([workdir], 'toy_paper', ['A']) == 'Toy paper from workdirs: A 2 runs'

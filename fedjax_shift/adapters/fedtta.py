@@ -243,8 +243,9 @@ ADAPTERS.register('fedtta_pp', defaults={
     'patience': 1,                # App. table, MNIST: patience 1
     'norm_epsilon': FROM_TRAINING,          # ε: the trained method's
     'override_training': False,
-    # 'while' stops computing at the stop (BENCHMARKS.md: 50 clients, E ≤ 50, ~2 steps
-    # run: 0.12 s vs 1.50 s for the masked scan); 'scan' is reverse-differentiable.
+    # 'while' stops computing at the stop (papers/fedtta/README.md, round costs: 50
+    # clients, E ≤ 50, ~2 steps run: 0.12 s vs 1.50 s for the masked scan); 'scan' is
+    # reverse-differentiable.
     'loop': 'while',
     # Algorithm 1: the lowest-entropy model among the steps run, not the one at the stop
     # (MNIST protocol, η_inner 0.5, patience 1: the model at the stop scored 80.72 % on
