@@ -105,7 +105,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.engine.num_devices = 0          # shard the cohort over this many devices (0 = one)
   c.engine.donate = False           # donate server/client buffers (GPU/TPU)
   c.engine.deterministic = False    # XLA deterministic GPU ops (launch/train.py; no-op on CPU)
-  c.engine.eval_chunk_size = 64     # clients per compiled evaluation call
+  c.engine.eval_chunk_size = 0      # clients per compiled evaluation call (0: 1 with the
+                                    # loop backend, 64 with the vmapped round)
   c.engine.eval_batch_size = 256
 
   c.eval_every = 10                 # rounds between evaluations (the last round always)

@@ -33,9 +33,9 @@ from absl import app, flags  # noqa: E402
 
 from fedjax_shift import papers  # noqa: E402,F401  (registers the papers' tables)
 from fedjax_shift.report import (PAPER_TABLES, check_workdirs, mark_unjudged,  # noqa: E402
-                                 read_sweep, rebuild_event_files, run_config, sweep_grid_table,
-                                 unjudged_reason,
-                                 sweep_state, table_figures, workdir_notes)
+                                 read_sweep, rebuild_event_files, run_config, unjudged_reason)
+from fedjax_shift.report.figures import table_figures  # noqa: E402
+from fedjax_shift.report.sweeps import sweep_grid_table, sweep_state, workdir_notes  # noqa: E402
 
 _WORKDIRS = flags.DEFINE_list('workdirs', [], 'Finished workdirs, one per run or column.')
 _TENSORBOARD = flags.DEFINE_list('tensorboard', [], 'Workdirs whose TensorBoard event files '

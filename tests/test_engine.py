@@ -470,3 +470,24 @@ def test_auto_backend_picks_the_loop_for_conv_models_on_cpu():
   assert round_backend(tiny_config(**{'model.name': 'atp_cnn', 'engine.num_devices': 1})) == \
       'vmap'
   assert round_backend(tiny_config(**{'model.name': 'mlp', 'engine.backend': 'loop'})) == 'loop'
+
+
+def test_auto_eval_chunk_follows_the_backend_and_gives_the_same_sums():
+  """engine.eval_chunk_size=0 evaluates one client per call where the round is the loop
+  backend (no grouped convolutions on XLA:CPU), 64 elsewhere; a chunk of 1 and a chunk of
+  all clients give each client the same sums (clients are independent)."""
+  from fedjax_shift.core import evaluation
+  from fedjax_shift.pipelines.base import EVAL_CHUNK_SIZE, eval_chunk_size
+  assert eval_chunk_size(tiny_config(**{'model.name': 'mlp', 'engine.backend': 'loop'})) == 1
+  assert eval_chunk_size(tiny_config(**{'model.name': 'mlp'})) == EVAL_CHUNK_SIZE == 64
+  assert eval_chunk_size(tiny_config(**{'model.name': 'mlp', 'engine.backend': 'loop',
+                                        'engine.eval_chunk_size': 5})) == 5
+  config = tiny_config()
+  data, _, _ = toy_clients([5, 3, 7], pad_to=8)
+  _, algorithm, server, clients = build_method('fedavg_ft', config, data)
+  module = models.create(config.model, 3)
+  evaluate_chunk = evaluation.build_evaluate(algorithm, module, batch_size=4)
+  sums = [evaluation.evaluate_models(evaluate_chunk, server, clients, data, {'test': data},
+                                     jax.random.key(1), chunk)
+          for chunk in (1, 3)]
+  chex.assert_trees_all_close(sums[0], sums[1], rtol=1e-6)

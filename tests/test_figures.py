@@ -8,7 +8,7 @@ import matplotlib
 import numpy as np
 import pytest
 
-from fedjax_shift import report
+from fedjax_shift.report import figures
 
 matplotlib.use('Agg')
 
@@ -42,7 +42,7 @@ def test_curves_colour_each_method_apart_and_keep_the_legend_inside(tmp_path, sa
           {'round': r, 'loss': 1.0 / r, 'global/test/accuracy': 0.1 * r + 0.01 * seed,
            'global/val/accuracy': 0.1 * r}) + '\n' for r in range(1, 4)))
       run_dirs.setdefault(f'method{m}', []).append(str(run))
-  path = report.plot_curves(run_dirs, str(tmp_path / 'curves.png'), title='toy, 3 rounds')
+  path = figures.plot_curves(run_dirs, str(tmp_path / 'curves.png'), title='toy, 3 rounds')
   assert os.path.getsize(path) > 0
   (figure,) = saved
   accuracy, loss = figure.axes
@@ -62,7 +62,7 @@ def test_curves_colour_each_method_apart_and_keep_the_legend_inside(tmp_path, sa
 def test_table_bars_colour_each_row_apart_and_keep_the_legend_inside(tmp_path, saved):
   rows = [f'| Method {i} | {50 + i}.00 ± 1.00 | {40 + i}.00 |' for i in range(13)]
   markdown = '\n'.join(['| Method | Test | paper: Test |', '|---|---|---|'] + rows)
-  (path,) = report.table_figures(markdown, str(tmp_path / 'table.png'))
+  (path,) = figures.table_figures(markdown, str(tmp_path / 'table.png'))
   (figure,) = saved
   assert inside(figure)
   bars = [patch for patch in figure.axes[0].patches]

@@ -17,6 +17,7 @@ import pytest
 from fedjax_shift import config as config_lib
 from fedjax_shift import report
 from fedjax_shift.report import PAPER_TABLES, PaperTable
+from fedjax_shift.report import figures
 from tests.helpers import launch_module, tiny_config, write_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -197,7 +198,7 @@ def test_a_table_parses_into_means_spreads_and_the_papers_numbers_and_draws(tmp_
   np.testing.assert_array_equal(table.means, [[60.0, 55.25], [70.1, np.nan]])
   np.testing.assert_array_equal(table.spreads, [[1.5, 0.0], [0.4, np.nan]])
   np.testing.assert_array_equal(table.paper, [[65.92, np.nan], [84.75, np.nan]])
-  (path,) = report.table_figures(markdown, str(tmp_path / 'table.png'))
+  (path,) = figures.table_figures(markdown, str(tmp_path / 'table.png'))
   with open(path, 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
 

@@ -656,7 +656,7 @@ def test_report_refuses_accuracies_that_are_not_accuracies_naming_the_file(tmp_p
 
 
 def test_report_says_why_a_workdir_has_no_sweep_and_what_a_table_leaves_out(tmp_path):
-  from fedjax_shift.report import sweep_state, workdir_notes
+  from fedjax_shift.report.sweeps import sweep_state, workdir_notes
   assert sweep_state(str(tmp_path / 'nowhere')) == f'{tmp_path / "nowhere"} does not exist'
   for seed, done in ((0, True), (1, False)):
     run = tmp_path / 'half' / 'fedavg' / 'client.learning_rate=0.1' / f'seed_{seed}'
@@ -706,7 +706,7 @@ def test_a_lower_keep_checkpoints_frees_space_before_a_rerun_writes(tmp_path, mo
 
 
 def test_a_finished_runs_cut_last_line_is_moved_aside_and_curves_need_a_round(tmp_path):
-  from fedjax_shift.report import plot_curves
+  from fedjax_shift.report.figures import plot_curves
   pipelines.run(quick(), str(tmp_path))
   path = tmp_path / RUN / 'metrics.jsonl'
   whole = path.read_text()

@@ -35,10 +35,10 @@ SCRIPT = textwrap.dedent('''
       print(name, 'sharded == unsharded')
     # The cohort sorted by size in groups of 4 (each sharded over the 4 devices), cut to
     # planned padded sizes, equals the same groups on one device.
-    from fedjax_shift.core import round as engine
-    bounds = engine.group_bounds(data.num_examples, 8, 4)
-    grouped = RoundConfig(cohort_size=8, client_chunk=4, group_examples=engine.plan_group_examples(
-        bounds, engine.fit_example_buckets(bounds, 4, 2)))
+    from fedjax_shift.core import plan
+    bounds = plan.group_bounds(data.num_examples, 8, 4)
+    grouped = RoundConfig(cohort_size=8, client_chunk=4, group_examples=plan.plan_group_examples(
+        bounds, plan.fit_example_buckets(bounds, 4, 2)))
     assert len(set(grouped.group_examples)) == 2, grouped
     one = build_round(algorithm, grouped)[0]
     four = build_round(algorithm, grouped, mesh=client_mesh(4))[0]

@@ -15,6 +15,7 @@ import pytest
 from helpers import backend_tolerance, build_method, tiny_config, toy_clients
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.core import algorithm as alg
+from fedjax_shift.core import plan
 from fedjax_shift.core import round as engine
 from fedjax_shift.core.local import run_steps
 from fedjax_shift.core.round import HostStore, RoundConfig, build_round, round_key
@@ -25,10 +26,10 @@ SIZES = [2, 19, 5, 11, 0, 3, 7, 13]   # skewed, one client without data
 
 def grouped(data, cohort_size: int, width: int, shapes: int = 2, **fields) -> RoundConfig:
   """A RoundConfig of sorted groups of ``width``, cut to ``shapes`` fitted sizes."""
-  bounds = engine.group_bounds(data.num_examples, cohort_size, width)
-  buckets = engine.fit_example_buckets(bounds, width, shapes)
+  bounds = plan.group_bounds(data.num_examples, cohort_size, width)
+  buckets = plan.fit_example_buckets(bounds, width, shapes)
   return RoundConfig(cohort_size=cohort_size, client_chunk=width,
-                     group_examples=engine.plan_group_examples(bounds, buckets), **fields)
+                     group_examples=plan.plan_group_examples(bounds, buckets), **fields)
 
 
 def run_rounds(round_fn, server, clients, data, rounds=2, seed=3):
@@ -113,9 +114,9 @@ def test_groups_are_cut_to_bounds_no_sampled_cohort_can_exceed():
   sizes = np.array([40, 3, 25, 9, 17, 1, 30, 12])
   # Sorted: 40 30 25 17 12 9 3 1. A cohort of 6 in groups of 2 starts its groups at its
   # 1st, 3rd and 5th largest clients: at most 40, 25 and 12.
-  bounds = engine.group_bounds(sizes, 6, 2)
+  bounds = plan.group_bounds(sizes, 6, 2)
   np.testing.assert_array_equal(bounds, [40, 25, 12])
-  assert engine.plan_group_examples(bounds, (16, 32, 64)) == (64, 32, 16)
+  assert plan.plan_group_examples(bounds, (16, 32, 64)) == (64, 32, 16)
   rng = np.random.default_rng(0)
   for _ in range(200):
     cohort = np.sort(rng.choice(sizes, 6, replace=False))[::-1]
@@ -127,19 +128,19 @@ def test_fitted_buckets_minimise_the_copied_examples():
   # One size copies 6 × 100 = 600. Two: {100, 10} copies 100 + 100 + 10·4 = 240 (every
   # other split copies more, e.g. {100, 9}: 100·3 + 9·3 = 327); three: {100, 90, 10},
   # 100 + 90 + 10·4 = 230.
-  assert engine.fit_example_buckets(bounds, 1, 1) == (100,)
-  assert engine.fit_example_buckets(bounds, 1, 2) == (10, 100)
-  assert engine.fit_example_buckets(bounds, 1, 3) == (10, 90, 100)
+  assert plan.fit_example_buckets(bounds, 1, 1) == (100,)
+  assert plan.fit_example_buckets(bounds, 1, 2) == (10, 100)
+  assert plan.fit_example_buckets(bounds, 1, 3) == (10, 90, 100)
 
 
 def test_the_fitted_width_keeps_scanned_steps_within_the_bound():
   steps = np.array([10, 1, 1, 1, 1, 1, 1, 1])
   # One group of 8 scans 80 for 17 real steps; groups of 4: 4·10 + 4·1 = 44; of 2:
   # 2·10 + 2 + 2 + 2 = 26 (1.53x); of 1: 17. With max 1.6 the widest within is 2.
-  assert engine.fit_client_chunk(steps, 8, 1.6) == 2
-  assert engine.fit_client_chunk(steps, 8, 5.0) == 0    # the whole cohort: 80 <= 85
-  assert engine.fit_client_chunk(np.full(8, 3), 8, 1.2) == 0   # uniform: one group
-  assert engine.fit_client_chunk(steps, 8, 1.0, multiple=2) == 2   # a 2-device mesh
+  assert plan.fit_client_chunk(steps, 8, 1.6) == 2
+  assert plan.fit_client_chunk(steps, 8, 5.0) == 0    # the whole cohort: 80 <= 85
+  assert plan.fit_client_chunk(np.full(8, 3), 8, 1.2) == 0   # uniform: one group
+  assert plan.fit_client_chunk(steps, 8, 1.0, multiple=2) == 2   # a 2-device mesh
 
 
 @pytest.mark.parametrize('buckets,message', [
@@ -147,7 +148,7 @@ def test_the_fitted_width_keeps_scanned_steps_within_the_bound():
     ((4, 8), 'largest client')])
 def test_a_bad_bucket_list_is_refused_naming_the_field(buckets, message):
   with pytest.raises(ValueError, match=message) as err:
-    engine.check_example_buckets(buckets, 12, 'config.engine.example_buckets')
+    plan.check_example_buckets(buckets, 12, 'config.engine.example_buckets')
   assert 'config.engine.example_buckets' in str(err.value)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from fedjax_shift import pipelines, report
+from fedjax_shift.report import sweeps
 from fedjax_shift.pipelines import sweep
 from fedjax_shift.pipelines.workdir import RunMismatchError
 from tests.helpers import tiny_config
@@ -298,7 +299,7 @@ def test_methods_selected_on_their_own_metrics_are_recorded_and_tabled_each():
                               'fedper': 'personalized/val/accuracy'}, 'last', chosen)
   assert record['metric'] == 'per method'
   assert record['methods']['fedper']['metric'] == 'personalized/val/accuracy'
-  table = report.sweep_grid_table(record)
+  table = sweeps.sweep_grid_table(record)
   assert '| method | metric | point | validation (last) | test | seeds |' in table
   assert ('| fedper | personalized/val/accuracy | client.learning_rate=0.3 (selected, grid '
           'edge) | 90.00 | 45.00 | 1 |') in table
@@ -308,7 +309,7 @@ def test_methods_selected_on_their_own_metrics_are_recorded_and_tabled_each():
                           {'fedavg': chosen['fedavg']})
   assert one['metric'] == 'global/val/accuracy'
   assert ('| method | point | global/val/accuracy (last) | global/test/accuracy | seeds |'
-          in report.sweep_grid_table(one))
+          in sweeps.sweep_grid_table(one))
 
 
 def test_fedtta_tuned_variant_searches_every_rate_on_each_rows_validation():
@@ -356,7 +357,7 @@ def test_a_diverged_point_of_a_vmapped_grid_is_recorded_and_ranked_last(tmp_path
   assert record['selected'] == 'client.learning_rate=0.05'   # first in grid order, but NaN
   assert record['grid'][0]['diverged'] == [0]
   assert '| client.learning_rate=100000000.0 | n/a | n/a | 1 (1 diverged) |' in \
-      report.sweep_grid_table(report.read_sweep(str(tmp_path)))
+      sweeps.sweep_grid_table(report.read_sweep(str(tmp_path)))
 
 
 def test_a_resumed_grid_does_not_rewind_to_a_diverged_points_last_checkpoint(tmp_path):
@@ -435,22 +436,22 @@ def test_a_selected_point_on_the_grids_edge_is_flagged():
   at one value, is not."""
   points = [{'client.learning_rate': lr, 'fedprox.mu': mu} for lr in (0.01, 0.03, 0.1)
             for mu in (0.001,)]
-  assert report.grid_edges(points, points[1]) == []
-  assert report.grid_edges(points, points[2]) == [
+  assert sweeps.grid_edges(points, points[1]) == []
+  assert sweeps.grid_edges(points, points[2]) == [
       'client.learning_rate=0.1 is the largest of 0.01, 0.03, 0.1']
-  assert report.grid_edges(points, points[0]) == [
+  assert sweeps.grid_edges(points, points[0]) == [
       'client.learning_rate=0.01 is the smallest of 0.01, 0.03, 0.1']
   runs = [{'seed': 0, 'sweep_point': p, 'metrics': {'global/val/accuracy': v,
                                                      'global/test/accuracy': v}}
           for p, v in zip(points, (0.5, 0.9, 0.7))]
-  inside = report.sweep_grid_table(sweep.grid_record(
+  inside = sweeps.sweep_grid_table(sweep.grid_record(
       {'fedprox': 'global/val/accuracy'}, 'last',
       {'fedprox': sweep.select(runs, points, 'global/val/accuracy', 'last')}))
   assert 'client.learning_rate=0.03' in next(line for line in inside.splitlines()
                                               if '(selected) |' in line)
   assert 'grid edge' not in inside and 'Note' not in inside
   runs[2]['metrics'] = {'global/val/accuracy': 0.95, 'global/test/accuracy': 0.95}
-  edge = report.sweep_grid_table(sweep.grid_record(
+  edge = sweeps.sweep_grid_table(sweep.grid_record(
       {'fedprox': 'global/val/accuracy'}, 'last',
       {'fedprox': sweep.select(runs, points, 'global/val/accuracy', 'last')}))
   assert '(selected, grid edge) |' in edge

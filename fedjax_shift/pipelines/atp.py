@@ -38,6 +38,7 @@ import numpy as np
 import optax
 
 from fedjax_shift import algorithms, models, report
+from fedjax_shift.report import figures
 from fedjax_shift.adapters import learned_rates
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.algorithms.atp import alpha_optimizer
@@ -481,7 +482,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   alpha_means = {shift: np.mean([np.asarray(jax.tree.leaves(alphas[(shift, s)]))
                                  for s in config.seeds], axis=0)
                  for shift in config.tta.shifts}
-  alpha_png = report.plot_alpha(alpha_means, names, os.path.join(workdir, 'alpha.png'))
+  alpha_png = figures.plot_alpha(alpha_means, names, os.path.join(workdir, 'alpha.png'))
   # Each learned-rates row's rates per module, mean over seeds, plotted like alpha.png.
   rates_means, rate_pngs = {}, []   # {row: {shift: {rate name: mean}}}
   for key, by_shift in learned_values.items():
@@ -489,7 +490,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
     rates_means[key] = {shift: dict(zip(rate_names, np.mean(
         [[v[n] for n in rate_names] for v in seeds], axis=0).tolist()))
                         for shift, seeds in by_shift.items()}
-    rate_pngs.append(report.plot_alpha(
+    rate_pngs.append(figures.plot_alpha(
         {shift: np.asarray(list(means.values())) for shift, means in rates_means[key].items()},
         rate_names, os.path.join(workdir, f'rates_{key}.png'),
         ylabel=f'learned rate: {labels[key]}'))

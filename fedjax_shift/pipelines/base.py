@@ -116,6 +116,22 @@ def round_backend(config: ml_collections.ConfigDict) -> str:
   return 'vmap'
 
 
+# Clients per compiled evaluation call with ``engine.eval_chunk_size=0`` and the vmapped
+# round.
+EVAL_CHUNK_SIZE = 64
+
+
+def eval_chunk_size(config: ml_collections.ConfigDict) -> int:
+  """``config.engine.eval_chunk_size``, with 0 resolved as the round's backend is: one
+  client per call where the round is the loop backend (the per-client personalised and
+  adapted models would run as grouped convolutions on XLA:CPU), ``EVAL_CHUNK_SIZE``
+  clients per call elsewhere."""
+  chunk = config.engine.eval_chunk_size
+  if chunk:
+    return chunk
+  return 1 if round_backend(config) == 'loop' else EVAL_CHUNK_SIZE
+
+
 def algorithm_names(config: ml_collections.ConfigDict) -> Tuple[str, ...]:
   algorithms = config.algorithms
   if isinstance(algorithms, str):
@@ -303,6 +319,8 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   check_vmap_seeds(config)
   require(engine.eval_batch_size >= 1, 'engine.eval_batch_size',
           f'must be >= 1, got {engine.eval_batch_size}')
+  require(engine.eval_chunk_size >= 0, 'engine.eval_chunk_size',
+          f'must be >= 0 (0: as the round backend), got {engine.eval_chunk_size}')
   chunk = engine.client_chunk
   require(chunk >= 0, 'engine.client_chunk', f'must be >= 0 (0: fitted), got {chunk}')
   require(not (chunk and engine.num_devices and chunk % engine.num_devices), 'engine.client_chunk',

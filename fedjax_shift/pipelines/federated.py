@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence
 import ml_collections
 
 from fedjax_shift import distributed, report
+from fedjax_shift.report import figures, sweeps
 from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.pipelines import pretrain, sweep
 from fedjax_shift.pipelines.base import PIPELINES, Results, algorithm_names, check_run, hardware
@@ -143,10 +144,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
       log.info('config.sweep: %s selects %s (validation %s, %s)', name,
                sweep.point_name(best), metric, config.sweep_select)
       chosen = selected[name][1][selected[name][0]]
-      edges = report.grid_edges(points, best)
+      edges = sweeps.grid_edges(points, best)
       selected_cells[name] = sweep.point_name(best) + (' (grid edge)' if edges else '')
       if edges:
-        log.warning('config.sweep: %s', report.edge_note(name, edges))
+        log.warning('config.sweep: %s', sweeps.edge_note(name, edges))
       for hidden in sweep.better_off_grid(workdir, name, points, config.seeds, chosen, metric,
                                           config.sweep_select):
         notes.append(f'{name}: {hidden["name"]}, trained in this workdir outside this grid, '
@@ -166,15 +167,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
     record = sweep.grid_record(selection_metrics, config.sweep_select, selected)
     if distributed.is_primary():
       sweep.write(workdir, record)
-    grid = report.sweep_grid_table(record) + ''.join(f'\n\nNote: {note}' for note in notes)
+    grid = sweeps.sweep_grid_table(record) + ''.join(f'\n\nNote: {note}' for note in notes)
   table = report.results_table(results)
   if selected:
-    table = report.with_selected_points(table, selected_cells)
+    table = sweeps.with_selected_points(table, selected_cells)
   preamble = (f"Benchmark {data_summary(config, run_dirs)}, {config.rounds} rounds, cohort "
               f"{config.cohort_size}; accuracy (%) mean ± std over seeds {tuple(config.seeds)}; "
               f"hardware: {info['device_kind']} ({info['backend']}).")
   files = ((report.write_csv(table, os.path.join(workdir, 'results.csv')),
-            report.plot_curves(run_dirs, os.path.join(workdir, 'curves.png'),
+            figures.plot_curves(run_dirs, os.path.join(workdir, 'curves.png'),
                                title=f'{config.data.benchmark}, {config.rounds} rounds, cohort '
                                      f'{config.cohort_size}, seeds {tuple(config.seeds)}'))
            if distributed.is_primary() else ())

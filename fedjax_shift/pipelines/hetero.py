@@ -39,6 +39,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_shift import report
+from fedjax_shift.report import figures
 from fedjax_shift.adapters.fedtta import fedtta_adapter, fill_batch_of
 from fedjax_shift.adapters.no_adapt import no_adapt
 from fedjax_shift.algorithms import base, hetero_fedtta
@@ -343,6 +344,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
               f"{config.rounds} rounds; accuracy (%) mean ± std over seeds "
               f"{tuple(config.seeds)}; hardware: {info['device_kind']} ({info['backend']}).")
   files = (report.write_csv(table, os.path.join(workdir, 'results.csv')),
-           report.plot_curves(curves, os.path.join(workdir, 'curves.png')))
+           figures.plot_curves(curves, os.path.join(workdir, 'curves.png')))
   return Results(preamble, (table['markdown'],), files, {'results': results, 'table': table})
 

@@ -16,9 +16,9 @@ from fedjax_shift import algorithms
 from fedjax_shift.benchmarks import Benchmark
 from fedjax_shift.core import evaluation
 from fedjax_shift.core.algorithm import FederatedAlgorithm
-from fedjax_shift.core.round import (RoundConfig, build_round, check_example_buckets,
-                                     client_mesh, fit_client_chunk, fit_example_buckets,
-                                     group_bounds, plan_group_examples, population_steps)
+from fedjax_shift.core.plan import (check_example_buckets, fit_client_chunk, fit_example_buckets,
+                                    group_bounds, plan_group_examples, population_steps)
+from fedjax_shift.core.round import RoundConfig, build_round, client_mesh
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
 from fedjax_shift.pipelines.base import adapts, eval_adapter_specs, round_backend

@@ -28,7 +28,8 @@ from fedjax_shift.core import evaluation
 from fedjax_shift.core.round import HostStore, round_key, stack_client_states
 from fedjax_shift.data import federated
 from fedjax_shift.pipelines import loop, pretrain
-from fedjax_shift.pipelines.base import CompileClock, checked_fields, hardware, open_run
+from fedjax_shift.pipelines.base import (CompileClock, checked_fields, eval_chunk_size,
+                                         hardware, open_run)
 from fedjax_shift.pipelines.programs import (Programs, applied_adapters, build_programs,
                                              examples_per_step, program_key, round_config)
 from fedjax_shift.pipelines.runs import (build_data, check_same_data, cohort_sharding,
@@ -149,18 +150,18 @@ def run_evaluation(config: ml_collections.ConfigDict, algorithm_name: str, built
       return {}
     per_client = evaluation.evaluate_models(
         built.evaluate_chunk, server_state, client_states, train, eval_splits, eval_key,
-        config.engine.eval_chunk_size)
+        eval_chunk_size(config))
     if built.adapted_chunk is not None:
       test_splits = {n: s for n, s in eval_splits.items()
                      if n.startswith(tuple(config.eval_adapter_splits))}
       per_client.update(evaluation.evaluate_models(
           built.adapted_chunk, server_state, client_states, train, test_splits, eval_key,
-          config.engine.eval_chunk_size))
+          eval_chunk_size(config)))
     if built.new_client_chunk is not None:
       per_client.update(evaluate_new_clients(
           built.new_client_chunk, server_state, client_states, train,
           {n: eval_splits[n] for n in new_clients}, eval_key, seed,
-          config.engine.eval_chunk_size))
+          eval_chunk_size(config)))
     summary = evaluation.summarize(per_client, bench.info.get('client_groups'))
     if diagnose is not None:
       summary.update(diagnose(algorithm.global_model(server_state), eval_splits, bench.info,

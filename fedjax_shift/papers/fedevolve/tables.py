@@ -12,9 +12,9 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from fedjax_shift.papers.fedevolve import numbers
-from fedjax_shift.report import (PAPER_TABLES, PaperTable, cell_value, colours, column_labels,
-                                 load_runs, markdown, mean_std, new_plot, paper_markdown,
-                                 run_config, save_plot, seeds_cell)
+from fedjax_shift.report import (PAPER_TABLES, PaperTable, cell_value, column_labels, load_runs,
+                                 markdown, mean_std, paper_markdown, run_config, seeds_cell)
+from fedjax_shift.report.figures import colours, new_plot, save_plot
 
 # The paper's table that a benchmark's run is a column of (numbers.PAPER_NUMBERS keys).
 TIMED_SOURCES = {'portraits': 'Portraits', 'caltran': 'Caltran'}

@@ -11,9 +11,9 @@ import numpy as np
 
 from fedjax_shift.benchmarks.mixed_domains import domain_label
 from fedjax_shift.papers.fedins import numbers
-from fedjax_shift.report import (PAPER_TABLES, PaperTable, colours, load_runs, markdown,
-                                 mean_std, new_plot, paper_markdown, run_config, save_plot,
-                                 seeds_cell)
+from fedjax_shift.report import (PAPER_TABLES, PaperTable, load_runs, markdown, mean_std,
+                                 paper_markdown, run_config, seeds_cell)
+from fedjax_shift.report.figures import colours, new_plot, save_plot
 
 
 # FedIns Table 1 rows: (label, method, model). SOLO and FedBN are scored with

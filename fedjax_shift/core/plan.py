@@ -1,0 +1,120 @@
+"""The round's plan for a population's client sizes, computed on the host before
+compiling: how many local steps each client takes (``population_steps``), how wide
+the vmapped groups of the sorted cohort are (``fit_client_chunk``), and the few
+padded sizes clients are cut to (``group_bounds``, ``fit_example_buckets``,
+``plan_group_examples``), so that a round scans about the steps its clients really
+take instead of every client to the population's largest.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import numpy as np
+
+from fedjax_shift.core.local import LocalSchedule
+
+
+def population_steps(schedule: LocalSchedule, num_examples: np.ndarray) -> np.ndarray:
+  """[K] local steps of each client of a population under ``schedule`` (host numpy;
+  ``client_num_steps`` without straggler budgets)."""
+  num_examples = np.asarray(num_examples, np.int64)
+  if schedule.num_steps > 0:
+    steps = np.full_like(num_examples, schedule.num_steps)
+  else:
+    steps = -(-schedule.num_epochs * num_examples // schedule.batch_size)
+  return np.where(num_examples > 0, steps, 0)
+
+
+def fit_client_chunk(steps: np.ndarray, cohort_size: int, max_scanned: float = 1.2,
+                     multiple: int = 1) -> int:
+  """The widest group ``RoundConfig.client_chunk`` (0: the whole cohort) whose
+  expected scanned steps stay within ``max_scanned`` × the real ones.
+
+  steps: [K] local steps of each client of the population. The expected cohort is the
+  population's step counts at C evenly spaced quantiles (the population itself when C
+  = K). Scanned steps of a width c: Σ over groups of c × the group's largest count;
+  widths are multiples of ``multiple`` (the devices of a client mesh). Fewer, wider
+  groups cost fewer loop iterations; narrower ones waste fewer steps.
+  """
+  steps = np.sort(np.asarray(steps, np.int64))[::-1]
+  if steps.size == 0 or cohort_size < 1:
+    raise ValueError(f'fit_client_chunk needs a population and a cohort; got {steps.size} '
+                     f'clients and cohort_size={cohort_size}')
+  quantiles = (np.arange(cohort_size) + 0.5) / cohort_size
+  cohort = steps[np.minimum((quantiles * steps.size).astype(np.int64), steps.size - 1)]
+  real = max(int(cohort.sum()), 1)
+  for width in range(cohort_size, 0, -1):
+    if width % multiple and width != cohort_size:
+      continue
+    scanned = sum(width * int(cohort[start]) for start in range(0, cohort_size, width))
+    if scanned <= max_scanned * real:
+      return 0 if width >= cohort_size else width
+  return multiple if multiple < cohort_size else 0
+
+
+def check_example_buckets(buckets, largest: int, field: str = 'example_buckets') -> None:
+  """Refuses a bucket list that is empty, not strictly ascending, non-positive, or
+  whose last bucket cannot hold the ``largest`` client, naming ``field``."""
+  buckets = tuple(int(b) for b in buckets)
+  if not buckets:
+    raise ValueError(f'{field} is empty: give ascending padded sizes, the last >= the '
+                     f'largest client ({largest})')
+  if min(buckets) < 1:
+    raise ValueError(f'{field}={buckets}: every bucket must be a positive example count')
+  if any(low >= high for low, high in zip(buckets, buckets[1:])):
+    raise ValueError(f'{field}={buckets} must be strictly ascending')
+  if buckets[-1] < largest:
+    raise ValueError(f'{field}={buckets}: the last bucket must hold the largest client '
+                     f'({largest} examples)')
+
+
+def group_bounds(num_examples: np.ndarray, cohort_size: int, width: int) -> np.ndarray:
+  """[ceil(C/width)] the most examples a client of each group of a cohort sorted by
+  examples (most first) can hold: group g starts at the cohort's (g·width)-th largest
+  client, and a cohort of C clients drawn from the population ``num_examples`` [K]
+  has no (g·width)-th largest client larger than the population's (g·width)-th
+  largest."""
+  sizes = np.sort(np.asarray(num_examples, np.int64))[::-1]
+  starts = np.arange(0, cohort_size, width)
+  return np.maximum(sizes[np.minimum(starts, sizes.size - 1)], 1)
+
+
+def fit_example_buckets(bounds: np.ndarray, width: int, max_shapes: int = 4,
+                        min_saving: float = 0.0) -> Tuple[int, ...]:
+  """At most ``max_shapes`` padded sizes, ascending, for groups of ``width`` clients
+  whose sizes are bounded by ``bounds`` [G] (non-increasing, ``group_bounds``): chosen
+  by dynamic programming to minimise the examples a round copies, each size serving a
+  run of consecutive groups at the run's first (largest) bound. Each size costs a
+  compilation of the client update, so a size is added only while it saves at least
+  ``min_saving`` copied examples per round."""
+  bounds = [int(b) for b in bounds]
+  groups = len(bounds)
+  most = max(1, min(max_shapes, groups))
+  # cost[j][g]: the least examples copied for groups g.. with at most j sizes.
+  cost = [[float('inf')] * (groups + 1) for _ in range(most + 1)]
+  choice = [[groups] * (groups + 1) for _ in range(most + 1)]
+  for j in range(most + 1):
+    cost[j][groups] = 0.0
+  for j in range(1, most + 1):
+    for g in range(groups - 1, -1, -1):
+      for h in range(g + 1, groups + 1):
+        total = bounds[g] * width * (h - g) + cost[j - 1][h]
+        if total < cost[j][g]:
+          cost[j][g], choice[j][g] = total, h
+  shapes = 1
+  while shapes < most and cost[shapes][0] - cost[shapes + 1][0] >= max(min_saving, 1e-9):
+    shapes += 1
+  sizes, g, j = [], 0, shapes
+  while g < groups:
+    sizes.append(bounds[g])
+    g, j = choice[j][g], j - 1
+  return tuple(sorted(set(sizes)))
+
+
+def plan_group_examples(bounds: np.ndarray, buckets: Tuple[int, ...],
+                        field: str = 'example_buckets') -> Tuple[int, ...]:
+  """``RoundConfig.group_examples``: each group's bound [G] rounded up to the smallest
+  of ``buckets`` (ascending, checked as ``field``) that holds it."""
+  check_example_buckets(buckets, int(np.max(bounds)), field)
+  ladder = np.asarray(buckets)
+  return tuple(int(ladder[np.searchsorted(ladder, bound)]) for bound in bounds)
