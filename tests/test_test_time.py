@@ -122,7 +122,7 @@ def test_adapted_evaluation_pads_close_splits_to_one_program_with_unpadded_sums(
   alone at its own size: padding adds only batches without weight. Transductive runs
   (whose shuffled order depends on the size) are never padded: one program per size."""
   from types import SimpleNamespace
-  from fedjax_shift.core.evaluation import AdaptRunner, build_adapted_evaluate
+  from fedjax_shift.core.evaluation import AdaptRunner, EvalAdapters, build_evaluate
   from fedjax_shift.core.test_time import client_runner
   module, split_a, _, _, variables = setup([7, 4, 9], pad_to=12)
   split_b = toy_clients([5, 8, 6], num_classes=NUM_CLASSES, seed=1, pad_to=10)[0]
@@ -136,18 +136,47 @@ def test_adapted_evaluation_pads_close_splits_to_one_program_with_unpadded_sums(
     return run_one(variables, x, *rest)
 
   algorithm = SimpleNamespace(global_model=lambda server_state: server_state, personalize=None)
-  evaluate_chunk = build_adapted_evaluate(
-      algorithm, {'tent': AdaptRunner(jax.jit(counted), mode, 4)})
-  splits = {'a': split_a, 'b': split_b, 'c': split_c}
+  evaluate_chunk = build_evaluate(algorithm, module, 4, adapters=EvalAdapters(
+      {'tent': AdaptRunner(jax.jit(counted), mode, 4)}, ('a', 'b', 'c')))
+  splits = {'a': split_a, 'b': split_b, 'c': split_c, 'other': split_c}   # 'other': not adapted
   ids = jnp.arange(3)
   out = evaluate_chunk(variables, jnp.zeros(3), split_a, splits, ids, jax.random.key(3))
-  assert len(shapes) == traces
+  assert len(shapes) == traces and sorted(out) == ['global', 'global+tent']
+  assert sorted(out['global+tent']) == ['a', 'b', 'c']
   assert sorted(set(shapes)) == ([4, 10, 12] if mode == 'transductive' else [4, 12])
   adapt_keys = jax.vmap(jax.random.fold_in, (None, 0))(
       jax.random.fold_in(jax.random.key(3), 1), ids)
-  for name, split in splits.items():
+  for name, split in ((name, splits[name]) for name in ('a', 'b', 'c')):
     alone = jax.vmap(run_one, (None, 0, 0, 0, 0))(variables, split.x, split.y,
                                                    split.num_examples, adapt_keys)
     chex.assert_trees_all_close(out['global+tent'][name],
                                 {k: v for k, v in alone.items() if k != 'predictions'},
                                 **backend_tolerance(1e-6))
+
+
+def test_evaluation_personalises_a_client_once_for_its_plain_and_adapted_models():
+  """The personalised model (FedAvg-FT: fine-tuning on the client's train split) is
+  computed once per evaluation and serves both the plain and the adapted columns: one
+  trace of ``personalize`` in the evaluation program, where a separate adapted program
+  traced it a second time."""
+  from fedjax_shift.core.evaluation import AdaptRunner, EvalAdapters, build_evaluate
+  from fedjax_shift.core.test_time import client_runner
+  from helpers import build_method, tiny_config
+  config = tiny_config()
+  data = toy_clients([6, 5, 7], num_classes=NUM_CLASSES, pad_to=8)[0]
+  module, algorithm, server, clients = build_method('fedavg_ft', config, data)
+  traces = []
+
+  def personalize(*args):
+    traces.append(1)
+    return algorithm.personalize(*args)
+
+  counted = algorithm._replace(personalize=personalize)
+  runner = AdaptRunner(jax.jit(client_runner(no_adapt(module), 4, 'online')), 'online', 4)
+  evaluate_chunk = build_evaluate(counted, module, 4,
+                                  adapters=EvalAdapters({'none': runner}, ('test',)))
+  out = evaluate_chunk(server, clients, data, {'test': data}, jnp.arange(3), jax.random.key(0))
+  assert len(traces) == 1
+  # No adaptation scores what the plain model does, on both models.
+  for model in ('global', 'personalized'):
+    chex.assert_trees_all_close(out[f'{model}+none']['test'], out[model]['test'], rtol=1e-6)

@@ -6,7 +6,7 @@ so a run compiles it once whatever the population.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -60,30 +60,55 @@ def personalized_variables(algorithm: FederatedAlgorithm, server_state, client_s
                                jax.random.fold_in(key, client_id))
 
 
+class EvalAdapters(NamedTuple):
+  """Test-time adaptation inside the evaluation (``build_evaluate``): ``runners`` maps
+  a name to an ``AdaptRunner``; ``splits``: prefixes of the split names adapted on
+  (e.g. ('test',): every test split); ``models_of``: the models ('global',
+  'personalized') an adapter adapts, where it names them (FedTHE's ensemble needs the
+  personal head)."""
+  runners: Dict[str, 'AdaptRunner']
+  splits: Tuple[str, ...]
+  models_of: Dict[str, Sequence[str]] = {}
+
+
+def models_of_client(algorithm: FederatedAlgorithm, server_state, client_state,
+                     train: FederatedData, client_id, key) -> Dict[str, PyTree]:
+  """{'global': its variables (when the method has one), 'personalized': client
+  ``client_id``'s (when the method personalises; computed once per evaluation)}."""
+  models = {}
+  if algorithm.global_model is not None:
+    models['global'] = algorithm.global_model(server_state)
+  if algorithm.personalize is not None:
+    models['personalized'] = personalized_variables(algorithm, server_state, client_state,
+                                                    train, client_id, key)
+  return models
+
+
 def build_evaluate(algorithm: FederatedAlgorithm, module, batch_size: int = 256,
-                   global_only: Sequence[str] = ()):
+                   global_only: Sequence[str] = (), adapters: Optional[EvalAdapters] = None):
   """Returns jitted ``evaluate_chunk(server_state, client_states_chunk, train_chunk,
   splits_chunk, client_ids, key)`` -> {model: {split: {'correct','loss','count'} [C]}}.
 
   ``model`` is 'global' (when the method has one) and 'personalized' (when the
   method personalises; not on the ``global_only`` splits, whose client k is not
   training client k: UPFL's new clients). ``train_chunk`` is what ``personalize``
-  may train on.
+  may train on. With ``adapters``, also '<model>+<adapter>' on the splits they name
+  (``adapted_metrics``), from the same personalised models: a client is personalised
+  once per evaluation.
   """
 
   def one_client(server_state, client_state, train: FederatedData,
                  splits: Dict[str, FederatedData], client_id, key):
-    results = {}
-    if algorithm.global_model is not None:
-      variables = algorithm.global_model(server_state)
-      results['global'] = {name: split_metrics(module, variables, s.x, s.y, s.mask, batch_size)
-                           for name, s in splits.items()}
-    if algorithm.personalize is not None:
-      variables = personalized_variables(algorithm, server_state, client_state, train,
-                                         client_id, key)
-      results['personalized'] = {name: split_metrics(module, variables, s.x, s.y, s.mask,
-                                                     batch_size)
-                                 for name, s in splits.items() if name not in global_only}
+    models = models_of_client(algorithm, server_state, client_state, train, client_id, key)
+    results = {model: {name: split_metrics(module, variables, s.x, s.y, s.mask, batch_size)
+                       for name, s in splits.items()
+                       if model == 'global' or name not in global_only}
+               for model, variables in models.items()}
+    if adapters is not None:
+      adapt_key = jax.random.fold_in(jax.random.fold_in(key, 1), client_id)
+      results.update(adapted_metrics(
+          models, {n: s for n, s in splits.items() if n.startswith(tuple(adapters.splits))},
+          adapters, global_only, adapt_key))
     return results
 
   def evaluate_chunk(server_state, client_states, train, splits, client_ids, key):
@@ -134,7 +159,7 @@ def build_new_client_evaluate(algorithm: FederatedAlgorithm, module, batch_size:
 
 
 # A split is padded to the longest split's size when that adds at most this fraction to
-# its adapted batches (``build_adapted_evaluate``).
+# its adapted batches (``adapted_metrics``).
 MAX_PADDING = 0.25
 
 
@@ -166,54 +191,34 @@ class AdaptRunner(NamedTuple):
   batch_size: int
 
 
-def build_adapted_evaluate(algorithm: FederatedAlgorithm, runners: Dict[str, AdaptRunner],
-                           global_only: Sequence[str] = (),
-                           models_of: Dict[str, Sequence[str]] | None = None):
-  """Test-time adaptation on top of the trained models (FedEvolve's MEMO(G),
-  MEMO(P), T3A on FedAvg-FT): ``runners`` maps a name to an ``AdaptRunner``. Returns
-  jitted ``evaluate_chunk`` with the signature of ``build_evaluate``'s, giving
-  {'<model>+<name>': {split: sums [C]}} for model 'global' and/or 'personalized' (not
-  on the ``global_only`` splits; only the models ``models_of[name]`` names, when
-  given: FedTHE's ensemble needs the personal head); client k's adapter key is
-  ``fold_in(key, k)``.
+def adapted_metrics(models: Dict[str, PyTree], splits: Dict[str, FederatedData],
+                    adapters: EvalAdapters, global_only: Sequence[str], adapt_key
+                    ) -> Dict[str, Dict[str, Dict[str, jax.Array]]]:
+  """Test-time adaptation of one client's ``models`` (``models_of_client``) on its
+  ``splits`` (FedEvolve's MEMO(G), MEMO(P), T3A on FedAvg-FT): {'<model>+<name>':
+  {split: sums}} for every runner of ``adapters`` and model it adapts (not the
+  personalised model on the ``global_only`` splits), with the key ``adapt_key``.
 
   Online and episodic runs see each split zero-padded to ``padded_sizes``: their
   trailing batches without weight change neither the state nor a score, so the sums
   equal the unpadded run's; transductive runs (whose shuffled order depends on the
   padded size) see each split as it is."""
-  models_of = models_of or {}
-
-  def one_client(server_state, client_state, train: FederatedData,
-                 splits: Dict[str, FederatedData], client_id, key):
-    models_to_adapt = {}
-    if algorithm.global_model is not None:
-      models_to_adapt['global'] = algorithm.global_model(server_state)
-    if algorithm.personalize is not None:
-      models_to_adapt['personalized'] = personalized_variables(
-          algorithm, server_state, client_state, train, client_id, key)
-    results = {}
-    adapt_key = jax.random.fold_in(jax.random.fold_in(key, 1), client_id)
-    for model, variables in models_to_adapt.items():
-      for name, runner in runners.items():
-        if model not in models_of.get(name, (model,)):
-          continue
-        chosen = {split: s for split, s in splits.items()
-                  if model == 'global' or split not in global_only}
-        if runner.mode != 'transductive' and chosen:
-          sizes = padded_sizes([s.x.shape[0] for s in chosen.values()], runner.batch_size)
-          chosen = {split: pad_examples(s, size)
-                    for (split, s), size in zip(chosen.items(), sizes)}
-        results[f'{model}+{name}'] = {
-            split: {k: v for k, v in runner.run(variables, s.x, s.y, s.num_examples,
-                                                adapt_key).items() if k != 'predictions'}
-            for split, s in chosen.items()}
-    return results
-
-  def evaluate_chunk(server_state, client_states, train, splits, client_ids, key):
-    return jax.vmap(one_client, (None, 0, 0, 0, 0, None))(
-        server_state, client_states, train, splits, client_ids, key)
-
-  return jax.jit(evaluate_chunk)
+  results = {}
+  for model, variables in models.items():
+    for name, runner in adapters.runners.items():
+      if model not in adapters.models_of.get(name, (model,)):
+        continue
+      chosen = {split: s for split, s in splits.items()
+                if model == 'global' or split not in global_only}
+      if runner.mode != 'transductive' and chosen:
+        sizes = padded_sizes([s.x.shape[0] for s in chosen.values()], runner.batch_size)
+        chosen = {split: pad_examples(s, size)
+                  for (split, s), size in zip(chosen.items(), sizes)}
+      results[f'{model}+{name}'] = {
+          split: {k: v for k, v in runner.run(variables, s.x, s.y, s.num_examples,
+                                              adapt_key).items() if k != 'predictions'}
+          for split, s in chosen.items()}
+  return results
 
 
 def take_chunk(tree, client_ids: np.ndarray):
@@ -249,7 +254,7 @@ def evaluate_population(evaluate_chunk, shared: tuple, per_client: tuple, num_cl
 def evaluate_models(evaluate_chunk, server_state, client_states, train: FederatedData,
                     splits: Dict[str, FederatedData], key, chunk_size: int
                     ) -> Dict[str, Dict[str, Dict[str, np.ndarray]]]:
-  """``build_evaluate`` / ``build_adapted_evaluate``'s function over the population:
+  """``build_evaluate``'s function over the population:
   per-client numpy sums {model: {split: {'correct','loss','count'} [K]}}."""
   return evaluate_population(evaluate_chunk, (server_state,), (client_states, train, splits),
                              train.num_clients, key, chunk_size)

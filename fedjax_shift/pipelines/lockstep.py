@@ -109,9 +109,7 @@ class HyperparameterPrograms:
       new_client = (function('new_client_models', lambda p: p.new_client_chunk[0]),
                     function('new_client_evaluate', lambda p: p.new_client_chunk[1]))
     return Programs(module, algorithm, None, None,
-                    function('evaluate', lambda p: p.evaluate_chunk),
-                    function('adapted', lambda p: p.adapted_chunk)
-                    if built.adapted_chunk is not None else None, new_client)
+                    function('evaluate', lambda p: p.evaluate_chunk), new_client)
 
 
 def hyperparameter_programs(config: ml_collections.ConfigDict, name: str, bench: Benchmark,

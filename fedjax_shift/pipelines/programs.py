@@ -42,8 +42,7 @@ class Programs(NamedTuple):
   algorithm: FederatedAlgorithm
   round_device: Callable       # core.round.build_round's, over the device store
   round_host: Callable         # ... over a cohort gathered on the host
-  evaluate_chunk: Callable     # evaluation.build_evaluate's
-  adapted_chunk: Optional[Callable]     # config.eval_adapters on its models, or None
+  evaluate_chunk: Callable     # evaluation.build_evaluate's (with config.eval_adapters)
   new_client_chunk: Optional[Callable]  # PFL-Sampled / -Ensemble on new clients, or None
 
 
@@ -79,17 +78,17 @@ def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, modul
                                          donate=config.engine.donate,
                                          backend=round_backend(config),
                                          rounds_per_call=config.engine.rounds_per_call)
-  evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size,
-                                             new_client_splits)
-  adapted_chunk = None
+  adapters = None
   if algorithm_name in tuple(config.eval_adapter_algorithms):
-    adapted_chunk = build_eval_adapters(config, module, bench.num_classes, algorithm,
-                                        new_client_splits, algorithm_name, train.x.shape[2:])
+    adapters = eval_adapters(config, module, bench.num_classes, algorithm_name,
+                             train.x.shape[2:])
+  evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size,
+                                             new_client_splits, adapters)
   new_client_chunk = None
   if new_client_splits and algorithm.personalize is not None:
     new_client_chunk = evaluation.build_new_client_evaluate(algorithm, module,
                                                             config.engine.eval_batch_size)
-  return Programs(module, algorithm, round_device, round_host, evaluate_chunk, adapted_chunk,
+  return Programs(module, algorithm, round_device, round_host, evaluate_chunk,
                   new_client_chunk)
 
 
@@ -232,13 +231,13 @@ def adapter_runner(name: str, mode: str, batch_size: int, section: ml_collection
 ADAPTER_RUNNERS: Dict[tuple, object] = {}
 
 
-def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: int,
-                        algorithm: FederatedAlgorithm, global_only=(),
-                        algorithm_name: str = '', input_shape: tuple = ()):
-  """The jitted adapted evaluation of ``config.eval_adapters`` ('<adapter>:<mode>'
+def eval_adapters(config: ml_collections.ConfigDict, module, num_classes: int,
+                  algorithm_name: str = '', input_shape: tuple = ()
+                  ) -> Optional[evaluation.EvalAdapters]:
+  """The evaluation's test-time adaptation: ``config.eval_adapters`` ('<adapter>:<mode>'
   strings, e.g. 'memo:episodic', 't3a:online'; hyperparameters from
-  ``config.adapters.<adapter>``), run on the splits of ``config.eval_adapter_splits``;
-  an adapter registered with ``trained_by`` only on those methods' models. None when
+  ``config.adapters.<adapter>``) on the splits of ``config.eval_adapter_splits``; an
+  adapter registered with ``trained_by`` only on those methods' models. None when
   there are none."""
   specs = [(name, mode) for name, mode in eval_adapter_specs(config)
            if adapts(name, algorithm_name)]
@@ -250,4 +249,4 @@ def build_eval_adapters(config: ml_collections.ConfigDict, module, num_classes: 
              for name, mode in specs}
   models_of = {name: ADAPTERS.meta(name)['adapts_models'] for name in runners
                if 'adapts_models' in ADAPTERS.meta(name)}
-  return evaluation.build_adapted_evaluate(algorithm, runners, global_only, models_of)
+  return evaluation.EvalAdapters(runners, tuple(config.eval_adapter_splits), models_of)

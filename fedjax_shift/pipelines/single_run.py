@@ -151,12 +151,6 @@ def run_evaluation(config: ml_collections.ConfigDict, algorithm_name: str, built
     per_client = evaluation.evaluate_models(
         built.evaluate_chunk, server_state, client_states, train, eval_splits, eval_key,
         eval_chunk_size(config))
-    if built.adapted_chunk is not None:
-      test_splits = {n: s for n, s in eval_splits.items()
-                     if n.startswith(tuple(config.eval_adapter_splits))}
-      per_client.update(evaluation.evaluate_models(
-          built.adapted_chunk, server_state, client_states, train, test_splits, eval_key,
-          eval_chunk_size(config)))
     if built.new_client_chunk is not None:
       per_client.update(evaluate_new_clients(
           built.new_client_chunk, server_state, client_states, train,
