@@ -208,7 +208,7 @@ def _tiny(c: ml_collections.ConfigDict, match) -> None:
   c.rounds = 2
   c.data.num_domains = 4
   if c.data.benchmark == 'rotated_digits' and c.data.source == 'mnist_embedded':
-    c.data.split_domains = 40        # domains of 125 digits, not 1,250 (5,000 / 4)
+    c.data.split_domains = 60        # domains of 83 digits, not 1,250 (5,000 / 4)
   c.data.num_clients = 3
   c.cohort_size = 3
   c.data.points_per_domain = 30

@@ -1,0 +1,130 @@
+"""Test-time cases: an adapter's vmapped scan over target clients against a Python
+loop of jitted steps, its episodic and transductive modes, FedTTA++'s early stop.
+"""
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_shift import models
+from fedjax_shift.adapters import atp as atp_lib
+from fedjax_shift.adapters.fedicon import fedicon_tta
+from fedjax_shift.adapters.fedthe import fedthe_adapter
+from fedjax_shift.adapters.fedtta import adapt, fedtta_adapter
+from fedjax_shift.adapters.surgical import selection_scores, source_selected
+from fedjax_shift.adapters.tent import tent
+from fedjax_shift.algorithms.fedthe import PersonalState, personal_model
+from fedjax_shift.core.test_time import AdaptBatch, SourceContext, build_test_time
+from fedjax_shift.parts import atp_rates
+from launch.benchmarks import register
+from launch.benchmarks.common import FLAGS, num_clients, timed
+from launch.benchmarks.engine import cohort_data, make_config, setup_algorithm
+
+
+
+def case_tta(vmapped: bool, mode: str = 'online'):
+  """An adapter (--tta_adapter) on C target clients × N test examples, batches of B: the
+  jitted vmapped scan of core/test_time.py in ``mode`` ('online', 'episodic', or
+  'transductive': --tta_epochs passes, then prediction), or a Python loop over clients
+  and batches of a jitted ``adapter.step`` (online)."""
+  config = make_config()
+  module = models.create(config.model, 10)
+  data = cohort_data(num_clients())
+  variables = models.init(module, jax.random.key(0), jnp.asarray(data.x[0, :1]))
+  if FLAGS.tta_adapter == 'atp':
+    alpha = jax.tree.map(lambda a: a + 0.1, atp_rates.init_alpha(variables))
+    adapter = atp_lib.atp(module, alpha)
+  elif FLAGS.tta_adapter == 'tent':
+    adapter = tent(module)
+  elif FLAGS.tta_adapter == 'surgical':   # selection on the cohort's first 1,000 examples
+    shape = data.x.shape[2:]
+    context = SourceContext(variables, 10, FLAGS.batch_size,
+                            jnp.asarray(data.x.reshape((-1,) + shape)[:1000]),
+                            jnp.asarray(data.y.reshape(-1)[:1000]), None, shape)
+    tick = time.perf_counter()
+    jax.block_until_ready(selection_scores(module, context, 0.1, (), 1000)[0])
+    select_s = time.perf_counter() - tick   # compile included: it runs once per build
+    adapter = source_selected(module, context, 0.1, 'after', (), 1000)
+  elif FLAGS.tta_adapter == 'fedicon':   # a FedICON model: encoder, projection, head
+    _, _, _, _, server = setup_algorithm(num_clients(), 'algorithm:fedicon')
+    variables = server.variables
+    adapter = fedicon_tta(module, memory_size=8 * FLAGS.batch_size,
+                          batch_size=FLAGS.batch_size, epochs=FLAGS.tta_epochs)
+  else:                                  # a FedTHE model: two heads and the features
+    _, _, _, _, server = setup_algorithm(num_clients(), 'algorithm:fedthe')
+    state = PersonalState(server.variables['params']['head'], server.global_feature)
+    variables = personal_model(server, state, server.variables)
+    adapter = fedthe_adapter(module)
+  key = jax.random.key(0)
+  if vmapped:
+    run_all = build_test_time(adapter, FLAGS.batch_size, mode)
+    device_data = jax.device_put(data)
+    run = lambda: jax.block_until_ready(run_all(variables, device_data, key))
+  else:
+    step = jax.jit(adapter.step)
+    batches = [[AdaptBatch(jnp.asarray(data.x[k, s:s + FLAGS.batch_size]),
+                           jnp.ones(FLAGS.batch_size))
+                for s in range(0, FLAGS.examples, FLAGS.batch_size)]
+               for k in range(num_clients())]
+
+    def run():
+      out = []
+      for k in range(num_clients()):
+        state = adapter.init(variables, jax.random.fold_in(key, k))
+        for batch in batches[k]:
+          state, logits = step(state, batch)
+          out.append(logits)
+      return jax.block_until_ready(out)
+  tick = time.perf_counter()
+  run()
+  compile_s = time.perf_counter() - tick
+  median, times = timed(run, FLAGS.repeats)
+  result = {'seconds': median, 'times': times, 'compile_s': compile_s}
+  if FLAGS.tta_adapter == 'surgical':
+    result['select_s'] = select_s
+  return result
+
+
+def case_fedtta_test_time(loop: str, patience: int):
+  """FedTTA++ on C new clients × N examples, episodic batches of B, E = 50 inner steps
+  with entropy patience ``patience`` (0: all 50), as a masked ``lax.scan`` or a
+  ``lax.while_loop``; the jitted vmapped scan of core/test_time.py over clients, on an
+  untrained FedTTA model (the steps each client runs are reported)."""
+  config, module, algorithm, data, server = setup_algorithm(num_clients(), 'fedtta')
+  variables = algorithm.global_model(server)
+  adapter = fedtta_adapter(module, 0.5, 50, patience, 0.1, loop)
+  run_all = build_test_time(adapter, FLAGS.batch_size, 'episodic')
+  device_data = jax.device_put(data)
+  key = jax.random.key(0)
+  run = lambda: jax.block_until_ready(run_all(variables, device_data, key))
+  tick = time.perf_counter()
+  run()
+  compile_s = time.perf_counter() - tick
+  median, times = timed(run, FLAGS.repeats)
+  first_batches = device_data.x[:, :FLAGS.batch_size]
+  steps = jax.jit(jax.vmap(lambda x: adapt(module, variables, x, np.ones(FLAGS.batch_size,
+                                                                         np.float32),
+                                           0.5, 50, patience, 0.1, loop)[1]))(first_batches)
+  return {'seconds': median, 'times': times, 'compile_s': compile_s,
+          'mean_steps_first_batch': float(np.mean(steps)), 'max_steps_first_batch':
+          int(np.max(steps))}
+
+
+register('tta_vmap', lambda name: f'{FLAGS.tta_adapter} online: vmapped lax.scan over clients',
+         lambda name: case_tta(True))
+register('tta_loop', lambda name: f'{FLAGS.tta_adapter} online: Python loop of jitted steps',
+         lambda name: case_tta(False))
+register('tta_episodic',
+         lambda name: f'{FLAGS.tta_adapter} episodic: vmapped lax.scan over clients',
+         lambda name: case_tta(True, 'episodic'))
+register('tta_transductive',
+         lambda name: f'{FLAGS.tta_adapter} transductive, {FLAGS.tta_epochs} passes then '
+                      f'prediction: vmapped lax.scan over clients',
+         lambda name: case_tta(True, 'transductive'))
+register('fedtta_e50', 'FedTTA test time, fixed E = 50 steps (scan)',
+         lambda name: case_fedtta_test_time('scan', 0))
+register('fedtta_pp_scan', 'FedTTA++ test time, E ≤ 50, patience 1, masked scan',
+         lambda name: case_fedtta_test_time('scan', 1))
+register('fedtta_pp_while', 'FedTTA++ test time, E ≤ 50, patience 1, while_loop',
+         lambda name: case_fedtta_test_time('while', 1))
