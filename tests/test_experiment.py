@@ -41,6 +41,24 @@ def test_tiny_run_writes_table_and_metrics(tmp_path, name):
       f"seed 0), 3 rounds"), out.preamble
 
 
+def test_the_methods_of_a_config_build_each_seeds_data_once(tmp_path, monkeypatch):
+  """Three methods × two seeds build each seed's data once (kept for the next method),
+  and a benchmark past the kept bytes is built for its run alone."""
+  from fedjax_shift.pipelines import runs
+  built = []
+  build_data = runs.build_data
+  monkeypatch.setattr(runs, 'build_data', lambda config, seed: built.append(seed) or
+                      build_data(config, seed))
+  config = tiny_config(algorithms=('fedavg', 'fedprox', 'fedbn'), seeds=(0, 1), rounds=1,
+                       **{'model.name': 'bn_mlp'})
+  pipelines.run(config, str(tmp_path / 'kept'))
+  assert sorted(built) == [0, 1]
+  built.clear()
+  monkeypatch.setattr(runs, 'MAX_SHARED_DATA_BYTES', 0)
+  pipelines.run(config, str(tmp_path / 'not_kept'))
+  assert sorted(built) == [0] * 4 + [1] * 4   # per run, and per seed for the round's plan
+
+
 def test_training_beats_chance(tmp_path):
   config = tiny_config(rounds=15, eval_every=15, **{'data.num_clients': 6, 'cohort_size': 6,
                                                     'data.partition': 'iid'})

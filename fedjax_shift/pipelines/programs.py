@@ -22,7 +22,7 @@ from fedjax_shift.core.round import RoundConfig, build_round, client_mesh
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
 from fedjax_shift.pipelines.base import adapts, eval_adapter_specs, round_backend
-from fedjax_shift.pipelines.runs import build_data
+from fedjax_shift.pipelines.runs import shared_data
 
 class ProgramKey(NamedTuple):
   """What a built method and its compiled programs depend on besides the config: runs
@@ -154,8 +154,8 @@ def seed_populations(config: ml_collections.ConfigDict, programs: Optional[Dict]
          tuple(config.seeds))
   cache = programs if programs is not None else {}
   if key not in cache:
-    cache[key] = tuple(np.asarray(build_data(config, seed).splits['train'].num_examples)
-                       for seed in config.seeds)
+    cache[key] = tuple(np.asarray(shared_data(config, seed, programs).splits['train']
+                                  .num_examples) for seed in config.seeds)
   return cache[key]
 
 

@@ -28,6 +28,30 @@ from fedjax_shift.pipelines.loop import DivergenceError
 
 log = logging.getLogger('fedjax_shift')
 
+# The most bytes of benchmark arrays ``shared_data`` keeps for the next runs of a
+# pipeline call.
+MAX_SHARED_DATA_BYTES = 512 * 2 ** 20
+
+
+def shared_data(config: ml_collections.ConfigDict, seed: int, cache: Optional[Dict]
+                ) -> Benchmark:
+  """``build_data(config, seed)``, kept in ``cache`` (a pipeline call's program cache)
+  under the data config and seed, so that the methods of a config build each seed's
+  data once; a benchmark that would take the kept arrays past
+  ``MAX_SHARED_DATA_BYTES`` is built for its run alone."""
+  if cache is None:
+    return build_data(config, seed)
+  kept = cache.setdefault('data', {})
+  key = (json.dumps(config.data.to_dict(), sort_keys=True, default=str), seed)
+  if key not in kept:
+    bench = build_data(config, seed)
+    size = lambda b: sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(b.splits))
+    if sum(size(b) for b in kept.values()) + size(bench) > MAX_SHARED_DATA_BYTES:
+      return bench
+    kept[key] = bench
+  return kept[key]
+
+
 def build_data(config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   bench = BENCHMARKS.get(config.data.benchmark, 'config.data.benchmark')(config.data, seed)
   validate_benchmark(bench)

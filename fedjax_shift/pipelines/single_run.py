@@ -32,10 +32,10 @@ from fedjax_shift.pipelines.base import (CompileClock, checked_fields, eval_chun
                                          hardware, open_run)
 from fedjax_shift.pipelines.programs import (Programs, applied_adapters, build_programs,
                                              examples_per_step, program_key, round_config)
-from fedjax_shift.pipelines.runs import (build_data, check_same_data, cohort_sharding,
+from fedjax_shift.pipelines.runs import (check_same_data, cohort_sharding,
                                          data_digest, diverged_record, evaluated_rounds,
                                          log_settled, replicated, run_keys,
-                                         settled_divergences, uploaded_by_part,
+                                         settled_divergences, shared_data, uploaded_by_part,
                                          validate_benchmark)
 
 log = logging.getLogger('fedjax_shift')
@@ -52,14 +52,16 @@ class OpenedRun(NamedTuple):
 
 def open_run_dir(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
                  seed: int, bench: Optional[Benchmark] = None,
-                 depends_on: Optional[Dict[str, object]] = None) -> Tuple[dict, Benchmark]:
+                 depends_on: Optional[Dict[str, object]] = None,
+                 programs: Optional[Dict] = None) -> Tuple[dict, Benchmark]:
   """Checks ``workdir`` against ``config`` (pipelines/workdir.py), builds the data
-  (unless given; validated either way), refuses data other than the run was trained
-  on and writes partition.json. Returns (the run's checked fields, the benchmark)."""
+  (unless given; validated either way; kept in ``programs`` for the next method:
+  ``shared_data``), refuses data other than the run was trained on and writes
+  partition.json. Returns (the run's checked fields, the benchmark)."""
   fields = checked_fields(workdir, config, algorithm_name, config.resume, depends_on)
   os.makedirs(workdir, exist_ok=True)
   if bench is None:
-    bench = build_data(config, seed)
+    bench = shared_data(config, seed, programs)
   else:
     validate_benchmark(bench)
   train = bench.splits['train']
@@ -175,7 +177,8 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
   """Opens one (method, seed) run: ``open_run_dir``, the method's programs (``built``
   when given, else ``method_programs``), ``restore_state`` and the run's evaluation;
   ``log_state(server_state)`` adds fields to every metrics record."""
-  fields, bench = open_run_dir(config, workdir, algorithm_name, seed, bench, depends_on)
+  fields, bench = open_run_dir(config, workdir, algorithm_name, seed, bench, depends_on,
+                               programs)
   if built is None:
     built = method_programs(config, algorithm_name, bench, algorithm, programs)
   init_key, train_key, eval_key = run_keys(seed)
