@@ -174,14 +174,15 @@ def padded_sizes(sizes: Sequence[int], batch_size: int) -> list:
           for size in sizes]
 
 
-def pad_examples(split: FederatedData, size: int) -> FederatedData:
-  """``split`` (one client's, x [N, ...]) with x and y zero-padded to ``size`` rows;
-  its ``num_examples`` unchanged, so the padding is never scored."""
+def pad_client(split: FederatedData, size: int) -> FederatedData:
+  """ONE client's ``split`` (x [N, ...], y and mask [N]; traced) with its rows
+  zero-padded to ``size`` and ``num_examples`` unchanged, so the padding is never
+  scored (``data.federated.pad_examples`` pads a whole [K, N] split on the host)."""
   pad = size - split.x.shape[0]
   if pad == 0:
     return split
   grow = lambda a: jnp.concatenate([a, jnp.zeros((pad,) + a.shape[1:], a.dtype)])
-  return split._replace(x=grow(split.x), y=grow(split.y))
+  return split._replace(x=grow(split.x), y=grow(split.y), mask=grow(split.mask))
 
 
 class AdaptRunner(NamedTuple):
@@ -212,7 +213,7 @@ def adapted_metrics(models: Dict[str, PyTree], splits: Dict[str, FederatedData],
                 if model == 'global' or split not in global_only}
       if runner.mode != 'transductive' and chosen:
         sizes = padded_sizes([s.x.shape[0] for s in chosen.values()], runner.batch_size)
-        chosen = {split: pad_examples(s, size)
+        chosen = {split: pad_client(s, size)
                   for (split, s), size in zip(chosen.items(), sizes)}
       results[f'{model}+{name}'] = {
           split: {k: v for k, v in runner.run(variables, s.x, s.y, s.num_examples,

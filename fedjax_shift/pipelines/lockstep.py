@@ -122,11 +122,10 @@ def hyperparameter_programs(config: ml_collections.ConfigDict, name: str, bench:
   key = ('sweep', shared, tuple(fields), tuple(sorted(fixed.items())))
   if key not in programs:
     module = models.create(config.model, bench.num_classes)
-    splits = sorted(bench.info.get('new_clients', {}))
 
     def make(values):
       return build_programs(sweep.with_values(base, dict(zip(fields, values))), name, module,
-                            bench, None, splits, check=False, round_plan=shared.round)
+                            bench, None, check=False, round_plan=shared.round)
 
     programs[key] = HyperparameterPrograms(make, fields, name)
   return programs[key]

@@ -54,19 +54,26 @@ def program_key(config: ml_collections.ConfigDict, name: str, bench: Benchmark,
   train = bench.splits['train']
   return ProgramKey(name, train.x.shape, train.x.dtype.str, bench.num_classes,
                     json.dumps(algorithms.base.build_info(bench.info), sort_keys=True),
-                    tuple(sorted(bench.info.get('new_clients', {}))),
+                    tuple(new_client_splits(bench)),
                     round_config(config, train, name, seed_populations(config, programs)))
+
+
+def new_client_splits(bench: Benchmark) -> List[str]:
+  """Splits whose client k is a new client, not training client k (UPFL): no
+  personalised model of their own; personalised methods are scored there as
+  PFL-Sampled/-Ensemble."""
+  return sorted(bench.info.get('new_clients', {}))
 
 
 def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, module,
                    bench: Benchmark, algorithm: Optional[FederatedAlgorithm],
-                   new_client_splits: List[str], check: bool = True,
-                   round_plan: Optional[RoundConfig] = None) -> Programs:
+                   check: bool = True, round_plan: Optional[RoundConfig] = None) -> Programs:
   """The method (the registered ``algorithm_name`` unless ``algorithm`` is given), its
   compiled round (planned by ``round_plan``, or for ``bench``'s training split alone)
   and its evaluation functions (``check=False``: a config whose swept numbers are
   tracers, pipelines/sweep.py)."""
   train = bench.splits['train']
+  new_clients = new_client_splits(bench)
   if algorithm is None:
     algorithm = algorithms.build(algorithm_name, config, module, train.max_examples,
                                  bench.info, train.num_clients, train.x.shape[2:],
@@ -83,9 +90,9 @@ def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, modul
     adapters = eval_adapters(config, module, bench.num_classes, algorithm_name,
                              train.x.shape[2:])
   evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size,
-                                             new_client_splits, adapters)
+                                             new_clients, adapters)
   new_client_chunk = None
-  if new_client_splits and algorithm.personalize is not None:
+  if new_clients and algorithm.personalize is not None:
     new_client_chunk = evaluation.build_new_client_evaluate(algorithm, module,
                                                             config.engine.eval_batch_size)
   return Programs(module, algorithm, round_device, round_host, evaluate_chunk,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,8 @@ from fedjax_shift.pipelines import loop, pretrain
 from fedjax_shift.pipelines.base import (CompileClock, checked_fields, eval_chunk_size,
                                          hardware, open_run)
 from fedjax_shift.pipelines.programs import (Programs, applied_adapters, build_programs,
-                                             examples_per_step, program_key, round_config)
+                                             examples_per_step, new_client_splits,
+                                             program_key, round_config)
 from fedjax_shift.pipelines.runs import (check_same_data, cohort_sharding,
                                          data_digest, diverged_record, evaluated_rounds,
                                          log_settled, replicated, run_keys,
@@ -39,6 +40,7 @@ from fedjax_shift.pipelines.runs import (check_same_data, cohort_sharding,
                                          validate_benchmark)
 
 log = logging.getLogger('fedjax_shift')
+
 
 class OpenedRun(NamedTuple):
   """One (method, seed) run opened and ready to train (``setup_run``)."""
@@ -85,27 +87,19 @@ def open_run_dir(config: ml_collections.ConfigDict, workdir: str, algorithm_name
   return fields, bench
 
 
-def new_client_splits(bench: Benchmark) -> List[str]:
-  """Splits whose client k is a new client, not training client k (UPFL): no
-  personalised model of their own; personalised methods are scored there as
-  PFL-Sampled/-Ensemble."""
-  return sorted(bench.info.get('new_clients', {}))
-
-
 def method_programs(config: ml_collections.ConfigDict, algorithm_name: str, bench: Benchmark,
                     algorithm: Optional[FederatedAlgorithm] = None,
                     programs: Optional[Dict] = None) -> Programs:
   """Method ``algorithm_name``'s programs on ``bench``: reused from ``programs`` (the
   process's cache, under its ``ProgramKey``) when a run of the same shapes built them,
   else built (and kept there). A given ``algorithm`` is always built anew."""
-  module = models.create(config.model, bench.num_classes)
   key = None
   if algorithm is None and programs is not None:
     key = program_key(config, algorithm_name, bench, programs)
     if key in programs:
       return programs[key]
-  built = build_programs(config, algorithm_name, module, bench, algorithm,
-                         new_client_splits(bench), round_plan=key and key.round)
+  built = build_programs(config, algorithm_name, models.create(config.model, bench.num_classes),
+                         bench, algorithm, round_plan=key and key.round)
   if key is not None:
     programs[key] = built
   return built
