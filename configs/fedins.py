@@ -36,8 +36,8 @@ augmentation (client.augmentation: flip and ±15° rotation on cifar100, ±30° 
 domainnet, none on tiny_imagenet).
 ablation (Table 2's rows we have: SSF; SSF pool without the instance query; SSF pool),
 per_image (the authors' release: one SGD step per image for the SSF methods, the
-baselines at batch 32), per_image_all (every method one step per image; each method's
-section has client_batch_size, 0 = client.batch_size),
+baselines at batch 32), per_image_all (every method one step per image: its
+config.client_overrides.<method>.batch_size = 1),
 pool_<M> (pool size M), top_<C> (C chosen SSFs), alpha_<a> (domain Dirichlet α),
 backbone_<d1+d2…> (the backbone study: the backbone pretrained on those domains, the real
 ones from a reserve of half of each real domain that no client holds), tiny.
@@ -174,7 +174,7 @@ def _per_image(c: ml_collections.ConfigDict, match) -> None:
   method the same schedule (the fair comparison), else the baselines keep Sec. 4.1's
   batch 32 as the release's FedAvg does."""
   for name in (c.algorithms if match['all'] else SSF_METHODS):
-    c[name].client_batch_size = 1
+    c.client_overrides[name] = {'batch_size': 1}
 
 
 def _pool(c: ml_collections.ConfigDict, match) -> None:

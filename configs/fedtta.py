@@ -36,7 +36,7 @@ column of fedtta_prox). A new client's whole data is one adaptation batch ("we r
 all the data of the client as a batch", Sec. 3.2).
 
 Client learning rates are Table 4's (MNIST) per method: 0.1 for FedAvg, SCAFFOLD and
-FedPer, 0.3 for the others (``config.<method>.client_learning_rate``).
+FedPer, 0.3 for the others (``config.client_overrides.<method>.learning_rate``).
 
 Where we differ from the paper: the paper reports test
 accuracy at the round of best validation accuracy, launch/train.py prints the table at
@@ -78,7 +78,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   for name in ('fedprox', 'afl', 'gma', 'fedadg', 'fedsr', 'odpfl_hn', 'fedtta', 'fedtta_prox'):
     # Table 4 (MNIST): FedProx η, AFL γ_ω, FedGMA η_c, FedADG η_f, FedSR η, ODPFL-HN
     # η_local, FedTTA and FedTTA-Prox η_outer are all 0.3
-    c[name].client_learning_rate = 0.3
+    c.client_overrides[name] = {'learning_rate': 0.3}
   c.client.batch_size = 64            # B = 64
   c.client.local_steps = 20           # τ = 20 local iterations
   c.client.local_epochs = 0

@@ -68,6 +68,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.client.augmentation = ()        # data/augment.py VIEW_AUGMENTATIONS names, applied in
                                     # order to every training image (e.g. flip, rotate15)
 
+  c.client_overrides = ml_collections.ConfigDict()  # <method>: config.client fields that
+                                    # method trains with instead, e.g. {'fedprox':
+                                    # {'learning_rate': 0.3}} (a paper's per-method rate)
+
   c.server = ml_collections.ConfigDict()
   c.server.optimizer = 'sgd'        # 'sgd' with lr 1 is FedAvg; 'fedavgm'; 'fedadam'
   c.server.learning_rate = 1.0
@@ -125,12 +129,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.progress = True                 # a bar on a terminal; in a log file, plain lines:
   c.log_every = 0                   # every log_every rounds (0: about a tenth of the run)
   c.tensorboard = True              # <run dir>/tensorboard/: metrics.jsonl as event files
-  c.sweep = ''                      # a hyperparameter grid, e.g. "{'client.learning_rate':
-                                    # (0.01, 0.1)}": each point x seed a run (pipelines/sweep.py)
+  c.sweep = ml_collections.ConfigDict()   # a hyperparameter grid shaped as the config, e.g.
+                                    # {'client': {'learning_rate': (0.01, 0.1)}}: each point
+                                    # x seed a run (pipelines/sweep.py)
   c.sweep_select = 'last'           # per method, the point of best mean validation accuracy at
                                     # the last round, or 'best_round' (at each run's best)
-  c.sweep_metric = ''               # that metric ('': the global model's on the val split;
-                                    # "{'fedper': 'personalized/val/accuracy'}": per method)
+  c.sweep_metric = ml_collections.ConfigDict()  # that metric per method ({}: the global
+                                    # model's on the val split), '*' for every method not
+                                    # named, e.g. {'fedper': 'personalized/val/accuracy'}
   return c
 
 

@@ -111,13 +111,8 @@ def leaf_paths(tree: Mapping[str, Any], prefix: str = '') -> Iterator[Tuple[str,
 class Registry(Generic[T]):
   """A named table of values (algorithms, models, benchmarks) for config lookup."""
 
-  def __init__(self, kind: str, common_defaults: Optional[Mapping[str, Any]] = None,
-               common_ranges: Optional[Mapping[str, Range]] = None):
-    """``common_defaults``: config fields every entry has (its own defaults override
-    them), e.g. each method's own client learning rate; ``common_ranges``: theirs."""
+  def __init__(self, kind: str):
     self.kind = kind
-    self._common = copy.deepcopy(dict(common_defaults or {}))
-    self._common_ranges = dict(common_ranges or {})
     self._entries: Dict[str, T] = {}
     self._defaults: Dict[str, dict] = {}
     self._ranges: Dict[str, Dict[str, Range]] = {}
@@ -136,8 +131,8 @@ class Registry(Generic[T]):
       if name in self._entries:
         raise ValueError(f'{self.kind} {name!r} is registered twice')
       self._entries[name] = value
-      self._defaults[name] = copy.deepcopy({**self._common, **dict(defaults or {})})
-      self._ranges[name] = {**self._common_ranges, **dict(ranges or {})}
+      self._defaults[name] = copy.deepcopy(dict(defaults or {}))
+      self._ranges[name] = dict(ranges or {})
       self._checks[name] = check
       self._meta[name] = dict(meta)
       return value

@@ -24,7 +24,7 @@ from ml_collections import config_flags  # noqa: E402
 import ml_collections  # noqa: E402
 
 from fedjax_shift import checkpoint, distributed, pipelines  # noqa: E402
-from fedjax_shift.pipelines import loop  # noqa: E402
+from fedjax_shift.pipelines import loop, sweep  # noqa: E402
 from fedjax_shift.pipelines.workdir import WorkdirBusyError  # noqa: E402
 
 # The exit status of a run stopped by SIGTERM / SIGUSR1 after checkpointing (128 + 15, as a
@@ -177,6 +177,11 @@ def unknown_override(argv) -> str:
     if not arg.startswith('--config.'):
       continue
     field = arg[len('--config.'):].split('=', 1)[0]
+    *section, leaf = field.split('.')
+    if leaf in ('client_learning_rate', 'client_batch_size') and section:
+      return (f'--config.{field}: a method\'s own client {leaf[7:].replace("_", " ")} is '
+              f'config.client_overrides.{section[0]}.{leaf[7:]}, e.g. --config.client_overrides='
+              f'"{{\'{section[0]}\': {{\'{leaf[7:]}\': …}}}}"')
     node, walked = config, []
     for part in field.split('.'):
       if not isinstance(node, ml_collections.ConfigDict) or part not in node:
@@ -193,7 +198,9 @@ def unknown_override(argv) -> str:
 
 
 def parse_flags(argv):
-  """absl's flag parsing, a mistyped --config.<field> one line naming it."""
+  """absl's flag parsing, a mistyped --config.<field> one line naming it;
+  ``--config.sweep`` and ``--config.sweep_metric`` also read in their string form."""
+  argv = [sweep.legacy_flag(arg) for arg in argv]
   try:
     return flags.FLAGS(argv)
   except (AttributeError, KeyError) as err:

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from fedjax_shift import models
+from fedjax_shift import algorithms, models
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.core import algorithm as alg
 from fedjax_shift.core import local
@@ -86,12 +86,14 @@ def test_fedavg_round_equals_loop_reference():
   chex.assert_trees_all_close(out.server_state.variables['params'], expected, atol=1e-5)
 
 
-def test_a_methods_own_client_learning_rate_replaces_the_shared_one(tmp_path):
-  """config.fedavg.client_learning_rate = 0.1 with client.learning_rate = 0.02 gives the
-  loop reference's round at 0.1; 0 keeps the shared rate; a negative rate is refused."""
+def test_a_methods_client_override_replaces_the_shared_rate(tmp_path):
+  """config.client_overrides.fedavg.learning_rate = 0.1 with client.learning_rate = 0.02
+  gives the loop reference's round at 0.1; a method it does not name keeps the shared
+  rate; a negative override is refused, naming it."""
   from fedjax_shift import config as config_lib
   config = tiny_config(**{'client.batch_size': 4, 'client.local_epochs': 1,
-                          'client.learning_rate': 0.02, 'fedavg.client_learning_rate': 0.1})
+                          'client.learning_rate': 0.02,
+                          'client_overrides': {'fedavg': {'learning_rate': 0.1}}})
   data, _, _ = toy_clients([7, 3, 10], num_classes=NUM_CLASSES)
   module, fedavg, server, clients = make('fedavg', config, data)
   key = round_key(jax.random.key(1), 0)
@@ -101,9 +103,10 @@ def test_a_methods_own_client_learning_rate_replaces_the_shared_one(tmp_path):
   expected = reference_fedavg_round(module, reference, server.variables, data,
                                     out.metrics['cohort'], key)
   chex.assert_trees_all_close(out.server_state.variables['params'], expected, atol=1e-5)
-  assert ALGORITHMS.defaults('fedprox').client_learning_rate == 0.0   # every method has it
-  config.fedavg.client_learning_rate = -0.1
-  with pytest.raises(ValueError, match=r'fedavg.client_learning_rate: must be a number >= 0'):
+  assert algorithms.base.method_client(config, 'fedprox').learning_rate == 0.02
+  assert algorithms.base.method_client(config, 'fedavg').batch_size == 4
+  config.client_overrides.fedavg.learning_rate = -0.1
+  with pytest.raises(ValueError, match=r'client_overrides.fedavg.learning_rate: must be > 0'):
     config_lib.validate(config, str(tmp_path))
 
 

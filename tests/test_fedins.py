@@ -561,15 +561,15 @@ def test_per_image_schedule_steps_once_per_image(variant, per_image):
   data, _, _ = toy_clients([7, 5], shape=(4, 4, 3), num_classes=NUM_CLASSES)
   one = ClientData(*(jnp.asarray(a[0]) for a in data), jnp.int32(NO_STEP_LIMIT))
   steps = {}
-  for batch in (0, 1):
-    config.fedins.client_batch_size = batch
+  for batch in (0, 1):   # 0: no override, the shared batch 3
+    config.client_overrides = {'fedins': {'batch_size': batch}} if batch else {}
     _, algorithm, server, _ = make('fedins', config, data)
     steps[batch] = float(algorithm.client_update(server, (), one, jax.random.key(0))[0]
                          .metrics['num_steps'])
   assert steps == {0: 3.0, 1: 7.0}
-  config.fedins.client_batch_size = -1
+  config.client_overrides = {'fedins': {'batch_size': -1}}
   config.algorithms = ('fedins',)
-  with pytest.raises(ValueError, match='fedins.client_batch_size'):
+  with pytest.raises(ValueError, match='client_overrides.fedins.batch_size: must be >= 1'):
     check_run(config)
 
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from fedjax_shift import algorithms, models
-from fedjax_shift.adapters.fedtta import adapt, adaptation_module_of
+from fedjax_shift.adapters.fedtta import Adaptation, adapt, adaptation_module_of
 from fedjax_shift.parts import losses
-from fedjax_shift.parts.fedtta_step import ADAPTATION, inner_step, personalization_loss
+from fedjax_shift.parts.fedtta_step import (ADAPTATION, InnerStep, inner_step,
+                                            personalization_loss)
 from fedjax_shift.core.algorithm import ClientData
 from fedjax_shift.core.round import NO_STEP_LIMIT
 from fedjax_shift.core.test_time import ADAPTERS, AdaptBatch, SourceContext
@@ -34,7 +35,7 @@ def outer_loss(module, params, x, y, inner_lr):
   """L(ψ, φ) = CE(f(X; ψ − η ∇ψ ‖g(f(X; ψ); φ)‖₂), Y) (Eqs. 3–7)."""
   adaptation_module = adaptation_module_of(params['adaptation'])
   adapted = inner_step(module, adaptation_module, params['base'], params['adaptation'], x,
-                       jnp.ones(len(y)), inner_lr, 0.1)
+                       jnp.ones(len(y)), InnerStep(inner_lr, 0.1))
   logits = models.apply(module, {'params': adapted}, x)[0]
   return jnp.mean(-jax.nn.log_softmax(logits)[jnp.arange(len(y)), y])
 
@@ -168,13 +169,13 @@ def test_fedtta_pp_candidates_are_the_steps_unless_the_initial_model_is_included
   adaptation_module = adaptation_module_of(variables[ADAPTATION])
   for rate in (0.5, 2.0, 8.0, 32.0, -0.5, -2.0, -8.0):   # a step that raises H
     stepped = inner_step(module, adaptation_module, variables['params'], variables[ADAPTATION],
-                         x, weight, rate, 0.1)
+                         x, weight, InnerStep(rate, 0.1))
     if entropy(stepped) > entropy(variables['params']) + 1e-4:
       break
   else:
     raise AssertionError('no step raised the entropy')
-  run = lambda include: adapt(module, variables, x, weight, rate, 3, 1, 0.1,
-                              restore_best=True, include_initial=include)
+  run = lambda include: adapt(module, variables, x, weight, Adaptation(
+      InnerStep(rate, 0.1), 3, 1, restore_best=True, include_initial=include))
   chosen, steps = run(False)
   assert int(steps) == 1                      # patience 1: stops after the first step
   chex.assert_trees_all_close(chosen, stepped, rtol=1e-6, atol=1e-7)
@@ -188,13 +189,13 @@ def test_fedtta_pp_test_time_step_clips_and_decays_as_the_authors():
   adaptation_module = adaptation_module_of(variables[ADAPTATION])
   params = variables['params']
   plain = inner_step(module, adaptation_module, params, variables[ADAPTATION], x, weight,
-                     1.0, 0.1)
+                     InnerStep(1.0, 0.1))
   grads = jax.tree.map(lambda p, q: p - q, params, plain)        # η = 1: the gradient
   norm = float(jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads))))
   clip = norm / 4                                                 # binds
   expected = jax.tree.map(lambda p, g: p - 0.5 * (g * clip / norm + 1e-4 * p), params, grads)
-  adapted, _ = adapt(module, variables, x, weight, 0.5, 1, 0, 0.1, clip_norm=clip,
-                     weight_decay=1e-4)
+  adapted, _ = adapt(module, variables, x, weight,
+                     Adaptation(InnerStep(0.5, 0.1, clip_norm=clip, weight_decay=1e-4)))
   chex.assert_trees_all_close(adapted, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -229,15 +230,17 @@ def test_a_small_batch_filled_to_the_training_batch_takes_trainings_step():
   x = client.x[:4]
   adaptation_module = adaptation_module_of(variables[ADAPTATION])
   repeated = inner_step(module, adaptation_module, variables['params'], variables[ADAPTATION],
-                        jnp.concatenate([x, x, x]), jnp.ones(12), 0.5, 0.1)
+                        jnp.concatenate([x, x, x]), jnp.ones(12), InnerStep(0.5, 0.1))
   padded_x = jnp.concatenate([x, jnp.zeros_like(x)])           # 4 real examples of 8
   weight = jnp.array([1.0] * 4 + [0.0] * 4)
-  filled, _ = adapt(module, variables, padded_x, weight, 0.5, 1, 0, 0.1, fill_batch=12)
+  filled, _ = adapt(module, variables, padded_x, weight,
+                    Adaptation(InnerStep(0.5, 0.1), fill_batch=12))
   chex.assert_trees_all_close(filled, repeated, rtol=1e-5, atol=1e-6)
   plain = inner_step(module, adaptation_module, variables['params'], variables[ADAPTATION],
-                     x, jnp.ones(4), 0.5, 0.1)
+                     x, jnp.ones(4), InnerStep(0.5, 0.1))
   for fill in (0, 4, 3):
-    as_is, _ = adapt(module, variables, padded_x, weight, 0.5, 1, 0, 0.1, fill_batch=fill)
+    as_is, _ = adapt(module, variables, padded_x, weight,
+                     Adaptation(InnerStep(0.5, 0.1), fill_batch=fill))
     chex.assert_trees_all_close(as_is, plain, rtol=1e-5, atol=1e-6)
   with pytest.raises(AssertionError):
     chex.assert_trees_all_close(plain, repeated, rtol=1e-5, atol=1e-6)
@@ -265,9 +268,10 @@ def test_patience_at_least_e_runs_all_e_steps_like_a_plain_loop():
   params = variables['params']
   for _ in range(4):   # the reference: four plain inner steps
     params = inner_step(module, adaptation_module, params, variables[ADAPTATION], x, weight,
-                        0.5, 0.1)
+                        InnerStep(0.5, 0.1))
   for patience in (0, 4, 9):
-    adapted, steps = adapt(module, variables, x, weight, 0.5, 4, patience, 0.1)
+    adapted, steps = adapt(module, variables, x, weight,
+                           Adaptation(InnerStep(0.5, 0.1), 4, patience))
     assert int(steps) == 4
     chex.assert_trees_all_close(adapted, params, rtol=1e-6, atol=1e-7)
 
@@ -286,8 +290,8 @@ def test_early_stop_fires_when_the_entropy_stops_decreasing():
   entropy = lambda p: float(weighted_entropy(models.apply(module, {'params': p}, x)[0], weight))
   entropies.append(entropy(params))
   for _ in range(12):
-    params = inner_step(module, adaptation_module, params, variables[ADAPTATION], x, weight, lr,
-                        0.1)
+    params = inner_step(module, adaptation_module, params, variables[ADAPTATION], x, weight,
+                        InnerStep(lr, 0.1))
     history.append(params)
     entropies.append(entropy(params))
   for patience in (1, 2):
@@ -303,8 +307,8 @@ def test_early_stop_fires_when_the_entropy_stops_decreasing():
         break
     for loop in ('scan', 'while'):
       for restore_best, kept in ((False, expected), (True, best)):
-        adapted, steps = adapt(module, variables, x, weight, lr, 12, patience, 0.1, loop,
-                               restore_best)
+        adapted, steps = adapt(module, variables, x, weight,
+                               Adaptation(InnerStep(lr, 0.1), 12, patience, loop, restore_best))
         assert int(steps) == expected, (loop, patience, entropies)
         assert patience > 1 or expected < 12, entropies   # the case really stops early
         # (the large steps amplify float32 rounding between the scan and the eager loop)
@@ -318,8 +322,8 @@ def test_while_loop_equals_the_masked_scan_vmapped_over_clients():
   module, variables, client = _variables()
   xs = jnp.stack([client.x[:7], client.x[:7] * 0.5, client.x[:7][::-1] * 2.0])
   weight = jnp.ones(7)
-  run = lambda loop: jax.vmap(lambda x: adapt(module, variables, x, weight, 25.0, 12, 1, 0.1,
-                                              loop))(xs)
+  run = lambda loop: jax.vmap(lambda x: adapt(module, variables, x, weight, Adaptation(
+      InnerStep(25.0, 0.1), 12, 1, loop)))(xs)
   (scanned, scan_steps), (looped, loop_steps) = run('scan'), run('while')
   np.testing.assert_array_equal(scan_steps, loop_steps)
   assert len(set(np.asarray(scan_steps).tolist())) > 1, scan_steps   # they stop apart

@@ -135,9 +135,9 @@ def test_knowledge_is_the_mean_of_the_clients_public_logits(toy):
       base.append(arch.module.apply({'params': params['base']}, public_x))
       blocks = []
       for x in public_x.reshape((2, 4) + SHAPE):
-        adapted = fedtta_step.inner_step(arch.module, arch.adaptation_module, params['base'],
-                                    params['adaptation'], x, jnp.ones(4),
-                                    hp.inner_learning_rate, hp.norm_epsilon)
+        adapted = fedtta_step.inner_step(
+            arch.module, arch.adaptation_module, params['base'], params['adaptation'], x,
+            jnp.ones(4), fedtta_step.InnerStep(hp.inner_learning_rate, hp.norm_epsilon))
         blocks.append(arch.module.apply({'params': adapted}, x))
       personal.append(jnp.concatenate(blocks))
   chex.assert_trees_all_close(out.server_state.base, sum(base) / 5,
@@ -170,9 +170,9 @@ def test_kd_loss_is_eq14_computed_by_hand(kd_lambda):
   params = hetero_fedtta.init_params(arch, jax.random.key(4), x)
   teacher_base = np.random.default_rng(5).normal(size=(4, NUM_CLASSES))
   teacher_per = np.random.default_rng(6).normal(size=(4, NUM_CLASSES))
-  adapted = fedtta_step.inner_step(arch.module, arch.adaptation_module, params['base'],
-                              params['adaptation'], x, jnp.ones(4), hp.inner_learning_rate,
-                              hp.norm_epsilon)
+  adapted = fedtta_step.inner_step(
+      arch.module, arch.adaptation_module, params['base'], params['adaptation'], x,
+      jnp.ones(4), fedtta_step.InnerStep(hp.inner_learning_rate, hp.norm_epsilon))
   student_per = np.asarray(arch.module.apply({'params': adapted}, x), np.float64)
   student_base = np.asarray(arch.module.apply({'params': params['base']}, x), np.float64)
 

@@ -16,6 +16,7 @@ import pytest
 
 from fedjax_shift import config as config_lib
 from fedjax_shift import report
+from fedjax_shift.pipelines import sweep
 from fedjax_shift.report import PAPER_TABLES, PaperTable
 from fedjax_shift.report import figures
 from tests.helpers import launch_module, tiny_config, write_run
@@ -137,6 +138,8 @@ def config_of(argument: str, overrides) -> ml_collections.ConfigDict:
   spec.loader.exec_module(module)
   config = module.get_config(variant or None)
   for field, value in overrides:
+    # launch/train.py reads config.sweep and sweep_metric in their string forms too
+    value = sweep.legacy_flag(f'--config.{field}={value}').split('=', 1)[1]
     *parents, last = field.split('.')
     section = config
     for parent in parents:

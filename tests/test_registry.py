@@ -119,10 +119,19 @@ def test_every_method_section_holds_its_registered_defaults():
                                r"'label_skew_corrupted'"),
     ('data.benchmark', 'atp_shift', r"config.data.benchmark: 'atp_shift' feeds the "
                                     r"\['atp'\] pipeline"),
-    ('fedprox.nu', 0.1, r"config.fedprox.nu: unknown field; config.fedprox has "
-                        r"\['client_batch_size', 'client_learning_rate', 'mu'\]"),
-    ('fedavg.mu', 0.1, r"config.fedavg.mu: unknown field; config.fedavg has "
-                        r"\['client_batch_size', 'client_learning_rate'\]"),
+    ('fedprox.nu', 0.1, r"config.fedprox.nu: unknown field; config.fedprox has \['mu'\]"),
+    ('fedavg.mu', 0.1, r"config.fedavg.mu: unknown field; config.fedavg has no fields"),
+    ('client_overrides', {'fedavgg': {'learning_rate': 0.1}},
+     r"config.client_overrides: unknown algorithm 'fedavgg'"),
+    ('client_overrides', {'fedprox': {'rate': 0.1}},
+     r"config.client_overrides.fedprox.rate: unknown field; config.client has \['augmentation'"),
+    ('client_overrides', {'fedprox': {'batch_size': 2.5}},
+     r"config.client_overrides.fedprox.batch_size: must be of config.client.batch_size's "
+     r"type \(int\), got 2.5"),
+    ('client_overrides', {'fedprox': {'learning_rate': -0.1}},
+     r"config.client_overrides.fedprox.learning_rate: must be > 0, got -0.1"),
+    ('client_overrides', {'fedprox': {'optimizer': 'adagrad'}},
+     r"config.client_overrides.fedprox.optimizer: unknown 'adagrad'"),
     ('adapters.tent.lr', 0.1, r'config.adapters.tent.lr: unknown field'),
     ('eval_adapters', ('tent:sometimes',), r"config.eval_adapters: unknown mode 'sometimes'"),
     ('eval_adapters', ('tnet:online',), r"config.eval_adapters: unknown adapter 'tnet'"),
@@ -293,9 +302,7 @@ def test_builders_take_their_section_and_the_engine_context():
     algorithms.build('toy_recorder', config, module, 7, {'num_domains': 2})
   finally:
     ALGORITHMS.unregister('toy_recorder')
-  # its own fields and the fields every method has (0: the shared client rate and batch)
-  assert seen['hparams'].to_dict() == {'strength': 0.5, 'client_learning_rate': 0.0,
-                                       'client_batch_size': 0}
+  assert seen['hparams'].to_dict() == {'strength': 0.5}   # its own fields, no others
   assert seen['context'].info == {'num_domains': 2}
   assert seen['context'].schedule.batch_size == config.client.batch_size
   assert seen['context'].schedule.max_examples == 7

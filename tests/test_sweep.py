@@ -1,6 +1,7 @@
 """Hyperparameter sweeps (config.sweep): the points of a grid train as one program
 with the results of the same hyperparameters run alone, selection as the papers
 tuned, and bad grids refused before anything compiles."""
+import ast
 import json
 import logging
 import os
@@ -28,13 +29,16 @@ CASES = {   # method, swept field, values, extra config fields
     'fedavg': ('fedavg', 'client.learning_rate', (0.05, 0.1), {}),
     'fedprox': ('fedprox', 'fedprox.mu', (0.0, 0.1), {}),
     'ditto': ('ditto', 'ditto.lam', (0.1, 1.0), {}),   # per-client state
+    # a method's own client rate (config.client_overrides), traced as the shared one is
+    'override': ('fedprox', 'client_overrides.fedprox.learning_rate', (0.05, 0.1),
+                 {'client_overrides': {'fedprox': {'learning_rate': 0.02}}}),
     # the cohort sorted by size in groups of one, cut to two padded sizes
     'grouped': ('fedavg', 'client.learning_rate', (0.05, 0.1),
                 {'engine.client_chunk': 1, 'engine.example_buckets': (256, 700, 100_000)}),
     'tent': ('fedavg', 'adapters.tent.learning_rate', (0.001, 0.01),
              {'model.name': 'bn_mlp', 'eval_adapters': ('tent:online',),
               'eval_adapter_algorithms': ('fedavg',), 'eval_adapter_splits': ('test', 'val'),
-              'sweep_metric': 'global+tent/val/accuracy'}),
+              'sweep_metric': {'*': 'global+tent/val/accuracy'}}),
 }
 
 
@@ -47,7 +51,7 @@ def case_config(case: str, **fields):
 @pytest.mark.parametrize('case', sorted(CASES))
 def test_swept_points_equal_the_same_values_run_alone(tmp_path, case, caplog):
   method, field, values, _ = CASES[case]
-  config = case_config(case, sweep=repr({field: values}))
+  config = case_config(case, sweep=sweep.grid({field: values}))
   with caplog.at_level(logging.INFO, logger='fedjax_shift'):
     grid = pipelines.run(config, str(tmp_path / 'grid'))
   runs = {r['sweep_point'][field]: r for r in grid.records['all_results']}
@@ -76,7 +80,7 @@ def test_swept_points_equal_the_same_values_run_alone(tmp_path, case, caplog):
 
 
 def test_a_shape_changing_field_compiles_once_per_value_and_says_so(tmp_path, caplog):
-  config = tiny_config(rounds=1, sweep="{'client.local_epochs': (1, 2)}")
+  config = tiny_config(rounds=1, sweep=sweep.grid({'client.local_epochs': (1, 2)}))
   with caplog.at_level(logging.INFO, logger='fedjax_shift'):
     out = pipelines.run(config, str(tmp_path))
   points = [r['sweep_point'] for r in out.records['all_results']]
@@ -90,7 +94,7 @@ def test_a_float_in_python_control_flow_falls_back_to_one_program_per_value(tmp_
                                                                             caplog):
   # q-FFL converts q to a Python float while building its loss: tracing fails, and the
   # points train one after another with their own programs, as alone.
-  config = tiny_config(algorithms=('qffl',), rounds=1, sweep="{'qffl.q': (0.5, 2.0)}")
+  config = tiny_config(algorithms=('qffl',), rounds=1, sweep=sweep.grid({'qffl.q': (0.5, 2.0)}))
   with caplog.at_level(logging.INFO, logger='fedjax_shift'):
     out = pipelines.run(config, str(tmp_path / 'grid'))
   assert 'qffl uses qffl.q in Python (ConcretizationTypeError); one program per value' in \
@@ -146,10 +150,10 @@ def test_best_round_selection_scores_each_run_at_its_best_validation_round():
     ("{'data.num_clients': (4, 6)}", 'a sweep sets fields of'),
     ("{'client.batch_size': (1.5,)}", 'client.batch_size is an integer field'),
     ("{'adapters.tent.learning_rate': (0.1,)}", 'config.eval_adapters runs no tent'),
-    ("client.learning_rate=0.1", 'not a Python dict literal'),
+    ("{'client.learning_rate': 0.1}", 'client.learning_rate: values are a tuple'),
 ])
 def test_bad_grids_are_refused_before_anything_compiles(tmp_path, grid, message):
-  config = tiny_config(sweep=grid)
+  config = tiny_config(sweep=sweep.grid(ast.literal_eval(grid)))
   with pytest.raises(ValueError, match=message.replace('.', r'\.').replace('(', r'\(')
                      if '\\' not in message else message) as error:
     pipelines.run(config, str(tmp_path))
@@ -157,16 +161,36 @@ def test_bad_grids_are_refused_before_anything_compiles(tmp_path, grid, message)
   assert not os.path.exists(tmp_path / 'fedavg')
 
 
+def test_the_command_line_reads_the_string_forms_as_sections():
+  """launch/train.py passes each argument through legacy_flag: the dotted dict literal
+  that config.sweep was as a string is its nested section, a bare metric key is every
+  method's, '' is the empty section; other arguments pass as they are."""
+  assert sweep.legacy_flag("--config.sweep={'client.learning_rate': (0.01, 0.1), "
+                           "'fedprox.mu': (0.001,)}") == (
+      "--config.sweep={'client': {'learning_rate': (0.01, 0.1)}, 'fedprox': {'mu': (0.001,)}}")
+  assert sweep.legacy_flag('--config.sweep_metric=global+tent/val/accuracy') == (
+      "--config.sweep_metric={'*': 'global+tent/val/accuracy'}")
+  assert sweep.legacy_flag('--config.sweep=') == '--config.sweep={}'
+  for kept in ("--config.sweep={'client': {'learning_rate': (0.1,)}}",
+               "--config.sweep_metric={'fedper': 'personalized/val/accuracy'}",
+               '--config.rounds=3', '--workdir=/tmp/a=b'):
+    assert sweep.legacy_flag(kept) == kept
+  assert sweep.parse(sweep.grid({'fedprox.mu': (0.1,), 'client.learning_rate': (0.2,)})) == {
+      'client.learning_rate': (0.2,), 'fedprox.mu': (0.1,)}   # fields in path order
+  with pytest.raises(ValueError, match='config.sweep: client.learning_rate: client is swept as'):
+    sweep.grid({'client': (0.1,), 'client.learning_rate': (0.2,)})
+
+
 def test_unknown_selection_and_a_sweep_outside_the_federated_pipeline_are_refused(tmp_path):
   with pytest.raises(ValueError, match='config.sweep_select: unknown'):
     pipelines.validate(tiny_config(sweep_select='best'))
   with pytest.raises(ValueError, match='config.sweep: hyperparameter sweeps run in the '
                                        'federated pipeline'):
-    pipelines.validate(tiny_config(pipeline='hetero', sweep="{'client.learning_rate': (1.,)}"))
+    pipelines.validate(tiny_config(pipeline='hetero', sweep=sweep.grid({'client.learning_rate': (1.,)})))
 
 
 def test_a_sweep_resumes_per_point_and_reports_the_selected_point(tmp_path):
-  config = tiny_config(rounds=2, eval_every=2, sweep="{'client.learning_rate': (0.05, 0.1)}")
+  config = tiny_config(rounds=2, eval_every=2, sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}))
   first = pipelines.run(config, str(tmp_path))
   again = pipelines.run(config, str(tmp_path))   # every point resumes at its last round
   for a, b in zip(first.records['all_results'], again.records['all_results']):
@@ -188,7 +212,7 @@ def test_a_plain_run_and_a_sweep_of_one_method_never_share_a_workdir(tmp_path):
   # A plain fedavg run into a swept workdir (and a sweep into a plain one) is refused
   # before anything is written; the report refuses a workdir that already mixes them
   # (one trained before this check), instead of averaging the two as seeds.
-  swept = tiny_config(rounds=1, eval_every=1, sweep="{'client.learning_rate': (0.05, 0.1)}")
+  swept = tiny_config(rounds=1, eval_every=1, sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}))
   plain = tiny_config(rounds=1, eval_every=1, **{'client.learning_rate': 0.1})
   pipelines.run(swept, str(tmp_path / 'swept'))
   with pytest.raises(RunMismatchError, match=r'swept/fedavg holds points of a config.sweep '
@@ -211,13 +235,13 @@ def test_a_plain_run_and_a_sweep_of_one_method_never_share_a_workdir(tmp_path):
 
 def test_an_integer_swept_over_a_float_field_is_the_floats_point():
   # (1, 1.0) over client.learning_rate: one point, one run directory, not two.
-  config = tiny_config(sweep="{'client.learning_rate': (1, 0.5)}")
+  config = tiny_config(sweep=sweep.grid({'client.learning_rate': (1, 0.5)}))
   points = sweep.method_points(config, 'fedavg')
   assert points == [{'client.learning_rate': 1.0}, {'client.learning_rate': 0.5}]
   assert [type(p['client.learning_rate']) for p in points] == [float, float]
   assert sweep.point_name(points[0]) == 'client.learning_rate=1.0'
   # an integer field keeps its integers
-  config = tiny_config(sweep="{'client.batch_size': (8, 16)}")
+  config = tiny_config(sweep=sweep.grid({'client.batch_size': (8, 16)}))
   assert sweep.point_name(sweep.method_points(config, 'fedavg')[0]) == 'client.batch_size=8'
 
 
@@ -225,7 +249,7 @@ def test_points_times_vmapped_seeds_equal_the_points_seed_by_seed(tmp_path):
   from fedjax_shift.pipelines.runs import build_data
 
   def config_for(**fields):
-    config = tiny_config(seeds=(0, 1), rounds=1, sweep="{'client.learning_rate': (0.05, 0.1)}",
+    config = tiny_config(seeds=(0, 1), rounds=1, sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}),
                          **fields)
     config.data.pad_to = max(int(split.num_examples.max()) for seed in config.seeds
                              for split in build_data(config, seed).splits.values())
@@ -247,31 +271,30 @@ def test_points_times_vmapped_seeds_equal_the_points_seed_by_seed(tmp_path):
 
 def test_sweep_metric_names_each_methods_validation_metric():
   keys = ['global/val/accuracy', 'personalized/val/accuracy', 'global+tent/val/accuracy']
-  config = tiny_config(sweep_metric="{'fedper': 'personalized/val/accuracy'}")
+  config = tiny_config(sweep_metric={'fedper': 'personalized/val/accuracy'})
   assert sweep.validation_metric(config, keys, 'fedper') == 'personalized/val/accuracy'
   assert sweep.validation_metric(config, keys, 'fedavg') == 'global/val/accuracy'  # default
-  config = tiny_config(sweep_metric="{'fedper': 'personalized/val/accuracy', "
-                                    "'*': 'global+tent/val/accuracy'}")
+  config = tiny_config(sweep_metric={'fedper': 'personalized/val/accuracy',
+                                    '*': 'global+tent/val/accuracy'})
   assert sweep.validation_metric(config, keys, 'fedavg') == 'global+tent/val/accuracy'
-  config = tiny_config(sweep_metric='global+tent/val/accuracy')   # one key: every method
+  config = tiny_config(sweep_metric={'*': 'global+tent/val/accuracy'})   # every method
   assert sweep.validation_metric(config, keys, 'fedper') == 'global+tent/val/accuracy'
   with pytest.raises(ValueError, match="config.sweep_metric: 'global/val2/accuracy' \\(fedavg\\) "
                                        "is not among the runs' metrics \\['global\\+tent/val/"
                                        "accuracy', 'global/val/accuracy', 'personalized"):
-    sweep.validation_metric(tiny_config(sweep_metric="{'fedavg': 'global/val2/accuracy'}"),
+    sweep.validation_metric(tiny_config(sweep_metric={'fedavg': 'global/val2/accuracy'}),
                             keys * 2, 'fedavg')   # each key once in the message
 
 
 @pytest.mark.parametrize('text,message', [
     ("{'fedpr': 'global/val/accuracy'}", "names 'fedpr', which is not a registered method"),
     ("{'fedavg': 0.5}", 'maps method names to metric keys'),
-    ('{}', 'must be a metric key or a non-empty dict'),
-    ("{'fedavg': 'global/val/accuracy'", 'not a metric key nor a Python dict literal'),
     ('global/val/acc', "'global/val/acc' is not an accuracy key"),
     ("{'fedavg': 'global/val/loss'}", "'global/val/loss' is not an accuracy key"),
 ])
 def test_bad_sweep_metrics_are_refused_before_anything_compiles(tmp_path, text, message):
-  config = tiny_config(sweep="{'client.learning_rate': (0.05, 0.1)}", sweep_metric=text)
+  metric = ast.literal_eval(text) if text.startswith('{') else {'*': text}
+  config = tiny_config(sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}), sweep_metric=metric)
   with pytest.raises(ValueError, match='config.sweep_metric: .*' + message.replace(
       '(', r'\(')):
     pipelines.run(config, str(tmp_path))
@@ -317,7 +340,9 @@ def test_fedtta_tuned_variant_searches_every_rate_on_each_rows_validation():
   config = fedtta.get_config('tuned')
   assert sweep.parse(config.sweep) == {'client.learning_rate': fedtta.PAPER_RATES}
   assert config.sweep_select == 'best_round'
-  assert all(config[name].client_learning_rate == 0.0 for name in config.algorithms)
+  assert not any('learning_rate' in config.client_overrides.get(name, {})   # the swept rate
+                 for name in config.algorithms)
+  assert fedtta.get_config('').client_overrides.fedprox.learning_rate == 0.3  # untuned: own
   metrics = sweep.parse_metric(config.sweep_metric)
   assert set(metrics) == set(config.algorithms)
   assert metrics['fedper'] == 'personalized/val/accuracy'
@@ -335,7 +360,8 @@ def test_fedicon_tuned_variant_searches_the_baselines_rates_on_each_rows_validat
   assert sweep.parse(config.sweep) == {'client.learning_rate': fedicon.TUNED_RATES}
   assert 0.01 in fedicon.TUNED_RATES   # Sec. 5.1's one rate is a point of the grid
   assert not any(name.startswith('fedicon') for name in config.algorithms)
-  assert all(config[name].client_learning_rate == 0.0 for name in config.algorithms)
+  assert not any('learning_rate' in config.client_overrides.get(name, {})
+                 for name in config.algorithms)
   assert 'val' in config.eval_adapter_splits   # FedTHE's row validates its adapted model
   metrics = sweep.parse_metric(config.sweep_metric)
   assert set(metrics) == set(config.algorithms)
@@ -349,7 +375,7 @@ def test_a_diverged_point_of_a_vmapped_grid_is_recorded_and_ranked_last(tmp_path
   # lr 1e8 overflows in the first round; with on_divergence='continue' its run is kept
   # as diverged, named by its point, so that selection and the grid table see it
   config = tiny_config(rounds=2, eval_every=2, on_divergence='continue',
-                       sweep="{'client.learning_rate': (100000000.0, 0.05)}")
+                       sweep=sweep.grid({'client.learning_rate': (100000000.0, 0.05)}))
   out = pipelines.run(config, str(tmp_path))
   runs = {r['sweep_point']['client.learning_rate']: r for r in out.records['all_results']}
   assert 'diverged' in runs[1e8] and 'diverged' not in runs[0.05]
@@ -367,7 +393,7 @@ def test_a_resumed_grid_does_not_rewind_to_a_diverged_points_last_checkpoint(tmp
   # 0.05 point resumes at its own round 2, ending where the uninterrupted grid did.
   import shutil
   config = tiny_config(rounds=4, eval_every=2, checkpoint_every=2, on_divergence='continue',
-                       sweep="{'client.learning_rate': (100000000.0, 0.05)}")
+                       sweep=sweep.grid({'client.learning_rate': (100000000.0, 0.05)}))
   straight = pipelines.run(config, str(tmp_path / 'straight')).records['all_results']
   live = sweep.run_dir(str(tmp_path / 'cut'), 'fedavg', {'client.learning_rate': 0.05}, 0)
   dead = sweep.run_dir(str(tmp_path / 'cut'), 'fedavg', {'client.learning_rate': 1e8}, 0)
@@ -390,9 +416,9 @@ def test_a_resumed_grid_does_not_rewind_to_a_diverged_points_last_checkpoint(tmp
 def test_a_grid_extended_by_a_value_does_not_retrain_its_finished_points(tmp_path):
   # The new point starts at round 0; the finished one used to rewind with it (one
   # program resumes at the newest round all its runs have) and be trained again.
-  config = tiny_config(rounds=2, eval_every=2, sweep="{'client.learning_rate': (0.05,)}")
+  config = tiny_config(rounds=2, eval_every=2, sweep=sweep.grid({'client.learning_rate': (0.05,)}))
   first = pipelines.run(config, str(tmp_path)).records['all_results'][0]
-  config.sweep = "{'client.learning_rate': (0.05, 0.1)}"
+  config.sweep = sweep.grid({'client.learning_rate': (0.05, 0.1)})
   grid = pipelines.run(config, str(tmp_path)).records['all_results']
   old = sweep.run_dir(str(tmp_path), 'fedavg', {'client.learning_rate': 0.05}, 0)
   assert not [f for f in os.listdir(old) if 'before_resume' in f]   # nothing recomputed
@@ -406,7 +432,7 @@ def test_a_swept_workdir_of_several_methods_reports_each_at_its_point(tmp_path):
   # two methods at the same point are not seeds of one configuration: the report reads
   # both (it once took the point's directory for the method and refused the pair)
   config = tiny_config(rounds=1, eval_every=1, algorithms=('fedavg', 'fedprox'),
-                       sweep="{'client.learning_rate': (0.05, 0.1)}")
+                       sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}))
   pipelines.run(config, str(tmp_path))
   runs = report.load_runs([str(tmp_path)])[os.path.basename(str(tmp_path))]
   assert sorted(r['algorithm'] for r in runs) == ['fedavg', 'fedprox']
@@ -415,14 +441,14 @@ def test_a_swept_workdir_of_several_methods_reports_each_at_its_point(tmp_path):
 def test_a_narrowed_grid_names_a_better_point_it_left_on_disk(tmp_path, caplog):
   # Two points trained, then the grid narrowed to the worse one: the better point is
   # still on disk, and the results say so instead of hiding it.
-  config = tiny_config(rounds=1, eval_every=1, sweep="{'client.learning_rate': (0.05, 0.1)}")
+  config = tiny_config(rounds=1, eval_every=1, sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}))
   first = pipelines.run(config, str(tmp_path)).records['all_results']
   record = report.read_sweep(str(tmp_path))['methods']['fedavg']
   better = record['selected']
   worse = next(p for p in record['grid'] if p['name'] != better)
   assert worse['validation_mean'] < record['grid'][[p['name'] for p in record['grid']].index(
       better)]['validation_mean']
-  config.sweep = repr({'client.learning_rate': (worse['point']['client.learning_rate'],)})
+  config.sweep = sweep.grid({'client.learning_rate': (worse['point']['client.learning_rate'],)})
   with caplog.at_level(logging.WARNING, logger='fedjax_shift'):
     narrowed = pipelines.run(config, str(tmp_path))
   note = (f'fedavg: {better}, trained in this workdir outside this grid, has validation')

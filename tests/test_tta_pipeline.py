@@ -254,7 +254,7 @@ def test_alpha_is_never_reused_after_its_global_model_changed(tmp_path):
   shutil.copytree(os.path.join(workdir, 'hybrid', 'seed_0', 'pretrain'), saved)
   shutil.rmtree(os.path.join(workdir, 'hybrid', 'seed_0', 'pretrain'))
   other = override(tiny(), **{'tta.rows': ('no_adapt', 'atp_batch'),
-                              'fedavg.client_learning_rate': 0.05})
+                              'client_overrides': {'fedavg': {'learning_rate': 0.05}}})
   with pytest.raises(ValueError, match=r'alpha holds a run.*\n  depends_on.global_model: '
                                        r'{"fingerprint"'):
     pipelines.run(other, workdir)

@@ -35,7 +35,7 @@ import ml_collections
 
 from fedjax_shift import models
 from fedjax_shift.parts import losses
-from fedjax_shift.parts.fedtta_step import ADAPTATION, inner_step
+from fedjax_shift.parts.fedtta_step import ADAPTATION, InnerStep, inner_step
 from fedjax_shift.core.local import select
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
 from fedjax_shift.registry import (BOOL, NONNEGATIVE, NONNEGATIVE_INT, POSITIVE_INT, Range,
@@ -74,22 +74,42 @@ def filled_weight(weight: jax.Array, fill_batch: int) -> jax.Array:
   return weight * jnp.maximum(1.0, fill_batch / jnp.maximum(count, 1e-12))
 
 
-def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rate: float,
-          max_steps: int, patience: int, norm_epsilon: float, loop: str = 'scan',
-          restore_best: bool = False, include_initial: bool = False, clip_norm: float = 0.0,
-          weight_decay: float = 0.0, fill_batch: int = 0):
+class Adaptation(NamedTuple):
+  """A new client's test-time adaptation (module docstring): Eq. 11's step repeated up
+  to ``max_steps`` times, FedTTA++'s early stopping after ``patience`` steps without a
+  lower entropy (0: none)."""
+  step: InnerStep
+  max_steps: int = 1             # E (FedTTA: 1; FedTTA++: 50)
+  patience: int = 0
+  loop: str = 'scan'             # 'scan' (masked, differentiable) | 'while' (stops)
+  restore_best: bool = False     # the lowest-entropy model instead of the one at the stop
+  include_initial: bool = False  # ... with ψ_0 among the candidates
+  fill_batch: int = 0            # ℓ_per's weights filled to this batch (0: as they are)
+
+
+def adaptation(hparams: ml_collections.ConfigDict) -> Adaptation:
+  """``config.adapters.<fedtta | fedtta_pp>`` resolved by ``for_method`` as settings."""
+  return Adaptation(InnerStep(hparams.inner_learning_rate, hparams.norm_epsilon,
+                              hparams.clip_norm, hparams.weight_decay),
+                    hparams.max_steps, hparams.patience, hparams.loop, hparams.restore_best,
+                    hparams.include_initial, int(hparams.fill_batch))
+
+
+def adapt(module, variables, x: jax.Array, weight: jax.Array, settings: Adaptation):
   """(ψ, steps run [] int32) for one batch x [B, ...], weight [B] (ℓ_per's weights
-  filled to ``fill_batch``, see the module docstring).
+  filled to ``settings.fill_batch``, see the module docstring).
 
   ψ is the model after the last step run, or with ``restore_best`` (and patience > 0)
-  the one of lowest entropy among ψ_1 … ψ_stop (ψ_0 … ψ_stop with ``include_initial``). ``loop='scan'``: a masked ``lax.scan``
-  of E steps (steps after the stop compute and are discarded; reverse-differentiable).
-  ``'while'``: a ``lax.while_loop`` that ends at the stop (vmapped over clients it runs
-  until the last client stops; not reverse-differentiable). Both give the same ψ."""
+  the one of lowest entropy among ψ_1 … ψ_stop (ψ_0 … ψ_stop with
+  ``include_initial``). ``loop='scan'``: a masked ``lax.scan`` of E steps (steps after
+  the stop compute and are discarded; reverse-differentiable). ``'while'``: a
+  ``lax.while_loop`` that ends at the stop (vmapped over clients it runs until the last
+  client stops; not reverse-differentiable). Both give the same ψ."""
+  patience, max_steps = settings.patience, settings.max_steps
   adaptation_params = variables[ADAPTATION]
   adaptation_module = adaptation_module_of(adaptation_params)
   model_state = model_collections(variables)
-  norm_weight = filled_weight(weight, fill_batch)
+  norm_weight = filled_weight(weight, settings.fill_batch)
 
   def entropy(params):
     if patience == 0:   # no early stopping: the entropy is never read (FedTTA's one step)
@@ -100,8 +120,7 @@ def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rat
   def step(carry, _=None):
     params, best, best_value, lowest, waited, stopped, steps = carry
     new_params = inner_step(module, adaptation_module, params, adaptation_params, x,
-                            norm_weight, inner_learning_rate, norm_epsilon, model_state, clip_norm,
-                            weight_decay)
+                            norm_weight, settings.step, model_state)
     value = entropy(new_params)
     improved = value < lowest          # the stopping rule's reference includes H_0
     new_waited = jnp.where(improved, 0, waited + 1)
@@ -116,21 +135,18 @@ def adapt(module, variables, x: jax.Array, weight: jax.Array, inner_learning_rat
 
   params = variables['params']
   initial = entropy(params)
-  init = (params, params, initial if include_initial else jnp.float32(jnp.inf), initial,
+  init = (params, params, initial if settings.include_initial else jnp.float32(jnp.inf), initial,
           jnp.int32(0), jnp.bool_(False), jnp.int32(0))
-  if loop == 'while':
+  if settings.loop == 'while':
     final = jax.lax.while_loop(lambda carry: ~carry[5] & (carry[6] < max_steps),
                                lambda carry: step(carry)[0], init)
   else:
     final, _ = jax.lax.scan(step, init, None, length=max_steps)
   params, best, _, _, _, _, steps = final
-  return (best if restore_best and patience > 0 else params), steps
+  return (best if settings.restore_best and patience > 0 else params), steps
 
 
-def fedtta_adapter(module, inner_learning_rate: float, max_steps: int, patience: int,
-                   norm_epsilon: float, loop: str = 'scan', restore_best: bool = False,
-                   include_initial: bool = False, clip_norm: float = 0.0,
-                   weight_decay: float = 0.0, fill_batch: int = 0) -> Adapter:
+def fedtta_adapter(module, settings: Adaptation) -> Adapter:
   def init(variables, rng):
     del rng
     if ADAPTATION not in variables:
@@ -140,9 +156,7 @@ def fedtta_adapter(module, inner_learning_rate: float, max_steps: int, patience:
     return FedTTAState(variables)
 
   def step(state, batch):
-    params, _ = adapt(module, state.variables, batch.x, batch.weight, inner_learning_rate,
-                      max_steps, patience, norm_epsilon, loop, restore_best, include_initial,
-                      clip_norm, weight_decay, fill_batch)
+    params, _ = adapt(module, state.variables, batch.x, batch.weight, settings)
     logits = models.apply(module, {'params': params, **model_collections(state.variables)},
                           batch.x)[0]
     return state, logits
@@ -216,10 +230,7 @@ def build(module, hparams, context: SourceContext) -> Adapter:
     if hparams[field] == FROM_TRAINING:
       raise ValueError(f'adapters.fedtta: {field} is the trained method\'s; resolve the '
                        f'section with for_method first')
-  return fedtta_adapter(module, hparams.inner_learning_rate, hparams.max_steps, hparams.patience,
-                        hparams.norm_epsilon, hparams.loop, hparams.restore_best,
-                        hparams.include_initial, hparams.clip_norm, hparams.weight_decay,
-                        int(hparams.fill_batch))
+  return fedtta_adapter(module, adaptation(hparams))
 
 
 ADAPTERS.register('fedtta', defaults={

@@ -18,7 +18,7 @@ from fedjax_shift.core.algorithm import ClientData, ClientOutput, FederatedAlgor
 from fedjax_shift.core.local import LocalSchedule, local_train, masked_mean
 from fedjax_shift.data import augment
 from fedjax_shift.parts.trees import tree_sub, weighted_sum
-from fedjax_shift.registry import NONNEGATIVE, NONNEGATIVE_INT, Registry, require
+from fedjax_shift.registry import Registry, require
 
 PyTree = Any
 SERVER_OPTIMIZERS = ('sgd', 'fedavgm', 'fedadam')
@@ -71,13 +71,7 @@ class BuildContext(NamedTuple):
 # server state is one global model ``ServerState.variables`` that another stage can
 # start from); pretrained_model=True (trains around a pretrained global model,
 # ``BuildContext.global_variables``); models=(...) (the models it needs).
-# Every method's section also has ``client_learning_rate``: its own local η (e.g. a
-# paper's per-method tuned rates), 0 = the shared ``config.client.learning_rate``, and
-# ``client_batch_size``: its own local batch (e.g. 1 for a release that steps once per
-# image), 0 = the shared ``config.client.batch_size``.
-ALGORITHMS: Registry = Registry(
-    'algorithm', common_defaults={'client_learning_rate': 0.0, 'client_batch_size': 0},
-    common_ranges={'client_learning_rate': NONNEGATIVE, 'client_batch_size': NONNEGATIVE_INT})
+ALGORITHMS: Registry = Registry('algorithm')
 
 
 def traced(value) -> bool:
@@ -97,21 +91,26 @@ def number(value):
   return value if traced(value) else float(value)
 
 
+def client_overrides(config: ml_collections.ConfigDict, name: str) -> dict:
+  """Method ``name``'s entry of ``config.client_overrides``: {field of config.client:
+  value} that it trains with instead of the shared one (e.g. a paper's per-method tuned
+  rate; batch 1 for a release that steps once per image), each value of its field's type
+  (a swept value traced as it is); {} when the section does not name the method."""
+  overrides = config.client_overrides
+  if name not in overrides:
+    return {}
+  out = {}
+  for field, value in overrides[name].items():
+    shared = config.client[field]
+    out[field] = (value if traced(value) or isinstance(shared, tuple) or
+                  isinstance(value, bool) else type(shared)(value))
+  return out
+
+
 def method_client(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
-  """``config.client`` as method ``name`` trains with it: its learning rate and batch
-  size replaced by ``config.<name>.client_learning_rate`` / ``client_batch_size`` when
-  set (> 0)."""
-  client = ml_collections.ConfigDict(config.client.to_dict())
-  section = config[name] if name in config else {}
-  rate = section.get('client_learning_rate', 0.0)
-  if traced(rate):   # a swept rate (pipelines/sweep.py): 0 still means the shared one
-    client = ml_collections.ConfigDict(
-        {**client.to_dict(), 'learning_rate': jnp.where(rate > 0, rate, client.learning_rate)})
-  elif rate:
-    client.learning_rate = float(rate)
-  if section.get('client_batch_size', 0):
-    client.batch_size = int(section['client_batch_size'])
-  return client
+  """``config.client`` as method ``name`` trains with it: the shared fields with its
+  ``config.client_overrides.<name>`` in their place."""
+  return ml_collections.ConfigDict({**config.client.to_dict(), **client_overrides(config, name)})
 
 
 def client_optimizer(client: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -142,33 +141,78 @@ def server_optimizer(server: ml_collections.ConfigDict) -> optax.GradientTransfo
                    f'{list(SERVER_OPTIMIZERS)}')
 
 
+def check_client(client: ml_collections.ConfigDict, where: str = 'client') -> None:
+  """A client section (``config.client``, or a method's with its overrides) as
+  ``config.<where>``: optimizer, rate, batch, local schedule, augmentation, optimizer
+  constants."""
+  try:
+    client_optimizer(client)
+  except ValueError as err:
+    raise ValueError(str(err).replace('config.client.', f'config.{where}.')) from None
+  require(client.learning_rate > 0, f'{where}.learning_rate',
+          f'must be > 0, got {client.learning_rate}')
+  require(client.batch_size >= 1, f'{where}.batch_size', f'must be >= 1, got {client.batch_size}')
+  require(client.local_epochs >= 1 or client.local_steps >= 1, f'{where}.local_epochs',
+          'need local_epochs >= 1 or local_steps >= 1')
+  require(client.local_steps >= 0, f'{where}.local_steps',
+          f'must be >= 0, got {client.local_steps}')
+  augment.check_view_names(client.augmentation, f'{where}.augmentation')
+  # Optimizer constants: a momentum of 1 or more never forgets (the steps grow without
+  # bound), a negative weight decay grows the weights.
+  if not traced(client.momentum):
+    require(0.0 <= client.momentum < 1.0, f'{where}.momentum',
+            f'must be in [0, 1), got {client.momentum}')
+  if not traced(client.weight_decay):
+    require(client.weight_decay >= 0.0, f'{where}.weight_decay',
+            f'must be >= 0, got {client.weight_decay}')
+
+
+def check_client_overrides(config: ml_collections.ConfigDict) -> None:
+  """``config.client_overrides``: each entry names a registered method and fields of
+  ``config.client`` with values of their types, and the client it gives the method
+  passes ``check_client`` (errors name ``config.client_overrides.<method>.<field>``)."""
+  for name in config.client_overrides.keys():
+    ALGORITHMS.get(name, 'config.client_overrides')
+    where = f'client_overrides.{name}'
+    section = config.client_overrides[name]
+    require(isinstance(section, (ml_collections.ConfigDict, dict)), where,
+            f'is a section of config.client fields, e.g. {{\'learning_rate\': 0.3}}, got '
+            f'{section!r}')
+    for field, value in section.items():
+      require(field in config.client, f'{where}.{field}',
+              f'unknown field; config.client has {sorted(config.client.keys())}')
+      shared = config.client[field]
+      if traced(value):
+        continue
+      if isinstance(shared, tuple):
+        fits = isinstance(value, (tuple, list))
+      elif isinstance(shared, (int, float)) and not isinstance(shared, bool):
+        fits = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            isinstance(shared, float) or float(value).is_integer())
+      else:
+        fits = isinstance(value, type(shared))
+      require(fits, f'{where}.{field}',
+              f'must be of config.client.{field}\'s type ({type(shared).__name__}), got {value!r}')
+    check_client(method_client(config, name), where)
+
+
 def check_training(config: ml_collections.ConfigDict) -> None:
-  """The client and server sections (optimizers, rates, local schedule)."""
-  client_optimizer(config.client)
+  """The client and server sections (optimizers, rates, local schedule) and each
+  method's client overrides."""
+  check_client(config.client)
   server_optimizer(config.server)
-  require(config.client.learning_rate > 0, 'client.learning_rate',
-           f'must be > 0, got {config.client.learning_rate}')
   require(config.server.learning_rate > 0, 'server.learning_rate',
-           f'must be > 0, got {config.server.learning_rate}')
-  require(config.client.batch_size >= 1, 'client.batch_size',
-           f'must be >= 1, got {config.client.batch_size}')
-  require(config.client.local_epochs >= 1 or config.client.local_steps >= 1,
-           'client.local_epochs', 'need local_epochs >= 1 or local_steps >= 1')
-  require(config.client.local_steps >= 0, 'client.local_steps',
-           f'must be >= 0, got {config.client.local_steps}')
-  augment.check_view_names(config.client.augmentation, 'client.augmentation')
-  # Optimizer constants: a momentum or Adam β of 1 or more never forgets (the steps grow
-  # without bound), a negative weight decay grows the weights.
-  in_unit = {'client.momentum': config.client.momentum,
-             'server.momentum': config.server.momentum, 'server.beta1': config.server.beta1,
-             'server.beta2': config.server.beta2}
-  for field, value in in_unit.items():
+          f'must be > 0, got {config.server.learning_rate}')
+  # Adam's βs of 1 or more never forget; a negative ε divides by ~0.
+  for field, value in {'server.momentum': config.server.momentum,
+                       'server.beta1': config.server.beta1,
+                       'server.beta2': config.server.beta2}.items():
     if not traced(value):
       require(0.0 <= value < 1.0, field, f'must be in [0, 1), got {value}')
-  for field, value in {'client.weight_decay': config.client.weight_decay,
-                       'server.adam_eps': config.server.adam_eps}.items():
-    if not traced(value):
-      require(value >= 0.0, field, f'must be >= 0, got {value}')
+  if not traced(config.server.adam_eps):
+    require(config.server.adam_eps >= 0.0, 'server.adam_eps',
+            f'must be >= 0, got {config.server.adam_eps}')
+  check_client_overrides(config)
 
 
 # The Benchmark.info fields a builder may read. Only these reach BuildContext.info,
@@ -184,8 +228,8 @@ def build_info(info: Optional[dict]) -> dict:
 
 def method_schedule(config: ml_collections.ConfigDict, name: str, max_examples: int
                     ) -> LocalSchedule:
-  """Method ``name``'s local schedule (its own batch size, if set; ``config.client``
-  when ``name`` is '') for clients padded to ``max_examples``."""
+  """Method ``name``'s local schedule (``config.client`` with its overrides;
+  ``config.client`` alone when ``name`` is '') for clients padded to ``max_examples``."""
   c = method_client(config, name) if name else config.client
   return LocalSchedule(batch_size=c.batch_size, num_epochs=c.local_epochs,
                        num_steps=c.local_steps, max_examples=max_examples,
@@ -197,7 +241,7 @@ def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
                   example_shape: tuple = (), global_variables=None,
                   name: str = '') -> BuildContext:
   """The engine's part of a builder's input, from ``config.client`` (with method
-  ``name``'s own client_learning_rate, if set), ``config.server``,
+  ``name``'s ``config.client_overrides``), ``config.server``,
   ``config.engine.unroll`` and ``config.cohort_size`` over ``num_clients`` (the
   training split's K; None: a cohort fraction of 1)."""
   c = method_client(config, name) if name else config.client

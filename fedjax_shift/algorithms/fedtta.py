@@ -30,10 +30,10 @@ from fedjax_shift.algorithms import base
 from fedjax_shift.core.algorithm import ClientOutput, FederatedAlgorithm
 from fedjax_shift.core.local import local_train, masked_mean
 from fedjax_shift.parts import trees
+from fedjax_shift.parts.fedtta_step import ADAPTATION, ADAPTATION_SIZES, InnerStep, inner_step
 from fedjax_shift.parts.trees import clipped_and_decayed
 from fedjax_shift.registry import NONNEGATIVE, interval, one_of
 
-from fedjax_shift.parts.fedtta_step import ADAPTATION, ADAPTATION_SIZES, inner_step
 
 
 CLIP_GROUPS = ('separate', 'joint')   # meta_optimizer's clip: per group (ψ, φ) or both at once
@@ -44,7 +44,7 @@ def meta_loss(module, adaptation_module, params, x: jax.Array, y: jax.Array,
   """CE(f(X; ψ̃), Y) with ψ̃ the inner step of ψ = params['base'] under
   φ = params['adaptation'] (Eqs. 5–7); x [B, ...], y [B], weight [B]."""
   adapted = inner_step(module, adaptation_module, params['base'], params['adaptation'], x,
-                       weight, hparams.inner_learning_rate, hparams.norm_epsilon)
+                       weight, InnerStep(hparams.inner_learning_rate, hparams.norm_epsilon))
   logits = models.apply(module, {'params': adapted}, x)[0]
   return masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y), weight)
 

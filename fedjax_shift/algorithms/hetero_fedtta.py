@@ -121,9 +121,10 @@ def public_batches(public_x: jax.Array, batch_size: int) -> jax.Array:
 def batch_logits(arch: Architecture, params, x: jax.Array, hparams):
   """(f(x; ψ), f(x; ψ̃)) on one public batch x [b, ...], ψ̃ the inner step of ψ under φ
   on x itself (Eq. 5): the logits a client sends and the ones Eq. 14 distils."""
-  adapted = fedtta_step.inner_step(arch.module, arch.adaptation_module, params['base'],
-                              params['adaptation'], x, jnp.ones(x.shape[0]),
-                              hparams.inner_learning_rate, hparams.norm_epsilon)
+  adapted = fedtta_step.inner_step(
+      arch.module, arch.adaptation_module, params['base'], params['adaptation'], x,
+      jnp.ones(x.shape[0]), fedtta_step.InnerStep(hparams.inner_learning_rate,
+                                                  hparams.norm_epsilon))
   return (arch.module.apply({'params': params['base']}, x),
           arch.module.apply({'params': adapted}, x))
 

@@ -5,6 +5,8 @@ takes it on its unlabelled data.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -23,21 +25,29 @@ def personalization_loss(adaptation_module, adaptation_params, logits: jax.Array
   return jnp.sqrt(jnp.sum(weight * scores ** 2) + norm_epsilon)
 
 
+class InnerStep(NamedTuple):
+  """The settings of Eq. 5 / 11's step ψ − η_inner (∇_ψ ℓ_per + λψ)."""
+  learning_rate: float          # η_inner
+  norm_epsilon: float           # ε, smoothing ℓ_per at 0
+  clip_norm: float = 0.0        # the authors' test-time steps: the gradient clipped at this
+                                # global norm (0: none), ...
+  weight_decay: float = 0.0     # ... then λ·ψ added (PyTorch's SGD order)
+
+
 def inner_step(module, adaptation_module, params, adaptation_params, x: jax.Array,
-               weight: jax.Array, inner_learning_rate: float, norm_epsilon: float,
-               model_state=None, clip_norm: float = 0.0, weight_decay: float = 0.0):
-  """ψ̃ = ψ − η_inner ∇_ψ ‖g(f(X; ψ); φ)‖₂ (Eqs. 5 and 11); differentiable in ψ, φ.
-  ``model_state``: the model's other collections (eval mode), if any. The authors'
-  test-time steps clip the gradient at global norm ``clip_norm`` (0: none), then add
-  ``weight_decay``·ψ (PyTorch's SGD order)."""
+               weight: jax.Array, settings: InnerStep, model_state=None):
+  """ψ̃ = ψ − η_inner ∇_ψ ‖g(f(X; ψ); φ)‖₂ (Eqs. 5 and 11) on x [B, ...], weight [B];
+  differentiable in ψ, φ. ``model_state``: the model's other collections (eval mode),
+  if any."""
   def loss(params):
     logits = models.apply(module, {'params': params, **(model_state or {})}, x)[0]
     return personalization_loss(adaptation_module, adaptation_params, logits, weight,
-                                norm_epsilon)
+                                settings.norm_epsilon)
 
   grads = jax.grad(loss)(params)
-  if clip_norm:
+  if settings.clip_norm:
     norm = jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)))
-    grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, clip_norm / (norm + 1e-12)), grads)
-  return jax.tree.map(lambda p, g: p - inner_learning_rate * (g + weight_decay * p),
-                      params, grads)
+    grads = jax.tree.map(
+        lambda g: g * jnp.minimum(1.0, settings.clip_norm / (norm + 1e-12)), grads)
+  return jax.tree.map(
+      lambda p, g: p - settings.learning_rate * (g + settings.weight_decay * p), params, grads)

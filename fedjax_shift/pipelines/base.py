@@ -16,7 +16,7 @@ import os
 import platform
 import shutil
 import time
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import ml_collections
@@ -397,12 +397,36 @@ def other_benchmark_fields(benchmark: str) -> set:
           for field in BENCHMARKS.defaults(name) if field not in own}
 
 
+# How run.json records a method's client overrides: its learning rate and batch size
+# under the names runs have always been recorded with (each method's section had them,
+# 0 for the shared value), any other field as client_overrides.<method>.<field>.
+RECORDED_OVERRIDES = {'learning_rate': ('client_learning_rate', 0.0),
+                      'batch_size': ('client_batch_size', 0)}
+
+
+def override_fields(config: ml_collections.ConfigDict, names: Sequence[str]) -> dict:
+  """The fingerprinted fields of the client overrides of ``names``' methods."""
+  fields = {}
+  for name in names:
+    if name not in ALGORITHMS:
+      continue
+    overrides = base.client_overrides(config, name)
+    for field, (recorded, shared) in RECORDED_OVERRIDES.items():
+      fields[f'{name}.{recorded}'] = json.dumps(overrides.pop(field, shared))
+    fields.update({f'client_overrides.{name}.{field}': json.dumps(value, default=repr)
+                   for field, value in overrides.items()})
+  return fields
+
+
 def run_fields(config: ml_collections.ConfigDict, section: str) -> dict:
   """The fingerprinted fields of a run trained by ``section``'s method (not those of
   other methods' sections, nor the data fields of other benchmarks)."""
   # The pretrained backbone (pipelines/pretrain.py) belongs to a run that starts from it.
   own = (section,) + (('backbone',) if 'backbone' in config and config.backbone.weights else ())
-  fields = workdir_lib.state_fields(config, method_sections(), own)
+  fields = {path: value for path, value in
+            workdir_lib.state_fields(config, method_sections(), own).items()
+            if not path.startswith('client_overrides.')}
+  fields.update(override_fields(config, own))
   weights = config.backbone.weights if 'backbone' in config else ''
   if weights and weights != 'pretrain' and os.path.exists(weights):
     # a path is not an identity: the same file may be rewritten with other weights

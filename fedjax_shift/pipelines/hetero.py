@@ -40,7 +40,7 @@ import numpy as np
 
 from fedjax_shift import report
 from fedjax_shift.report import figures
-from fedjax_shift.adapters.fedtta import fedtta_adapter, fill_batch_of
+from fedjax_shift.adapters.fedtta import Adaptation, fedtta_adapter, fill_batch_of
 from fedjax_shift.adapters.no_adapt import no_adapt
 from fedjax_shift.algorithms import base, hetero_fedtta
 from fedjax_shift.benchmarks import BENCHMARKS, upfl
@@ -51,6 +51,7 @@ from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.core.round import round_key
 from fedjax_shift.core.test_time import client_runner
 from fedjax_shift.data import federated
+from fedjax_shift.parts.fedtta_step import InnerStep
 from fedjax_shift.pipelines import loop
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
                                          check_run_dir, check_run_loop, check_sections,
@@ -264,13 +265,14 @@ def build_evaluate(config, num_classes: int, parts: Setup, val: federated.Federa
     arch = hetero_fedtta.architecture(size, num_classes, hp.base_model)
     runners = {
         'plain': client_runner(no_adapt(arch.module), batch_size),
-        'one_step': client_runner(fedtta_adapter(
-            arch.module, hp.inner_learning_rate, 1, 0, hp.norm_epsilon,
-            fill_batch=fill_batch_of(config.adapters.fedtta, config)), batch_size),
-        'early_stopped': client_runner(fedtta_adapter(
-            arch.module, hp.inner_learning_rate, early.max_steps, early.patience,
-            hp.norm_epsilon, early.loop, early.restore_best, early.include_initial,
-            early.clip_norm, early.weight_decay, fill_batch_of(early, config)), batch_size)}
+        'one_step': client_runner(fedtta_adapter(arch.module, Adaptation(
+            InnerStep(hp.inner_learning_rate, hp.norm_epsilon),
+            fill_batch=fill_batch_of(config.adapters.fedtta, config))), batch_size),
+        'early_stopped': client_runner(fedtta_adapter(arch.module, Adaptation(
+            InnerStep(hp.inner_learning_rate, hp.norm_epsilon, early.clip_norm,
+                      early.weight_decay), early.max_steps, early.patience, early.loop,
+            early.restore_best, early.include_initial, fill_batch_of(early, config))),
+            batch_size)}
 
     def score(params, x, y, num_examples, key, runners=runners):
       """{'plain': ψ, 'one_step': FedTTA's, 'early_stopped': FedTTA++'s} sums."""

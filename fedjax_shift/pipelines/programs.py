@@ -189,7 +189,7 @@ def examples_first(data: federated.FederatedData) -> bool:
 
 def examples_per_step(config: ml_collections.ConfigDict, algorithm_name: str) -> int:
   """Examples one local step of a round touches over the cohort (the progress bar's
-  examples/s): the method's own batch size (``client_batch_size``) × cohort."""
+  examples/s): the method's own batch size (with its client overrides) × cohort."""
   client = (algorithms.base.method_client(config, algorithm_name) if algorithm_name
             else config.client)
   return client.batch_size * config.cohort_size

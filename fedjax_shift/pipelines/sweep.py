@@ -1,12 +1,16 @@
 """Hyperparameter sweeps (``config.sweep``): a grid of values of numeric fields, each
 point × seed one run, the numbers traced so that a grid is one compiled program.
 
-    --config.sweep="{'client.learning_rate': (0.01, 0.03, 0.1), 'fedprox.mu': (0.001, 0.01)}"
+    --config.sweep="{'client': {'learning_rate': (0.01, 0.03, 0.1)},
+                     'fedprox': {'mu': (0.001, 0.01)}}"
 
-names fields of ``client``, ``server``, ``adapters.<name>`` or a method's own section
-(``config.<method>``) and their values; the grid is their product, in the order written.
-A method runs the points of the fields it reads (``fedprox.mu`` is not FedAvg's: FedAvg
-runs the learning rates alone) in ``<workdir>/<method>/<point>/seed_<s>``, where
+is a section shaped as the config: each leaf a tuple of values for the field at its path,
+a field of ``client``, ``server``, ``adapters.<name>``, ``client_overrides.<method>`` or a
+method's own section (``config.<method>``). The grid is their product, the fields in the
+order of their dotted paths (``grid``: the same from {'client.learning_rate': (…)}; the
+command line reads that dotted form too). A method runs the points of the fields it
+reads (``fedprox.mu`` is not FedAvg's: FedAvg runs the learning rates alone) in
+``<workdir>/<method>/<point>/seed_<s>``, where
 ``<point>`` is ``client.learning_rate=0.01,fedprox.mu=0.001``; each point keeps what a
 run has (fingerprint, lock, checkpoints, metrics, results.json with its
 ``sweep_point``), and resuming works per point.
@@ -24,7 +28,9 @@ Selection (``config.sweep_select``), as the papers tuned: per method, the point 
 best mean over seeds of the validation accuracy ``config.sweep_metric`` (default: the
 global model's on the first split named ``val…``; a dict names each method's, for a
 method whose table validates another model), at the last round ('last') or at each
-run's round of best validation accuracy ('best_round', FedTTA Sec. 4.1.3). A point
+run's round of best validation accuracy ('best_round', FedTTA Sec. 4.1.3);
+``config.sweep_metric`` is a section {method: metric key}, '*' naming every other
+method's, e.g. {'*': 'global+tent/val/accuracy', 'fedper': 'personalized/val/accuracy'}. A point
 with a diverged seed ranks below every point without; ties go to the point first in
 grid order. The results table reports each method at its selected point;
 ``<workdir>/sweep.json`` keeps the whole grid (``launch/report.py --sweep=WORKDIR``).
@@ -44,31 +50,43 @@ import numpy as np
 
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.metrics import changed_fields
-from fedjax_shift.registry import require
+from fedjax_shift.registry import leaf_paths, require
 
-SECTIONS = ('client', 'server', 'adapters')   # besides each method's own section
+SECTIONS = ('client', 'server', 'adapters', 'client_overrides')   # and each method's own
 SELECT = ('last', 'best_round')
 
 Grid = Dict[str, Tuple[Any, ...]]   # dotted field path -> values, in the order written
 Point = Dict[str, Any]              # dotted field path -> one value
 
 
-def parse(text: str) -> Grid:
-  """``config.sweep`` as {field path: values}; '' is no sweep. Refuses what is not a
-  dict of field paths to non-empty tuples of distinct numbers, naming the field."""
-  if not text:
-    return {}
-  try:
-    grid = ast.literal_eval(text)
-  except (ValueError, SyntaxError) as err:
-    raise ValueError(f"config.sweep: not a Python dict literal of field -> values "
-                     f"({err}), e.g. \"{{'client.learning_rate': (0.01, 0.1)}}\"; got "
-                     f'{text!r}') from None
-  require(isinstance(grid, dict) and grid, 'sweep',
-          f"must be a non-empty dict of field -> values, got {text!r}")
-  out = {}
-  for path, values in grid.items():
+def grid(fields: Mapping[str, Sequence[Any]]) -> ml_collections.ConfigDict:
+  """``config.sweep`` from {dotted field path: values}: {'client.learning_rate': (0.01,
+  0.1)} is the section {'client': {'learning_rate': (0.01, 0.1)}}."""
+  tree: Dict[str, Any] = {}
+  for path, values in fields.items():
     require(isinstance(path, str) and path, 'sweep', f'field names are strings, got {path!r}')
+    *parents, leaf = path.split('.')
+    node = tree
+    for part in parents:
+      node = node.setdefault(part, {})
+      require(isinstance(node, dict), 'sweep', f'{path}: {part} is swept as a field and a '
+                                               f'section')
+    require(not isinstance(node.get(leaf), dict), 'sweep',
+            f'{path}: {leaf} is swept as a field and a section')
+    node[leaf] = tuple(values) if isinstance(values, (tuple, list)) else values
+  return ml_collections.ConfigDict(tree)
+
+
+def parse(section: Mapping[str, Any]) -> Grid:
+  """``config.sweep`` as {dotted field path: values}, the paths in order; an empty
+  section is no sweep. Refuses what is not a section of non-empty tuples of distinct
+  numbers, naming the field."""
+  require(isinstance(section, (ml_collections.ConfigDict, Mapping)), 'sweep',
+          f"is a section shaped as the config, each leaf a tuple of values, e.g. "
+          f"{{'client': {{'learning_rate': (0.01, 0.1)}}}}; got {section!r}")
+  tree = section.to_dict() if isinstance(section, ml_collections.ConfigDict) else dict(section)
+  out = {}
+  for path, values in sorted(leaf_paths(tree)):
     require(isinstance(values, (tuple, list)), 'sweep',
             f'{path}: values are a tuple, e.g. (0.01, 0.1), got {values!r}')
     require(len(values) > 0, 'sweep', f'{path}: the tuple of values is empty')
@@ -79,6 +97,28 @@ def parse(text: str) -> Grid:
             f'{path}: a value appears twice in {tuple(values)}')
     out[path] = tuple(values)
   return out
+
+
+def legacy_flag(arg: str) -> str:
+  """A command-line ``--config.sweep=`` or ``--config.sweep_metric=`` in the form these
+  fields had as strings, in their section form: a dict literal of dotted field paths
+  ("{'client.learning_rate': (0.01, 0.1)}") as the nested section, a bare metric key
+  ('global+tent/val/accuracy') as {'*': key}, '' as {}; any other argument as it is."""
+  flag, equals, value = arg.partition('=')
+  if not equals or flag not in ('--config.sweep', '--config.sweep_metric'):
+    return arg
+  if not value.strip():   # '' was no sweep, the default metric
+    return f'{flag}={{}}'
+  if flag == '--config.sweep':
+    try:
+      fields = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      return arg
+    if isinstance(fields, dict) and any('.' in str(path) for path in fields):
+      return f'{flag}={grid(fields).to_dict()!r}'
+  if flag == '--config.sweep_metric' and value and not value.lstrip().startswith('{'):
+    return f'{flag}={ {"*": value}!r}'
+  return arg
 
 
 def field_value(config: ml_collections.ConfigDict, path: str):
@@ -96,7 +136,7 @@ def with_values(config: ml_collections.ConfigDict, point: Mapping[str, Any]
   """A copy of ``config`` with each dotted path of ``point`` set (numbers converted to
   the field's type; tracers as they are) and no sweep."""
   tree = config.to_dict()
-  tree['sweep'] = ''
+  tree['sweep'] = {}
   for path, value in point.items():
     *parents, leaf = path.split('.')
     node = tree
@@ -117,19 +157,20 @@ def check(config: ml_collections.ConfigDict, validate) -> None:
   for name in parse_metric(config.sweep_metric):   # a method not run is let be (a
     require(name == '*' or name in ALGORITHMS, 'sweep_metric',   # variant names its rows)
             f'names {name!r}, which is not a registered method ({sorted(ALGORITHMS.names())})')
-  grid = parse(config.sweep)
-  if not grid:
+  swept = parse(config.sweep)
+  if not swept:
     return
   require(config.pipeline == 'federated', 'sweep',
           f'sweeps run in the federated pipeline, not config.pipeline={config.pipeline!r}')
   methods = tuple(config.algorithms)
-  for path, values in grid.items():
+  for path, values in swept.items():
     top = path.split('.')[0]
     require(top in SECTIONS or top in ALGORITHMS, 'sweep',
             f'{path}: a sweep sets fields of {list(SECTIONS)} or of a method\'s section '
             f'(config.<method>), not of config.{top}')
-    require(top not in ALGORITHMS or top in methods, 'sweep',
-            f'{path}: {top} is not in config.algorithms {list(methods)}')
+    method = path_method(path)
+    require(not method or method in methods, 'sweep',
+            f'{path}: {method} is not in config.algorithms {list(methods)}')
     if top == 'adapters':
       adapter = path.split('.')[1] if path.count('.') >= 2 else ''
       require(adapter in [spec.split(':')[0] for spec in config.eval_adapters], 'sweep',
@@ -153,26 +194,40 @@ def check(config: ml_collections.ConfigDict, validate) -> None:
 def tune_client_rates(config: ml_collections.ConfigDict, rates: Sequence[float],
                       row_models: Sequence[Tuple[str, str]]) -> None:
   """Sets ``config`` to sweep every method's client learning rate over ``rates`` (each
-  method's own ``client_learning_rate`` cleared so that it reads the swept one) and to
-  select each on the validation accuracy of the model its paper-table row reports:
-  ``row_models`` = (method, model) per row, a method's first row counting."""
+  method's own rate in ``config.client_overrides`` removed so that it reads the swept
+  one) and to select each on the validation accuracy of the model its paper-table row
+  reports: ``row_models`` = (method, model) per row, a method's first row counting."""
   for name in config.algorithms:
-    config[name].client_learning_rate = 0.0
-  config.sweep = repr({'client.learning_rate': tuple(rates)})
+    if name in config.client_overrides and 'learning_rate' in config.client_overrides[name]:
+      del config.client_overrides[name]['learning_rate']
+      if not config.client_overrides[name]:
+        del config.client_overrides[name]
+  config.sweep = grid({'client.learning_rate': tuple(rates)})
   validated = {}
   for method, model in row_models:
     if method in config.algorithms:
       validated.setdefault(method, f'{model}/val/accuracy')
-  config.sweep_metric = repr(validated)
+  config.sweep_metric = validated
 
 
 def method_points(config: ml_collections.ConfigDict, name: str) -> List[Point]:
   """The grid points method ``name`` runs: the product of the swept fields it reads
   (those of other methods' sections left out), in grid order; [{}] when none."""
-  grid = {path: [as_field_type(config, path, value) for value in values]
-          for path, values in parse(config.sweep).items()
-          if path.split('.')[0] not in ALGORITHMS or path.split('.')[0] == name}
-  return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+  fields = {path: [as_field_type(config, path, value) for value in values]
+            for path, values in parse(config.sweep).items()
+            if path_method(path) in ('', name)}
+  return [dict(zip(fields, values)) for values in itertools.product(*fields.values())]
+
+
+def path_method(path: str) -> str:
+  """The method whose own field dotted ``path`` is (``fedprox.mu``,
+  ``client_overrides.fedprox.learning_rate``: 'fedprox'); '' for a shared field."""
+  parts = path.split('.')
+  if parts[0] in ALGORITHMS:
+    return parts[0]
+  if parts[0] == 'client_overrides' and len(parts) > 1:
+    return parts[1]
+  return ''
 
 
 def as_field_type(config: ml_collections.ConfigDict, path: str, value):
@@ -213,22 +268,15 @@ def program_groups(config: ml_collections.ConfigDict, points: Sequence[Point]
   return list(groups.values())
 
 
-def parse_metric(text: str) -> Dict[str, str]:
-  """``config.sweep_metric`` as {method: metric}, '*' for every method not named: one
-  metric key ('global+tent/val/accuracy') is {'*': key}; a dict literal
-  "{'fedper': 'personalized/val/accuracy'}" names each method's (a method whose table
-  row is validated with another model than the global one); '' is {}."""
-  if not text:
-    return {}
-  if not text.lstrip().startswith('{'):
-    return {'*': check_metric_key(text)}
-  try:
-    metrics = ast.literal_eval(text)
-  except (ValueError, SyntaxError) as err:
-    raise ValueError(f"config.sweep_metric: not a metric key nor a Python dict literal of "
-                     f"method -> metric ({err}); got {text!r}") from None
-  require(isinstance(metrics, dict) and metrics, 'sweep_metric',
-          f'must be a metric key or a non-empty dict of method -> metric, got {text!r}')
+def parse_metric(section: Mapping[str, str]) -> Dict[str, str]:
+  """``config.sweep_metric`` as {method: metric}, '*' for every method not named: e.g.
+  {'*': 'global+tent/val/accuracy'} for every method, {'fedper':
+  'personalized/val/accuracy'} for a method whose table row is validated with another
+  model than the global one; an empty section is {}."""
+  require(isinstance(section, (ml_collections.ConfigDict, Mapping)), 'sweep_metric',
+          f"is a section {{method or '*': metric key}}, e.g. {{'*': "
+          f"'global+tent/val/accuracy'}}; got {section!r}")
+  metrics = dict(section.items())
   for name, metric in metrics.items():
     require(isinstance(name, str) and isinstance(metric, str) and metric, 'sweep_metric',
             f'maps method names to metric keys, got {name!r}: {metric!r}')

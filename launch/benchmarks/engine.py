@@ -70,9 +70,14 @@ def setup_algorithm(num_clients_data, kind='fedavg'):
   name = kind if kind in ('fedevolve', 'fedtta') else 'fedavg'
   if kind.startswith('algorithm:'):
     name, *fields = kind.split(':')[1:]
-    for field in fields:   # '<field>=<value>' of the method's section
-      key, value = field.split('=', 1)
-      config[name][key] = ast.literal_eval(value)
+    for field in fields:   # '<field>=<value>' of the method's section, or
+      key, value = field.split('=', 1)   # 'client.<field>=<value>', its client override
+      if key.startswith('client.'):
+        config.client_overrides[name] = {**(config.client_overrides[name].to_dict() if name in
+                                            config.client_overrides else {}),
+                                         key[len('client.'):]: ast.literal_eval(value)}
+      else:
+        config[name][key] = ast.literal_eval(value)
     config.cohort_size = num_clients_data   # the round below takes every client
   algorithm = algorithms.build(name, config, module, padded_examples(), info,
                                num_clients=num_clients_data, example_shape=data.x.shape[2:])
@@ -293,7 +298,8 @@ def case_hetero(sizes):
 
 
 def method_label(name: str) -> str:
-  """'algorithm:<method>[:<field>=<value>…]': the method's round and its settings."""
+  """'algorithm:<method>[:<field>=<value>…]': the method's round and its settings (a
+  field of its section, or client.<field>: its client override)."""
   method, *fields = name.split(':')[1:]
   return f"{method} round, 1 epoch ({', '.join(fields) if fields else 'registered defaults'})"
 

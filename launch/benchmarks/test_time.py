@@ -11,12 +11,13 @@ from fedjax_shift import models
 from fedjax_shift.adapters import atp as atp_lib
 from fedjax_shift.adapters.fedicon import fedicon_tta
 from fedjax_shift.adapters.fedthe import fedthe_adapter
-from fedjax_shift.adapters.fedtta import adapt, fedtta_adapter
+from fedjax_shift.adapters.fedtta import Adaptation, adapt, fedtta_adapter
 from fedjax_shift.adapters.surgical import selection_scores, source_selected
 from fedjax_shift.adapters.tent import tent
 from fedjax_shift.algorithms.fedthe import PersonalState, personal_model
 from fedjax_shift.core.test_time import AdaptBatch, SourceContext, build_test_time
 from fedjax_shift.parts import atp_rates
+from fedjax_shift.parts.fedtta_step import InnerStep
 from launch.benchmarks import register
 from launch.benchmarks.common import FLAGS, num_clients, timed
 from launch.benchmarks.engine import cohort_data, make_config, setup_algorithm
@@ -93,7 +94,8 @@ def case_fedtta_test_time(loop: str, patience: int):
   untrained FedTTA model (the steps each client runs are reported)."""
   config, module, algorithm, data, server = setup_algorithm(num_clients(), 'fedtta')
   variables = algorithm.global_model(server)
-  adapter = fedtta_adapter(module, 0.5, 50, patience, 0.1, loop)
+  settings = Adaptation(InnerStep(0.5, 0.1), 50, patience, loop)
+  adapter = fedtta_adapter(module, settings)
   run_all = build_test_time(adapter, FLAGS.batch_size, 'episodic')
   device_data = jax.device_put(data)
   key = jax.random.key(0)
@@ -105,7 +107,7 @@ def case_fedtta_test_time(loop: str, patience: int):
   first_batches = device_data.x[:, :FLAGS.batch_size]
   steps = jax.jit(jax.vmap(lambda x: adapt(module, variables, x, np.ones(FLAGS.batch_size,
                                                                          np.float32),
-                                           0.5, 50, patience, 0.1, loop)[1]))(first_batches)
+                                           settings)[1]))(first_batches)
   return {'seconds': median, 'times': times, 'compile_s': compile_s,
           'mean_steps_first_batch': float(np.mean(steps)), 'max_steps_first_batch':
           int(np.max(steps))}

@@ -27,7 +27,7 @@ from ml_collections import config_flags
 
 from fedjax_shift import models
 from fedjax_shift.parts.losses import weighted_entropy
-from fedjax_shift.adapters.fedtta import adaptation_module_of, filled_weight
+from fedjax_shift.adapters.fedtta import adaptation, adaptation_module_of, filled_weight
 from fedjax_shift.parts.fedtta_step import ADAPTATION, inner_step
 from fedjax_shift.pipelines import programs, runs, single_run
 
@@ -63,18 +63,17 @@ def probe_seed(config: ml_collections.ConfigDict, workdir: str, algorithm: str,
   state = result['server_state']
   variables = {'params': state.variables['params']['base'],
                ADAPTATION: state.variables['params']['adaptation']}
-  hparams = programs.adapter_section(config, 'fedtta_pp', algorithm)   # η_inner, ε: training's
-  num_steps = hparams.max_steps
+  settings = adaptation(programs.adapter_section(config, 'fedtta_pp', algorithm))
+  num_steps = settings.max_steps   # η_inner, ε: training's
   g = adaptation_module_of(variables[ADAPTATION])
   test = bench.splits['test']
 
   def trace(x, weight):
-    norm_weight = filled_weight(weight, hparams.fill_batch)   # as the adapter's step
+    norm_weight = filled_weight(weight, settings.fill_batch)   # as the adapter's step
 
     def step(params, _):
       params = inner_step(module, g, params, variables[ADAPTATION], x, norm_weight,
-                          hparams.inner_learning_rate, hparams.norm_epsilon, None,
-                          hparams.clip_norm, hparams.weight_decay)
+                          settings.step)
       logits = models.apply(module, {'params': params}, x)[0]
       return params, (weighted_entropy(logits, weight), jnp.argmax(logits, -1))
     logits = models.apply(module, {'params': variables['params']}, x)[0]
@@ -92,7 +91,7 @@ def probe_seed(config: ml_collections.ConfigDict, workdir: str, algorithm: str,
          for s in REPORTED_STEPS + (num_steps,) if s <= num_steps}
   clients = [k for k in range(test.num_clients) if test.mask[k].any()]
   for patience in PATIENCES:
-    stops = [stop_and_best(entropies[k], patience, hparams.include_initial) for k in clients]
+    stops = [stop_and_best(entropies[k], patience, settings.include_initial) for k in clients]
     out[f'patience_{patience}_last'] = float(
         sum(correct[k, stop].sum() for k, (stop, _) in zip(clients, stops)) / total)
     out[f'patience_{patience}_best'] = float(

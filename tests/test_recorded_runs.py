@@ -1,0 +1,65 @@
+"""Workdirs written by earlier versions of the library keep resuming: a run whose
+configuration did not change in meaning has the fingerprint it was recorded with.
+
+tests/data/recorded_runs.json holds the run.json records (fields, fingerprint, round
+target) of three one-round workdirs written by the library at commit 33464e0, before
+the method client overrides and the sweep sections: FedTTA's tiny config (FedProx at
+its own client rate 0.3), FedIns' tiny per-image config (federated SSF at its own batch
+1) and a sweep of the client rate × FedProx's μ in the string form of that time.
+"""
+import ast
+import importlib
+import json
+import os
+
+import pytest
+
+from fedjax_shift.pipelines import base as pipeline_base
+from fedjax_shift.pipelines import federated, sweep, workdir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+with open(os.path.join(ROOT, 'tests', 'data', 'recorded_runs.json')) as f:
+  RECORDED = json.load(f)['workdirs']
+
+
+def recorded_config(case: dict):
+  """The config the recorded workdir's command line gives today, its sweep given in
+  the string form of that time (as launch/train.py reads it)."""
+  path, _, variant = case['config'].partition(':')
+  module = importlib.import_module(path[:-len('.py')].replace('/', '.'))
+  config = module.get_config(variant)
+  for field, value in case['overrides'].items():
+    if field == 'sweep':
+      flag = sweep.legacy_flag(f'--config.sweep={value}')
+      value = ast.literal_eval(flag.split('=', 1)[1])   # as the flag parser reads it
+    config[field] = tuple(value) if isinstance(value, list) else value
+  return config
+
+
+@pytest.mark.parametrize('name', sorted(RECORDED))
+def test_a_recorded_workdir_has_todays_fingerprints(name, tmp_path):
+  """Every run directory of the workdir: the fields the config gives today equal the
+  recorded ones field by field (so the sha256 fingerprint is the same), and the
+  resume check accepts the recorded run.json."""
+  case = RECORDED[name]
+  config = recorded_config(case)
+  runs = {os.path.relpath(run_dir, str(tmp_path)): (run_config, section)
+          for run_dir, run_config, section in federated.run_dirs(config, str(tmp_path))}
+  assert sorted(runs) == sorted(case['runs'])
+  for run_dir, recorded in case['runs'].items():
+    run_config, section = runs[run_dir]
+    fields = pipeline_base.state_fields(run_config, section)
+    assert fields == recorded['fields'], run_dir
+    assert workdir.fingerprint(fields) == recorded['fingerprint'], run_dir
+    directory = tmp_path / run_dir
+    directory.mkdir(parents=True)
+    (directory / 'run.json').write_text(json.dumps(recorded))
+    pipeline_base.check_run_dir(str(directory), run_config, section, resume='')
+  # A changed override is a changed run, named by its recorded field.
+  method = config.algorithms[-1]
+  config.client_overrides[method] = {'batch_size': 7}
+  for run_dir, run_config, section in federated.run_dirs(config, str(tmp_path)):
+    if section == method:
+      with pytest.raises(workdir.RunMismatchError,
+                         match=f'{method}.client_batch_size: [01] → 7'):
+        pipeline_base.check_run_dir(run_dir, run_config, section, resume='')
