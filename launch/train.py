@@ -158,6 +158,12 @@ def main(argv):
     os._exit(1)   # the runtime's shutdown would wait for the lost process
 
 
+# The fields each method's section had for its own client rate and batch, and the
+# config.client fields that config.client_overrides.<method> now sets in their place.
+RENAMED_CLIENT_FIELDS = {recorded: field for field, (recorded, _)
+                         in pipelines.base.RECORDED_OVERRIDES.items()}
+
+
 def unknown_override(argv) -> str:
   """Why a ``--config.<field>=<value>`` of ``argv`` names no field of the config that
   ``--config=<file>[:<variant>]`` builds ('' when each one does, or the file does not
@@ -178,10 +184,11 @@ def unknown_override(argv) -> str:
       continue
     field = arg[len('--config.'):].split('=', 1)[0]
     *section, leaf = field.split('.')
-    if leaf in ('client_learning_rate', 'client_batch_size') and section:
-      return (f'--config.{field}: a method\'s own client {leaf[7:].replace("_", " ")} is '
-              f'config.client_overrides.{section[0]}.{leaf[7:]}, e.g. --config.client_overrides='
-              f'"{{\'{section[0]}\': {{\'{leaf[7:]}\': …}}}}"')
+    if leaf in RENAMED_CLIENT_FIELDS and section:   # a method's own rate or batch as it was
+      renamed, method = RENAMED_CLIENT_FIELDS[leaf], section[0]
+      return (f'--config.{field}: a method\'s own client {renamed.replace("_", " ")} is '
+              f'config.client_overrides.{method}.{renamed}, e.g. --config.client_overrides='
+              f'"{{\'{method}\': {{\'{renamed}\': …}}}}"')
     node, walked = config, []
     for part in field.split('.'):
       if not isinstance(node, ml_collections.ConfigDict) or part not in node:

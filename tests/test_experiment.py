@@ -118,8 +118,16 @@ def test_command_line_mistakes_are_one_paragraph_and_touch_nothing(tmp_path):
   assert typo.returncode == 2 and 'Traceback' not in typo.stderr, typo.stderr[-3000:]
   assert ("--config.client.lr: config.client has no field 'lr'; its fields: augmentation, "
           "batch_size, learning_rate") in typo.stderr
+  # a method's own rate as its section once had it: the field that holds it now
+  renamed = subprocess.run(_launch(tmp_path / 'renamed', 2) +
+                           ['--config.fedprox.client_learning_rate=0.3'],
+                           capture_output=True, text=True, cwd=ROOT)
+  assert renamed.returncode == 2 and 'Traceback' not in renamed.stderr, renamed.stderr[-3000:]
+  assert ("--config.fedprox.client_learning_rate: a method's own client learning rate is "
+          "config.client_overrides.fedprox.learning_rate, e.g. --config.client_overrides="
+          "\"{'fedprox': {'learning_rate': …}}\"") in renamed.stderr
   assert not os.path.exists(tmp_path / 'my') and not os.path.exists(tmp_path / 'bad')
-  assert not os.path.exists(tmp_path / 'typo')
+  assert not os.path.exists(tmp_path / 'typo') and not os.path.exists(tmp_path / 'renamed')
 
 
 @pytest.mark.slow

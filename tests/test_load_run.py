@@ -62,7 +62,8 @@ def test_a_loaded_run_is_the_run_that_was_trained(tmp_path):
 
 
 def test_a_swept_method_loads_its_selected_point_or_the_one_named(tmp_path):
-  config = tiny_config(rounds=1, eval_every=1, sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}))
+  config = tiny_config(rounds=1, eval_every=1,
+                       sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}))
   pipelines.run(config, str(tmp_path))
   selected = pipelines.load_run(str(tmp_path), 'fedavg', seed=0)
   assert selected.results['sweep_point'] == {'client.learning_rate':

@@ -186,11 +186,13 @@ def test_unknown_selection_and_a_sweep_outside_the_federated_pipeline_are_refuse
     pipelines.validate(tiny_config(sweep_select='best'))
   with pytest.raises(ValueError, match='config.sweep: hyperparameter sweeps run in the '
                                        'federated pipeline'):
-    pipelines.validate(tiny_config(pipeline='hetero', sweep=sweep.grid({'client.learning_rate': (1.,)})))
+    pipelines.validate(tiny_config(pipeline='hetero',
+                                   sweep=sweep.grid({'client.learning_rate': (1.,)})))
 
 
 def test_a_sweep_resumes_per_point_and_reports_the_selected_point(tmp_path):
-  config = tiny_config(rounds=2, eval_every=2, sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}))
+  config = tiny_config(rounds=2, eval_every=2,
+                       sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}))
   first = pipelines.run(config, str(tmp_path))
   again = pipelines.run(config, str(tmp_path))   # every point resumes at its last round
   for a, b in zip(first.records['all_results'], again.records['all_results']):
@@ -212,7 +214,8 @@ def test_a_plain_run_and_a_sweep_of_one_method_never_share_a_workdir(tmp_path):
   # A plain fedavg run into a swept workdir (and a sweep into a plain one) is refused
   # before anything is written; the report refuses a workdir that already mixes them
   # (one trained before this check), instead of averaging the two as seeds.
-  swept = tiny_config(rounds=1, eval_every=1, sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}))
+  swept = tiny_config(rounds=1, eval_every=1,
+                      sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}))
   plain = tiny_config(rounds=1, eval_every=1, **{'client.learning_rate': 0.1})
   pipelines.run(swept, str(tmp_path / 'swept'))
   with pytest.raises(RunMismatchError, match=r'swept/fedavg holds points of a config.sweep '
@@ -249,7 +252,8 @@ def test_points_times_vmapped_seeds_equal_the_points_seed_by_seed(tmp_path):
   from fedjax_shift.pipelines.runs import build_data
 
   def config_for(**fields):
-    config = tiny_config(seeds=(0, 1), rounds=1, sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}),
+    config = tiny_config(seeds=(0, 1), rounds=1,
+                         sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}),
                          **fields)
     config.data.pad_to = max(int(split.num_examples.max()) for seed in config.seeds
                              for split in build_data(config, seed).splits.values())
@@ -441,7 +445,8 @@ def test_a_swept_workdir_of_several_methods_reports_each_at_its_point(tmp_path):
 def test_a_narrowed_grid_names_a_better_point_it_left_on_disk(tmp_path, caplog):
   # Two points trained, then the grid narrowed to the worse one: the better point is
   # still on disk, and the results say so instead of hiding it.
-  config = tiny_config(rounds=1, eval_every=1, sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}))
+  config = tiny_config(rounds=1, eval_every=1,
+                       sweep=sweep.grid({'client.learning_rate': (0.05, 0.1)}))
   first = pipelines.run(config, str(tmp_path)).records['all_results']
   record = report.read_sweep(str(tmp_path))['methods']['fedavg']
   better = record['selected']

@@ -109,7 +109,7 @@ def client_overrides(config: ml_collections.ConfigDict, name: str) -> dict:
 
 def method_client(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
   """``config.client`` as method ``name`` trains with it: the shared fields with its
-  ``config.client_overrides.<name>`` in their place."""
+  ``config.client_overrides.<name>`` in their place (name '': the shared fields)."""
   return ml_collections.ConfigDict({**config.client.to_dict(), **client_overrides(config, name)})
 
 
@@ -145,10 +145,8 @@ def check_client(client: ml_collections.ConfigDict, where: str = 'client') -> No
   """A client section (``config.client``, or a method's with its overrides) as
   ``config.<where>``: optimizer, rate, batch, local schedule, augmentation, optimizer
   constants."""
-  try:
-    client_optimizer(client)
-  except ValueError as err:
-    raise ValueError(str(err).replace('config.client.', f'config.{where}.')) from None
+  require(client.optimizer in CLIENT_OPTIMIZERS, f'{where}.optimizer',
+          f'unknown {client.optimizer!r}; choose from {list(CLIENT_OPTIMIZERS)}')
   require(client.learning_rate > 0, f'{where}.learning_rate',
           f'must be > 0, got {client.learning_rate}')
   require(client.batch_size >= 1, f'{where}.batch_size', f'must be >= 1, got {client.batch_size}')
@@ -230,7 +228,7 @@ def method_schedule(config: ml_collections.ConfigDict, name: str, max_examples: 
                     ) -> LocalSchedule:
   """Method ``name``'s local schedule (``config.client`` with its overrides;
   ``config.client`` alone when ``name`` is '') for clients padded to ``max_examples``."""
-  c = method_client(config, name) if name else config.client
+  c = method_client(config, name)
   return LocalSchedule(batch_size=c.batch_size, num_epochs=c.local_epochs,
                        num_steps=c.local_steps, max_examples=max_examples,
                        unroll=config.engine.unroll, augmentation=tuple(c.augmentation))
@@ -244,7 +242,7 @@ def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
   ``name``'s ``config.client_overrides``), ``config.server``,
   ``config.engine.unroll`` and ``config.cohort_size`` over ``num_clients`` (the
   training split's K; None: a cohort fraction of 1)."""
-  c = method_client(config, name) if name else config.client
+  c = method_client(config, name)
   schedule = method_schedule(config, name, max_examples)
   fraction = min(1.0, config.cohort_size / num_clients) if num_clients else 1.0
   return BuildContext(module, client_optimizer(c), server_optimizer(config.server), schedule,

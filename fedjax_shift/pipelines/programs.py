@@ -22,7 +22,8 @@ from fedjax_shift.core.round import RoundConfig, build_round, client_mesh
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated
 from fedjax_shift.pipelines.base import adapts, eval_adapter_specs, round_backend
-from fedjax_shift.pipelines.runs import shared_data
+from fedjax_shift.pipelines.runs import data_key, shared_data
+
 
 class ProgramKey(NamedTuple):
   """What a built method and its compiled programs depend on besides the config: runs
@@ -157,8 +158,7 @@ def seed_populations(config: ml_collections.ConfigDict, programs: Optional[Dict]
   """[K] client sizes of the training split of each of ``config.seeds``: the runs that
   may share one compiled round, whose plan must hold for every one of them (kept in
   ``programs``, the process's program cache, per data config and seeds)."""
-  key = ('populations', json.dumps(config.data.to_dict(), sort_keys=True, default=str),
-         tuple(config.seeds))
+  key = ('populations', data_key(config), tuple(config.seeds))
   cache = programs if programs is not None else {}
   if key not in cache:
     cache[key] = tuple(np.asarray(shared_data(config, seed, programs).splits['train']
@@ -190,9 +190,7 @@ def examples_first(data: federated.FederatedData) -> bool:
 def examples_per_step(config: ml_collections.ConfigDict, algorithm_name: str) -> int:
   """Examples one local step of a round touches over the cohort (the progress bar's
   examples/s): the method's own batch size (with its client overrides) × cohort."""
-  client = (algorithms.base.method_client(config, algorithm_name) if algorithm_name
-            else config.client)
-  return client.batch_size * config.cohort_size
+  return algorithms.base.method_client(config, algorithm_name).batch_size * config.cohort_size
 
 
 def adapter_section(config: ml_collections.ConfigDict, name: str, algorithm_name: str

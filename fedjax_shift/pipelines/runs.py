@@ -33,6 +33,12 @@ log = logging.getLogger('fedjax_shift')
 MAX_SHARED_DATA_BYTES = 512 * 2 ** 20
 
 
+def data_key(config: ml_collections.ConfigDict) -> str:
+  """``config.data`` as one string: runs whose data configs have equal keys build
+  equal data from equal seeds."""
+  return json.dumps(config.data.to_dict(), sort_keys=True, default=str)
+
+
 def shared_data(config: ml_collections.ConfigDict, seed: int, cache: Optional[Dict]
                 ) -> Benchmark:
   """``build_data(config, seed)``, kept in ``cache`` (a pipeline call's program cache)
@@ -42,7 +48,7 @@ def shared_data(config: ml_collections.ConfigDict, seed: int, cache: Optional[Di
   if cache is None:
     return build_data(config, seed)
   kept = cache.setdefault('data', {})
-  key = (json.dumps(config.data.to_dict(), sort_keys=True, default=str), seed)
+  key = (data_key(config), seed)
   if key not in kept:
     bench = build_data(config, seed)
     size = lambda b: sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(b.splits))

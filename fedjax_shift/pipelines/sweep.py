@@ -55,7 +55,7 @@ from fedjax_shift.registry import leaf_paths, require
 SECTIONS = ('client', 'server', 'adapters', 'client_overrides')   # and each method's own
 SELECT = ('last', 'best_round')
 
-Grid = Dict[str, Tuple[Any, ...]]   # dotted field path -> values, in the order written
+Grid = Dict[str, Tuple[Any, ...]]   # dotted field path -> values, the paths in order
 Point = Dict[str, Any]              # dotted field path -> one value
 
 
@@ -116,7 +116,7 @@ def legacy_flag(arg: str) -> str:
       return arg
     if isinstance(fields, dict) and any('.' in str(path) for path in fields):
       return f'{flag}={grid(fields).to_dict()!r}'
-  if flag == '--config.sweep_metric' and value and not value.lstrip().startswith('{'):
+  if flag == '--config.sweep_metric' and not value.lstrip().startswith('{'):
     return f'{flag}={ {"*": value}!r}'
   return arg
 

@@ -73,9 +73,9 @@ def setup_algorithm(num_clients_data, kind='fedavg'):
     for field in fields:   # '<field>=<value>' of the method's section, or
       key, value = field.split('=', 1)   # 'client.<field>=<value>', its client override
       if key.startswith('client.'):
-        config.client_overrides[name] = {**(config.client_overrides[name].to_dict() if name in
-                                            config.client_overrides else {}),
-                                         key[len('client.'):]: ast.literal_eval(value)}
+        if name not in config.client_overrides:
+          config.client_overrides[name] = {}
+        config.client_overrides[name][key[len('client.'):]] = ast.literal_eval(value)
       else:
         config[name][key] = ast.literal_eval(value)
     config.cohort_size = num_clients_data   # the round below takes every client
