@@ -165,14 +165,15 @@ def _quick(c: ml_collections.ConfigDict, match=None) -> None:
 # Shared by every config; a config's own 'tiny' / 'quick' runs after these.
 RUN_VARIANTS: Tuple[Variant, ...] = (('tiny', _tiny), ('quick', _quick))
 
-TFDS_VARIANTS = {'cifar10': 'tfds:cifar10', 'emnist': 'tfds:emnist',
-                 'fashion_mnist': 'tfds:fashion_mnist'}
+# The variants' sources: embedded, Debian's Fashion-MNIST (data.data_dir: another folder
+# of its IDX files, or a prepared TFDS build), TFDS.
+VARIANT_SOURCES = {'mnist': 'mnist_embedded', 'uci': 'uci_digits', 'fashion_mnist': 'fashion_mnist',
+                   'cifar10': 'tfds:cifar10', 'emnist': 'tfds:emnist'}
 
 
 def _source_partition(c: ml_collections.ConfigDict, match: re.Match) -> None:
   source = match['source']
-  c.data.source = {'mnist': 'mnist_embedded', 'uci': 'uci_digits'}.get(
-      source, TFDS_VARIANTS.get(source))
+  c.data.source = VARIANT_SOURCES[source]
   if source == 'cifar10':
     c.model.name = 'atp_cnn'
   if match['alpha']:
@@ -201,7 +202,7 @@ SOURCE_VARIANTS: Tuple[Variant, ...] = (
     ('tiny', _label_skew_tiny),
 )
 SOURCE_VARIANTS_HELP = ('<source>_dir<alpha>, <source>_iid, <source>_path<k> (source in mnist, '
-                        'uci, cifar10, emnist, fashion_mnist)')
+                        'uci, fashion_mnist, cifar10, emnist)')
 
 
 def apply_variant(config: ml_collections.ConfigDict, arg: Optional[str],

@@ -24,7 +24,12 @@ from fedjax_shift.registry import Range, Registry, require
 BENCHMARKS: Registry = Registry('benchmark')
 
 EMBEDDED_SOURCES = ('mnist_embedded', 'uci_digits')
-PARTITIONS = ('dirichlet', 'iid', 'pathological', 'step')
+# IDX folders: 'fashion_mnist' (Debian's package by default, or data.data_dir's IDX
+# files, or a prepared TFDS fashion_mnist there) and 'idx' (data.data_dir's files).
+IDX_SOURCES = ('fashion_mnist', 'idx')
+# Sources whose examples carry their natural client (data.partition='natural').
+GROUPED_SOURCES = ('femnist',)
+PARTITIONS = ('dirichlet', 'iid', 'pathological', 'step', 'natural')
 # A CIFAR-10-C severity: an int, as the corruptions index their parameters with it.
 SEVERITY = Range('an integer in 1..5', lambda value: isinstance(value, int) and
                  not isinstance(value, bool) and 1 <= value <= 5, 0)
@@ -32,10 +37,13 @@ SEVERITY = Range('an integer in 1..5', lambda value: isinstance(value, int) and
 # config.data fields shared by the benchmarks (each adds its own when registered).
 DATA_DEFAULTS = {
     'benchmark': 'label_skew_corrupted',
-    'source': 'mnist_embedded',       # or 'uci_digits', 'tfds:<name>'
-    'tfds_split': 'train',
-    'data_dir': '',                   # TFDS data_dir ('' = TFDS default / $TFDS_DATA_DIR)
-    'max_examples': 0,                # cap on TFDS examples read (0 = all)
+    'source': 'mnist_embedded',       # or 'uci_digits', 'fashion_mnist', 'idx', 'tfds:<name>',
+                                      # 'folder:<path>'
+    'tfds_split': 'train',            # the split a TFDS or IDX source reads ('train+test':
+                                      # both, train first)
+    'data_dir': '',                   # the folder of an IDX, TFDS or image-folder source
+                                      # ('' = Debian's Fashion-MNIST / TFDS's default)
+    'max_examples': 0,                # cap on TFDS / IDX / folder examples read (0 = all)
     'num_clients': 20,                # FedTHE: 20 clients
     'partition': 'dirichlet',
     'dirichlet_alpha': 0.1,           # FedTHE / FedEvolve: 0.1 and 1.0
@@ -45,7 +53,7 @@ DATA_DEFAULTS = {
     'step_major_count': 80,           # ... with 80 samples each
     'step_minor_count': 5,            # ... and 5 for each minor class
     'image_size': 0,                  # resize (0 = keep)
-    'channels': 0,                    # repeat grey to 3 channels (0 = keep)
+    'channels': 0,                    # 1 or 3 (grey repeated to 3; 0 = the source's own)
     'store': 'device',                # 'device' | 'host' (population larger than device memory)
     # Pad every client of every split to this many examples (0: each split's largest
     # client). A bound that holds for every seed gives every seed the same shapes, so a
@@ -55,14 +63,23 @@ DATA_DEFAULTS = {
 
 
 def check_source(data_config: ml_collections.ConfigDict) -> None:
-  """``data.source``: an embedded source or tfds:<name> of a known TFDS dataset."""
+  """``data.source``: an embedded or IDX source, tfds:<name> of a known TFDS dataset or
+  folder:<path>; 'idx' needs ``data.data_dir``."""
   source = data_config.source
-  require(source in EMBEDDED_SOURCES or (source.startswith('tfds:') and
+  require(source in EMBEDDED_SOURCES + IDX_SOURCES + GROUPED_SOURCES or
+          (source.startswith('tfds:') and
           source[5:].split('/')[0] in sources.TFDS_DATASETS) or
           (source.startswith('folder:') and len(source) > len('folder:')),
-          'data.source', f'unknown source {source!r}; choose from {list(EMBEDDED_SOURCES)}, '
-          f'tfds:<name> with <name> in {sorted(sources.TFDS_DATASETS)}, or folder:<path> '
-          f'(class folders under data.data_dir, e.g. folder:tiny-imagenet-200/train)')
+          'data.source', f'unknown source {source!r}; choose from '
+          f'{list(EMBEDDED_SOURCES + IDX_SOURCES + GROUPED_SOURCES)}, tfds:<name> with <name> in '
+          f'{sorted(sources.TFDS_DATASETS)}, or folder:<path> (class folders under '
+          f'data.data_dir, e.g. folder:tiny-imagenet-200/train)')
+  require(source not in ('idx',) + GROUPED_SOURCES or bool(data_config.data_dir),
+          'data.data_dir', f'data.source={source!r} reads the files of data.data_dir: set it '
+          f'to their folder')
+  if source in IDX_SOURCES + GROUPED_SOURCES:
+    require(data_config.tfds_split in sources.IDX_SPLITS, 'data.tfds_split',
+            f'an IDX source reads {list(sources.IDX_SPLITS)}, got {data_config.tfds_split!r}')
 
 
 def check_dirichlet(data_config: ml_collections.ConfigDict) -> None:
@@ -76,6 +93,9 @@ def check_partition(data_config: ml_collections.ConfigDict) -> None:
           f'unknown partition {data_config.partition!r}; choose from {list(PARTITIONS)}')
   if data_config.partition == 'dirichlet':
     check_dirichlet(data_config)
+  require(data_config.partition != 'natural' or data_config.source in GROUPED_SOURCES,
+          'data.partition', f"'natural' deals each writer's examples to one client: it needs "
+          f"a source of writers ({list(GROUPED_SOURCES)}), not {data_config.source!r}")
   require(data_config.num_clients >= 1, 'data.num_clients',
           f'must be >= 1, got {data_config.num_clients}')
 
@@ -98,10 +118,14 @@ def load_source(data_config: ml_collections.ConfigDict, class_names=()) -> sourc
   elif name.startswith('tfds:'):
     src = sources.tfds_source(name[len('tfds:'):], data_config.tfds_split,
                               data_config.data_dir or None, data_config.max_examples or None)
+  elif name in IDX_SOURCES:
+    src = idx_source(data_config)
+  elif name == 'femnist':
+    src = sources.leaf_femnist(data_config.data_dir, data_config.tfds_split)
   elif name.startswith('folder:'):
     src = sources.image_folder(os.path.join(data_config.data_dir, name[len('folder:'):]),
                                data_config.image_size or 64, data_config.max_examples or None,
-                               class_names)
+                               class_names, data_config.channels)
   x = src.x
   size = data_config.image_size
   if size and x.shape[1] != size:
@@ -112,12 +136,42 @@ def load_source(data_config: ml_collections.ConfigDict, class_names=()) -> sourc
   return src._replace(x=x)
 
 
+def idx_source(data_config: ml_collections.ConfigDict) -> sources.Source:
+  """``data.source`` 'fashion_mnist' or 'idx': the IDX files of ``data.data_dir`` (for
+  'fashion_mnist' by default Debian's package folder); 'fashion_mnist' with a
+  ``data_dir`` that holds no IDX files reads a prepared TFDS fashion_mnist there. The
+  first ``data.max_examples`` when set."""
+  split, limit = data_config.tfds_split, data_config.max_examples or None
+  folder = data_config.data_dir or (sources.FASHION_MNIST_DIR
+                                    if data_config.source == 'fashion_mnist' else '')
+  if data_config.source == 'fashion_mnist' and data_config.data_dir and \
+      not sources.idx_pairs(folder, split):
+    try:
+      return sources.tfds_source('fashion_mnist', split, folder, limit)
+    except FileNotFoundError as err:
+      raise FileNotFoundError(f'config.data.data_dir: {sources.missing_idx(folder, split)}; '
+                              f'nor is a TFDS fashion_mnist prepared there ({err})') from None
+  try:
+    return sources.idx_source(folder, split, 10 if data_config.source == 'fashion_mnist' else 0,
+                              limit)
+  except FileNotFoundError as err:
+    raise FileNotFoundError(f'config.data.source={data_config.source!r}: {err}') from None
+
+
 def partition(labels: np.ndarray, data_config: ml_collections.ConfigDict, num_classes: int,
-              rng: np.random.Generator, num_clients: Optional[int] = None):
+              rng: np.random.Generator, num_clients: Optional[int] = None,
+              groups: Optional[np.ndarray] = None):
   """``labels`` split over ``num_clients`` (default ``data.num_clients``) clients by
-  ``data.partition``: a list of index arrays."""
+  ``data.partition``: a list of index arrays. 'natural' needs ``groups`` [M], each
+  example's writer."""
   kind = data_config.partition
   num_clients = num_clients or data_config.num_clients
+  if kind == 'natural':
+    if groups is None:
+      raise ValueError(f"config.data.partition='natural' deals each writer's examples to one "
+                       f"client: it needs a source of writers ({list(GROUPED_SOURCES)}), not "
+                       f"{data_config.source!r}")
+    return partitions.natural(groups, num_clients, rng)
   if kind == 'dirichlet':
     return partitions.dirichlet(labels, num_clients, data_config.dirichlet_alpha, rng,
                                 min_examples=data_config.min_examples_per_client)

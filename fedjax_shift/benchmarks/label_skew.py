@@ -192,7 +192,7 @@ def label_skew_corrupted(data_config: ml_collections.ConfigDict, seed: int) -> B
   """
   rng = np.random.default_rng([seed, 0])
   src = load_source(data_config)
-  parts = partition(src.y, data_config, src.num_classes, rng)
+  parts = partition(src.y, data_config, src.num_classes, rng, groups=src.groups)
   partitions.check_disjoint(parts)
   fractions = dict(data_config.split_fractions)
   splits_xy = split_clients([src.x[p] for p in parts], [src.y[p] for p in parts],

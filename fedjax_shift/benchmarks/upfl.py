@@ -71,14 +71,15 @@ def check(data_config: ml_collections.ConfigDict) -> None:
 
 
 def client_indices(labels: np.ndarray, data_config: ml_collections.ConfigDict, num_classes: int,
-                   rng: np.random.Generator):
+                   rng: np.random.Generator, groups=None):
   """(training clients' index arrays, new clients' index arrays) into ``labels``, and
   their client ids (of the partition of all clients; with ``new_client_alpha`` the
-  training clients are 0 … T−1 and the new clients T … K−1)."""
+  training clients are 0 … T−1 and the new clients T … K−1). ``groups``: each
+  example's writer, for the 'natural' partition."""
   num_clients = data_config.num_clients
   num_new = int(round(data_config.new_client_fraction * num_clients))
   if not data_config.new_client_alpha:
-    parts = partition(labels, data_config, num_classes, rng)
+    parts = partition(labels, data_config, num_classes, rng, groups=groups)
     order = rng.permutation(len(parts))
     train_ids, new_ids = np.sort(order[num_new:]), np.sort(order[:num_new])
     return [parts[k] for k in train_ids], [parts[k] for k in new_ids], train_ids, new_ids
@@ -86,7 +87,8 @@ def client_indices(labels: np.ndarray, data_config: ml_collections.ConfigDict, n
   cut = int(round(data_config.new_client_fraction * len(labels)))
   new_pool, train_pool = np.sort(order[:cut]), np.sort(order[cut:])
   train_parts = partition(labels[train_pool], data_config, num_classes, rng,
-                          num_clients - num_new)
+                          num_clients - num_new,
+                          None if groups is None else groups[train_pool])
   new_parts = partitions.dirichlet(labels[new_pool], num_new, data_config.new_client_alpha,
                                    rng, min_examples=0)
   num_train = num_clients - num_new
@@ -190,8 +192,9 @@ def upfl(data_config: ml_collections.ConfigDict, seed: int) -> Benchmark:
                        f'source has only {len(pool)} examples for the clients')
     pool = np.sort(np.random.default_rng([seed, 41]).permutation(pool)
                    [:data_config.sample_examples])
-  train_parts, new_parts, train_ids, new_ids = client_indices(src.y[pool], data_config,
-                                                              src.num_classes, rng)
+  train_parts, new_parts, train_ids, new_ids = client_indices(
+      src.y[pool], data_config, src.num_classes, rng,
+      None if src.groups is None else src.groups[pool])
   train_parts, new_parts = [pool[p] for p in train_parts], [pool[p] for p in new_parts]
   partitions.check_disjoint(train_parts + new_parts)
   val = data_config.validation_fraction

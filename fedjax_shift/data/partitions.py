@@ -95,6 +95,22 @@ def step(labels: np.ndarray, num_clients: int, num_major: int, major_count: int,
   return parts
 
 
+def natural(groups: np.ndarray, num_clients: int, rng: np.random.Generator
+            ) -> List[np.ndarray]:
+  """The natural split (LEAF's writers as clients): ``num_clients`` groups of ``groups``
+  [M] (each example's writer) drawn without replacement, each client all of its
+  writer's examples; every writer when ``num_clients`` is their number."""
+  writers = np.unique(groups)
+  if not 1 <= num_clients <= len(writers):
+    raise ValueError(f'config.data.num_clients={num_clients}: the source has '
+                     f'{len(writers)} writers')
+  chosen = np.sort(rng.choice(writers, num_clients, replace=False))
+  order = np.argsort(groups, kind='stable')
+  starts = np.searchsorted(groups[order], chosen)
+  ends = np.searchsorted(groups[order], chosen, side='right')
+  return [np.sort(order[a:b]) for a, b in zip(starts, ends)]
+
+
 def check_disjoint(parts: List[np.ndarray]) -> None:
   """Raises if any example is assigned to two clients."""
   allidx = np.concatenate(parts) if parts else np.zeros(0, int)

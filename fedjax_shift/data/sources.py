@@ -7,6 +7,11 @@ Embedded, offline sources (data shipped inside PyPI packages):
     (``load_digits``, 8x8, another writer population), resized to 28x28x1.
   * ``circle``: the synthetic Circle data of CIDA/FedEvolve (generated).
 
+IDX files (the format of LeCun's MNIST, Fashion-MNIST and EMNIST's binary release):
+``idx_source`` reads ``[<prefix>]{train,t10k,test}-{images-idx3,labels-idx1}-ubyte[.gz]``
+of one folder as uint8. The full Fashion-MNIST is Debian's ``dataset-fashion-mnist``
+package (``FASHION_MNIST_DIR``; Expat licence, Zalando), so it is read offline.
+
 TFDS sources (``tfds.data_source``, array_record, no TensorFlow) when a local
 ``data_dir`` holds them: mnist, emnist, fashion_mnist, cifar10, cifar10_corrupted,
 cifar10_1, cifar100, svhn_cropped.
@@ -27,6 +32,7 @@ class Source(NamedTuple):
   y: np.ndarray  # [M] int32
   num_classes: int
   class_names: tuple = ()   # where the source names its classes (class folders)
+  groups: Optional[np.ndarray] = None   # [M] int32 natural client of each example (writers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,6 +114,181 @@ def circle(num_domains: int = 30, points_per_domain: int = 1000, seed: int = 0,
     xs.append(np.stack([radius * np.cos(angle), radius * np.sin(angle)], -1))
     ys.append((radius > 5.0).astype(np.int32))
   return np.stack(xs).astype(np.float32), np.stack(ys)
+
+
+# The IDX format (LeCun et al.): a big-endian header of two zero bytes, a type code,
+# the number of dimensions, then one uint32 per dimension, then the values.
+IDX_TYPES = {0x08: np.dtype('>u1'), 0x09: np.dtype('>i1'), 0x0B: np.dtype('>i2'),
+             0x0C: np.dtype('>i4'), 0x0D: np.dtype('>f4'), 0x0E: np.dtype('>f8')}
+FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
+FASHION_MNIST_INSTALL = 'apt-get install dataset-fashion-mnist'
+# data.tfds_split -> the parts it reads, each the file stems that may name it (MNIST and
+# Fashion-MNIST name their test files t10k-, EMNIST's release test-).
+IDX_SPLITS = {'train': (('train',),), 'test': (('t10k', 'test'),),
+              'train+test': (('train',), ('t10k', 'test'))}
+
+
+def read_idx(path: str) -> np.ndarray:
+  """One IDX file (gzip-compressed when its name ends in .gz) as an array of its own
+  type and shape (uint8 for images and labels). A file that is not IDX, or whose size
+  disagrees with its header, is an error naming it."""
+  import gzip
+  opener = gzip.open if path.endswith('.gz') else open
+  with opener(path, 'rb') as f:
+    data = f.read()
+  if len(data) < 4 or data[0] or data[1] or data[2] not in IDX_TYPES:
+    raise ValueError(f'{path}: not an IDX file (header {data[:4].hex()!r})')
+  dtype, ndim = IDX_TYPES[data[2]], data[3]
+  shape = tuple(int(n) for n in np.frombuffer(data, '>u4', ndim, offset=4))
+  start = 4 + 4 * ndim
+  expected = start + int(np.prod(shape)) * dtype.itemsize
+  if len(data) != expected:
+    raise ValueError(f'{path}: {len(data)} bytes, but its header {shape} of {dtype.name} '
+                     f'needs {expected}: the file is truncated or not IDX')
+  return np.frombuffer(data, dtype, offset=start).reshape(shape).astype(dtype.newbyteorder('='))
+
+
+def idx_files(data_dir: str, stem: str, kind: str) -> List[str]:
+  """The files of ``data_dir`` named ``[<prefix>-]<stem>-<kind>-ubyte[.gz]`` (kind
+  'images-idx3' or 'labels-idx1'), sorted."""
+  import re
+  pattern = re.compile(rf'^(.*-)?{stem}-{kind}-ubyte(\.gz)?$')
+  return sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir) if pattern.match(f))
+
+
+def missing_idx(data_dir: str, split: str) -> str:
+  """Why ``data_dir`` cannot give the IDX ``split``: one message naming the folder,
+  the files looked for and how to get Fashion-MNIST offline."""
+  parts = ' and '.join('/'.join(stems) for stems in IDX_SPLITS[split])
+  return (f'{data_dir!r} holds no IDX files of split {split!r} (<{parts}>-images-idx3-ubyte'
+          f'[.gz] and -labels-idx1-ubyte[.gz], as LeCun\'s MNIST, Fashion-MNIST and '
+          f'EMNIST\'s binary release name them). The full Fashion-MNIST installs offline '
+          f'with `{FASHION_MNIST_INSTALL}` (into {FASHION_MNIST_DIR}); another folder goes '
+          f'in --config.data.data_dir')
+
+
+def idx_pairs(data_dir: str, split: str) -> List[tuple]:
+  """[(images path, labels path)], one per part of ``split`` (train, then test), or
+  empty when ``data_dir`` lacks a part. An images file without its labels (or the
+  reverse), or two data sets in one folder, is an error naming the files."""
+  if not os.path.isdir(data_dir):
+    return []
+  pairs = []
+  for stems in IDX_SPLITS[split]:
+    images = [f for stem in stems for f in idx_files(data_dir, stem, 'images-idx3')]
+    labels = [f for stem in stems for f in idx_files(data_dir, stem, 'labels-idx1')]
+    if len(images) > 1 or len(labels) > 1:
+      raise ValueError(f'{data_dir!r}: several IDX files for one split ({images + labels}); '
+                       f'keep one data set per folder')
+    if bool(images) != bool(labels):
+      raise FileNotFoundError(f'{data_dir!r}: {(images or labels)[0]} has no '
+                              f'{"labels" if images else "images"} file beside it')
+    if not images:
+      return []
+    pairs.append((images[0], labels[0]))
+  return pairs
+
+
+@functools.lru_cache(maxsize=4)
+def _idx_cached(pairs: tuple, stamp: tuple):
+  del stamp   # in the key only: a changed file is read again
+  xs, ys = [], []
+  for images_path, labels_path in pairs:
+    x, y = read_idx(images_path), read_idx(labels_path)
+    if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
+      raise ValueError(f'{images_path}: images {x.shape} and labels {y.shape} of '
+                       f'{labels_path} are not [M, H, W] and [M]')
+    if os.path.basename(images_path).startswith('emnist'):
+      x = x.transpose(0, 2, 1)   # EMNIST's release stores each image transposed
+    xs.append(x)
+    ys.append(y)
+  x, y = np.concatenate(xs), np.concatenate(ys).astype(np.int32)
+  x.setflags(write=False)
+  y.setflags(write=False)
+  return x, y
+
+
+def idx_arrays(data_dir: str, split: str = 'train'):
+  """(images uint8 [M, H, W, 1], labels int32 [M]) of ``split`` ('train', 'test' or
+  'train+test', train first) read from the IDX files of ``data_dir``; missing files
+  are a FileNotFoundError naming the folder and the Fashion-MNIST package."""
+  if split not in IDX_SPLITS:
+    raise ValueError(f'config.data.tfds_split: an IDX source reads {list(IDX_SPLITS)}, '
+                     f'got {split!r}')
+  pairs = idx_pairs(data_dir, split)
+  if not pairs:
+    raise FileNotFoundError(missing_idx(data_dir, split))
+  stamp = tuple((os.path.getsize(p), os.path.getmtime(p)) for pair in pairs for p in pair)
+  x, y = _idx_cached(tuple(pairs), stamp)
+  return x[..., None], y   # read-only views of the cached arrays
+
+
+def idx_source(data_dir: str, split: str = 'train', num_classes: int = 0,
+               max_examples: Optional[int] = None) -> Source:
+  """The IDX images of ``data_dir`` (the first ``max_examples`` when given) as a
+  Source: grey stays one channel, the uint8 pixels become float32 in [0, 1] only here.
+  ``num_classes`` 0: the largest label + 1 (10 for MNIST and Fashion-MNIST)."""
+  x, y = idx_arrays(data_dir, split)
+  x, y = x[:max_examples], y[:max_examples].copy()
+  if y.size and y.min() < 0:
+    raise ValueError(f'{data_dir!r}: IDX label {int(y.min())} is negative')
+  classes = num_classes or int(y.max()) + 1
+  return Source(x.astype(np.float32) / 255.0, y, classes)
+
+
+# LEAF's FEMNIST (Caldas et al. 2018): <data_dir>/{train,test}/*.json, each
+# {"users": [...], "num_samples": [...], "user_data": {user: {"x": [[784 floats]], "y": [...]}}}
+# with 28 × 28 pixels in [0, 1] (LEAF's own scaling: the paper white, 1.0) and 62 classes.
+LEAF_SPLITS = {'train': ('train',), 'test': ('test',), 'train+test': ('train', 'test')}
+FEMNIST_CLASSES = 62
+
+
+def leaf_femnist(data_dir: str, split: str = 'train') -> Source:
+  """LEAF's FEMNIST from its JSON files: every writer's examples of ``split`` ('train',
+  'test' or 'train+test'), ``groups`` = the writer's index among the sorted writer
+  names of the files read (a writer of both the train and the test files is one
+  client). A missing folder, an empty one or a malformed file is an error naming it."""
+  import json
+  if split not in LEAF_SPLITS:
+    raise ValueError(f'config.data.tfds_split: LEAF FEMNIST reads {list(LEAF_SPLITS)}, got '
+                     f'{split!r}')
+  records = []   # (writer, x [n, 784], y [n])
+  for part in LEAF_SPLITS[split]:
+    folder = os.path.join(data_dir, part)
+    files = sorted(f for f in os.listdir(folder) if f.endswith('.json')) \
+        if os.path.isdir(folder) else []
+    if not files:
+      raise FileNotFoundError(f'config.data.data_dir: no LEAF JSON files in {folder!r} (LEAF\'s '
+                              f'femnist preprocessing writes data/train/*.json and '
+                              f'data/test/*.json; point data.data_dir at that data/ folder)')
+    for file in files:
+      path = os.path.join(folder, file)
+      with open(path) as f:
+        try:
+          table = json.load(f)
+          users, user_data = table['users'], table['user_data']
+        except (ValueError, KeyError, TypeError) as err:
+          raise ValueError(f'{path}: not a LEAF JSON file ({err!r}; need "users" and '
+                           f'"user_data")') from None
+      for writer in users:
+        x = np.asarray(user_data[writer]['x'], np.float32)
+        y = np.asarray(user_data[writer]['y'], np.int64)
+        if x.ndim != 2 or x.shape[1] != 28 * 28 or len(x) != len(y):
+          raise ValueError(f'{path}: writer {writer!r} has x of shape {x.shape} and {len(y)} '
+                           f'labels; FEMNIST needs [n, 784] and n labels')
+        records.append((writer, x, y))
+  y = np.concatenate([r[2] for r in records]).astype(np.int32)
+  if y.size and (y.min() < 0 or y.max() >= FEMNIST_CLASSES):
+    raise ValueError(f'{data_dir!r}: FEMNIST label {int(y.min() if y.min() < 0 else y.max())} '
+                     f'outside [0, {FEMNIST_CLASSES})')
+  writers = sorted({r[0] for r in records})
+  index = {w: i for i, w in enumerate(writers)}
+  groups = np.concatenate([np.full(len(r[2]), index[r[0]], np.int32) for r in records])
+  x = np.concatenate([r[1] for r in records]).reshape(-1, 28, 28, 1)
+  if x.size and (x.min() < 0.0 or x.max() > 1.0):
+    raise ValueError(f'{data_dir!r}: FEMNIST pixels span [{x.min()}, {x.max()}]; LEAF writes '
+                     f'them in [0, 1]')
+  return Source(x, y, FEMNIST_CLASSES, (), groups)
 
 
 TFDS_DATASETS = {
@@ -315,12 +496,29 @@ def timed_image_folder(data_dir: str, timestamp: str, size: int, channels: int) 
   return TimedImages(np.stack(images), np.asarray(labels, np.int32), stamps, class_names)
 
 
+GREY_MODES = ('1', 'L', 'LA', 'I', 'I;16', 'I;16B', 'I;16L', 'F')
+
+
+def image_channels(files: Sequence[str]) -> int:
+  """1 when every image file is greyscale (PIL modes ``GREY_MODES``), else 3."""
+  from PIL import Image
+  for path in files:
+    try:
+      with Image.open(path) as image:
+        if image.mode not in GREY_MODES:
+          return 3
+    except OSError as err:
+      raise ValueError(f'{path}: cannot be read as an image ({err})') from err
+  return 1
+
+
 def image_folder(root: str, size: int, max_examples: Optional[int] = None,
-                 class_names: Sequence[str] = ()) -> Source:
+                 class_names: Sequence[str] = (), channels: int = 0) -> Source:
   """Class-folder images ``<root>/<class>/**/<file>.{png,jpg,jpeg}`` (classes = the sorted
   sub-folder names; files found at any depth below them, so Tiny-ImageNet's
-  ``train/<wnid>/images/`` reads as is), resized to size×size RGB in [0, 1]; the first
-  ``max_examples`` of a fixed (sorted) order when given."""
+  ``train/<wnid>/images/`` reads as is), resized to size×size in [0, 1] with
+  ``channels`` 1 (grey) or 3 (RGB); 0 keeps the folder's own: 1 when every image is
+  greyscale, else 3. The first ``max_examples`` of a fixed (sorted) order when given."""
   if not os.path.isdir(root):
     raise FileNotFoundError(f'config.data.source: image folder {root!r} does not exist; set '
                             f'config.data.data_dir to the folder that holds it')
@@ -354,5 +552,6 @@ def image_folder(root: str, size: int, max_examples: Optional[int] = None,
   if not files:
     raise FileNotFoundError(f'config.data.source: no images under the class folders of {root!r}')
   files, labels = files[:max_examples or None], labels[:max_examples or None]
-  images = np.stack([read_image(f, size, 3) for f in files])
+  channels = channels or image_channels(files)
+  images = np.stack([read_image(f, size, channels) for f in files])
   return Source(images, np.asarray(labels, np.int32), len(classes), tuple(classes))

@@ -15,6 +15,7 @@ from fedjax_shift.report import (PAPER_TABLES, PaperTable, column_labels, load_r
 # config.data.source -> the paper's dataset name (numbers.PAPER_NUMBERS keys).
 DATASETS = {'mnist_embedded': 'MNIST', 'tfds:mnist': 'MNIST', 'tfds:cifar10': 'CIFAR-10',
             'tfds:cifar100': 'CIFAR-100', 'tfds:fashion_mnist': 'Fashion-MNIST',
+            'fashion_mnist': 'Fashion-MNIST',
             'tfds:emnist': 'FEMNIST'}
 
 
