@@ -62,6 +62,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.client.learning_rate = 0.05
   c.client.momentum = 0.0
   c.client.weight_decay = 0.0
+  c.client.clip_norm = 0.0          # > 0: each local step's gradient clipped to this global
+                                    # norm before weight decay and the step (0: none)
   c.client.batch_size = 20          # ATP: batch 20
   c.client.local_epochs = 1
   c.client.local_steps = 0          # > 0: fixed steps per round instead of epochs

@@ -173,6 +173,10 @@ def parse_metrics(text: str, path: str) -> List[Dict]:
 # that trains as those runs trained: a run.json without the field matches a configuration
 # that sets it to that value, so a workdir survives an upgrade that adds an option.
 FIELDS_ADDED_AT = {'client.augmentation': '[]'}
+# Fields added later still, left out of a run's recorded fields (and so of its
+# fingerprint) while at the value that trains as the runs before them: a workdir's
+# fingerprint survives the upgrade, and a run that sets the field records it.
+FIELDS_OMITTED_AT = {'client.clip_norm': '0.0', 'gma.global_learning_rate': '1.0'}
 
 
 def changed_fields(recorded: Dict[str, str], fields: Dict[str, str],

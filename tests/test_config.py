@@ -85,3 +85,43 @@ def test_more_clients_than_examples_is_a_clear_error(tmp_path):
   config = tiny_config(**{'data.num_clients': 6000, 'cohort_size': 2})
   with pytest.raises(ValueError, match='5000 examples cannot give 6000 clients'):
     pipelines.run(config, str(tmp_path))
+
+
+def test_client_clip_norm_clips_the_global_norm_before_decay_and_the_step():
+  """SGD(η) after a clip at c: a gradient g of norm |g| > c steps by −η·g·c/|g|, and
+  weight decay λ adds λ·w after the clip (torch's clip_grad_norm_, then SGD's
+  weight_decay). A traced c of 0 leaves g as it is."""
+  import jax.numpy as jnp
+  import ml_collections
+  from fedjax_shift.algorithms.base import check_client, client_optimizer
+  params = {'w': jnp.array([1.0, 2.0])}
+  grads = {'w': jnp.array([3.0, 4.0])}          # |g| = 5
+  client = config_lib.base_config().client
+  client.learning_rate, client.clip_norm, client.weight_decay = 0.1, 1.0, 0.5
+  opt = client_optimizer(client)
+  updates, _ = opt.update(grads, opt.init(params), params)
+  expected = -0.1 * (np.array([3.0, 4.0]) / 5.0 + 0.5 * np.array([1.0, 2.0]))
+  np.testing.assert_allclose(updates['w'], expected, rtol=1e-6)
+  swept = ml_collections.ConfigDict({**client.to_dict(), 'weight_decay': 0.0,
+                                     'clip_norm': jnp.float32(0.0)})   # a swept zero: no clip
+  opt = client_optimizer(swept)
+  np.testing.assert_allclose(opt.update(grads, opt.init(params), params)[0]['w'],
+                             [-0.3, -0.4], rtol=1e-6)
+  client.clip_norm = -1.0
+  with pytest.raises(ValueError, match='client.clip_norm: must be >= 0'):
+    check_client(client)
+
+
+def test_fields_added_at_their_old_value_leave_fingerprints_as_they_were():
+  """client.clip_norm and gma.global_learning_rate at their old behaviour (0: no clip;
+  η_g 1) are not among a run's fields, so a workdir recorded before them resumes; set,
+  they are recorded."""
+  from fedjax_shift.pipelines import base as pipeline_base
+  config = config_lib.apply_variant(config_lib.base_config(), 'tiny')
+  config.algorithms = ('gma',)
+  fields = pipeline_base.state_fields(config, 'gma')
+  assert 'client.clip_norm' not in fields and 'gma.global_learning_rate' not in fields
+  config.client.clip_norm = 10.0
+  config.gma.global_learning_rate = 1.5
+  fields = pipeline_base.state_fields(config, 'gma')
+  assert fields['client.clip_norm'] == '10.0' and fields['gma.global_learning_rate'] == '1.5'

@@ -599,3 +599,44 @@ def test_upfl_table_rows_workdirs_and_best_validation_round():
   assert '| FedAvg | 85.00 | 90.00 | n/a |' in table2
   assert '| TENT | 40.00 | 30.00 | n/a |' in table2
   assert '| FedTTA | 70.00 | n/a | 60.00 |' in table2
+
+
+def test_fashion_mnist_variant_is_table_4s_column_on_a_70000_image_partition(tmp_path):
+  """configs/fedtta.py:fashion_mnist on generated IDX files of Fashion-MNIST's sizes
+  (60,000 + 10,000, 7,000 per class): 100 clients of 700 (200 shards of 350, two each),
+  50 training clients of 595 / 105 and 50 new clients of 700; every method at its
+  Table 4 (Fashion-MNIST) rate, the authors' clip 10 on each step."""
+  import importlib
+  from fedjax_shift.algorithms.base import method_client
+  from fedjax_shift.benchmarks import BENCHMARKS
+  from test_offline_sources import write_idx
+  config = importlib.import_module('configs.fedtta').get_config('fashion_mnist')
+  assert (config.data.source, config.data.tfds_split, config.rounds) == \
+      ('fashion_mnist', 'train+test', 300)
+  assert (config.model.name, tuple(config.model.channels), config.model.features) == \
+      ('lenet5', (32, 64), 512)
+  rates = {name: (method_client(config, name).learning_rate, method_client(config, name).clip_norm)
+           for name in config.algorithms}
+  assert rates == {'fedavg': (0.3, 10.0), 'fedprox': (0.3, 10.0), 'scaffold': (0.1, 10.0),
+                   'afl': (0.3, 10.0), 'gma': (0.3, 10.0), 'fedadg': (0.3, 10.0),
+                   'fedsr': (0.3, 10.0), 'fedper': (0.3, 10.0), 'odpfl_hn': (0.1, 10.0),
+                   'fedtta': (0.1, 0.0), 'fedtta_prox': (0.1, 0.0)}
+  assert (config.fedtta.inner_learning_rate, config.fedtta.adapt_learning_rate,
+          config.fedtta_prox.mu, config.adapters.fedtta_pp.patience,
+          config.gma.global_learning_rate, config.eval_adapter_batch_size) == \
+      (0.05, 0.001, 0.001, 5, 1.5, 700)
+  rng = np.random.default_rng(0)
+  for stem, count in (('train', 60000), ('t10k', 10000)):
+    write_idx(tmp_path / f'{stem}-images-idx3-ubyte', rng.integers(0, 256, (count, 28, 28))
+              .astype(np.uint8))
+    write_idx(tmp_path / f'{stem}-labels-idx1-ubyte', (np.arange(count) % 10).astype(np.uint8))
+  config.data.data_dir = str(tmp_path)
+  bench = BENCHMARKS.get('upfl')(config.data, 0)
+  train, val, test = (bench.splits[s] for s in ('train', 'val', 'test'))
+  assert bench.example_shape == (28, 28, 1)
+  np.testing.assert_array_equal(train.num_examples, [595] * 50)
+  np.testing.assert_array_equal(val.num_examples, [105] * 50)
+  np.testing.assert_array_equal(test.num_examples, [700] * 50)
+  for split in (train, test):   # at most two classes per client, 350 of each shard
+    for k in range(50):
+      assert len(np.unique(split.y[k][split.mask[k]])) <= 2

@@ -102,6 +102,22 @@ def test_gma_mask_and_threshold_zero_equals_fedavg():
   assert_round_equals_fedavg('gma', config, data, jax.random.key(4))
 
 
+def test_gma_global_rate_scales_the_masked_step():
+  """With τ = 0 the mask is 1 everywhere, so η_g scales FedAvg's averaged update:
+  w' = w + η_g · Σ_k p_k Δ_k (server SGD at rate 1), here η_g = 1.5."""
+  config = tiny_config(**{'gma.threshold': 0.0, 'gma.global_learning_rate': 1.5})
+  data, _, _ = toy_clients([6, 9, 4], num_classes=NUM_CLASSES)
+  gma, server, states = make('gma', config, data)
+  fedavg, _, fedavg_states = make('fedavg', config, data)
+  cohort = RoundConfig(cohort_size=data.num_clients)
+  key = jax.random.key(4)
+  out = build_round(gma, cohort)[0](server, states, data, key)
+  plain = build_round(fedavg, cohort)[0](server, fedavg_states, data, key)
+  expected = jax.tree.map(lambda w, p: w + 1.5 * (p - w), server.variables,
+                          plain.server_state.variables)
+  chex.assert_trees_all_close(out.server_state.variables, expected, rtol=1e-5, atol=1e-7)
+
+
 def test_fedrod_generic_part_equals_fedavg_on_label_balanced_clients():
   """With a uniform client label distribution the balanced softmax is the plain
   softmax and the personal head is detached from the generic model, so the global

@@ -114,7 +114,9 @@ def method_client(config: ml_collections.ConfigDict, name: str) -> ml_collection
 
 
 def client_optimizer(client: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """config.client: optimizer ('sgd'|'adam'), learning_rate, momentum, weight_decay."""
+  """config.client: optimizer ('sgd'|'adam'), learning_rate, momentum, weight_decay, and
+  clip_norm (the gradient's global norm clipped first, as torch's clip_grad_norm_
+  before an SGD step whose weight decay is added after it)."""
   c = client
   if c.optimizer == 'sgd':
     opt = optax.sgd(c.learning_rate, momentum=c.momentum if present(c.momentum) else None)
@@ -125,7 +127,21 @@ def client_optimizer(client: ml_collections.ConfigDict) -> optax.GradientTransfo
                      f'{list(CLIENT_OPTIMIZERS)}')
   if present(c.weight_decay):
     opt = optax.chain(optax.add_decayed_weights(c.weight_decay), opt)
+  if present(c.clip_norm):
+    opt = optax.chain(clip_by_global_norm(c.clip_norm), opt)
   return opt
+
+
+def clip_by_global_norm(max_norm) -> optax.GradientTransformation:
+  """optax.clip_by_global_norm where ``max_norm`` may be traced (a swept value): a zero
+  ``max_norm`` leaves the gradient as it is (no clip) instead of zeroing it."""
+  def clip(updates, params=None):
+    del params
+    norm = optax.global_norm(updates)
+    scale = jnp.where((max_norm > 0) & (norm > max_norm),
+                      max_norm / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny), 1.0)
+    return jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
+  return optax.stateless(clip)
 
 
 def server_optimizer(server: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -163,6 +179,9 @@ def check_client(client: ml_collections.ConfigDict, where: str = 'client') -> No
   if not traced(client.weight_decay):
     require(client.weight_decay >= 0.0, f'{where}.weight_decay',
             f'must be >= 0, got {client.weight_decay}')
+  if not traced(client.clip_norm):
+    require(client.clip_norm >= 0.0, f'{where}.clip_norm',
+            f'must be >= 0 (0: no clip), got {client.clip_norm}')
 
 
 def check_client_overrides(config: ml_collections.ConfigDict) -> None:

@@ -28,7 +28,7 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import ml_collections
 
-from fedjax_shift.metrics import changed_fields, read_json, record_changes
+from fedjax_shift.metrics import FIELDS_OMITTED_AT, changed_fields, read_json, record_changes
 
 log = logging.getLogger('fedjax_shift')
 
@@ -72,7 +72,9 @@ def state_fields(config: ml_collections.ConfigDict, method_sections: Iterable[st
     top = path.split('.')[0]
     if top in skip or any(path == f or path.startswith(f + '.') for f in NON_STATE_FIELDS):
       continue
-    out[path] = json.dumps(value, sort_keys=True, default=repr)
+    recorded = json.dumps(value, sort_keys=True, default=repr)
+    if FIELDS_OMITTED_AT.get(path) != recorded:
+      out[path] = recorded
   return out
 
 
