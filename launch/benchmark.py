@@ -245,15 +245,17 @@ def case_table(results: dict) -> str:
   """The markdown table of one cohort size and convolution, with its ratio lines."""
   base = seconds(results, 'fused')
   lines = ['| case | s/round | compile s | peak RSS GB | vs (c) fused | parameters sent per '
-           'client |', '|---|---|---|---|---|---|']
+           'client | XLA GFLOP |', '|---|---|---|---|---|---|---|']
   for name, result in results.items():
     if 'seconds' not in result:
-      lines.append(f"| {label(name)} | {result.get('skipped') or result.get('error')} | | | | |")
+      lines.append(f"| {label(name)} | {result.get('skipped') or result.get('error')} | | | | "
+                   f"| |")
       continue
     ratio = f"{result['seconds'] / base:.2f}×" if base else ''
     sent = f"{result['uploaded_parameters']:,}" if 'uploaded_parameters' in result else ''
+    gflop = f"{result['flops'] / 1e9:.4g}" if 'flops' in result else ''
     lines.append(f"| {label(name)} | {result['seconds']:.4g} | {result['compile_s']:.1f} | "
-                 f"{result['peak_rss_gb']:.2f} | {ratio} | {sent} |")
+                 f"{result['peak_rss_gb']:.2f} | {ratio} | {sent} | {gflop} |")
   kernels = results.get('round', {}).get('kernels')
   if kernels:
     lines += [f"\nDevice kernels of one traced round of (a) ({kernels['kernel_seconds']:.4g} s "
@@ -268,12 +270,18 @@ def case_table(results: dict) -> str:
            ('grid_vmap', 'grid_loop', 'sweep as one program / runs one by one'),
            ('grid_vmap', 'round', 'sweep as one program / one run'),
            ('alpha_round', 'fedavg_1step', 'α round / FedAvg 1-step round'),
+           ('fedtta', 'round', 'FedTTA round / FedAvg round (vmapped)'),
+           ('fedtta_loop', 'loop_backend', "FedTTA round / FedAvg round (backend='loop')"),
+           ('loop_backend', 'torch', "backend='loop' / (d)"),
            ('processes:2', 'processes:1', '2 processes × 2 devices / 1 process × 4'),
            ('experiment:events', 'experiment:no_events',
             'default experiment with / without event files')]
   for top, bottom, text in pairs:
     if seconds(results, top) and seconds(results, bottom):
       lines.append(f'\n{text} = {seconds(results, top) / seconds(results, bottom):.2f}')
+  flops = {name: result['flops'] for name, result in results.items() if 'flops' in result}
+  if 'fedtta' in flops and 'round' in flops:   # inherent cost, against the seconds' ratio
+    lines.append(f"\nFedTTA / FedAvg in XLA's FLOP counts = {flops['fedtta'] / flops['round']:.2f}")
   return '\n'.join(lines)
 
 

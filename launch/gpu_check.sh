@@ -19,6 +19,19 @@
 #                                           on the GPU: configs/atp.py:digits,cnn (extra
 #                                           arguments go to train.py, e.g. one seed at a time
 #                                           with --config.seeds='(0,)')
+#   launch/gpu_check.sh fmnist_data         here: Debian's Fashion-MNIST (apt-get install
+#                                           dataset-fashion-mnist) copied to .data/ (git-
+#                                           ignored, 30 MB) to carry to a machine without it
+#   launch/gpu_check.sh fmnist OUTDIR [--config.X=..]
+#                                           on the GPU: FedTTA Table 1's Fashion-MNIST column
+#                                           (configs/fedtta.py:fashion_mnist: LeNet, 300
+#                                           rounds, seeds 0-2 in lockstep), rows FedAvg,
+#                                           FedTTA, FedTTA-Prox, FedTTA++ and TENT, and the
+#                                           table with the paper's numbers (workdirs
+#                                           /tmp/gpu_fmnist*); a CPU dry run: FMNIST_SEEDS='(0,)'
+#                                           launch/gpu_check.sh fmnist /tmp/x --config.rounds=2
+#                                           --config.data.num_clients=12 --config.cohort_size=6
+#                                           --config.data.max_examples=8400
 #   launch/gpu_check.sh fedevolve OUTDIR [--config.X=..]
 #                                           on the GPU: FedEvolve Table 1's RMNIST grid with
 #                                           the paper's CNN (3 Dirichlet levels × 3 methods)
@@ -29,7 +42,7 @@
 # stage stopped by its timeout still says what passed and failed. BENCH_CLIENTS and
 # TORCH_LOOP_CLIENTS shrink the bench and engine stages (e.g. =2 for a dry run on a CPU).
 set -uo pipefail
-stage=${1:?usage: launch/gpu_check.sh wheels|suite|bench|engine|atp|fedevolve [OUTDIR]}
+stage=${1:?usage: launch/gpu_check.sh wheels|fmnist_data|suite|bench|engine|atp|fmnist|fedevolve [OUTDIR]}
 outdir=${2:-/tmp/gpu_check}
 extra=("${@:3}")   # train.py overrides for the atp and fedevolve stages
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -46,8 +59,9 @@ dm-tree==0.1.10 immutabledict==4.3.1 simple-parsing==0.1.9 docstring-parser==0.1
 tensorflow-metadata==1.21.0 termcolor==3.3.0 toml==0.10.2 googleapis-common-protos==1.76.0"
 
 case $stage in
-  wheels|suite|bench|engine|atp|fedevolve) ;;
-  *) echo "unknown stage '$stage': wheels | suite | bench | engine | atp | fedevolve" >&2
+  wheels|fmnist_data|suite|bench|engine|atp|fmnist|fedevolve) ;;
+  *) echo "unknown stage '$stage': wheels | fmnist_data | suite | bench | engine | atp |" \
+          "fmnist | fedevolve" >&2
      exit 2 ;;
 esac
 
@@ -63,6 +77,14 @@ if [ "$stage" = wheels ]; then
   python3 -m pip wheel --quiet --no-deps -w .whl promise==2.3 || exit
   ls -l .whl
   du -sh .whl
+  exit 0
+fi
+
+FMNIST_DEBIAN=/usr/share/datasets/fashion-mnist
+if [ "$stage" = fmnist_data ]; then
+  [ -d "$FMNIST_DEBIAN" ] || { echo "no $FMNIST_DEBIAN: apt-get install dataset-fashion-mnist" >&2; exit 1; }
+  mkdir -p .data/fashion-mnist && cp "$FMNIST_DEBIAN"/*-ubyte.gz .data/fashion-mnist/ || exit
+  du -sh .data/fashion-mnist
   exit 0
 fi
 
@@ -130,6 +152,25 @@ case $stage in
       --workdir=/tmp/gpu_atp --compilation_cache="$JAX_COMPILATION_CACHE_DIR" \
       "${extra[@]}" > "$outdir/atp.log" 2>&1
     cp /tmp/gpu_atp/results.md "$outdir/atp_results.md" && cat "$outdir/atp_results.md"
+    ;;
+  fmnist)
+    # The Debian package where the machine has it, else the folder fmnist_data made.
+    data=$FMNIST_DEBIAN
+    [ -d "$data" ] || data=$here/.data/fashion-mnist
+    common=(--config.data.data_dir="$data" --config.seeds="${FMNIST_SEEDS:-(0,1,2)}"
+            --config.engine.vmap_seeds=True
+            --compilation_cache="$JAX_COMPILATION_CACHE_DIR")
+    start=$(date +%s)
+    timeout "$((limit * 3 / 4))" python3 launch/train.py --config=configs/fedtta.py:fashion_mnist \
+      --workdir=/tmp/gpu_fmnist --config.algorithms="('fedavg','fedtta','fedtta_prox')" \
+      "${common[@]}" "${extra[@]}" > "$outdir/fmnist.log" 2>&1
+    left=$((limit - $(date +%s) + start))
+    timeout "$((left > 30 ? left : 30))" python3 launch/train.py \
+      --config=configs/fedtta.py:fashion_mnist,tent --workdir=/tmp/gpu_fmnist_tent \
+      "${common[@]}" "${extra[@]}" > "$outdir/fmnist_tent.log" 2>&1
+    python3 launch/report.py --kind=fedtta --workdirs=/tmp/gpu_fmnist,/tmp/gpu_fmnist_tent \
+      > "$outdir/fmnist_table.md" 2>> "$outdir/fmnist.log"
+    tail -n 40 "$outdir/fmnist_table.md"
     ;;
   fedevolve)
     MAX_PARALLEL=${MAX_PARALLEL:-9} RUN_TIMEOUT=$((limit - 40)) \

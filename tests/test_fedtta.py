@@ -609,7 +609,7 @@ def test_fashion_mnist_variant_is_table_4s_column_on_a_70000_image_partition(tmp
   import importlib
   from fedjax_shift.algorithms.base import method_client
   from fedjax_shift.benchmarks import BENCHMARKS
-  from test_offline_sources import write_idx
+  from test_offline_sources import write_fashion_mnist_like
   config = importlib.import_module('configs.fedtta').get_config('fashion_mnist')
   assert (config.data.source, config.data.tfds_split, config.rounds) == \
       ('fashion_mnist', 'train+test', 300)
@@ -625,11 +625,7 @@ def test_fashion_mnist_variant_is_table_4s_column_on_a_70000_image_partition(tmp
           config.fedtta_prox.mu, config.adapters.fedtta_pp.patience,
           config.gma.global_learning_rate, config.eval_adapter_batch_size) == \
       (0.05, 0.001, 0.001, 5, 1.5, 700)
-  rng = np.random.default_rng(0)
-  for stem, count in (('train', 60000), ('t10k', 10000)):
-    write_idx(tmp_path / f'{stem}-images-idx3-ubyte', rng.integers(0, 256, (count, 28, 28))
-              .astype(np.uint8))
-    write_idx(tmp_path / f'{stem}-labels-idx1-ubyte', (np.arange(count) % 10).astype(np.uint8))
+  write_fashion_mnist_like(str(tmp_path))
   config.data.data_dir = str(tmp_path)
   bench = BENCHMARKS.get('upfl')(config.data, 0)
   train, val, test = (bench.splits[s] for s in ('train', 'val', 'test'))

@@ -25,6 +25,24 @@ def write_idx(path, array, code=0x08):
     f.write(payload)
 
 
+def write_fashion_mnist_like(folder):
+  """Fashion-MNIST's four files at its sizes (60,000 + 10,000 images of 28 × 28, labels
+  cycling 0..9: 7,000 per class), random pixels."""
+  rng = np.random.default_rng(0)
+  for stem, count in (('train', 60000), ('t10k', 10000)):
+    write_idx(os.path.join(folder, f'{stem}-images-idx3-ubyte'),
+              rng.integers(0, 256, (count, 28, 28)).astype(np.uint8))
+    write_idx(os.path.join(folder, f'{stem}-labels-idx1-ubyte'),
+              (np.arange(count) % 10).astype(np.uint8))
+
+
+@pytest.fixture(scope='module')
+def fashion_mnist_like(tmp_path_factory):
+  folder = tmp_path_factory.mktemp('fashion_mnist')
+  write_fashion_mnist_like(str(folder))
+  return str(folder)
+
+
 def write_idx_folder(folder, prefix='', test_stem='t10k', gz=True, train=6, test=4, seed=0):
   """A folder of the four standard files: [train, test] images [n, 5, 3] and labels
   0..9; returns the arrays written."""
@@ -189,6 +207,39 @@ def test_femnist_writers_become_upfl_clients(tmp_path):
   assert set(sizes) <= writer_sizes and len(set(sizes)) == 4
   with pytest.raises(ValueError, match=r"data.partition.*needs a source of writers"):
     BENCHMARKS.get('upfl')(data_config(benchmark='upfl', partition='natural'), 0)
+
+
+def test_atp_fmnist_variant_gives_every_client_distinct_images(fashion_mnist_like):
+  """configs/atp.py:fmnist_label: 240 source clients × (160 + 40) and 60 targets × 200
+  from 70,000 images (56,000 source, 14,000 target). No source image is drawn twice
+  (the 5,000 digits reuse most); a target pool class holds 1,400 images, which the
+  random major classes of step_2_16 (80 each) can exceed: 47 of 12,000 draws here."""
+  import importlib
+  from fedjax_shift.benchmarks import BENCHMARKS
+  config = importlib.import_module('configs.atp').get_config('fmnist_label')
+  config.data.data_dir = fashion_mnist_like
+  data = BENCHMARKS.get('atp_shift')(config.data, 0)
+  reused = data.info['reused_examples']
+  assert (reused['source_train'], reused['source_heldout']) == (0, 0)
+  assert reused['target'] < 0.01 * 60 * 200
+  assert data.source.splits['train'].num_examples.tolist() == [160] * 240
+  assert data.target.num_examples.tolist() == [200] * 60
+  train = data.source.splits['train']
+  digests = {hash(x.tobytes()) for k in range(240) for x in train.x[k][train.mask[k]]}
+  assert len(digests) == 240 * 160
+
+
+def test_fedevolve_rfmnist_variant_rotates_the_full_fashion_mnist(fashion_mnist_like):
+  """configs/fedevolve.py:rfmnist_dir1.0: RMNIST's 12 domains over 70,000 images
+  (~5,833 each, against ~417 of the 5,000 digits)."""
+  import importlib
+  from fedjax_shift.benchmarks import BENCHMARKS
+  config = importlib.import_module('configs.fedevolve').get_config('rfmnist_dir1.0')
+  assert config.data.source == 'fashion_mnist'
+  config.data.data_dir = fashion_mnist_like
+  bench = BENCHMARKS.get(config.data.benchmark)(config.data, 0)
+  total = sum(int(split.num_examples.sum()) for split in bench.splits.values())
+  assert total >= 11 * 5833   # the source domains (and the target's) hold every image
 
 
 @pytest.mark.slow

@@ -16,10 +16,11 @@ from launch.benchmarks import find
 FLAGS = flags.FLAGS
 
 CONV_CHOICES = ('auto', 'lax', 'patches', 'lax_patch_grad')
-CONV_MODELS = ('atp_cnn', 'evolve_cnn', 'domainbed64')
+CONV_MODELS = ('atp_cnn', 'evolve_cnn', 'domainbed64', 'lenet5')
 TORCH_CASES = ('torch', 'torch_vmap')   # no convolution choice: run once per cohort size
 SHAPES = {'atp_cnn': (32, 32, 3), 'mlp': (28, 28, 1), 'bn_mlp': (28, 28, 1),
-          'evolve_cnn': (28, 28, 1), 'domainbed64': (28, 28, 1), 'vit': (28, 28, 3)}
+          'evolve_cnn': (28, 28, 1), 'domainbed64': (28, 28, 1), 'vit': (28, 28, 3),
+          'lenet5': (28, 28, 1)}
 SIZE_PROFILES = ('uniform', 'skewed', 'default_experiment')
 # 60 clients, 12,000 examples: a floor of 20 per client plus a Dirichlet(0.5) split of the
 # other 10,800 (min 20, median 96, max 1,043), in client order.
@@ -130,9 +131,11 @@ def define_flags() -> None:
   """The command line (defined when run as a script, so that importing this file
   for its functions defines no flags beside another script's)."""
   flags.DEFINE_enum('model', 'atp_cnn', ['atp_cnn', 'mlp', 'bn_mlp', 'evolve_cnn',
-                                          'domainbed64', 'vit'],
+                                          'domainbed64', 'vit', 'lenet5'],
                     'Model to benchmark (vit: the registered defaults, configs/fedins.py; '
-                    "domainbed64: FedEvolve's Table 7 CNN, configs/fedevolve.py:domainbed64).")
+                    "domainbed64: FedEvolve's Table 7 CNN, configs/fedevolve.py:domainbed64; "
+                    "lenet5: the FedTTA authors' Fashion-MNIST LeNet 32/64/512, "
+                    'configs/fedtta.py:fashion_mnist).')
   flags.DEFINE_list('clients', ['60'], 'Cohort sizes C: one, or a sweep (60,240,1000) that '
                     'runs every case at each size and prints a table of the ratios.')
   flags.DEFINE_integer('examples', 200, 'Examples per client N (the mean with --sizes).')

@@ -44,6 +44,9 @@ def make_config():
     config.model = vit_model()
   if FLAGS.model == 'domainbed64':   # DomainBed's MNIST trunk + Linear 128→64 (Table 7)
     config.model = {'name': 'domainbed_cnn', 'hidden': 64, 'conv': conv_choice()}
+  if FLAGS.model == 'lenet5':   # the FedTTA authors' Fashion-MNIST LeNet (1,663,370 parameters)
+    config.model = {'name': 'lenet5', 'channels': (32, 64), 'features': 512,
+                    'conv': conv_choice()}
   config.client.batch_size = FLAGS.batch_size
   config.client.learning_rate = 0.01
   config.client.local_epochs = 1
@@ -130,8 +133,10 @@ def case_round(backend='vmap', kind='fedavg'):
   ids = jnp.arange(num_clients(), dtype=jnp.int32)
   key = jax.random.key(0)
   tick = time.perf_counter()
+  flops = None
   if backend == 'vmap':
     compiled = round_host.lower(server, clients, device_data, ids, key).compile()
+    flops = xla_flops(compiled)
   else:  # the loop backend compiles on its first call (which also runs the round)
     compiled = round_host
     jax.block_until_ready(compiled(server, clients, device_data, ids, key))
@@ -141,6 +146,8 @@ def case_round(backend='vmap', kind='fedavg'):
   result = {'seconds': median, 'times': times, 'compile_s': compile_s,
             'uploaded_parameters': uploaded_parameters(algorithm, server, clients, data),
             'client_chunk': round_cfg.client_chunk}
+  if flops:
+    result['flops'] = flops
   metrics = run().metrics
   if 'scanned_steps' in metrics:
     result['local_steps'] = int(metrics['local_steps'])
@@ -149,6 +156,15 @@ def case_round(backend='vmap', kind='fedavg'):
     result['kernels'] = traced_kernels(run, os.path.join(
         FLAGS.trace, f'{FLAGS.model}_{num_clients()}_{conv_choice()}'))
   return result
+
+
+def xla_flops(compiled):
+  """The FLOPs XLA's cost analysis counts in a compiled program (None where the backend
+  gives none)."""
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):   # one dict per program in older jax
+    analysis = analysis[0] if analysis else {}
+  return float(analysis['flops']) if analysis and analysis.get('flops') else None
 
 
 def traced_kernels(run, logdir: str, top: int = 12) -> dict:
@@ -327,6 +343,8 @@ register('fedevolve', 'FedEvolve round, 1 local iteration (9 domain pairs)',
          lambda name: case_round(kind='fedevolve'))
 register('fedtta', 'FedTTA round, 1 epoch (inner + outer step each)',
          lambda name: case_round(kind='fedtta'))
+register('fedtta_loop', "FedTTA round, 1 epoch, engine backend='loop'",
+         lambda name: case_round('loop', kind='fedtta'))
 register('alpha_round', 'ATP α round, 1 α step', lambda name: case_round(kind='alpha'))
 register('hetero_fedtta', 'HeteroFedTTA grouped round, 3 architectures (digest + 1 epoch + '
          'public logits)', lambda name: case_hetero(('small', 'medium', 'big')))

@@ -29,7 +29,7 @@ def torch_twin(batch_statistics_only: bool = False):
     return 'torch is not installed'
   if FLAGS.torch_threads:
     torch.set_num_threads(FLAGS.torch_threads)
-  if FLAGS.model not in ('atp_cnn', 'mlp'):
+  if FLAGS.model not in ('atp_cnn', 'mlp', 'lenet5'):
     return f'no PyTorch twin of {FLAGS.model}'
   from torch import nn
   x, y, _, _ = cohort_arrays(num_clients())
@@ -43,6 +43,12 @@ def torch_twin(batch_statistics_only: bool = False):
                           nn.Flatten(), nn.Linear(64 * 4 * 4, 64),
                           nn.BatchNorm1d(64, track_running_stats=track),
                           nn.ReLU(), nn.Linear(64, 10))
+    x = torch.from_numpy(x).permute(0, 1, 4, 2, 3).contiguous()
+  elif FLAGS.model == 'lenet5':   # the FedTTA authors' models/fashion_mnist LeNet
+    model = nn.Sequential(nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Flatten(), nn.Linear(64 * 7 * 7, 512), nn.ReLU(),
+                          nn.Linear(512, 10))
     x = torch.from_numpy(x).permute(0, 1, 4, 2, 3).contiguous()
   else:
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200),
