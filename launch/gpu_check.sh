@@ -32,6 +32,7 @@
 #                                           launch/gpu_check.sh fmnist /tmp/x --config.rounds=2
 #                                           --config.data.num_clients=12 --config.cohort_size=6
 #                                           --config.data.max_examples=8400
+#                                           --config.engine.vmap_seeds=False (CPU: loop backend)
 #   launch/gpu_check.sh fedevolve OUTDIR [--config.X=..]
 #                                           on the GPU: FedEvolve Table 1's RMNIST grid with
 #                                           the paper's CNN (3 Dirichlet levels × 3 methods)

@@ -636,3 +636,23 @@ def test_fashion_mnist_variant_is_table_4s_column_on_a_70000_image_partition(tmp
   for split in (train, test):   # at most two classes per client, 350 of each shard
     for k in range(50):
       assert len(np.unique(split.y[k][split.mask[k]])) <= 2
+
+
+def test_first_round_probe_counts_diverged_clients_and_the_clip_bounds_them():
+  """papers/fedtta/first_round.py on the tiny UPFL split: at client rate 100 the
+  unclipped MLP ends non-finite on some client or reaches a batch loss far above the
+  initial ≈ log 10 = 2.30 (ten near-uniform classes), while a clip at 1e-6 moves each
+  of the 2 steps by at most 100 · 1e-6, so the clients' median last loss stays near
+  log 10 (within 0.5: the initial outputs are not exactly uniform)."""
+  import importlib
+  from fedjax_shift.papers.fedtta.first_round import client_batches, first_round
+  order = client_batches(5, 2, 4, np.random.default_rng(0))
+  assert order.shape == (4, 2) and sorted(order.ravel()[:5]) == [0, 1, 2, 3, 4]
+  config = importlib.import_module('configs.fedtta').get_config('tiny')
+  config.client.learning_rate = 100.0
+  rows = first_round(config, [0.0, 1e-6])
+  unclipped, clipped = rows[0.0], rows[1e-6]
+  assert unclipped['clients'] == clipped['clients'] == 6
+  assert unclipped['nonfinite_clients'] > 0 or unclipped['max_loss'] > 10
+  assert clipped['nonfinite_clients'] == 0
+  assert abs(clipped['median_final_loss'] - np.log(10)) < 0.5

@@ -137,7 +137,7 @@ def clip_by_global_norm(max_norm) -> optax.GradientTransformation:
   ``max_norm`` leaves the gradient as it is (no clip) instead of zeroing it."""
   def clip(updates, params=None):
     del params
-    norm = optax.global_norm(updates)
+    norm = optax.tree_utils.tree_norm(updates)
     scale = jnp.where((max_norm > 0) & (norm > max_norm),
                       max_norm / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny), 1.0)
     return jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
