@@ -87,6 +87,11 @@ def check_dirichlet(data_config: ml_collections.ConfigDict) -> None:
   require(alpha > 0, 'data.dirichlet_alpha', f'must be > 0 (or inf), got {alpha}')
 
 
+def natural_needs_writers(source: str) -> str:
+  return (f"'natural' deals each writer's examples to one client: it needs a source of "
+          f"writers ({list(GROUPED_SOURCES)}), not {source!r}")
+
+
 def check_partition(data_config: ml_collections.ConfigDict) -> None:
   """``data.partition`` and its parameters, ``data.num_clients``."""
   require(data_config.partition in PARTITIONS, 'data.partition',
@@ -94,8 +99,7 @@ def check_partition(data_config: ml_collections.ConfigDict) -> None:
   if data_config.partition == 'dirichlet':
     check_dirichlet(data_config)
   require(data_config.partition != 'natural' or data_config.source in GROUPED_SOURCES,
-          'data.partition', f"'natural' deals each writer's examples to one client: it needs "
-          f"a source of writers ({list(GROUPED_SOURCES)}), not {data_config.source!r}")
+          'data.partition', natural_needs_writers(data_config.source))
   require(data_config.num_clients >= 1, 'data.num_clients',
           f'must be >= 1, got {data_config.num_clients}')
 
@@ -168,9 +172,7 @@ def partition(labels: np.ndarray, data_config: ml_collections.ConfigDict, num_cl
   num_clients = num_clients or data_config.num_clients
   if kind == 'natural':
     if groups is None:
-      raise ValueError(f"config.data.partition='natural' deals each writer's examples to one "
-                       f"client: it needs a source of writers ({list(GROUPED_SOURCES)}), not "
-                       f"{data_config.source!r}")
+      raise ValueError(f'config.data.partition: {natural_needs_writers(data_config.source)}')
     return partitions.natural(groups, num_clients, rng)
   if kind == 'dirichlet':
     return partitions.dirichlet(labels, num_clients, data_config.dirichlet_alpha, rng,
