@@ -117,7 +117,7 @@ def test_command_line_mistakes_are_one_paragraph_and_touch_nothing(tmp_path):
                         capture_output=True, text=True, cwd=ROOT)
   assert typo.returncode == 2 and 'Traceback' not in typo.stderr, typo.stderr[-3000:]
   assert ("--config.client.lr: config.client has no field 'lr'; its fields: augmentation, "
-          "batch_size, learning_rate") in typo.stderr
+          "batch_size, clip_norm, learning_rate") in typo.stderr
   # a method's own rate as its section once had it: the field that holds it now
   renamed = subprocess.run(_launch(tmp_path / 'renamed', 2) +
                            ['--config.fedprox.client_learning_rate=0.3'],
