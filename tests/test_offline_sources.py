@@ -126,7 +126,8 @@ def test_fashion_mnist_source_reads_data_dir_and_names_the_debian_path(tmp_path,
     load_source(data_config(source='fashion_mnist'))
   with pytest.raises(ValueError, match=r"data.data_dir.*source='idx' reads the files"):
     load_source(data_config(source='idx'))
-  with pytest.raises(ValueError, match=r"data.tfds_split.*an IDX source reads"):
+  with pytest.raises(ValueError, match=r"data.tfds_split: data.source='idx' reads "
+                                       r"\['train', 'test', 'train\+test'\], got 'validation'"):
     load_source(data_config(source='idx', data_dir=str(tmp_path / 'fm'), tfds_split='validation'))
 
 

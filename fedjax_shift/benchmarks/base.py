@@ -78,8 +78,9 @@ def check_source(data_config: ml_collections.ConfigDict) -> None:
           'data.data_dir', f'data.source={source!r} reads the files of data.data_dir: set it '
           f'to their folder')
   if source in IDX_SOURCES + GROUPED_SOURCES:
-    require(data_config.tfds_split in sources.IDX_SPLITS, 'data.tfds_split',
-            f'an IDX source reads {list(sources.IDX_SPLITS)}, got {data_config.tfds_split!r}')
+    splits = sources.LEAF_SPLITS if source in GROUPED_SOURCES else sources.IDX_SPLITS
+    require(data_config.tfds_split in splits, 'data.tfds_split',
+            f'data.source={source!r} reads {list(splits)}, got {data_config.tfds_split!r}')
 
 
 def check_dirichlet(data_config: ml_collections.ConfigDict) -> None:
@@ -123,7 +124,7 @@ def load_source(data_config: ml_collections.ConfigDict, class_names=()) -> sourc
     src = sources.tfds_source(name[len('tfds:'):], data_config.tfds_split,
                               data_config.data_dir or None, data_config.max_examples or None)
   elif name in IDX_SOURCES:
-    src = idx_source(data_config)
+    src = idx_or_tfds_source(data_config)
   elif name == 'femnist':
     src = sources.leaf_femnist(data_config.data_dir, data_config.tfds_split)
   elif name.startswith('folder:'):
@@ -140,7 +141,7 @@ def load_source(data_config: ml_collections.ConfigDict, class_names=()) -> sourc
   return src._replace(x=x)
 
 
-def idx_source(data_config: ml_collections.ConfigDict) -> sources.Source:
+def idx_or_tfds_source(data_config: ml_collections.ConfigDict) -> sources.Source:
   """``data.source`` 'fashion_mnist' or 'idx': the IDX files of ``data.data_dir`` (for
   'fashion_mnist' by default Debian's package folder); 'fashion_mnist' with a
   ``data_dir`` that holds no IDX files reads a prepared TFDS fashion_mnist there. The
