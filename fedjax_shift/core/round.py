@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 import flax
 import jax
@@ -28,6 +28,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
 from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.data.federated import FederatedData
+from fedjax_shift.data.store import ClientStore, gather_clients
+
+# A population: padded (FederatedData [K, N, ...]) or stored compactly (ClientStore).
+Store = Union[FederatedData, ClientStore]
 
 PyTree = Any
 SAMPLING = ('uniform', 'num_examples')
@@ -134,18 +138,22 @@ def map_clients(fn, in_axes, chunk: int, shard=None):
   return chunked
 
 
-def client_rows(source: FederatedData, rows: jax.Array, budgets: jax.Array,
+def client_rows(source: Store, rows: jax.Array, budgets: jax.Array,
                 examples: Optional[int] = None, real: Optional[jax.Array] = None
                 ) -> ClientData:
   """ClientData [R, ...] of ``source``'s clients ``rows`` [R] (None: all, in order),
   cut to their first ``examples`` (None: all N), with step budgets [R]; slots where
   ``real`` [R] is False are empty clients (no examples, no steps)."""
-  def cut(leaf):
-    leaf = leaf if rows is None else leaf[rows]
-    return leaf if examples is None else leaf[:, :examples]
+  if isinstance(source, ClientStore):
+    rows = jnp.arange(source.num_clients) if rows is None else rows
+    x, y, mask, num_examples = gather_clients(source, rows, examples)
+  else:
+    def cut(leaf):
+      leaf = leaf if rows is None else leaf[rows]
+      return leaf if examples is None else leaf[:, :examples]
 
-  x, y, mask, num_examples = cut(source.x), cut(source.y), cut(source.mask), cut(
-      source.num_examples[:, None])[:, 0]
+    x, y, mask, num_examples = cut(source.x), cut(source.y), cut(source.mask), cut(
+        source.num_examples[:, None])[:, 0]
   if real is not None:
     mask = mask & real[:, None]
     num_examples = jnp.where(real, num_examples, 0)
@@ -154,7 +162,7 @@ def client_rows(source: FederatedData, rows: jax.Array, budgets: jax.Array,
 
 
 def run_cohort(client_update, config: RoundConfig, server_state, cohort_states,
-               source: FederatedData, rows: Optional[jax.Array], budgets: jax.Array,
+               source: Store, rows: Optional[jax.Array], budgets: jax.Array,
                client_keys, shard=None):
   """``client_update`` over the C clients ``rows`` [C] of ``source`` (the store; None:
   ``source`` is the cohort) -> ((outputs [C], states [C]), scanned steps or None).
@@ -250,10 +258,11 @@ class RoundOutput(NamedTuple):
 BACKENDS = ('vmap', 'loop')
 
 
-def _check_cohort(config: RoundConfig, cohort: FederatedData, cohort_ids) -> None:
-  if cohort.x.shape[0] != config.cohort_size or cohort_ids.shape != (config.cohort_size,):
+def _check_cohort(config: RoundConfig, cohort: Store, cohort_ids) -> None:
+  clients = cohort.num_examples.shape[0]
+  if clients != config.cohort_size or cohort_ids.shape != (config.cohort_size,):
     raise ValueError(f'the round was built for cohort_size={config.cohort_size} but got '
-                     f'{cohort.x.shape[0]} clients and {cohort_ids.shape[0]} ids')
+                     f'{clients} clients and {cohort_ids.shape[0]} ids')
 
 
 def _finish_round(algorithm: FederatedAlgorithm, config: RoundConfig, server_state,
@@ -285,9 +294,9 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
   ``rounds(server_state, client_states, store, keys [R], active [R])``: R rounds as one
   compiled ``lax.scan`` (``_scan_rounds``), metrics stacked [R, ...].
 
-  round_device(server_state, client_states, store: FederatedData, round_key)
+  round_device(server_state, client_states, store: Store, round_key)
       samples, gathers and trains in one compiled call.
-  round_host(server_state, client_states, cohort: FederatedData, cohort_ids, round_key)
+  round_host(server_state, client_states, cohort: Store, cohort_ids, round_key)
       trains a cohort gathered on the host (see HostStore).
   Both return RoundOutput; metrics hold 'cohort' ids [C] and per-client
   'client_loss' [C] beside the weighted means.
@@ -319,7 +328,7 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
     spec = NamedSharding(mesh, PartitionSpec('clients'))
     return jax.tree.map(lambda leaf: jax.lax.with_sharding_constraint(leaf, spec), tree)
 
-  def round_on_rows(server_state, client_states, source: FederatedData, rows, cohort_ids, key):
+  def round_on_rows(server_state, client_states, source: Store, rows, cohort_ids, key):
     """The round of the clients ``rows`` [C] of ``source`` (None: ``source`` is the
     cohort), whose ids are ``cohort_ids``."""
     client_keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(key, 1),
@@ -332,11 +341,11 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
     return _finish_round(algorithm, config, server_state, client_states, num_examples,
                          cohort_ids, outputs, new_states, scanned)
 
-  def round_on_cohort(server_state, client_states, cohort: FederatedData, cohort_ids, key):
+  def round_on_cohort(server_state, client_states, cohort: Store, cohort_ids, key):
     _check_cohort(config, cohort, cohort_ids)
     return round_on_rows(server_state, client_states, cohort, None, cohort_ids, key)
 
-  def round_device(server_state, client_states, store: FederatedData, key):
+  def round_device(server_state, client_states, store: Store, key):
     cohort_ids = sample_cohort(key, store.num_examples, config)
     return round_on_rows(server_state, client_states, store, cohort_ids, cohort_ids, key)
 
@@ -372,12 +381,14 @@ class ExplainedRound:
     try:
       return self._round_fn(*args)
     except flax.errors.ScopeParamShapeError as err:
-      x = args[2].x   # the store or cohort: FederatedData x [K, N, ...]
+      data = args[2]   # the store or cohort
+      shape = (data.example_shape if isinstance(data, ClientStore)
+               else tuple(data.x.shape[2:]))
       raise ValueError(
-          f'the data do not fit the model\'s parameters: x of shape {tuple(x.shape)} holds '
-          f'examples of shape {tuple(x.shape[2:])}, and the state was initialised for '
+          f'the data do not fit the model\'s parameters: they hold examples of shape '
+          f'{shape}, and the state was initialised for '
           f'examples of another shape ({str(err).split(" (https")[0]}). Initialise the '
-          f'state with an example of these data: algorithm.init(key, x[0, :1])') from None
+          f'state with an example of these data') from None
     except jax.errors.JaxRuntimeError as err:
       if 'RESOURCE_EXHAUSTED' not in str(err) and 'Out of memory' not in str(err):
         raise
@@ -397,7 +408,7 @@ def _scan_rounds(round_device):
   (past the end of a chunk) leaves the state unchanged; its metrics are computed and
   ignored."""
 
-  def rounds(server_state, client_states, store: FederatedData, keys, active):
+  def rounds(server_state, client_states, store: Store, keys, active):
     def body(carry, inputs):
       key, on = inputs
       out = round_device(*carry, store, key)
@@ -434,7 +445,7 @@ def _build_loop_round(algorithm: FederatedAlgorithm, config: RoundConfig):
   finish = jax.jit(lambda *args: _finish_round(algorithm, config, *args))
   sample = jax.jit(lambda store, key: sample_cohort(key, store.num_examples, config))
 
-  def round_on_rows(server_state, client_states, source: FederatedData, rows, cohort_ids, key):
+  def round_on_rows(server_state, client_states, source: Store, rows, cohort_ids, key):
     cohort_states, client_keys, budgets = prepare(client_states, cohort_ids, key)
     sizes = np.asarray(source.num_examples)[np.asarray(rows)]
     results, scanned = [], 0
@@ -458,12 +469,12 @@ def _build_loop_round(algorithm: FederatedAlgorithm, config: RoundConfig):
     return finish(server_state, client_states, source.num_examples[rows], cohort_ids, outputs,
                   new_states, scanned)
 
-  def round_host(server_state, client_states, cohort: FederatedData, cohort_ids, key):
+  def round_host(server_state, client_states, cohort: Store, cohort_ids, key):
     _check_cohort(config, cohort, cohort_ids)
     return round_on_rows(server_state, client_states, cohort,
                          jnp.arange(config.cohort_size), cohort_ids, key)
 
-  def round_device(server_state, client_states, store: FederatedData, key):
+  def round_device(server_state, client_states, store: Store, key):
     cohort_ids = sample(store, key)
     return round_on_rows(server_state, client_states, store, cohort_ids, cohort_ids, key)
 
@@ -471,17 +482,23 @@ def _build_loop_round(algorithm: FederatedAlgorithm, config: RoundConfig):
 
 
 class HostStore:
-  """Keeps the [K, N, ...] population in host memory; moves only cohorts.
+  """Keeps the population in host memory; moves only cohorts.
 
-  ``cohort(r)`` returns (cohort FederatedData on device, cohort ids) for round r and
-  starts gathering round r+1's cohort on a worker thread, so the host gather and
-  the host→device copy overlap the running round. Device memory grows with the
-  cohort, not the population. With a ``sharding`` over the devices of several
-  processes each process gathers and moves only the clients of its own devices'
-  shards (``jax.make_array_from_callback``).
+  ``cohort(r)`` returns (the cohort on device, cohort ids) for round r and starts
+  gathering round r+1's cohort on a worker thread, so the host gather and the
+  host→device copy overlap the running round. Device memory grows with the cohort,
+  not the population.
+
+  A ``ClientStore`` population sends a cohort store: the cohort's own examples in the
+  store's dtype (uint8 codes for images), concatenated and padded to a size of the
+  ladder ``cohort_capacity`` (at most 1/8 more, so that a run compiles its round for a
+  few sizes, not one per round); a padded ``FederatedData`` population sends its
+  cohort at the padded N. With a ``sharding`` over the devices of several processes
+  each process gathers and moves only the clients of its own devices' shards
+  (``jax.make_array_from_callback``; a ClientStore's cohort goes padded then).
   """
 
-  def __init__(self, data: FederatedData, seed_key: jax.Array, config: RoundConfig,
+  def __init__(self, data: Store, seed_key: jax.Array, config: RoundConfig,
                sharding=None):
     self.data = data
     self.seed_key = seed_key
@@ -491,24 +508,33 @@ class HostStore:
     self._sample = jax.jit(lambda key, num_examples: sample_cohort(key, num_examples, config))
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     self._pending: Dict[int, concurrent.futures.Future] = {}
+    self.bytes_sent = 0   # host→device bytes of the cohorts fetched so far
 
   def _fetch(self, round_index: int):
     key = round_key(self.seed_key, round_index)
     ids = np.asarray(self._sample(key, self._num_examples))
+    data = self.data
     if self.sharding is not None and not self.sharding.is_fully_addressable:
+      if isinstance(data, ClientStore):
+        data = data.take(ids)
+        ids_in_data = np.arange(len(ids))
+      else:
+        ids_in_data = ids
+
       def shard(array):   # only the rows of this process's devices
         return jax.make_array_from_callback(
             (len(ids),) + array.shape[1:], self.sharding,
-            lambda index: np.asarray(array[ids[index[0]]]))
-      return jax.tree.map(shard, self.data), ids
-    cohort = self.data.take(ids)
-    if self.sharding is not None:
+            lambda index: np.asarray(array[ids_in_data[index[0]]]))
+      return jax.tree.map(shard, data), ids
+    cohort = cohort_store(data, ids) if isinstance(data, ClientStore) else data.take(ids)
+    self.bytes_sent += sum(int(np.asarray(leaf).nbytes) for leaf in jax.tree.leaves(cohort))
+    if self.sharding is not None and not isinstance(cohort, ClientStore):
       cohort = jax.device_put(cohort, self.sharding)
     else:
       cohort = jax.device_put(cohort)
     return cohort, jnp.asarray(ids)
 
-  def cohort(self, round_index: int) -> Tuple[FederatedData, jax.Array]:
+  def cohort(self, round_index: int) -> Tuple[Store, jax.Array]:
     future = self._pending.pop(round_index, None)
     result = future.result() if future is not None else self._fetch(round_index)
     self._pending = {round_index + 1: self._pool.submit(self._fetch, round_index + 1)}
@@ -516,6 +542,34 @@ class HostStore:
 
   def close(self):
     self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def cohort_capacity(total: int) -> int:
+  """The stored rows a cohort of ``total`` examples is padded to: ``total`` rounded up
+  to a multiple of 2^(⌊log2 total⌋ − 3), eight sizes per doubling (at most 1/8 more)."""
+  total = max(int(total), 1)
+  step = 1 << max(total.bit_length() - 4, 0)
+  return -(-total // step) * step
+
+
+def cohort_store(store: ClientStore, client_ids: np.ndarray) -> ClientStore:
+  """The clients ``client_ids`` [C] of a host ``store`` as a store of their own (host
+  numpy): their examples concatenated in cohort order in the store's dtype, padded with
+  row 0 to ``cohort_capacity`` rows (never a client's), and their offsets [C+1]."""
+  client_ids = np.asarray(client_ids, np.int64)
+  offsets = np.asarray(store.offsets, np.int64)
+  counts = offsets[client_ids + 1] - offsets[client_ids]
+  total = int(counts.sum())
+  new_offsets = np.concatenate([[0], np.cumsum(counts)])
+  rows = np.repeat(offsets[client_ids] - new_offsets[:-1], counts) + np.arange(total)
+  rows = np.concatenate([rows, np.zeros(cohort_capacity(total) - total, np.int64)])
+  x, y = np.asarray(store.x), np.asarray(store.y)
+  if not len(y):   # an empty store: zero rows of padding
+    x, y = np.zeros((1,) + x.shape[1:], x.dtype), np.zeros(1, y.dtype)
+  return ClientStore(x[rows], y[rows],
+                     new_offsets.astype(np.int32), counts.astype(np.int32),
+                     None if store.palette is None else np.asarray(store.palette),
+                     store.max_examples)
 
 
 def client_mesh(num_devices: Optional[int] = None) -> Mesh:

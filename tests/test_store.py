@@ -1,0 +1,186 @@
+"""The compact client store: each client's examples once, gathered by offsets.
+
+A round trained on a ClientStore must equal the round on the padded FederatedData of
+the same clients to float rounding (the gather produces the same floats: a palette
+lookup of the stored codes), through the grouped device round, the host store, the
+loop backend, several rounds per call and vmapped seeds; and memory follows the
+examples.
+"""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import build_method, tiny_config
+from fedjax_shift.algorithms import ALGORITHMS
+from fedjax_shift.core import plan
+from fedjax_shift.core.round import (HostStore, RoundConfig, build_round, cohort_capacity,
+                                     cohort_store, round_key)
+from fedjax_shift.data import federated, store as client_store
+
+NUM_CLASSES = 3
+SIZES = [2, 19, 5, 11, 0, 3, 7, 13]   # skewed, one client without data
+
+
+def skewed_clients(sizes=SIZES, shape=(4, 4, 1), seed=0):
+  """(padded FederatedData, ClientStore) of the same clients: uint8 pixels k/255."""
+  rng = np.random.default_rng(seed)
+  xs = [(rng.integers(0, 256, (n,) + shape) / 255).astype(np.float32) for n in sizes]
+  ys = [rng.integers(0, NUM_CLASSES, n).astype(np.int32) for n in sizes]
+  return (federated.stack_clients(xs, ys, example_shape=shape),
+          client_store.from_clients(xs, ys, shape))
+
+
+def grouped(data, cohort_size: int, width: int, **fields) -> RoundConfig:
+  bounds = plan.group_bounds(data.num_examples, cohort_size, width)
+  buckets = plan.fit_example_buckets(bounds, width, 2)
+  return RoundConfig(cohort_size=cohort_size, client_chunk=width,
+                     group_examples=plan.plan_group_examples(bounds, buckets), **fields)
+
+
+def run_rounds(round_fn, server, clients, data, rounds=2, seed=3):
+  for r in range(rounds):
+    out = round_fn(server, clients, data, round_key(jax.random.key(seed), r))
+    server, clients = out.server_state, out.client_states
+  return out
+
+
+def test_the_store_holds_each_example_once_in_its_source_bytes():
+  padded, stored = skewed_clients()
+  # 60 examples of 16 uint8 pixels + 60 int32 labels + 9 offsets + 8 counts + the
+  # 256-entry float32 palette; the padded layout holds 8 × 19 × 16 float32 pixels.
+  assert stored.x.dtype == np.uint8 and stored.x.shape == (60, 4, 4, 1)
+  assert stored.nbytes == 60 * 16 + 60 * 4 + 9 * 4 + 8 * 4 + 256 * 4
+  assert padded.x.nbytes == 8 * 19 * 16 * 4
+  np.testing.assert_array_equal(stored.offsets, np.cumsum([0] + SIZES))
+  assert stored.max_examples == 19
+
+
+def test_padding_a_store_gives_back_the_padded_layout_bit_for_bit():
+  padded, stored = skewed_clients()
+  for a, b in zip(stored.padded(), padded):
+    np.testing.assert_array_equal(a, b)
+  back = client_store.compact(padded)
+  np.testing.assert_array_equal(back.x, stored.x)
+  np.testing.assert_array_equal(back.palette, stored.palette)
+  taken = stored.take([3, 4, 1], pad_to=20)
+  np.testing.assert_array_equal(taken.x[:, :19], padded.x[[3, 4, 1]])
+  assert not taken.mask[:, 19].any()
+
+
+def test_inputs_with_more_than_256_values_stay_float32():
+  rng = np.random.default_rng(1)
+  xs = [rng.normal(size=(n, 3)).astype(np.float32) for n in (200, 100)]
+  stored = client_store.from_clients(xs, [np.zeros(200), np.ones(100)])
+  assert stored.palette is None and stored.x.dtype == np.float32
+  np.testing.assert_array_equal(stored.client(1)[0], xs[1])
+  few = client_store.from_clients([np.array([[0.5], [-2.0], [0.5]])], [np.zeros(3)])
+  # 2 distinct values: codes into a sorted palette [-2.0, 0.5].
+  np.testing.assert_array_equal(few.palette, [-2.0, 0.5])
+  np.testing.assert_array_equal(few.x[:, 0], [1, 0, 1])
+
+
+def test_gather_inside_jit_equals_the_host_take():
+  _, stored = skewed_clients()
+  rows = jnp.array([1, 4, 6])
+  gathered = jax.jit(lambda s, r: client_store.gather_clients(s, r, 13))(
+      jax.device_put(stored), rows)
+  host = stored.take(np.asarray(rows))
+  np.testing.assert_array_equal(gathered.x, host.x[:, :13])
+  np.testing.assert_array_equal(gathered.y, host.y[:, :13])
+  np.testing.assert_array_equal(gathered.mask, host.mask[:, :13])
+
+
+@pytest.mark.parametrize('name', ['fedavg', 'fedprox', 'scaffold', 'ditto', 'fedbn',
+                                  'atp', 'fedtta'])
+def test_a_grouped_round_on_the_store_equals_the_padded_round(name):
+  model = 'bn_mlp' if ALGORITHMS.meta(name).get('batch_norm', True) else 'mlp'
+  config = tiny_config(**{'model.name': model, 'client.batch_size': 3})
+  padded, stored = skewed_clients()
+  _, algorithm, server, clients = build_method(name, config, padded, NUM_CLASSES)
+  round_config = grouped(padded, 7, 3, straggler_prob=0.3, straggler_max_steps=2)
+  round_device = build_round(algorithm, round_config)[0]
+  a = run_rounds(round_device, server, clients, padded)
+  b = run_rounds(round_device, server, clients, jax.device_put(stored))
+  np.testing.assert_array_equal(a.metrics['cohort'], b.metrics['cohort'])
+  chex.assert_trees_all_close(a.server_state, b.server_state, atol=1e-6)
+  chex.assert_trees_all_close(a.client_states, b.client_states, atol=1e-6)
+
+
+def test_host_store_loop_backend_and_round_scan_on_the_store_equal_the_padded_round():
+  config = tiny_config(**{'model.name': 'mlp', 'client.batch_size': 3})
+  padded, stored = skewed_clients()
+  _, fedavg, server, clients = build_method('fedavg', config, padded, NUM_CLASSES)
+  round_config = grouped(padded, 5, 2)
+  round_device, round_host = build_round(fedavg, round_config)
+  reference = run_rounds(round_device, server, clients, padded, rounds=3, seed=9)
+  seed_key = jax.random.key(9)
+  host = HostStore(stored, seed_key, round_config)
+  s, c = server, clients
+  for r in range(3):
+    cohort, ids = host.cohort(r)
+    assert isinstance(cohort, client_store.ClientStore)
+    out = round_host(s, c, cohort, ids, round_key(seed_key, r))
+    s, c = out.server_state, out.client_states
+  host.close()
+  chex.assert_trees_all_close(reference.server_state, s, atol=1e-6)
+  keys = jax.vmap(lambda r: round_key(seed_key, r))(jnp.arange(3))
+  scan = build_round(fedavg, round_config, rounds_per_call=3)[0]
+  scanned = scan(server, clients, jax.device_put(stored), keys, jnp.ones(3, bool))
+  chex.assert_trees_all_close(reference.server_state, scanned.server_state, atol=1e-6)
+  loop = build_round(fedavg, RoundConfig(cohort_size=5, example_buckets=(4, 19)),
+                     backend='loop')[0]
+  chex.assert_trees_all_close(run_rounds(loop, server, clients, padded).server_state,
+                              run_rounds(loop, server, clients, stored).server_state,
+                              atol=1e-6)
+
+
+def test_vmapped_seeds_share_one_store():
+  config = tiny_config(**{'model.name': 'mlp', 'client.batch_size': 3})
+  padded, stored = skewed_clients()
+  _, fedavg, server, clients = build_method('fedavg', config, padded, NUM_CLASSES)
+  round_device = build_round(fedavg, grouped(padded, 6, 2))[0]
+  keys = jnp.stack([jax.random.key(1), jax.random.key(2)])
+  stack = lambda tree: jax.tree.map(lambda leaf: jnp.stack([leaf, leaf]), tree)
+  both = jax.vmap(round_device, (0, 0, None, 0))(stack(server), stack(clients),
+                                                 jax.device_put(stored), keys)
+  for i in range(2):
+    one = round_device(server, clients, padded, keys[i])
+    chex.assert_trees_all_close(jax.tree.map(lambda leaf: leaf[i], both.server_state),
+                                one.server_state, atol=1e-6)
+
+
+def test_a_host_cohort_sends_only_its_own_examples_on_a_ladder_of_sizes():
+  _, stored = skewed_clients()
+  cohort = cohort_store(stored, np.array([3, 1, 4, 5]))   # 11 + 19 + 0 + 3 = 33 examples
+  assert cohort.x.shape[0] == cohort_capacity(33) == 36   # 33 up to a multiple of 2^(6-4)
+  np.testing.assert_array_equal(cohort.offsets, [0, 11, 30, 30, 33])
+  np.testing.assert_array_equal(cohort.take([1]).x, stored.take([1]).x)
+  # eight sizes per doubling: at most 1/8 above the examples
+  for total in (1, 7, 100, 1000, 12345, 10 ** 6):
+    assert total <= cohort_capacity(total) <= total * 1.125
+  assert len({cohort_capacity(t) for t in range(4097, 8193)}) == 8
+
+
+@pytest.mark.parametrize('break_store,message', [
+    (lambda s: s.replace(offsets=np.where(np.arange(len(s.offsets)) == 2, 1, s.offsets)),
+     'client 1 in split .train.: offsets give'),
+    (lambda s: s.replace(y=np.where(np.arange(len(s.y)) == 30, 7, s.y)),
+     r"client 3 in split 'train': label 7 outside \[0, 3\)"),
+    (lambda s: s.replace(x=s.x[:-1], y=s.y[:-1]), 'the offsets in split .train. end at 60'),
+    (lambda s: s.replace(palette=s.palette[:10]), 'past the palette'),
+])
+def test_a_malformed_store_is_refused_naming_split_and_client(break_store, message):
+  _, stored = skewed_clients()
+  with pytest.raises(ValueError, match=message):
+    client_store.validate_store(break_store(stored), NUM_CLASSES, 'train')
+
+
+def test_bad_construction_input_names_the_client():
+  with pytest.raises(ValueError, match='add up to 5 examples but x has 4'):
+    client_store.from_arrays(np.zeros((4, 2)), np.zeros(4), [2, 3], 'train')
+  with pytest.raises(ValueError, match='client 1 in split .val.: num_examples=-1'):
+    client_store.from_arrays(np.zeros((1, 2)), np.zeros(1), [2, -1], 'val')
+  with pytest.raises(ValueError, match='dtype complex64: a model takes real numbers'):
+    client_store.from_arrays(np.zeros((2, 2), np.complex64), np.zeros(2), [2])
