@@ -163,8 +163,8 @@ def test_benchmark_reproducible_disjoint_and_corrupted():
   # train/val/test images of one client never overlap
   tr, te = a.splits['train'], a.splits['test']
   for k in range(tr.num_clients):
-    train_rows = {r.tobytes() for r in tr.x[k][tr.mask[k]]}
-    assert not any(r.tobytes() in train_rows for r in te.x[k][te.mask[k]])
+    train_rows = {r.tobytes() for r in tr.client(k)[0]}
+    assert not any(r.tobytes() in train_rows for r in te.client(k)[0])
   c = BENCHMARKS.get('label_skew_corrupted')(config.data, 1)
   assert not np.array_equal(a.splits['train'].num_examples, c.splits['train'].num_examples)
 

@@ -405,8 +405,7 @@ def shifted_benchmark(**fields):
 
 
 def rows(split, k):
-  n = int(split.num_examples[k])
-  return {np.asarray(x).tobytes() for x in split.x[k, :n]}
+  return {np.asarray(x).tobytes() for x in split.client(k)[0]}
 
 
 def test_every_shifted_test_set_is_disjoint_from_all_training_data():
@@ -441,9 +440,8 @@ def test_shifted_test_sets_follow_their_definitions():
   for k in range(6):
     assert rows(bench.splits['test_ooc'], k) == rows(test, donors[k])
     # the natural set has the client's test label counts
-    n = int(test.num_examples[k])
-    np.testing.assert_array_equal(np.bincount(natural.y[k, :n], minlength=10),
-                                  np.bincount(test.y[k, :n], minlength=10))
+    np.testing.assert_array_equal(np.bincount(natural.client(k)[1], minlength=10),
+                                  np.bincount(test.client(k)[1], minlength=10))
     # every mixture example comes from one of the client's four other test sets
     pool = set().union(*(rows(bench.splits[s], k) for s in
                          ('test', 'test_corrupted', 'test_ooc', 'test_natural')))
@@ -476,9 +474,8 @@ def test_corruption_per_example_draws_several_corruptions_and_keeps_the_other_sp
   np.testing.assert_array_equal(counts.sum(1), test.num_examples)
   assert (np.count_nonzero(counts, axis=1) > 1).sum() >= 4
   for k in range(6):   # each example is one of the three corruptions of itself
-    n = int(test.num_examples[k])
-    candidates = np.stack([corruptions.corrupt(test.x[k, :n], name, 5, k) for name in names])
-    matches = np.all(np.isclose(candidates, corrupted.x[k, :n][None]), axis=(2, 3, 4))
+    candidates = np.stack([corruptions.corrupt(test.client(k)[0], name, 5, k) for name in names])
+    matches = np.all(np.isclose(candidates, corrupted.client(k)[0][None]), axis=(2, 3, 4))
     # noise depends on the batch it is drawn with, so compare the deterministic ones
     deterministic = matches[1:].any(0)
     np.testing.assert_array_equal(np.bincount(matches[1:].argmax(0)[deterministic] + 1,

@@ -22,11 +22,11 @@ def accuracy(run, split='test'):
   data = run.bench.splits[split]
   correct = total = 0
   for k in range(data.num_clients):
-    n = int(data.num_examples[k])
-    if n:
-      logits, _ = models.apply(run.module, run.global_variables, jnp.asarray(data.x[k, :n]))
-      correct += int(jnp.sum(jnp.argmax(logits, -1) == jnp.asarray(data.y[k, :n])))
-      total += n
+    x, y = data.client(k)
+    if len(y):
+      logits, _ = models.apply(run.module, run.global_variables, jnp.asarray(x))
+      correct += int(jnp.sum(jnp.argmax(logits, -1) == jnp.asarray(y)))
+      total += len(y)
   return correct / total
 
 

@@ -149,19 +149,30 @@ def test_empty_training_split_is_an_error(tmp_path):
     pipelines.run(config, str(tmp_path))
 
 
-def test_a_given_benchmark_is_validated(tmp_path):
+@pytest.mark.parametrize('layout', ['store', 'padded'])
+def test_a_given_benchmark_is_validated(tmp_path, layout):
   config = tiny_config()
   bench = BENCHMARKS.get('label_skew_corrupted')(config.data, 0)
   train = bench.splits['train']
-  doubled = bench._replace(splits={**bench.splits, 'train': train._replace(
-      num_examples=train.num_examples * 2)})
-  with pytest.raises(ValueError, match=r"client 0 in split 'train': num_examples="):
-    train_and_evaluate(config, str(tmp_path / 'a'), 'fedavg', 0, bench=doubled)
-  y = np.array(train.y)
-  y[1, 0] = 12
-  bad_labels = bench._replace(splits={**bench.splits, 'train': train._replace(y=y)})
+  if layout == 'padded':   # a user's own FederatedData
+    train = train.padded()
+    doubled = train._replace(num_examples=train.num_examples * 2)
+    y = np.array(train.y)
+    y[1, 0] = 12
+    bad = train._replace(y=y)
+    count_message = "client 0 in split 'train': num_examples="
+  else:
+    doubled = train.replace(num_examples=train.num_examples * 2)
+    y = np.array(train.y)
+    y[train.offsets[1]] = 12   # client 1's first example
+    bad = train.replace(y=y)
+    count_message = "client 0 in split 'train': offsets give"
+  with pytest.raises(ValueError, match=count_message):
+    train_and_evaluate(config, str(tmp_path / 'a'), 'fedavg', 0,
+                       bench=bench._replace(splits={**bench.splits, 'train': doubled}))
   with pytest.raises(ValueError, match=r"client 1 in split 'train': label 12 outside"):
-    train_and_evaluate(config, str(tmp_path / 'b'), 'fedavg', 0, bench=bad_labels)
+    train_and_evaluate(config, str(tmp_path / 'b'), 'fedavg', 0,
+                       bench=bench._replace(splits={**bench.splits, 'train': bad}))
 
 
 def test_federated_data_edge_cases_name_the_client():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fedjax_shift import pipelines
+from fedjax_shift.data import store
 from fedjax_shift.metrics import read_metrics
 from fedjax_shift.pipelines.runs import build_data
 from fedjax_shift.pipelines.loop import DivergenceError
@@ -64,7 +65,7 @@ def test_vmapped_seeds_equal_sequential_seeds(tmp_path, algorithm, fields):
 
 def test_seeds_of_different_shapes_are_refused_naming_pad_to(tmp_path):
   config = tiny_config(**{'seeds': (0, 1), 'rounds': 1})
-  shapes = {build_data(config, seed).splits['train'].x.shape for seed in config.seeds}
+  shapes = {store.layout_key(build_data(config, seed).splits['train']) for seed in config.seeds}
   assert len(shapes) == 2   # Dirichlet seeds with different largest clients
   config.engine.vmap_seeds = True
   with pytest.raises(ValueError, match='data.pad_to'):

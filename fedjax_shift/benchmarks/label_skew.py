@@ -27,8 +27,8 @@ import numpy as np
 
 from fedjax_shift.benchmarks.base import (BENCHMARKS, SEVERITY, Benchmark, check_partition,
                                           check_source, load_source, partition)
-from fedjax_shift.data import corruptions, partitions, sources
-from fedjax_shift.data.federated import split_clients, stack_clients
+from fedjax_shift.data import corruptions, partitions, sources, store
+from fedjax_shift.data.federated import split_positions
 from fedjax_shift.registry import FRACTION, Range, one_of, require, sequence_of
 
 
@@ -195,11 +195,17 @@ def label_skew_corrupted(data_config: ml_collections.ConfigDict, seed: int) -> B
   parts = partition(src.y, data_config, src.num_classes, rng, groups=src.groups)
   partitions.check_disjoint(parts)
   fractions = dict(data_config.split_fractions)
-  splits_xy = split_clients([src.x[p] for p in parts], [src.y[p] for p in parts],
-                            fractions, rng)
+  positions = split_positions([len(p) for p in parts], fractions, rng)
+  split_parts = {name: [part[chosen] for part, chosen in zip(parts, per_client)]
+                 for name, per_client in positions.items()}
   example_shape = src.x.shape[1:]
-  splits = {name: stack_clients(xs, ys, example_shape=example_shape)
-            for name, (xs, ys) in splits_xy.items()}
+  # Each split stored once, in client order (data/store.py): memory follows the examples.
+  splits = {name: store.from_parts(src.x, src.y, chosen, name)
+            for name, chosen in split_parts.items()}
+  # The test split's per-client arrays, for the shifted test splits built from it.
+  shifted = bool(tuple(data_config.corruptions) or tuple(data_config.shift_tests))
+  splits_xy = {name: ([src.x[p] for p in chosen], [src.y[p] for p in chosen])
+               for name, chosen in split_parts.items() if name == 'test' and shifted}
   info = {'source': data_config.source, 'partition': data_config.partition}
   names = tuple(data_config.corruptions)
   if names and 'test' in splits_xy:
@@ -220,7 +226,7 @@ def label_skew_corrupted(data_config: ml_collections.ConfigDict, seed: int) -> B
       info['corruptions'] = names
       info['corruption_counts_per_client'] = [
           np.bincount(chosen, minlength=len(names)).tolist() for _, chosen in drawn]
-    splits['test_corrupted'] = stack_clients(corrupted, ys, example_shape=example_shape)
+    splits['test_corrupted'] = store.from_clients(corrupted, ys, example_shape, 'test_corrupted')
     info['corruption_draw'] = data_config.corruption_draw
     info['severity'] = severity
   shift_tests = tuple(data_config.shift_tests)
@@ -248,6 +254,6 @@ def label_skew_corrupted(data_config: ml_collections.ConfigDict, seed: int) -> B
       test_sets['test_mixture'] = mixture(list(test_sets.values()), shift_rng)
     for name, (xs, ys) in test_sets.items():
       if name not in splits:
-        splits[name] = stack_clients(xs, ys, example_shape=example_shape)
+        splits[name] = store.from_clients(xs, ys, example_shape, name)
   return Benchmark(splits, src.num_classes, tuple(example_shape), info)
 

@@ -18,6 +18,7 @@ from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
 from fedjax_shift.core.round import NO_STEP_LIMIT
 from fedjax_shift.core.test_time import client_runner
 from fedjax_shift.data.federated import FederatedData
+from fedjax_shift.data.store import ClientStore
 
 PyTree = Any
 
@@ -224,10 +225,17 @@ def adapted_metrics(models: Dict[str, PyTree], splits: Dict[str, FederatedData],
 
 def take_chunk(tree, client_ids: np.ndarray):
   """Clients ``client_ids`` of a per-client pytree: numpy leaves are gathered on the
-  host (the data store), device arrays on the device (client states)."""
+  host (the data), device arrays on the device (client states), a ``ClientStore`` as a
+  padded FederatedData of those clients (its largest client's N: one shape for every
+  chunk)."""
   device_ids = jnp.asarray(client_ids)
-  return jax.tree.map(lambda leaf: leaf[client_ids] if isinstance(leaf, np.ndarray)
-                      else leaf[device_ids], tree)
+
+  def take(leaf):
+    if isinstance(leaf, ClientStore):
+      return leaf.take(client_ids)
+    return leaf[client_ids] if isinstance(leaf, np.ndarray) else leaf[device_ids]
+
+  return jax.tree.map(take, tree, is_leaf=lambda node: isinstance(node, ClientStore))
 
 
 def evaluate_population(evaluate_chunk, shared: tuple, per_client: tuple, num_clients: int,

@@ -385,10 +385,11 @@ class ExplainedRound:
       shape = (data.example_shape if isinstance(data, ClientStore)
                else tuple(data.x.shape[2:]))
       raise ValueError(
-          f'the data do not fit the model\'s parameters: they hold examples of shape '
-          f'{shape}, and the state was initialised for '
-          f'examples of another shape ({str(err).split(" (https")[0]}). Initialise the '
-          f'state with an example of these data') from None
+          f'the data do not fit the model\'s parameters: x of shape {tuple(data.x.shape)} '
+          f'holds examples of shape {shape}, and the state was initialised for examples of '
+          f'another shape ({str(err).split(" (https")[0]}). Initialise the '
+          f'state with an example of these data: algorithm.init(key, data.first_example())'
+          ) from None
     except jax.errors.JaxRuntimeError as err:
       if 'RESOURCE_EXHAUSTED' not in str(err) and 'Out of memory' not in str(err):
         raise

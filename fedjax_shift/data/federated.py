@@ -35,6 +35,19 @@ class FederatedData(NamedTuple):
   def max_examples(self) -> int:
     return int(self.x.shape[1])
 
+  @property
+  def example_shape(self) -> tuple:
+    return tuple(self.x.shape[2:])
+
+  def first_example(self) -> np.ndarray:
+    """x [1, ...]: client 0's first row (what a model is initialised on)."""
+    return np.asarray(self.x[0, :1])
+
+  def client(self, k: int) -> tuple:
+    """Client ``k``'s real examples (x [n_k, ...], y [n_k]) on the host."""
+    mask = np.asarray(self.mask[k])
+    return np.asarray(self.x[k])[mask], np.asarray(self.y[k])[mask]
+
   def take(self, client_ids) -> 'FederatedData':
     """Gathers a subset of clients (host-side, numpy)."""
     client_ids = np.asarray(client_ids)
@@ -155,35 +168,47 @@ def validate(data: FederatedData, num_classes: int, split: str = '') -> None:
 def split_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray],
                   fractions: Dict[str, float], rng: np.random.Generator
                   ) -> Dict[str, tuple]:
-  """Splits each client's examples into named splits by fraction.
+  """Splits each client's examples into named splits by fraction (``split_positions``).
 
-  Every example goes to exactly one split; the last split takes the remainder.
   Returns {split: (list of x arrays, list of y arrays)}.
   """
+  positions = split_positions([len(y) for y in ys], fractions, rng)
+  return {name: ([x[p] for x, p in zip(xs, chosen)], [y[p] for y, p in zip(ys, chosen)])
+          for name, chosen in positions.items()}
+
+
+def split_positions(sizes: Sequence[int], fractions: Dict[str, float],
+                    rng: np.random.Generator) -> Dict[str, list]:
+  """{split: K position arrays}: each client's ``sizes[k]`` examples dealt to the named
+  splits by fraction, in a random order drawn per client from ``rng``. Every example
+  goes to exactly one split; the last split takes the remainder."""
   names = list(fractions)
   total = sum(fractions.values())
   if not np.isclose(total, 1.0):
     raise ValueError(f'split fractions must sum to 1, got {fractions}')
-  out = {name: ([], []) for name in names}
-  for x, y in zip(xs, ys):
-    order = rng.permutation(len(y))
-    bounds = np.floor(np.cumsum([fractions[n] for n in names]) * len(y)).astype(int)
-    bounds[-1] = len(y)
+  out = {name: [] for name in names}
+  cumulative = np.cumsum([fractions[n] for n in names])
+  for size in sizes:
+    order = rng.permutation(size)
+    bounds = np.floor(cumulative * size).astype(int)
+    bounds[-1] = size
     start = 0
     for name, stop in zip(names, bounds):
-      idx = order[start:stop]
-      out[name][0].append(x[idx])
-      out[name][1].append(y[idx])
+      out[name].append(order[start:stop])
       start = stop
   return out
 
 
 def partition_statistics(data: FederatedData, num_classes: int) -> dict:
   """Clients, examples per client and classes per client of one split."""
-  counts = data.num_examples
   classes = np.array([len(np.unique(data.y[k][data.mask[k]])) for k in range(data.num_clients)])
+  return client_statistics(np.asarray(data.num_examples), classes, num_classes)
+
+
+def client_statistics(counts: np.ndarray, classes: np.ndarray, num_classes: int) -> dict:
+  """``partition_statistics`` from each client's examples [K] and classes [K]."""
   return dict(
-      clients=int(data.num_clients),
+      clients=int(len(counts)),
       examples=int(counts.sum()),
       examples_per_client_min=int(counts.min()),
       examples_per_client_mean=float(counts.mean()),

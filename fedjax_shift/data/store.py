@@ -24,7 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_shift.data.federated import FederatedData, check_integer_labels
+from fedjax_shift.data.federated import (FederatedData, check_integer_labels,
+                                         client_statistics, partition_statistics)
+from fedjax_shift.data.federated import pad_examples as federated_pad_examples
 
 MAX_PALETTE = 256
 
@@ -56,6 +58,11 @@ class ClientStore:
   @property
   def example_shape(self) -> Tuple[int, ...]:
     return tuple(self.x.shape[1:])
+
+  def layout_key(self) -> tuple:
+    """What a compiled program's shapes depend on, beside the stored rows (which any
+    jitted call re-traces on): clients, N, the example's shape."""
+    return ('store', self.num_clients, self.max_examples) + self.example_shape
 
   @property
   def nbytes(self) -> int:
@@ -96,8 +103,23 @@ class ClientStore:
             np.asarray(self.y[start:stop]))
 
   def first_example(self) -> np.ndarray:
-    """x [1, ...] float32: the first stored example (what a model is initialised on)."""
+    """x [1, ...] float32: client 0's first example, zeros when it has none (the row a
+    padded layout holds there; what a model is initialised on)."""
+    if int(self.num_examples[0]) == 0:
+      return np.zeros((1,) + self.example_shape, np.float32)
     return np.asarray(self.decode(np.asarray(self.x)[:1]), np.float32)
+
+  def with_rows(self, rows: int) -> 'ClientStore':
+    """The store with its stored rows padded to ``rows`` (copies of row 0, never a
+    client's), so that stores of several seeds stack into one array."""
+    extra = int(rows) - len(self.y)
+    if extra < 0:
+      raise ValueError(f'with_rows({rows}): the store holds {len(self.y)} rows')
+    if extra == 0:
+      return self
+    grow = lambda a: np.concatenate([np.asarray(a), np.repeat(np.asarray(a)[:1] if len(a)
+                                     else np.zeros((1,) + a.shape[1:], a.dtype), extra, 0)])
+    return self.replace(x=grow(self.x), y=grow(self.y))
 
 
 def _rows(starts, counts, num_pad: int, total: int, xp):
@@ -228,6 +250,61 @@ def is_store(tree) -> bool:
   return isinstance(tree, ClientStore)
 
 
+def layout_key(split) -> tuple:
+  """The shapes a program compiled for ``split`` depends on (``ClientStore.layout_key``;
+  a FederatedData's x shape)."""
+  return split.layout_key() if is_store(split) else tuple(split.x.shape)
+
+
+def pad_examples(split, num_examples: int):
+  """``split`` with N = ``num_examples`` (``federated.pad_examples``; a store's
+  ``max_examples``), a ValueError when a client holds more."""
+  if not is_store(split):
+    return federated_pad_examples(split, num_examples)
+  largest = int(np.max(split.num_examples, initial=0))
+  if largest > num_examples:
+    raise ValueError(f'a client holds {largest} examples, more than {num_examples}')
+  return split.replace(max_examples=int(num_examples))
+
+
+def stack_stores(stores: Sequence[ClientStore]) -> ClientStore:
+  """Stores of several runs (seeds) stacked on a leading axis: stored rows padded to
+  the longest (``with_rows``); their N must agree (``data.pad_to``)."""
+  sizes = {s.max_examples for s in stores}
+  if len(sizes) > 1:
+    raise ValueError(f'stores of largest clients {sorted(sizes)} cannot share a program: '
+                     'set config.data.pad_to to a bound on every client of every seed')
+  rows = max(len(s.y) for s in stores)
+  return jax.tree.map(lambda *leaves: np.stack(leaves), *[s.with_rows(rows) for s in stores])
+
+
+def split_statistics(split, num_classes: int) -> dict:
+  """``federated.partition_statistics`` of either layout."""
+  if not is_store(split):
+    return partition_statistics(split, num_classes)
+  counts = np.asarray(split.num_examples)
+  owner = np.repeat(np.arange(len(counts)), counts)
+  pairs = np.unique(owner * num_classes + np.asarray(split.y)[:len(owner)])
+  classes = np.bincount(pairs // num_classes, minlength=len(counts))
+  return client_statistics(counts, classes, num_classes)
+
+
+# Clients padded at once by ``padded_chunks``: about this many bytes of floats.
+CHUNK_BYTES = 64 * 2 ** 20
+
+
+def padded_chunks(split):
+  """``split``'s clients as consecutive padded FederatedData chunks of about
+  ``CHUNK_BYTES`` (a FederatedData: itself, whole)."""
+  if not is_store(split):
+    yield split
+    return
+  per_client = split.max_examples * int(np.prod(split.example_shape)) * 4
+  width = max(1, CHUNK_BYTES // max(per_client, 1))
+  for start in range(0, split.num_clients, width):
+    yield split.take(np.arange(start, min(start + width, split.num_clients)))
+
+
 def validate_store(store: ClientStore, num_classes: int, split: str = '') -> None:
   """Raises ValueError naming the split (and client) on a malformed store: offsets that
   do not start at 0, decrease or disagree with ``num_examples`` or the stored rows,
@@ -251,9 +328,9 @@ def validate_store(store: ClientStore, num_classes: int, split: str = '') -> Non
     if x.size and int(x.max()) >= len(palette):
       raise ValueError(f'code {int(x.max())}{where} is past the palette of {len(palette)} '
                        'values')
-    finite = np.isfinite(palette)[x.reshape(len(x), -1)].all(1)
+    finite = np.isfinite(palette)[x.reshape(len(x), -1)].all(1) if x.size else np.ones(0, bool)
   else:
-    finite = np.isfinite(x.reshape(len(x), -1)).all(1)
+    finite = np.isfinite(x.reshape(len(x), int(np.prod(x.shape[1:])))).all(1)
   client_of = lambda row: int(np.searchsorted(offsets, row, side='right') - 1)
   if not finite.all():
     raise ValueError(f'client {client_of(np.argmin(finite))}{where}: inputs contain NaN or inf')

@@ -396,7 +396,7 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
   backbone = None
   if config.backbone.weights:   # e.g. ImageNet weights (ATP's Table 1 ResNet-18)
     backbone = pretrain.load_encoder(config.backbone.weights, module,
-                                     jnp.asarray(data.source.splits['train'].x[0, :1]))
+                                     jnp.asarray(data.source.splits['train'].first_example()))
   pre = train_and_evaluate(shift_config, os.path.join(workdir, 'pretrain'), algorithm_name,
                            seed, bench=data.source, backbone=backbone)
   variables = pre['server_state'].variables

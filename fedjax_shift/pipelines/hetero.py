@@ -50,7 +50,7 @@ from fedjax_shift.core.groups import (build_grouped_round, cohort_sizes, init_gr
 from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.core.round import round_key
 from fedjax_shift.core.test_time import client_runner
-from fedjax_shift.data import federated
+from fedjax_shift.data import federated, store
 from fedjax_shift.parts.fedtta_step import InnerStep
 from fedjax_shift.pipelines import loop
 from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
@@ -174,7 +174,7 @@ def setup(config: ml_collections.ConfigDict, bench, seed: int) -> Setup:
   schedule = LocalSchedule(c.batch_size, c.local_epochs, c.local_steps, train.max_examples,
                            config.engine.unroll, tuple(c.augmentation))
   base_optimizer = base.client_optimizer(c)
-  example_x = jnp.asarray(train.x[0, :1])
+  example_x = jnp.asarray(train.first_example())
   algorithm = hetero_fedtta.build(hp, bench.num_classes, public_x, base_optimizer, schedule,
                                   example_x)
   return Setup(train_sizes, new_sizes, [rows(train_sizes, s) for s in hp.sizes],
@@ -203,7 +203,7 @@ def _train_and_evaluate(config, run_dir: str, seed: int) -> Dict[str, object]:
   parts = setup(config, bench, seed)
   algorithm, group_ids, public_x = parts.algorithm, parts.group_ids, parts.public_x
   with open(os.path.join(run_dir, 'partition.json'), 'w') as f:
-    json.dump({'statistics': {name: federated.partition_statistics(s, bench.num_classes)
+    json.dump({'statistics': {name: store.split_statistics(s, bench.num_classes)
                               for name, s in bench.splits.items()},
                'info': bench.info, 'training_client_sizes': parts.train_sizes,
                'new_client_sizes': parts.new_sizes}, f, indent=1)

@@ -141,8 +141,8 @@ def federated_run(config: ml_collections.ConfigDict, run_dir: str, method: str, 
   train = bench.splits['train']
   if algorithm is None:
     algorithm = algorithms.build(method, config, module, train.max_examples, bench.info,
-                                 train.num_clients, train.x.shape[2:])
-  server_state = algorithm.init(run_keys(seed)[0], jnp.asarray(train.x[0, :1]))
+                                 train.num_clients, train.example_shape)
+  server_state = algorithm.init(run_keys(seed)[0], jnp.asarray(train.first_example()))
   if backbone is not None:
     server_state = pretrain.with_backbone(server_state, backbone, method)
   template = checkpoint.RunState(
@@ -183,7 +183,7 @@ def _load_atp(workdir, config, method, seed, round, shift) -> LoadedRun:
   backbone = None
   if config.backbone.weights:
     backbone = pretrain.load_encoder(config.backbone.weights, module,
-                                     jnp.asarray(data.source.splits['train'].x[0, :1]))
+                                     jnp.asarray(data.source.splits['train'].first_example()))
   extras = {name: values for name in ('alpha', 'learned_rates')
             if (values := _read_json(os.path.join(seed_dir, f'{name}.json'))) is not None}
   extras['target'] = data.target   # the target clients' test data (FederatedData)

@@ -35,6 +35,7 @@ from fedjax_shift.benchmarks import Benchmark
 from fedjax_shift.core.algorithm import FederatedAlgorithm
 from fedjax_shift.core.round import round_key
 from fedjax_shift.core.runs import grid_round, stack_runs, take_run
+from fedjax_shift.data import store
 from fedjax_shift.pipelines import loop, sweep
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.base import CompileClock, round_backend
@@ -204,7 +205,7 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
           train = bench.splits['train']
           module = models.create(config.model, bench.num_classes)
           algorithm = algorithms.build(name, point_config, module, train.max_examples,
-                                       bench.info, train.num_clients, train.x.shape[2:])
+                                       bench.info, train.num_clients, train.example_shape)
           built = family.at(values[points.index(point)], algorithm, module)
         opened.append(setup_run(point_config, run_dir, name, seed, bench=benches[seed],
                                 programs=programs, backbone=backbone, max_round=common,
@@ -219,8 +220,9 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
       round_grid = grid_round(round_fn, len(points), len(seeds))
       stacked_values = tuple(jnp.stack([jnp.asarray(v[i]) for v in values])
                              for i in range(len(fields)))
-      data = jax.device_put(stack_runs([jax.tree.map(np.asarray, benches[s].splits['train'])
-                                        for s in seeds]))
+      trains = [benches[s].splits['train'] for s in seeds]
+      data = jax.device_put(store.stack_stores(trains) if store.is_store(trains[0]) else
+                            stack_runs([jax.tree.map(np.asarray, t) for t in trains]))
       keys = [run_keys(seed)[1] for seed in seeds]
       state = stack_runs([first.state if o is None else o.state for o in opened])
 
@@ -259,13 +261,14 @@ def check_lockstep(config: ml_collections.ConfigDict, name: str, opened: Sequenc
                    seeds) -> None:
   """Raises when the runs cannot share one program."""
   first = opened[0]
-  shape = first.bench.splits['train'].x.shape
+  shape = store.layout_key(first.bench.splits['train'])
   key = program_key(config, name, first.bench)
   for other in opened[1:]:
     if program_key(config, name, other.bench) != key:
       raise ValueError(
           f'config.engine.vmap_seeds: {first.run.label} and {other.run.label} need different '
-          f'programs (training data {shape} and {other.bench.splits["train"].x.shape}); set '
+          f'programs (training data {shape} and '
+          f'{store.layout_key(other.bench.splits["train"])}); set '
           f'config.data.pad_to to a bound on every client of every seed so that they share '
           f'one shape')
   rounds = {o.run.label: o.run.start_round for o in opened}

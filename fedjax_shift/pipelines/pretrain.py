@@ -367,4 +367,4 @@ def backbone_for(config: ml_collections.ConfigDict, workdir: str) -> Optional[di
   bench = build_data(config, config.seeds[0])
   module = models.create(config.model, bench.num_classes)
   return backbone_encoder(config, workdir, module,
-                                   jnp.asarray(bench.splits['train'].x[0, :1]))
+                                   jnp.asarray(bench.splits['train'].first_example()))

@@ -20,7 +20,7 @@ from fedjax_shift.core.plan import (check_example_buckets, fit_client_chunk, fit
                                     group_bounds, plan_group_examples, population_steps)
 from fedjax_shift.core.round import RoundConfig, build_round, client_mesh
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
-from fedjax_shift.data import federated
+from fedjax_shift.data import federated, store
 from fedjax_shift.pipelines.base import adapts, eval_adapter_specs, round_backend
 from fedjax_shift.pipelines.runs import data_key, shared_data
 
@@ -29,7 +29,7 @@ class ProgramKey(NamedTuple):
   """What a built method and its compiled programs depend on besides the config: runs
   with equal keys share them (``train_and_evaluate``'s ``programs``)."""
   algorithm: str
-  train_shape: tuple           # the training split's x shape [K, N, ...]
+  train_shape: tuple           # the training split's layout (data.store.layout_key)
   dtype: str
   num_classes: int
   build_info: str              # algorithms.base.build_info of the benchmark, as JSON
@@ -53,7 +53,7 @@ def program_key(config: ml_collections.ConfigDict, name: str, bench: Benchmark,
   ``config`` whose shapes match (the round planned for all of their client sizes;
   ``programs``: the cache that keeps those sizes)."""
   train = bench.splits['train']
-  return ProgramKey(name, train.x.shape, train.x.dtype.str, bench.num_classes,
+  return ProgramKey(name, store.layout_key(train), train.x.dtype.str, bench.num_classes,
                     json.dumps(algorithms.base.build_info(bench.info), sort_keys=True),
                     tuple(new_client_splits(bench)),
                     round_config(config, train, name, seed_populations(config, programs)))
@@ -77,7 +77,7 @@ def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, modul
   new_clients = new_client_splits(bench)
   if algorithm is None:
     algorithm = algorithms.build(algorithm_name, config, module, train.max_examples,
-                                 bench.info, train.num_clients, train.x.shape[2:],
+                                 bench.info, train.num_clients, train.example_shape,
                                  check=check)
   round_device, round_host = build_round(algorithm, round_plan or round_config(
                                              config, train, algorithm_name),
@@ -89,7 +89,7 @@ def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, modul
   adapters = None
   if algorithm_name in tuple(config.eval_adapter_algorithms):
     adapters = eval_adapters(config, module, bench.num_classes, algorithm_name,
-                             train.x.shape[2:])
+                             train.example_shape)
   evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size,
                                              new_clients, adapters)
   new_client_chunk = None
@@ -174,14 +174,17 @@ MIN_SHAPE_SAVING_BYTES = 8 * 2 ** 20
 
 def min_saving_examples(train: federated.FederatedData) -> float:
   """``MIN_SHAPE_SAVING_BYTES`` in examples of ``train`` (inputs, labels and mask)."""
-  per_example = (int(np.prod(train.x.shape[2:])) * train.x.dtype.itemsize +
-                 train.y.dtype.itemsize + 1)
+  # a store's examples are gathered as float32, int32 labels and a bool mask
+  itemsize = 4 if store.is_store(train) else train.x.dtype.itemsize
+  per_example = int(np.prod(train.example_shape)) * itemsize + train.y.dtype.itemsize + 1
   return MIN_SHAPE_SAVING_BYTES / per_example
 
 
 def examples_first(data: federated.FederatedData) -> bool:
   """Whether every client's real examples are its first ``num_examples`` rows (so a
-  client can be cut to fewer padded rows without losing any)."""
+  client can be cut to fewer padded rows without losing any: always, in a store)."""
+  if store.is_store(data):
+    return True
   mask = np.asarray(data.mask)
   return bool(np.array_equal(mask, np.arange(mask.shape[1])[None, :] <
                              np.asarray(data.num_examples)[:, None]))

@@ -20,7 +20,7 @@ from fedjax_shift import distributed
 from fedjax_shift.benchmarks import BENCHMARKS, Benchmark
 from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
 from fedjax_shift.core.round import NO_STEP_LIMIT, client_mesh
-from fedjax_shift.data import federated
+from fedjax_shift.data import federated, store
 from fedjax_shift.metrics import read_json, read_metrics
 from fedjax_shift.pipelines import loop
 from fedjax_shift.pipelines import workdir as workdir_lib
@@ -74,7 +74,7 @@ def build_data(config: ml_collections.ConfigDict, seed: int) -> Benchmark:
     splits = {}
     for name, split in bench.splits.items():
       try:
-        splits[name] = federated.pad_examples(split, pad_to)
+        splits[name] = store.pad_examples(split, pad_to)
       except ValueError as err:
         raise ValueError(f'config.data.pad_to={pad_to}: in split {name!r} of seed {seed}, '
                          f'{err}; raise pad_to') from None
@@ -88,7 +88,10 @@ def validate_benchmark(bench: Benchmark) -> None:
   if 'train' not in bench.splits:
     raise ValueError(f'the benchmark has no train split (splits: {sorted(bench.splits)})')
   for name, split in bench.splits.items():
-    federated.validate(split, bench.num_classes, name)
+    if store.is_store(split):
+      store.validate_store(split, bench.num_classes, name)
+    else:
+      federated.validate(split, bench.num_classes, name)
     if split.num_clients != bench.splits['train'].num_clients:
       raise ValueError(f'split {name!r} has {split.num_clients} clients, the train split '
                        f'{bench.splits["train"].num_clients}')
@@ -99,17 +102,22 @@ def validate_benchmark(bench: Benchmark) -> None:
 
 def data_digest(bench: Benchmark) -> str:
   """A hash of every split's labels, client sizes and per-client input sums: the same
-  config and seed must rebuild the same data for a run to be resumed."""
+  config and seed must rebuild the same data for a run to be resumed. It is the hash of
+  the padded layout (labels [K, N], sums of each client's padded rows) whether a split
+  is stored padded or compactly (hashed a chunk of clients at a time): the data, not
+  their layout."""
   import hashlib
   digest = hashlib.sha256()
   for name in sorted(bench.splits):
     split = bench.splits[name]
     digest.update(name.encode())
-    digest.update(np.ascontiguousarray(split.y).tobytes())
+    sums = []
+    for chunk in store.padded_chunks(split):
+      digest.update(np.ascontiguousarray(chunk.y).tobytes())
+      x = np.asarray(chunk.x)
+      sums.append(x.reshape(x.shape[0], -1).sum(1, dtype=np.float64))
     digest.update(np.ascontiguousarray(split.num_examples).tobytes())
-    x = np.asarray(split.x)
-    sums = x.reshape(x.shape[0], -1).sum(1, dtype=np.float64)
-    digest.update(np.round(sums, 3).tobytes())
+    digest.update(np.round(np.concatenate(sums), 3).tobytes())
   return digest.hexdigest()
 
 
@@ -157,8 +165,9 @@ def uploaded_by_part(algorithm: FederatedAlgorithm, server_state, client_states,
   under a 'params' key: the trained model parameters), 'batch_stats' (running
   statistics), else the leaf's first key ('proto_sums', 'feature', 'control', ...;
   'update' for a leaf at the top)."""
-  one = ClientData(jnp.asarray(train.x[0]), jnp.asarray(train.y[0]), jnp.asarray(train.mask[0]),
-                   jnp.asarray(train.num_examples[0]), jnp.int32(NO_STEP_LIMIT))
+  first = train.take([0])
+  one = ClientData(jnp.asarray(first.x[0]), jnp.asarray(first.y[0]), jnp.asarray(first.mask[0]),
+                   jnp.asarray(first.num_examples[0]), jnp.int32(NO_STEP_LIMIT))
   state = jax.tree.map(lambda a: a[0], client_states)
   update = jax.eval_shape(algorithm.client_update, server_state, state, one,
                           jax.random.key(0))[0].update

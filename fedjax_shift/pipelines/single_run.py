@@ -26,7 +26,7 @@ from fedjax_shift.benchmarks import Benchmark
 from fedjax_shift.core.algorithm import FederatedAlgorithm
 from fedjax_shift.core import evaluation
 from fedjax_shift.core.round import HostStore, round_key, stack_client_states
-from fedjax_shift.data import federated
+from fedjax_shift.data import federated, store
 from fedjax_shift.pipelines import loop, pretrain
 from fedjax_shift.pipelines.base import (CompileClock, checked_fields, eval_chunk_size,
                                          hardware, open_run)
@@ -70,7 +70,7 @@ def open_run_dir(config: ml_collections.ConfigDict, workdir: str, algorithm_name
   if config.sampling == 'num_examples' and (train.num_examples > 0).sum() < config.cohort_size:
     raise ValueError(f'config.cohort_size={config.cohort_size} exceeds the '
                      f'{(train.num_examples > 0).sum()} clients that have examples')
-  stats = {name: federated.partition_statistics(s, bench.num_classes)
+  stats = {name: store.split_statistics(s, bench.num_classes)
            for name, s in bench.splits.items()}
   digest = data_digest(bench)
   distributed.primary_decides(lambda: check_same_data(os.path.join(workdir, 'partition.json'),
@@ -114,7 +114,7 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str, fields: dict,
   ``max_round``). Returns (``base.open_run``'s opened run, server_state,
   client_states, elapsed seconds, the numbers a client uploads per update entry)."""
   algorithm = built.algorithm
-  server_state = algorithm.init(init_key, jnp.asarray(train.x[0, :1]))
+  server_state = algorithm.init(init_key, jnp.asarray(train.first_example()))
   if backbone is not None:
     server_state = pretrain.with_backbone(server_state, backbone, algorithm_name)
   client_states = stack_client_states(algorithm, server_state, train.num_clients)
@@ -285,7 +285,8 @@ def evaluate_new_clients(new_client_chunk, server_state, client_states,
   sums [K]}}. New client k's donor is a training client with data drawn uniformly
   (``numpy`` generator of [seed, 29], one draw per run, the same for every split)."""
   personalized_models, evaluate_chunk = new_client_chunk
-  stacked = personalized_models(server_state, client_states, train, key)
+  # every training client's model at once (the ensemble needs them all): K padded clients
+  stacked = personalized_models(server_state, client_states, store.padded(train), key)
   has_data = np.asarray(train.num_examples) > 0
   results: Dict[str, Dict[str, Dict]] = {}
   for name, split in splits.items():

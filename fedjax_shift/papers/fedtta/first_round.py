@@ -43,7 +43,7 @@ def first_round(config: ml_collections.ConfigDict, clip_norms: Sequence[float],
   bench = runs.build_data(config, seed)
   train = bench.splits['train']
   module = models.create(config.model, bench.num_classes)
-  variables = models.init(module, jax.random.key(seed), jnp.asarray(train.x[0, :1]))
+  variables = models.init(module, jax.random.key(seed), jnp.asarray(train.first_example()))
   client = method_client(config, method)
   steps, batch_size = client.local_steps, client.batch_size
   if steps < 1:
