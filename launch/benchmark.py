@@ -308,20 +308,34 @@ def cohort_sweep_table(runs) -> str:
 
 
 def population_sweep(clients: int, conv: str) -> str:
-  """The host-store population sweep at cohort size ``clients`` (markdown)."""
-  lines = [f'\nPopulation sweep (host store, cohort {clients}, median of '
-           f'{FLAGS.sweep_repeats}):\n', '| population | s/round | first round s | '
-           'peak RSS GB | vs smallest |', '|---|---|---|---|---|']
-  first = None
-  for population in FLAGS.populations:
-    result = spawn(f'sweep:{population}', clients, conv)
-    print('sweep', population, json.dumps(result), flush=True)
-    if 'seconds' not in result:
-      lines.append(f"| {population} | {result.get('error')} | | | |")
-      continue
-    first = first or result['seconds']
-    lines.append(f"| {population} | {result['seconds']:.4g} | {result['compile_s']:.1f} | "
-                 f"{result['peak_rss_gb']:.2f} | {result['seconds'] / first:.2f}× |")
+  """The population sweep at cohort size ``clients`` over populations of distinct real
+  examples (launch/benchmarks/sweeps.py ``case_population``), markdown."""
+  lines = [f'\nPopulation sweep (FedAvg, cohort {clients}, median of {FLAGS.sweep_repeats}; '
+           'store / examples: the store\'s bytes over the examples\' own; sent / cohort: '
+           'host→device bytes a round moves over its cohort\'s real examples\' bytes):\n',
+           '| population | store | data | examples (median, largest per client) | store MB | '
+           'store / examples | sent MB/round | sent / cohort | s/round | first round s | '
+           'peak RSS GB | vs smallest |', '|---|---|---|---|---|---|---|---|---|---|---|---|']
+  first = {}
+  for placement in FLAGS.placements:
+    for population in FLAGS.populations:
+      result = spawn(f'sweep:{population}:{placement}', clients, conv)
+      print('sweep', population, placement, json.dumps(result), flush=True)
+      if 'seconds' not in result:
+        lines.append(f"| {population} | {placement} | {result.get('error')} |"
+                     + ' |' * 9)
+        continue
+      first.setdefault(placement, result['seconds'])
+      sent = result['sent_bytes_per_round']
+      lines.append(
+          f"| {int(population):,} | {placement} | {result['data']} | {result['examples']:,} "
+          f"({result['median_client']:g}, {result['largest_client']}) | "
+          f"{result['store_bytes'] / 1e6:.1f} | "
+          f"{result['store_bytes'] / result['example_bytes']:.3f} | "
+          f"{sent / 1e6:.2f} | "
+          f"{(sent / result['cohort_bytes_per_round']) if sent else 0:.2f} | "
+          f"{result['seconds']:.4g} | {result['compile_s']:.1f} | "
+          f"{result['peak_rss_gb']:.2f} | {result['seconds'] / first[placement]:.2f}× |")
   return '\n'.join(lines)
 
 

@@ -491,10 +491,11 @@ class HostStore:
   not the population.
 
   A ``ClientStore`` population sends a cohort store: the cohort's own examples in the
-  store's dtype (uint8 codes for images), concatenated and padded to a size of the
-  ladder ``cohort_capacity`` (at most 1/8 more, so that a run compiles its round for a
-  few sizes, not one per round); a padded ``FederatedData`` population sends its
-  cohort at the padded N. With a ``sharding`` over the devices of several processes
+  store's dtype (uint8 codes for images), concatenated and padded to ``capacity`` rows
+  (the compiled round's input shape): at first the expected cohort's examples plus two
+  standard deviations, raised to the ladder ``cohort_capacity`` of a cohort that holds
+  more, never lowered, so that a run compiles its round for a few sizes, not one per
+  round; a padded ``FederatedData`` population sends its cohort at the padded N. With a ``sharding`` over the devices of several processes
   each process gathers and moves only the clients of its own devices' shards
   (``jax.make_array_from_callback``; a ClientStore's cohort goes padded then).
   """
@@ -510,6 +511,8 @@ class HostStore:
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     self._pending: Dict[int, concurrent.futures.Future] = {}
     self.bytes_sent = 0   # host→device bytes of the cohorts fetched so far
+    self.capacity = (expected_cohort_rows(np.asarray(data.num_examples), config.cohort_size)
+                     if isinstance(data, ClientStore) else 0)
 
   def _fetch(self, round_index: int):
     key = round_key(self.seed_key, round_index)
@@ -527,7 +530,14 @@ class HostStore:
             (len(ids),) + array.shape[1:], self.sharding,
             lambda index: np.asarray(array[ids_in_data[index[0]]]))
       return jax.tree.map(shard, data), ids
-    cohort = cohort_store(data, ids) if isinstance(data, ClientStore) else data.take(ids)
+    if isinstance(data, ClientStore):
+      offsets = np.asarray(data.offsets, np.int64)
+      total = int((offsets[ids + 1] - offsets[ids]).sum())
+      if total > self.capacity:
+        self.capacity = cohort_capacity(total)
+      cohort = cohort_store(data, ids, self.capacity)
+    else:
+      cohort = data.take(ids)
     self.bytes_sent += sum(int(np.asarray(leaf).nbytes) for leaf in jax.tree.leaves(cohort))
     if self.sharding is not None and not isinstance(cohort, ClientStore):
       cohort = jax.device_put(cohort, self.sharding)
@@ -546,29 +556,43 @@ class HostStore:
 
 
 def cohort_capacity(total: int) -> int:
-  """The stored rows a cohort of ``total`` examples is padded to: ``total`` rounded up
-  to a multiple of 2^(⌊log2 total⌋ − 3), eight sizes per doubling (at most 1/8 more)."""
+  """``total`` rounded up to the ladder of cohort sizes: a multiple of 2^(⌊log2 total⌋ −
+  4), sixteen sizes per doubling (at most 1/16 more)."""
   total = max(int(total), 1)
-  step = 1 << max(total.bit_length() - 4, 0)
+  step = 1 << max(total.bit_length() - 5, 0)
   return -(-total // step) * step
 
 
-def cohort_store(store: ClientStore, client_ids: np.ndarray) -> ClientStore:
+def expected_cohort_rows(num_examples: np.ndarray, cohort_size: int) -> int:
+  """``cohort_capacity`` of the examples of a cohort of ``cohort_size`` drawn uniformly
+  without replacement from clients of ``num_examples`` [K]: the mean plus two standard
+  deviations."""
+  sizes = np.asarray(num_examples, np.float64)
+  clients = len(sizes)
+  variance = cohort_size * sizes.var() * (clients - cohort_size) / max(clients - 1, 1)
+  return cohort_capacity(cohort_size * sizes.mean() + 2 * np.sqrt(max(variance, 0.0)))
+
+
+def cohort_store(store: ClientStore, client_ids: np.ndarray,
+                 capacity: Optional[int] = None) -> ClientStore:
   """The clients ``client_ids`` [C] of a host ``store`` as a store of their own (host
   numpy): their examples concatenated in cohort order in the store's dtype, padded with
-  row 0 to ``cohort_capacity`` rows (never a client's), and their offsets [C+1]."""
+  row 0 (never a client's) to ``capacity`` rows (default: ``cohort_capacity`` of
+  theirs), and their offsets [C+1]."""
   client_ids = np.asarray(client_ids, np.int64)
   offsets = np.asarray(store.offsets, np.int64)
   counts = offsets[client_ids + 1] - offsets[client_ids]
   total = int(counts.sum())
+  capacity = cohort_capacity(total) if capacity is None else int(capacity)
+  if capacity < total:
+    raise ValueError(f'a cohort of {total} examples does not fit {capacity} rows')
   new_offsets = np.concatenate([[0], np.cumsum(counts)])
   rows = np.repeat(offsets[client_ids] - new_offsets[:-1], counts) + np.arange(total)
-  rows = np.concatenate([rows, np.zeros(cohort_capacity(total) - total, np.int64)])
+  rows = np.concatenate([rows, np.zeros(capacity - total, np.int64)])
   x, y = np.asarray(store.x), np.asarray(store.y)
   if not len(y):   # an empty store: zero rows of padding
     x, y = np.zeros((1,) + x.shape[1:], x.dtype), np.zeros(1, y.dtype)
-  return ClientStore(x[rows], y[rows],
-                     new_offsets.astype(np.int32), counts.astype(np.int32),
+  return ClientStore(x[rows], y[rows], new_offsets.astype(np.int32), counts.astype(np.int32),
                      None if store.palette is None else np.asarray(store.palette),
                      store.max_examples)
 

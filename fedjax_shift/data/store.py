@@ -147,27 +147,42 @@ def gather_clients(store: ClientStore, rows, examples: Optional[int] = None
                        store.num_examples[rows])
 
 
-def encode_inputs(x: np.ndarray) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-  """(codes, palette): uint8 codes and the ≤ 256 float32 values they stand for when
-  ``x`` takes no more values than that (exactly: ``palette[codes] == x``), else
-  (``x`` as float32, None). Pixels k/255 are recognised without sorting."""
+# Rows encoded at once by ``encode_inputs``: about this many input values.
+ENCODE_VALUES = 1 << 22
+
+
+def encode_inputs(x: np.ndarray, rows: Optional[np.ndarray] = None
+                  ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+  """(codes, palette) of the rows ``rows`` of ``x`` (default: all): uint8 codes and the
+  ≤ 256 float32 values they stand for when the inputs take no more values than that
+  (exactly: ``palette[codes] == x[rows]``), else (``x[rows]`` as float32, None). Pixels
+  k/255 are recognised a block of rows at a time, without sorting and without a float
+  copy of the rows."""
   x = np.asarray(x)
   if x.dtype == np.uint8:   # raw values 0 … 255, as a float32 layout would hold them
-    return x, np.arange(MAX_PALETTE, dtype=np.float32)
+    return x if rows is None else x[rows], np.arange(MAX_PALETTE, dtype=np.float32)
+  rows = np.arange(len(x)) if rows is None else np.asarray(rows, np.int64)
   if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)
           or x.dtype == bool):
     raise ValueError(f'inputs of dtype {x.dtype}: a model takes real numbers')
-  x = x.astype(np.float32, copy=False)
-  if x.size == 0:
-    return x, None
+  if len(rows) == 0:
+    return np.zeros((0,) + x.shape[1:], np.float32), None
   grey = np.arange(MAX_PALETTE, dtype=np.float32) / np.float32(255)
-  codes = np.clip(np.rint(x * 255), 0, 255).astype(np.uint8)
-  if np.array_equal(grey[codes], x):
+  codes = np.empty((len(rows),) + x.shape[1:], np.uint8)
+  block = max(1, ENCODE_VALUES // max(1, int(np.prod(x.shape[1:]))))
+  for start in range(0, len(rows), block):
+    values = x[rows[start:start + block]].astype(np.float32, copy=False)
+    chunk = np.clip(np.rint(values * 255), 0, 255).astype(np.uint8)
+    if not np.array_equal(grey[chunk], values):
+      break
+    codes[start:start + block] = chunk
+  else:
     return codes, grey
-  values = np.unique(x)
-  if values.size > MAX_PALETTE or not np.isfinite(values).all():
-    return x, None
-  return np.searchsorted(values, x).astype(np.uint8), values.astype(np.float32)
+  values = x[rows].astype(np.float32, copy=False)
+  palette = np.unique(values)
+  if palette.size > MAX_PALETTE or not np.isfinite(palette).all():
+    return values, None
+  return np.searchsorted(palette, values).astype(np.uint8), palette.astype(np.float32)
 
 
 def from_arrays(x: np.ndarray, y: np.ndarray, num_examples: Sequence[int],
@@ -186,23 +201,32 @@ def from_arrays(x: np.ndarray, y: np.ndarray, num_examples: Sequence[int],
   if len(x) != len(y) or len(y) != counts.sum():
     raise ValueError(f'the client counts{where} add up to {counts.sum()} examples but x has '
                      f'{len(x)} and y {len(y)}')
-  if counts.sum() >= np.iinfo(np.int32).max:
-    raise ValueError(f'{counts.sum()} examples{where}: a store holds fewer than 2**31')
   check_integer_labels(y, f'split {split!r}' if split else 'the labels')
+  return _stored(*encode_inputs(x), y, counts, split)
+
+
+def _stored(codes, palette, y, counts, split: str) -> ClientStore:
+  if counts.sum() >= np.iinfo(np.int32).max:
+    raise ValueError(f'{counts.sum()} examples in split {split!r}: a store holds fewer '
+                     'than 2**31')
   offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-  codes, palette = encode_inputs(x)
-  return ClientStore(codes, y.astype(np.int32), offsets, counts.astype(np.int32), palette,
-                     max(1, int(counts.max())))
+  return ClientStore(codes, np.asarray(y).astype(np.int32), offsets, counts.astype(np.int32),
+                     palette, max(1, int(counts.max())))
 
 
 def from_parts(x: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray],
                split: str = '') -> ClientStore:
   """A store of the clients ``parts`` (K index arrays into x [M, ...], y [M]) without
-  a per-client copy: memory follows Σ|part|."""
+  a per-client or float copy: memory follows Σ|part| in the store's dtype."""
   order = (np.concatenate([np.asarray(p, np.int64) for p in parts]) if len(parts)
            else np.zeros(0, np.int64))
-  return from_arrays(np.asarray(x)[order], np.asarray(y)[order], [len(p) for p in parts],
-                     split)
+  counts = np.array([len(p) for p in parts], np.int64)
+  if not len(parts):
+    raise ValueError(f'num_examples in split {split!r} must be one count per client, got '
+                     'no clients')
+  y = np.asarray(y)[order]
+  check_integer_labels(y, f'split {split!r}' if split else 'the labels')
+  return _stored(*encode_inputs(x, order), y, counts, split)
 
 
 def from_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray],

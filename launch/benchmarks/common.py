@@ -180,7 +180,9 @@ def define_flags() -> None:
                     'of 8 batches, on a FedICON model; fedthe: 20 ensemble steps).')
   flags.DEFINE_integer('tta_epochs', 5, "Passes over the test split of the 'transductive' "
                        'test-time case (tta_transductive).')
-  flags.DEFINE_list('populations', ['240', '1000', '10000'], 'Population sweep (host store).')
+  flags.DEFINE_list('populations', ['240', '1000', '10000'],
+                    'Population sweep: clients of distinct rotated images.')
+  flags.DEFINE_list('placements', ['host'], "The population sweep's stores: host, device.")
   flags.DEFINE_integer('sweep_repeats', 3, 'Timed repeats per population.')
   flags.DEFINE_string('case', '', 'Internal: run one case in this process and print JSON.')
   flags.DEFINE_string('out', '', 'Write the markdown table here.')

@@ -21,7 +21,6 @@ from fedjax_shift import algorithms, pipelines
 from fedjax_shift.core.round import (HostStore, RoundConfig, build_round, round_key,
                                      stack_client_states)
 from fedjax_shift.core.runs import grid_round, stack_runs
-from fedjax_shift.data.federated import FederatedData
 from fedjax_shift.pipelines import sweep
 from fedjax_shift.pipelines import workdir as workdir_lib
 from launch.benchmarks import register
@@ -121,33 +120,94 @@ def case_processes(count: int):
           'compile_s': records[0]['round_seconds']}
 
 
-def case_sweep(population):
-  _, _, algorithm, base_data, server = setup_algorithm(num_clients())
-  # The population's examples are a broadcast view of one cohort's worth of data:
-  # host memory for K clients is not allocated, only each sampled cohort is gathered.
-  view = lambda a: np.broadcast_to(a[:1], (population,) + a.shape[1:])
-  data = FederatedData(view(base_data.x), view(base_data.y), view(base_data.mask),
-                       np.full(population, FLAGS.examples, np.int32))
-  round_config = RoundConfig(cohort_size=num_clients())
-  _, round_host = build_round(algorithm, round_config)
+# The population cases' data: rotated Fashion-MNIST, 12 angles 0°-165° over the 70,000
+# images (840,000 distinct examples) when Debian's dataset-fashion-mnist is installed, else
+# the 5,000 embedded digits (60,000); each population gets EXAMPLES_PER_CLIENT × K of them.
+ANGLES = tuple(range(0, 180, 15))
+EXAMPLES_PER_CLIENT = 8.4   # 840,000 images over 100,000 clients
+
+
+def rotated_population(population: int, rng: np.random.Generator):
+  """(ClientStore, source name): EXAMPLES_PER_CLIENT × ``population`` distinct (image,
+  angle) pairs of ``ANGLES`` (every pair when the population is that large), dealt by
+  Dirichlet(0.1) label skew without a minimum, each rotated image rounded back to 8-bit
+  pixels and written once, straight into the store's client order."""
+  from fedjax_shift.data import partitions, sources, store as client_store
+  try:
+    images, labels = sources.idx_arrays(sources.FASHION_MNIST_DIR, 'train+test')
+    name = 'rotated Fashion-MNIST'
+  except (FileNotFoundError, ValueError):
+    embedded = sources.mnist_embedded()
+    images, labels = np.rint(embedded.x * 255).astype(np.uint8), embedded.y
+    name = 'rotated embedded MNIST'
+  images = images.reshape((-1, 28, 28, 1))
+  pairs = len(ANGLES) * len(labels)
+  chosen = np.sort(rng.permutation(pairs)[:min(pairs, int(EXAMPLES_PER_CLIENT * population))])
+  angle_of, image_of = np.divmod(chosen, len(labels))
+  parts = partitions.dirichlet(np.asarray(labels)[image_of], population, 0.1, rng,
+                               min_examples=0)
+  order = np.concatenate(parts)
+  x = np.empty((len(order), 28, 28, 1), np.uint8)
+  for a, angle in enumerate(ANGLES):
+    at = np.flatnonzero(angle_of[order] == a)   # store rows holding this angle
+    for start in range(0, len(at), 10_000):
+      rows = at[start:start + 10_000]
+      block = images[image_of[order[rows]]].astype(np.float32) / 255
+      x[rows] = np.rint(sources.rotate(block, angle) * 255).astype(np.uint8)
+  return client_store.from_arrays(x, np.asarray(labels)[image_of[order]],
+                                  [len(p) for p in parts], 'train'), name
+
+
+def case_population(population: int, placement: str):
+  """FedAvg rounds at cohort ``num_clients()`` over a population of ``population``
+  clients holding distinct real examples (``rotated_population``), stored compactly
+  (data/store.py) on the device or in host memory. Reports the store's bytes against
+  the examples' own and the host→device bytes a round moves against the cohort's real
+  examples' bytes."""
+  from fedjax_shift.pipelines.programs import round_config as pipeline_round_config
+  tick = time.perf_counter()
+  data, name = rotated_population(population, np.random.default_rng(0))
+  build_s = time.perf_counter() - tick
+  config, _, algorithm, _, server = setup_algorithm(num_clients())
+  config.data.store = placement
+  round_config = pipeline_round_config(config, data, 'fedavg')
   clients = stack_client_states(algorithm, server, population)
   seed_key = jax.random.key(0)
-  store = HostStore(data, seed_key, round_config)
-  state = {'round': 0}
+  round_device, round_host = build_round(algorithm, round_config)
+  host = HostStore(data, seed_key, round_config) if placement == 'host' else None
+  on_device = jax.device_put(data) if host is None else None
+  state = {'round': 0, 'cohort_bytes': []}
+  example_bytes = int(np.prod(data.example_shape)) * data.x.dtype.itemsize
 
   def run():
     r = state['round']
-    cohort, ids = store.cohort(r)
-    out = round_host(server, clients, cohort, ids, round_key(seed_key, r))
+    key = round_key(seed_key, r)
+    if host is not None:
+      cohort, ids = host.cohort(r)
+      out = round_host(server, clients, cohort, ids, key)
+    else:
+      out = round_device(server, clients, on_device, key)
+    state['cohort_bytes'].append(int(out.metrics['cohort_examples']) * example_bytes)
     state['round'] += 1
     return jax.block_until_ready(out.server_state)
 
-  tick = time.perf_counter()
+  first_s = time.perf_counter()
   run()
-  compile_s = time.perf_counter() - tick
+  compile_s = time.perf_counter() - first_s
   median, times = timed(run, FLAGS.sweep_repeats)
-  store.close()
-  return {'seconds': median, 'times': times, 'compile_s': compile_s}
+  rounds = state['round']
+  sent = 0.0
+  if host is not None:
+    host.close()
+    sent = host.bytes_sent / (rounds + 1)   # every fetched cohort, the prefetched one too
+  sizes = np.asarray(data.num_examples)
+  return {'seconds': median, 'times': times, 'compile_s': compile_s, 'data': name,
+          'build_s': build_s, 'examples': int(sizes.sum()),
+          'store_bytes': data.nbytes, 'example_bytes': int(sizes.sum()) * example_bytes,
+          'sent_bytes_per_round': sent,
+          'cohort_bytes_per_round': float(np.mean(state['cohort_bytes'])),
+          'median_client': float(np.median(sizes)), 'largest_client': int(sizes.max()),
+          'group_examples': list(round_config.group_examples)}
 
 
 def case_experiment(tensorboard: bool):
@@ -204,7 +264,8 @@ register('processes:', lambda name: f'FedAvg round, cohort 4 over 4 CPU devices:
 register('experiment:', lambda name: f"default experiment, whole run (s), TensorBoard event "
          f"files {'on' if name.endswith(':events') else 'off'}",
          lambda name: case_experiment(name.split(':')[1] == 'events'))
-register('sweep:', lambda name: f'host-store round, population {name.split(":")[1]}',
-         lambda name: case_sweep(int(name.split(':')[1])))
+register('sweep:', lambda name: f'FedAvg round over a population of {name.split(":")[1]} '
+         f'clients of distinct rotated images, {name.split(":")[2]} store',
+         lambda name: case_population(int(name.split(':')[1]), name.split(':')[2]))
 register('digest', "fingerprint of a ViT-B/16-sized .npz (0.32 GB): a re-run reads its cached "
          "digest (compile s column: the first run's hash)", lambda name: case_digest())
