@@ -248,3 +248,26 @@ def test_a_pipeline_run_on_the_store_equals_the_run_on_the_padded_layout(tmp_pat
   for key, value in results['padded'].items():
     np.testing.assert_allclose(results['store'][key], value, rtol=1e-5, atol=1e-6,
                                err_msg=key)
+
+
+@pytest.mark.parametrize('sampling', ['uniform', 'num_examples'])
+def test_a_large_population_draws_cohorts_of_the_same_distribution(sampling):
+  """Above LARGE_POPULATION clients a cohort is the top C of K random keys: distinct
+  ids, and over 4,000 rounds each client is drawn C/K of the time with a binomial
+  spread (uniform), or never when empty and more often the larger it is (by size)."""
+  from fedjax_shift.core.round import LARGE_POPULATION, sample_cohort
+  num_clients, cohort = LARGE_POPULATION + 16, 64
+  sizes = jnp.asarray(np.random.default_rng(0).integers(0, 4, num_clients))
+  config = RoundConfig(cohort_size=cohort, sampling=sampling)
+  draw = jax.jit(jax.vmap(lambda key: sample_cohort(key, sizes, config)))
+  ids = np.asarray(draw(jax.random.split(jax.random.key(0), 4000)))
+  assert all(len(set(row)) == cohort for row in ids[:50])
+  counts = np.bincount(ids.ravel(), minlength=num_clients)
+  if sampling == 'num_examples':
+    assert counts[np.asarray(sizes) == 0].sum() == 0   # an empty client is never drawn
+    by_size = [counts[np.asarray(sizes) == s].mean() for s in (1, 2, 3)]
+    assert by_size[0] < by_size[1] < by_size[2]
+  else:
+    expected = 4000 * cohort / num_clients   # 15.6 draws each
+    assert abs(counts.mean() - expected) < 1e-9
+    assert abs(counts.std() - np.sqrt(expected * (1 - cohort / num_clients))) < 0.3

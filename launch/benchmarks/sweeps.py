@@ -169,6 +169,7 @@ def case_population(population: int, placement: str):
   data, name = rotated_population(population, np.random.default_rng(0))
   build_s = time.perf_counter() - tick
   config, _, algorithm, _, server = setup_algorithm(num_clients())
+  config.cohort_size = num_clients()
   config.data.store = placement
   round_config = pipeline_round_config(config, data, 'fedavg')
   clients = stack_client_states(algorithm, server, population)
