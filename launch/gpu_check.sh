@@ -138,10 +138,10 @@ case $stage in
       --batch_size=32 --cases=round,grid_vmap,grid_loop --populations= --repeats=3 \
       --out="$outdir/bench_grid.md" >> "$outdir/engine.log" 2>&1
     tail -n 6 "$outdir/bench_grid.md"
-    timeout 150 python3 launch/benchmark.py --model=mlp --clients="${POPULATION_COHORT:-1000}" \
-      --cases=round --populations="${POPULATIONS:-1000,10000,100000}" \
+    timeout 400 python3 launch/benchmark.py --model=mlp --clients="${POPULATION_COHORT:-1000}" \
+      --cases=round --populations="${POPULATIONS:-1000,10000,100000}" --placements=host,device \
       --out="$outdir/bench_population.md" >> "$outdir/engine.log" 2>&1
-    tail -n 8 "$outdir/bench_population.md"
+    tail -n 9 "$outdir/bench_population.md"
     # FedEvolve's round against FedAvg's on its Table 7 network.
     timeout 150 python3 launch/benchmark.py --model=domainbed64 --clients=20 --examples=200 \
       --batch_size=32 --cases=round,fedevolve --populations= --repeats=3 \

@@ -7,6 +7,8 @@ import ml_collections
 import numpy as np
 
 from fedjax_shift.config import apply_variant, base_config
+from fedjax_shift.core import plan
+from fedjax_shift.core.round import RoundConfig, round_key
 from fedjax_shift.data.federated import stack_clients
 
 
@@ -104,3 +106,19 @@ def compiled_programs(jitted) -> int:
   """How many programs a ``jax.jit``-wrapped function has compiled (one per distinct
   argument shapes and static values): the one place the tests count compilations."""
   return jitted._cache_size()
+
+
+def grouped(data, cohort_size: int, width: int, shapes: int = 2, **fields) -> RoundConfig:
+  """A RoundConfig of sorted groups of ``width``, cut to ``shapes`` fitted sizes."""
+  bounds = plan.group_bounds(data.num_examples, cohort_size, width)
+  buckets = plan.fit_example_buckets(bounds, width, shapes)
+  return RoundConfig(cohort_size=cohort_size, client_chunk=width,
+                     group_examples=plan.plan_group_examples(bounds, buckets), **fields)
+
+
+def run_rounds(round_fn, server, clients, data, rounds=2, seed=3):
+  """``rounds`` rounds of ``round_fn`` from (server, clients) on ``data``; the last output."""
+  for r in range(rounds):
+    out = round_fn(server, clients, data, round_key(jax.random.key(seed), r))
+    server, clients = out.server_state, out.client_states
+  return out

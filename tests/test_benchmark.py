@@ -165,3 +165,31 @@ def test_grid_cases_time_a_sweep_as_one_program_and_run_by_run():
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert '2 learning rates × 2 seeds of the FedAvg round, one vmapped program' in proc.stdout
   assert 'sweep as one program / runs one by one = ' in proc.stdout
+
+
+def test_population_sweep_stores_distinct_examples_and_moves_only_the_cohorts(tmp_path):
+  """Populations of distinct rotated images in the compact store: the store holds each
+  example's bytes once (plus labels and offsets), the host store moves about the
+  cohort's real bytes, the device store nothing."""
+  out = tmp_path / 'population.md'
+  proc = _run('--model=mlp', '--clients=8', '--batch_size=4', '--cases=', '--sweep_repeats=1',
+              '--populations=40', '--placements=host,device', f'--out={out}')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  results = {}
+  for line in proc.stdout.splitlines():
+    match = re.match(r'sweep 40 (host|device) (\{.*)', line)
+    if match:
+      results[match[1]] = json.loads(match[2])
+  for placement, result in results.items():
+    # 8.4 × 40 = 336 distinct images, 784 uint8 bytes each
+    assert result['examples'] == 336 and result['example_bytes'] == 336 * 784
+    assert result['example_bytes'] <= result['store_bytes'] <= 1.1 * result['example_bytes']
+  host = results['host']
+  # A cohort of 8 varies a lot round to round, so its capacity (the expected examples
+  # plus two standard deviations) is up to ~1.5× a round's; the padded float32 layout
+  # would move 8 × the largest client × 784 × 4 bytes.
+  assert 0 < host['sent_bytes_per_round'] <= 2 * host['cohort_bytes_per_round'] + 2048
+  assert host['sent_bytes_per_round'] < 8 * host['largest_client'] * 784 * 4 / 4
+  assert results['device']['sent_bytes_per_round'] == 0
+  rows = [line for line in out.read_text().splitlines() if line.startswith('| 40 |')]
+  assert [row.split('|')[2].strip() for row in rows] == ['host', 'device']

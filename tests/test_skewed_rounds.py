@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import backend_tolerance, build_method, tiny_config, toy_clients
+from helpers import (backend_tolerance, build_method, grouped, run_rounds, tiny_config,
+                     toy_clients)
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.core import algorithm as alg
 from fedjax_shift.core import plan
@@ -22,21 +23,6 @@ from fedjax_shift.core.round import HostStore, RoundConfig, build_round, round_k
 
 NUM_CLASSES = 3
 SIZES = [2, 19, 5, 11, 0, 3, 7, 13]   # skewed, one client without data
-
-
-def grouped(data, cohort_size: int, width: int, shapes: int = 2, **fields) -> RoundConfig:
-  """A RoundConfig of sorted groups of ``width``, cut to ``shapes`` fitted sizes."""
-  bounds = plan.group_bounds(data.num_examples, cohort_size, width)
-  buckets = plan.fit_example_buckets(bounds, width, shapes)
-  return RoundConfig(cohort_size=cohort_size, client_chunk=width,
-                     group_examples=plan.plan_group_examples(bounds, buckets), **fields)
-
-
-def run_rounds(round_fn, server, clients, data, rounds=2, seed=3):
-  for r in range(rounds):
-    out = round_fn(server, clients, data, round_key(jax.random.key(seed), r))
-    server, clients = out.server_state, out.client_states
-  return out
 
 
 # The families of the issue's list: plain, proximal, stateful clients (SCAFFOLD, Ditto,

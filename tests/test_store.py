@@ -12,9 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import build_method, tiny_config
+from helpers import build_method, grouped, run_rounds, tiny_config
 from fedjax_shift.algorithms import ALGORITHMS
-from fedjax_shift.core import plan
 from fedjax_shift.core.round import (HostStore, RoundConfig, build_round, cohort_capacity,
                                      cohort_store, expected_cohort_rows, round_key)
 from fedjax_shift.data import federated, store as client_store
@@ -30,20 +29,6 @@ def skewed_clients(sizes=SIZES, shape=(4, 4, 1), seed=0):
   ys = [rng.integers(0, NUM_CLASSES, n).astype(np.int32) for n in sizes]
   return (federated.stack_clients(xs, ys, example_shape=shape),
           client_store.from_clients(xs, ys, shape))
-
-
-def grouped(data, cohort_size: int, width: int, **fields) -> RoundConfig:
-  bounds = plan.group_bounds(data.num_examples, cohort_size, width)
-  buckets = plan.fit_example_buckets(bounds, width, 2)
-  return RoundConfig(cohort_size=cohort_size, client_chunk=width,
-                     group_examples=plan.plan_group_examples(bounds, buckets), **fields)
-
-
-def run_rounds(round_fn, server, clients, data, rounds=2, seed=3):
-  for r in range(rounds):
-    out = round_fn(server, clients, data, round_key(jax.random.key(seed), r))
-    server, clients = out.server_state, out.client_states
-  return out
 
 
 def test_the_store_holds_each_example_once_in_its_source_bytes():

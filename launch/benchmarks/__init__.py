@@ -4,7 +4,7 @@ runs one case per subprocess by name (``find``) and prints the tables.
 
 A name is a case's own ('round', 'tta_vmap') or a family's prefix ending in ':'
 ('algorithm:', 'sweep:'), whose cases carry their settings after it
-('algorithm:fedins:head_pool=True', 'sweep:1000').
+('algorithm:fedins:head_pool=True', 'sweep:1000:host').
 """
 from typing import Callable, Dict, NamedTuple, Union
 

@@ -121,7 +121,8 @@ def case_processes(count: int):
 
 
 # The population cases' data: rotated Fashion-MNIST, 12 angles 0°-165° over the 70,000
-# images (840,000 distinct examples) when Debian's dataset-fashion-mnist is installed, else
+# images (840,000 distinct examples) when Debian's dataset-fashion-mnist is installed (or
+# launch/gpu_check.sh fmnist_data copied it to .data/fashion-mnist), else
 # the 5,000 embedded digits (60,000); each population gets EXAMPLES_PER_CLIENT × K of them.
 ANGLES = tuple(range(0, 180, 15))
 EXAMPLES_PER_CLIENT = 8.4   # 840,000 images over 100,000 clients
@@ -133,10 +134,12 @@ def rotated_population(population: int, rng: np.random.Generator):
   Dirichlet(0.1) label skew without a minimum, each rotated image rounded back to 8-bit
   pixels and written once, straight into the store's client order."""
   from fedjax_shift.data import partitions, sources, store as client_store
-  try:
-    images, labels = sources.idx_arrays(sources.FASHION_MNIST_DIR, 'train+test')
-    name = 'rotated Fashion-MNIST'
-  except (FileNotFoundError, ValueError):
+  for folder in (sources.FASHION_MNIST_DIR, os.path.join('.data', 'fashion-mnist')):
+    if sources.idx_pairs(folder, 'train+test'):   # Debian's, or gpu_check.sh fmnist_data's
+      images, labels = sources.idx_arrays(folder, 'train+test')
+      name = 'rotated Fashion-MNIST'
+      break
+  else:
     embedded = sources.mnist_embedded()
     images, labels = np.rint(embedded.x * 255).astype(np.uint8), embedded.y
     name = 'rotated embedded MNIST'
