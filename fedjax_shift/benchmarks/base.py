@@ -12,13 +12,14 @@ naming ``config.data.<field>``, ``pipelines``: the run loops it feeds, and
 from __future__ import annotations
 
 import os
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional, Union
 
 import ml_collections
 import numpy as np
 
 from fedjax_shift.data import partitions, sources
 from fedjax_shift.data.federated import FederatedData
+from fedjax_shift.data.store import ClientStore
 from fedjax_shift.registry import Range, Registry, require
 
 BENCHMARKS: Registry = Registry('benchmark')
@@ -106,7 +107,9 @@ def check_partition(data_config: ml_collections.ConfigDict) -> None:
 
 
 class Benchmark(NamedTuple):
-  splits: Dict[str, FederatedData]  # split name -> data over the same K clients
+  # split name -> data over the same K clients: a ClientStore (each example once) or a
+  # padded FederatedData
+  splits: Dict[str, Union[FederatedData, ClientStore]]
   num_classes: int
   example_shape: tuple
   info: dict  # partition statistics, corruptions per client, ...
