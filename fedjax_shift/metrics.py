@@ -176,7 +176,8 @@ FIELDS_ADDED_AT = {'client.augmentation': '[]'}
 # Fields added later still, left out of a run's recorded fields (and so of its
 # fingerprint) while at the value that trains as the runs before them: a workdir's
 # fingerprint survives the upgrade, and a run that sets the field records it.
-FIELDS_OMITTED_AT = {'client.clip_norm': '0.0', 'gma.global_learning_rate': '1.0'}
+FIELDS_OMITTED_AT = {'client.clip_norm': '0.0', 'gma.global_learning_rate': '1.0',
+                     'data.min_examples_rule': '"redraw"'}
 
 
 def changed_fields(recorded: Dict[str, str], fields: Dict[str, str],

@@ -49,6 +49,10 @@ DATA_DEFAULTS = {
     'partition': 'dirichlet',
     'dirichlet_alpha': 0.1,           # FedTHE / FedEvolve: 0.1 and 1.0
     'min_examples_per_client': 10,
+    # How a Dirichlet partition meets that minimum: 'redraw' until a draw does (the papers'
+    # partitioners), or 'top_up' one draw's short clients from the largest (large
+    # populations, where no draw may meet it)
+    'min_examples_rule': 'redraw',
     'classes_per_client': 2,          # pathological (FedTTA: 2 classes per client)
     'step_major_classes': 2,          # ATP step_2_16: 2 major classes ...
     'step_major_count': 80,           # ... with 80 samples each
@@ -87,6 +91,9 @@ def check_source(data_config: ml_collections.ConfigDict) -> None:
 def check_dirichlet(data_config: ml_collections.ConfigDict) -> None:
   alpha = data_config.dirichlet_alpha
   require(alpha > 0, 'data.dirichlet_alpha', f'must be > 0 (or inf), got {alpha}')
+  rule = data_config.get('min_examples_rule', 'redraw')
+  require(rule in partitions.MIN_EXAMPLES_RULES, 'data.min_examples_rule',
+          f'unknown {rule!r}; choose from {list(partitions.MIN_EXAMPLES_RULES)}')
 
 
 def natural_needs_writers(source: str) -> str:
@@ -180,7 +187,8 @@ def partition(labels: np.ndarray, data_config: ml_collections.ConfigDict, num_cl
     return partitions.natural(groups, num_clients, rng)
   if kind == 'dirichlet':
     return partitions.dirichlet(labels, num_clients, data_config.dirichlet_alpha, rng,
-                                min_examples=data_config.min_examples_per_client)
+                                min_examples=data_config.min_examples_per_client,
+                                rule=data_config.get('min_examples_rule', 'redraw'))
   if kind == 'iid':
     return partitions.dirichlet(labels, num_clients, float('inf'), rng, min_examples=0)
   if kind == 'pathological':

@@ -12,20 +12,27 @@ from typing import List
 import numpy as np
 
 
+MIN_EXAMPLES_RULES = ('redraw', 'top_up')
+
+
 def dirichlet(labels: np.ndarray, num_clients: int, alpha: float,
-              rng: np.random.Generator, min_examples: int = 2) -> List[np.ndarray]:
+              rng: np.random.Generator, min_examples: int = 2, rule: str = 'redraw',
+              max_tries: int = 1000) -> List[np.ndarray]:
   """Dirichlet(α) label skew (Hsu et al. 2019), as used by FedTHE/FedEvolve.
 
   For each class, its examples are split over clients with proportions drawn from
   Dir(α·1_K). α = inf gives a uniform (IID) split. Every client gets at least
-  ``min_examples`` by construction (``top_up``): clients the draw left short take
-  random examples from the largest clients. Time and memory follow the examples and
-  the clients (no loop over clients): 100,000 clients take seconds.
+  ``min_examples``: ``rule='redraw'`` draws again until a draw gives them (the
+  partitioners of the papers' code; at most ``max_tries`` draws), ``'top_up'`` by
+  construction from one draw (``top_up``: clients left short take random examples from
+  the largest). A draw is vectorised over clients: 100,000 clients take seconds.
   """
   if not alpha > 0:
     raise ValueError(f'dirichlet alpha must be > 0, got {alpha}')
   if num_clients < 1:
     raise ValueError(f'num_clients must be >= 1, got {num_clients}')
+  if rule not in MIN_EXAMPLES_RULES:
+    raise ValueError(f'unknown minimum rule {rule!r}; choose from {list(MIN_EXAMPLES_RULES)}')
   labels = np.asarray(labels)
   if len(labels) < num_clients * min_examples:
     raise ValueError(f'{len(labels)} examples cannot give {num_clients} clients '
@@ -33,13 +40,23 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float,
   if math.isinf(alpha):
     order = rng.permutation(len(labels))
     return [np.sort(part) for part in np.array_split(order, num_clients)]
-  owner = np.empty(len(labels), np.int64)
-  for c in np.unique(labels):
-    idx = rng.permutation(np.nonzero(labels == c)[0])
-    proportions = rng.dirichlet(np.full(num_clients, alpha))
-    cuts = (np.cumsum(proportions) * len(idx)).astype(int)[:-1]
-    owner[idx] = np.repeat(np.arange(num_clients), np.diff(cuts, prepend=0, append=len(idx)))
-  return clients_of(top_up(owner, num_clients, min_examples, rng), num_clients)
+  classes = np.unique(labels)
+  for _ in range(max_tries if rule == 'redraw' else 1):
+    owner = np.empty(len(labels), np.int64)
+    for c in classes:
+      idx = rng.permutation(np.nonzero(labels == c)[0])
+      proportions = rng.dirichlet(np.full(num_clients, alpha))
+      cuts = (np.cumsum(proportions) * len(idx)).astype(int)[:-1]
+      owner[idx] = np.repeat(np.arange(num_clients), np.diff(cuts, prepend=0,
+                                                              append=len(idx)))
+    if rule == 'top_up':
+      owner = top_up(owner, num_clients, min_examples, rng)
+    if np.bincount(owner, minlength=num_clients).min() >= min_examples:
+      return clients_of(owner, num_clients)
+  raise ValueError(f'dirichlet alpha={alpha}: no partition of {len(labels)} examples over '
+                   f'{num_clients} clients with >= {min_examples} examples per client in '
+                   f'{max_tries} draws; lower config.data.min_examples_per_client, or set '
+                   f"config.data.min_examples_rule='top_up' to meet it by construction")
 
 
 def clients_of(owner: np.ndarray, num_clients: int) -> List[np.ndarray]:
