@@ -166,6 +166,14 @@ def test_a_malformed_store_is_refused_naming_split_and_client(break_store, messa
     client_store.validate_store(break_store(stored), NUM_CLASSES, 'train')
 
 
+def test_a_split_without_examples_pads_to_zeros():
+  empty = client_store.from_clients([np.zeros((0, 3)), np.zeros((0, 3))],
+                                    [np.zeros(0), np.zeros(0)], (3,))
+  taken = empty.take([1, 0])
+  assert taken.x.shape == (2, 1, 3) and not taken.mask.any() and not taken.x.any()
+  client_store.validate_store(empty, 2, 'val')
+
+
 def test_bad_construction_input_names_the_client():
   with pytest.raises(ValueError, match='add up to 5 examples but x has 4'):
     client_store.from_arrays(np.zeros((4, 2)), np.zeros(4), [2, 3], 'train')

@@ -86,6 +86,9 @@ class ClientStore:
                        f'({counts.max()} examples)')
     rows, mask = _rows(np.asarray(self.offsets)[client_ids], counts, num_pad,
                        len(self.y), np)
+    if not len(self.y):   # a split without examples (a fraction of 0): all padding
+      x = np.zeros(mask.shape + self.example_shape, np.float32)
+      return FederatedData(x, np.zeros(mask.shape, np.int32), mask, counts.astype(np.int32))
     x = np.where(mask.reshape(mask.shape + (1,) * len(self.example_shape)),
                  np.asarray(self.decode(np.asarray(self.x)[rows])), np.float32(0))
     y = np.where(mask, np.asarray(self.y)[rows], 0).astype(np.int32)
