@@ -91,9 +91,14 @@ def check_source(data_config: ml_collections.ConfigDict) -> None:
 def check_dirichlet(data_config: ml_collections.ConfigDict) -> None:
   alpha = data_config.dirichlet_alpha
   require(alpha > 0, 'data.dirichlet_alpha', f'must be > 0 (or inf), got {alpha}')
-  rule = data_config.get('min_examples_rule', 'redraw')
+  rule = min_examples_rule(data_config)
   require(rule in partitions.MIN_EXAMPLES_RULES, 'data.min_examples_rule',
           f'unknown {rule!r}; choose from {list(partitions.MIN_EXAMPLES_RULES)}')
+
+
+def min_examples_rule(data_config: ml_collections.ConfigDict) -> str:
+  """``data.min_examples_rule``, its default where a config recorded before it lacks it."""
+  return data_config.get('min_examples_rule', DATA_DEFAULTS['min_examples_rule'])
 
 
 def natural_needs_writers(source: str) -> str:
@@ -188,7 +193,7 @@ def partition(labels: np.ndarray, data_config: ml_collections.ConfigDict, num_cl
   if kind == 'dirichlet':
     return partitions.dirichlet(labels, num_clients, data_config.dirichlet_alpha, rng,
                                 min_examples=data_config.min_examples_per_client,
-                                rule=data_config.get('min_examples_rule', 'redraw'))
+                                rule=min_examples_rule(data_config))
   if kind == 'iid':
     return partitions.dirichlet(labels, num_clients, float('inf'), rng, min_examples=0)
   if kind == 'pathological':

@@ -512,9 +512,10 @@ class HostStore:
   (the compiled round's input shape): at first the expected cohort's examples plus two
   standard deviations, raised to the ladder ``cohort_capacity`` of a cohort that holds
   more, never lowered, so that a run compiles its round for a few sizes, not one per
-  round; a padded ``FederatedData`` population sends its cohort at the padded N. With a ``sharding`` over the devices of several processes
-  each process gathers and moves only the clients of its own devices' shards
-  (``jax.make_array_from_callback``; a ClientStore's cohort goes padded then).
+  round; a padded ``FederatedData`` population sends its cohort at the padded N. With
+  a ``sharding`` over the devices of several processes each process gathers and moves
+  only the clients of its own devices' shards (``jax.make_array_from_callback``; a
+  ClientStore's cohort goes padded then).
   """
 
   def __init__(self, data: Store, seed_key: jax.Array, config: RoundConfig,
@@ -548,8 +549,7 @@ class HostStore:
             lambda index: np.asarray(array[ids_in_data[index[0]]]))
       return jax.tree.map(shard, data), ids
     if isinstance(data, ClientStore):
-      offsets = np.asarray(data.offsets, np.int64)
-      total = int((offsets[ids + 1] - offsets[ids]).sum())
+      total = int(np.asarray(data.num_examples)[ids].sum())
       if total > self.capacity:
         self.capacity = cohort_capacity(total)
       cohort = cohort_store(data, ids, self.capacity)

@@ -189,9 +189,10 @@ def encode_inputs(x: np.ndarray, rows: Optional[np.ndarray] = None
 
 
 def from_arrays(x: np.ndarray, y: np.ndarray, num_examples: Sequence[int],
-                split: str = '') -> ClientStore:
-  """A store of examples already in client order: x [Σn, ...], y [Σn] and each
-  client's count [K] (zeros allowed). Errors name the split and client."""
+                split: str = '', rows: Optional[np.ndarray] = None) -> ClientStore:
+  """A store of examples in client order: x [Σn, ...], y [Σn] (or their ``rows`` [Σn],
+  without a copy of the rest) and each client's count [K] (zeros allowed). Errors name
+  the split and client."""
   where = f' in split {split!r}' if split else ''
   counts = np.asarray(num_examples, np.int64)
   if counts.ndim != 1 or counts.size == 0:
@@ -201,35 +202,27 @@ def from_arrays(x: np.ndarray, y: np.ndarray, num_examples: Sequence[int],
     bad = int(np.argmax(counts < 0))
     raise ValueError(f'client {bad}{where}: num_examples={counts[bad]} is negative')
   x, y = np.asarray(x), np.asarray(y)
-  if len(x) != len(y) or len(y) != counts.sum():
+  if rows is not None:
+    y = y[rows]
+  stored = len(x) if rows is None else len(rows)
+  if stored != len(y) or len(y) != counts.sum():
     raise ValueError(f'the client counts{where} add up to {counts.sum()} examples but x has '
-                     f'{len(x)} and y {len(y)}')
-  check_integer_labels(y, f'split {split!r}' if split else 'the labels')
-  return _stored(*encode_inputs(x), y, counts, split)
-
-
-def _stored(codes, palette, y, counts, split: str) -> ClientStore:
+                     f'{stored} and y {len(y)}')
   if counts.sum() >= np.iinfo(np.int32).max:
-    raise ValueError(f'{counts.sum()} examples in split {split!r}: a store holds fewer '
-                     'than 2**31')
+    raise ValueError(f'{counts.sum()} examples{where}: a store holds fewer than 2**31')
+  check_integer_labels(y, f'split {split!r}' if split else 'the labels')
+  codes, palette = encode_inputs(x, rows)
   offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-  return ClientStore(codes, np.asarray(y).astype(np.int32), offsets, counts.astype(np.int32),
-                     palette, max(1, int(counts.max())))
+  return ClientStore(codes, y.astype(np.int32), offsets, counts.astype(np.int32), palette,
+                     max(1, int(counts.max())))
 
 
 def from_parts(x: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray],
                split: str = '') -> ClientStore:
   """A store of the clients ``parts`` (K index arrays into x [M, ...], y [M]) without
   a per-client or float copy: memory follows Σ|part| in the store's dtype."""
-  order = (np.concatenate([np.asarray(p, np.int64) for p in parts]) if len(parts)
-           else np.zeros(0, np.int64))
-  counts = np.array([len(p) for p in parts], np.int64)
-  if not len(parts):
-    raise ValueError(f'num_examples in split {split!r} must be one count per client, got '
-                     'no clients')
-  y = np.asarray(y)[order]
-  check_integer_labels(y, f'split {split!r}' if split else 'the labels')
-  return _stored(*encode_inputs(x, order), y, counts, split)
+  rows = np.concatenate([np.asarray(p, np.int64) for p in parts] or [np.zeros(0, np.int64)])
+  return from_arrays(x, y, [len(p) for p in parts], split, rows)
 
 
 def from_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray],
@@ -261,11 +254,6 @@ def compact(data: FederatedData, split: str = '') -> ClientStore:
   mask = np.asarray(data.mask)
   return from_arrays(np.asarray(data.x)[mask], np.asarray(data.y)[mask],
                      np.asarray(data.num_examples), split)
-
-
-def as_store(split, name: str = '') -> ClientStore:
-  """``split`` as a ClientStore (a FederatedData is compacted)."""
-  return split if isinstance(split, ClientStore) else compact(split, name)
 
 
 def padded(split) -> FederatedData:
@@ -355,9 +343,10 @@ def validate_store(store: ClientStore, num_classes: int, split: str = '') -> Non
     if x.size and int(x.max()) >= len(palette):
       raise ValueError(f'code {int(x.max())}{where} is past the palette of {len(palette)} '
                        'values')
-    finite = np.isfinite(palette)[x.reshape(len(x), -1)].all(1) if x.size else np.ones(0, bool)
+    finite = np.isfinite(palette)[x]
   else:
-    finite = np.isfinite(x.reshape(len(x), int(np.prod(x.shape[1:])))).all(1)
+    finite = np.isfinite(x)
+  finite = finite.reshape(len(x), int(np.prod(x.shape[1:]))).all(1)
   client_of = lambda row: int(np.searchsorted(offsets, row, side='right') - 1)
   if not finite.all():
     raise ValueError(f'client {client_of(np.argmin(finite))}{where}: inputs contain NaN or inf')

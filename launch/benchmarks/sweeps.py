@@ -21,8 +21,10 @@ from fedjax_shift import algorithms, pipelines
 from fedjax_shift.core.round import (HostStore, RoundConfig, build_round, round_key,
                                      stack_client_states)
 from fedjax_shift.core.runs import grid_round, stack_runs
+from fedjax_shift.data import partitions, sources, store as client_store
 from fedjax_shift.pipelines import sweep
 from fedjax_shift.pipelines import workdir as workdir_lib
+from fedjax_shift.pipelines.programs import round_config as pipeline_round_config
 from launch.benchmarks import register
 from launch.benchmarks.common import FLAGS, first_then_timed, num_clients, timed
 from launch.benchmarks.engine import setup_algorithm
@@ -133,7 +135,6 @@ def rotated_population(population: int, rng: np.random.Generator):
   angle) pairs of ``ANGLES`` (every pair when the population is that large), dealt by
   Dirichlet(0.1) label skew without a minimum, each rotated image rounded back to 8-bit
   pixels and written once, straight into the store's client order."""
-  from fedjax_shift.data import partitions, sources, store as client_store
   for folder in (sources.FASHION_MNIST_DIR, os.path.join('.data', 'fashion-mnist')):
     if sources.idx_pairs(folder, 'train+test'):   # Debian's, or gpu_check.sh fmnist_data's
       images, labels = sources.idx_arrays(folder, 'train+test')
@@ -167,13 +168,11 @@ def case_population(population: int, placement: str):
   (data/store.py) on the device or in host memory. Reports the store's bytes against
   the examples' own and the host→device bytes a round moves against the cohort's real
   examples' bytes."""
-  from fedjax_shift.pipelines.programs import round_config as pipeline_round_config
   tick = time.perf_counter()
   data, name = rotated_population(population, np.random.default_rng(0))
   build_s = time.perf_counter() - tick
   config, _, algorithm, _, server = setup_algorithm(num_clients())
   config.cohort_size = num_clients()
-  config.data.store = placement
   round_config = pipeline_round_config(config, data, 'fedavg')
   clients = stack_client_states(algorithm, server, population)
   seed_key = jax.random.key(0)
