@@ -108,6 +108,10 @@ def base_config() -> ml_collections.ConfigDict:
                                     # backend, a client) is cut to the smallest that holds it;
                                     # (): at most example_shapes sizes fitted to the train split
   c.engine.example_shapes = 4       # ... one compiled client update per size
+  c.engine.likely_plan = True       # cohorts drawn from a larger population: groups cut to
+                                    # sizes likely cohorts hold, a cohort that exceeds them
+                                    # running at sizes every cohort holds (not with
+                                    # vmap_seeds or a sweep: their runs would pay for both)
   c.engine.num_devices = 0          # shard the cohort over this many devices (0 = one)
   c.engine.donate = False           # donate server/client buffers (GPU/TPU)
   c.engine.deterministic = False    # XLA deterministic GPU ops (launch/train.py; no-op on CPU)

@@ -122,6 +122,20 @@ def test_grouped_round_on_skewed_sizes_equals_a_loop_over_clients():
                               **backend_tolerance(2e-5, 1e-6))
 
 
+def test_the_grouped_round_on_a_client_store_equals_the_padded_layout(toy):
+  # The groups' data are the store's clients padded to N (split_groups): the same
+  # arrays bit for bit, so the compiled round gives the same state exactly.
+  from fedjax_shift.data import store
+  _, algorithm, data, _, group_ids, server, states = toy
+  stored = store.compact(data)
+  assert isinstance(stored, store.ClientStore)
+  key = jax.random.key(21)
+  a = run_round(algorithm, stored, group_ids, server, states, key, (2, 1))
+  b = run_round(algorithm, data, group_ids, server, states, key, (2, 1))
+  chex.assert_trees_all_equal(a.server_state, b.server_state)
+  chex.assert_trees_all_equal(a.group_states, b.group_states)
+
+
 def test_knowledge_is_the_mean_of_the_clients_public_logits(toy):
   """Alg. 2, Aggregate: F_base = 1/N Σ f(D_p; ψ_i) and F_per = 1/N Σ f(D_p; ψ̃_i), with
   ψ̃_i the inner step of ψ_i on each public batch, recomputed from the returned states."""

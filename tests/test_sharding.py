@@ -46,6 +46,17 @@ SCRIPT = textwrap.dedent('''
     a = one(server, clients, data, key); b = four(server, clients, data, key)
     chex.assert_trees_all_close(a.server_state, b.server_state, atol=1e-5)
     print('grouped sharded == unsharded')
+    # The same groups gathered from a compact store, over the mesh, under a likely plan
+    # that this cohort (every client) exceeds in its second group (5th largest client:
+    # 6 examples > 3): the fallback runs, and equals the padded round on one device.
+    from fedjax_shift.data import store
+    likely = grouped._replace(group_examples=(grouped.group_examples[0], 3),
+                              fallback_examples=grouped.group_examples)
+    c = build_round(algorithm, likely, mesh=client_mesh(4))[0](server, clients,
+                                                               store.compact(data), key)
+    assert float(c.metrics['fallback_plan']) == 1.0
+    chex.assert_trees_all_close(a.server_state, c.server_state, atol=1e-5)
+    print('store sharded == padded')
 ''')
 
 
@@ -58,3 +69,4 @@ def test_four_device_round_equals_one_device():
   assert 'fedavg sharded == unsharded' in proc.stdout
   assert 'fedbn sharded == unsharded' in proc.stdout
   assert 'grouped sharded == unsharded' in proc.stdout
+  assert 'store sharded == padded' in proc.stdout

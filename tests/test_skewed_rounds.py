@@ -223,3 +223,64 @@ def test_a_round_out_of_device_memory_names_the_fields_to_lower():
 
   with pytest.raises(jax.errors.JaxRuntimeError, match='INVALID_ARGUMENT'):
     engine.explain_out_of_memory(other, RoundConfig(cohort_size=4))()
+
+
+def test_likely_bounds_hold_likely_cohorts_below_the_bounds_every_cohort_holds():
+  # Ten clients of 100 examples among 990 of 1. A cohort of 10 in groups of 5 holds a
+  # client of 100 with probability 1 - C(990,10)/C(1000,10) ≈ 9.6 % (so in some of
+  # 1,024 simulated cohorts: group 0's likely bound is 100), and six of them with
+  # probability C(10,6)·C(990,4)/C(1000,10) ≈ 3e-12 (group 1's likely bound is 1),
+  # where the population's 6th largest client, the bound every cohort holds, is 100.
+  sizes = np.array([100] * 10 + [1] * 990)
+  np.testing.assert_array_equal(plan.group_bounds(sizes, 10, 5), [100, 100])
+  np.testing.assert_array_equal(plan.likely_group_bounds(sizes, 10, 5), [100, 1])
+  np.testing.assert_array_equal(plan.likely_group_bounds(sizes, 10, 5, 'num_examples'),
+                                [100, 100])   # ∝ size: the big clients fill the cohort
+  # A cohort as large as the population is the population: the exact bounds.
+  np.testing.assert_array_equal(plan.likely_group_bounds(sizes[:8], 8, 3),
+                                plan.group_bounds(sizes[:8], 8, 3))
+
+
+def test_a_cohort_beyond_the_likely_plan_runs_at_the_fallback_and_equals_it():
+  config = tiny_config(**{'model.name': 'mlp', 'client.batch_size': 3})
+  data, _, _ = toy_clients(SIZES, num_classes=NUM_CLASSES)
+  _, fedavg, server, clients = build_method('fedavg', config, data, NUM_CLASSES)
+  safe = grouped(data, 5, 2)            # groups of 2 of a cohort of 5: three bounds
+  likely = safe._replace(group_examples=(19, 5, 3), fallback_examples=safe.group_examples)
+  fallback_round, safe_round = build_round(fedavg, likely)[0], build_round(fedavg, safe)[0]
+  sizes = np.asarray(data.num_examples)
+  seen = set()
+  s, c = server, clients
+  for r in range(8):
+    key = round_key(jax.random.key(4), r)
+    a, b = fallback_round(s, c, data, key), safe_round(s, c, data, key)
+    leaders = np.sort(sizes[np.asarray(a.metrics['cohort'])])[::-1][::2]
+    expected = float(np.any(leaders > np.array([19, 5, 3])))
+    assert float(a.metrics['fallback_plan']) == expected
+    seen.add(expected)
+    chex.assert_trees_all_close(a.server_state, b.server_state, atol=1e-6)
+    np.testing.assert_allclose(a.metrics['client_loss'], b.metrics['client_loss'], atol=1e-6)
+    s, c = b.server_state, b.client_states
+  assert seen == {0.0, 1.0}   # both branches ran
+
+
+def test_the_plan_cuts_a_large_population_to_likely_bounds_but_not_vmapped_seeds():
+  from fedjax_shift.data.store import from_arrays
+  from fedjax_shift.pipelines.programs import round_config
+  # Examples of 28 × 28 floats, so that the likely plan saves the copy of more than
+  # the 8 MB a round a compiled size must save (programs.MIN_SHAPE_SAVING_BYTES).
+  sizes = np.array([600] * 10 + [2] * 1990)
+  train = from_arrays(np.zeros((int(sizes.sum()), 784), np.float32),
+                                  np.zeros(int(sizes.sum()), np.int32), sizes, 'train')
+  config = tiny_config(**{'cohort_size': 40, 'engine.client_chunk': 8,
+                          'engine.backend': 'vmap', 'client.batch_size': 2})
+  planned = round_config(config, train, 'fedavg')
+  # Every cohort: the population's 1st, 9th, 17th, ... largest (600, 600, 2, 2, 2); a
+  # likely cohort of 40 holds at most a few of the ten clients of 600.
+  assert planned.fallback_examples[:2] == (600, 600)
+  assert planned.group_examples[0] == 600 and planned.group_examples[1] < 600
+  for field, value in [('engine.vmap_seeds', True), ('engine.likely_plan', False)]:
+    other = tiny_config(**{'cohort_size': 40, 'engine.client_chunk': 8, field: value,
+                           'engine.backend': 'vmap', 'client.batch_size': 2})
+    assert round_config(other, train, 'fedavg').fallback_examples == ()
+    assert round_config(other, train, 'fedavg').group_examples == planned.fallback_examples

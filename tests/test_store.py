@@ -6,6 +6,8 @@ lookup of the stored codes), through the grouped device round, the host store, t
 loop backend, several rounds per call and vmapped seeds; and memory follows the
 examples.
 """
+import os
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -284,3 +286,68 @@ def test_a_large_population_draws_cohorts_of_the_same_distribution(sampling):
     expected = 4000 * cohort / num_clients   # 15.6 draws each
     assert abs(counts.mean() - expected) < 1e-9
     assert abs(counts.std() - np.sqrt(expected * (1 - cohort / num_clients))) < 0.3
+
+
+def test_a_saved_store_opens_memory_mapped_and_equals_the_store(tmp_path):
+  _, stored = skewed_clients()
+  client_store.save(stored, str(tmp_path / 'train'))
+  opened = client_store.open_saved(str(tmp_path / 'train'), 'train')
+  assert isinstance(opened.x, np.memmap)
+  assert client_store.mapped_file(opened) == str(tmp_path / 'train' / 'x.npy')
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, opened), stored)
+  np.testing.assert_array_equal(opened.padded().x, stored.padded().x)
+
+
+def test_a_cut_or_unfinished_saved_store_is_refused_naming_split_and_file(tmp_path):
+  _, stored = skewed_clients()
+  folder = tmp_path / 'train'
+  client_store.save(stored, str(folder))
+  with open(folder / 'x.npy', 'r+b') as f:   # cut short, as by a full disk
+    f.truncate(200)
+  with pytest.raises(ValueError, match=r"split 'train'.*x\.npy has 200 bytes.*cut short"):
+    client_store.open_saved(str(folder), 'train')
+  (folder / client_store.SAVED_INDEX).unlink()   # a save that never finished
+  with pytest.raises(ValueError, match=r"split 'train'.*store\.json is missing"):
+    client_store.open_saved(str(folder), 'train')
+
+
+def test_the_host_store_stops_when_its_mapped_file_changes_under_the_run(tmp_path):
+  import os
+  _, stored = skewed_clients()
+  client_store.save(stored, str(tmp_path / 'train'))
+  opened = client_store.open_saved(str(tmp_path / 'train'), 'train')
+  host = HostStore(opened, jax.random.key(0), RoundConfig(cohort_size=3))
+  host.cohort(0)
+  path = tmp_path / 'train' / 'x.npy'
+  info = os.stat(path)
+  os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns + 10 ** 9))   # rewritten in place
+  with pytest.raises(ValueError, match=r'x\.npy changed while the run read it'):
+    host.cohort(1)   # the prefetched round was gathered before the change: this one stops
+    host.cohort(2)
+  host.close()
+
+
+def test_a_run_through_store_dir_saves_once_then_trains_from_the_files(tmp_path, monkeypatch):
+  from fedjax_shift.pipelines import runs
+  from fedjax_shift.pipelines.single_run import train_and_evaluate
+  config = tiny_config(rounds=2, **{'data.store': 'host',
+                                    'data.store_dir': str(tmp_path / 'stores')})
+  first = runs.build_data(config, 0)
+  folder = runs.saved_data_dir(config, 0)
+  assert sorted(os.listdir(folder)) == sorted(list(first.splits) + [runs.SAVED_BENCHMARK])
+  assert all(isinstance(s.x, np.memmap) for s in first.splits.values())
+  builder = runs.BENCHMARKS._entries[config.data.benchmark]
+
+  def not_called(*args):
+    raise AssertionError('the benchmark was built again')
+
+  monkeypatch.setitem(runs.BENCHMARKS._entries, config.data.benchmark, not_called)
+  again = runs.build_data(config, 0)   # a second build reads the files
+  monkeypatch.setitem(runs.BENCHMARKS._entries, config.data.benchmark, builder)
+  assert runs.data_digest(again) == runs.data_digest(first)
+  plain = tiny_config(rounds=2, **{'data.store': 'host'})
+  assert runs.data_digest(runs.build_data(plain, 0)) == runs.data_digest(first)
+  a = train_and_evaluate(config, str(tmp_path / 'mapped'), 'fedavg', 0)
+  b = train_and_evaluate(plain, str(tmp_path / 'memory'), 'fedavg', 0)
+  for key, value in b['metrics'].items():
+    np.testing.assert_allclose(a['metrics'][key], value, rtol=1e-6, err_msg=key)

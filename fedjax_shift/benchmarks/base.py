@@ -60,6 +60,10 @@ DATA_DEFAULTS = {
     'image_size': 0,                  # resize (0 = keep)
     'channels': 0,                    # 1 or 3 (grey repeated to 3; 0 = the source's own)
     'store': 'device',                # 'device' | 'host' (population larger than device memory)
+    # A folder for the built splits as files, memory-mapped while training (with
+    # store='host' only the cohorts are read into memory: populations larger than RAM);
+    # a later run of the same data config, seed and library reads them instead of building
+    'store_dir': '',
     # Pad every client of every split to this many examples (0: each split's largest
     # client). A bound that holds for every seed gives every seed the same shapes, so a
     # multi-seed run compiles once.

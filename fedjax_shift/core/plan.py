@@ -1,9 +1,9 @@
 """The round's plan for a population's client sizes, computed on the host before
 compiling: how many local steps each client takes (``population_steps``), how wide
 the vmapped groups of the sorted cohort are (``fit_client_chunk``), and the few
-padded sizes clients are cut to (``group_bounds``, ``fit_example_buckets``,
-``plan_group_examples``), so that a round scans about the steps its clients really
-take instead of every client to the population's largest.
+padded sizes clients are cut to (``group_bounds``, ``likely_group_bounds``,
+``fit_example_buckets``, ``plan_group_examples``), so that a round scans about the
+steps its clients really take instead of every client to the population's largest.
 """
 from __future__ import annotations
 
@@ -77,6 +77,38 @@ def group_bounds(num_examples: np.ndarray, cohort_size: int, width: int) -> np.n
   sizes = np.sort(np.asarray(num_examples, np.int64))[::-1]
   starts = np.arange(0, cohort_size, width)
   return np.maximum(sizes[np.minimum(starts, sizes.size - 1)], 1)
+
+
+def likely_group_bounds(num_examples: np.ndarray, cohort_size: int, width: int,
+                        sampling: str = 'uniform', draws: int = 1024, seed: int = 0
+                        ) -> np.ndarray:
+  """[ceil(C/width)] group bounds that the cohorts a round draws almost always hold:
+  per group, the largest (g·width)-th largest client among ``draws`` cohorts of C
+  drawn from ``num_examples`` [K] as ``core/round.sample_cohort`` draws them
+  (``sampling``: 'uniform', or 'num_examples' for probability ∝ size; the top C of K
+  random keys), simulated with a fixed ``seed`` so that the plan is a function of the
+  population. A cohort that exceeds them runs at ``group_bounds`` (the round's
+  fallback). With C ≥ K the cohort is the population: its ``group_bounds``."""
+  sizes = np.asarray(num_examples, np.int64)
+  clients = sizes.size
+  if cohort_size >= clients:
+    return group_bounds(sizes, cohort_size, width)
+  rng = np.random.default_rng(seed)
+  starts = np.arange(0, cohort_size, width)
+  log_probs = None
+  if sampling == 'num_examples':
+    with np.errstate(divide='ignore'):
+      log_probs = np.log(sizes / max(sizes.sum(), 1))
+  largest = np.zeros(starts.size, np.int64)
+  batch = max(1, min(draws, 2 ** 23 // clients))   # ~64 MB of keys at a time
+  for done in range(0, draws, batch):
+    scores = rng.random((min(batch, draws - done), clients))
+    if log_probs is not None:   # Gumbel keys: the top C are a draw ∝ size
+      scores = log_probs - np.log(-np.log(np.maximum(scores, 1e-300)))
+    cohorts = np.argpartition(-scores, cohort_size - 1, axis=1)[:, :cohort_size]
+    ranked = -np.sort(-sizes[cohorts], axis=1)
+    largest = np.maximum(largest, ranked[:, starts].max(axis=0))
+  return np.maximum(largest, 1)
 
 
 def fit_example_buckets(bounds: np.ndarray, width: int, max_shapes: int = 4,

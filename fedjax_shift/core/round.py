@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import os
 from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 import flax
@@ -28,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
 from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.data.federated import FederatedData
-from fedjax_shift.data.store import ClientStore, gather_clients
+from fedjax_shift.data.store import ClientStore, gather_clients, mapped_file
 
 # A population: padded (FederatedData [K, N, ...]) or stored compactly (ClientStore).
 Store = Union[FederatedData, ClientStore]
@@ -58,6 +59,10 @@ class RoundConfig(NamedTuple):
     group_examples: per group of the sorted cohort (most examples first), the
       examples its clients are cut to: a static bound of the sizes the group can hold
       (``plan_group_examples``); () keeps every client at the padded N.
+    fallback_examples: () when ``group_examples`` hold every cohort; otherwise they
+      hold the likely ones (``likely_group_bounds``) and these, every cohort's
+      (``group_bounds``): a round whose cohort exceeds ``group_examples`` in some group
+      runs at these instead (one ``lax.cond``; metric 'fallback_plan' 1).
     example_buckets: the loop backend's padded client sizes, ascending: a client runs
       cut to the smallest bucket that holds it (one compilation per bucket); () the
       padded N.
@@ -70,6 +75,7 @@ class RoundConfig(NamedTuple):
   straggler_max_steps: int = 1
   client_chunk: int = 0
   group_examples: Tuple[int, ...] = ()
+  fallback_examples: Tuple[int, ...] = ()
   example_buckets: Tuple[int, ...] = ()
   schedule: Optional[LocalSchedule] = None
 
@@ -182,7 +188,8 @@ def run_cohort(client_update, config: RoundConfig, server_state, cohort_states,
                source: Store, rows: Optional[jax.Array], budgets: jax.Array,
                client_keys, shard=None):
   """``client_update`` over the C clients ``rows`` [C] of ``source`` (the store; None:
-  ``source`` is the cohort) -> ((outputs [C], states [C]), scanned steps or None).
+  ``source`` is the cohort) -> ((outputs [C], states [C]), scanned steps or None,
+  1/0 whether the round ran ``config.fallback_examples`` or None without them).
 
   With ``config.client_chunk`` c < C the clients run sorted by examples (most first)
   in ceil(C/c) vmapped groups of c, one group after another, so that each group's step
@@ -199,17 +206,39 @@ def run_cohort(client_update, config: RoundConfig, server_state, cohort_states,
     data = client_rows(source, rows, budgets, (config.group_examples or (None,))[0])
     outputs = map_clients(client_update, in_axes, 0, shard)(server_state, cohort_states, data,
                                                              client_keys)
-    return outputs, scanned_steps(outputs[0].metrics, size, config.schedule)
+    return outputs, scanned_steps(outputs[0].metrics, size, config.schedule), None
   width = min(width, size)
   groups = -(-size // width)
-  padded = groups * width
-  examples = config.group_examples or (None,) * groups
-  if len(examples) != groups:
-    raise ValueError(f'group_examples has {len(examples)} sizes for {groups} groups of '
-                     f'{width} clients')
   if rows is None:
     rows = jnp.arange(size)
   order = jnp.argsort(-source.num_examples[rows], stable=True)
+  run = functools.partial(_run_groups, client_update, config, server_state, cohort_states,
+                          source, rows, budgets, client_keys, shard, order, width)
+  if not config.fallback_examples:
+    outputs, scanned = run(config.group_examples or (None,) * groups)
+    fallback = None
+  else:   # the likely plan, or the plan every cohort fits where this one exceeds it
+    leaders = source.num_examples[rows][order][::width]   # each group's largest client
+    fits = jnp.all(leaders <= jnp.asarray(config.group_examples, leaders.dtype))
+    (outputs, scanned), fallback = jax.lax.cond(
+        fits, lambda: (run(config.group_examples), jnp.float32(0)),
+        lambda: (run(config.fallback_examples), jnp.float32(1)))
+  inverse = jnp.argsort(order)   # cohort slot -> its sorted position
+  return take_clients(outputs, inverse), scanned, fallback
+
+
+def _run_groups(client_update, config: RoundConfig, server_state, cohort_states,
+                source: Store, rows: jax.Array, budgets: jax.Array, client_keys, shard,
+                order: jax.Array, width: int, examples: Tuple[Optional[int], ...]):
+  """``run_cohort``'s groups of ``width`` clients of the cohort sorted by ``order``,
+  group g cut to ``examples[g]`` -> ((outputs, states) in sorted order, scanned)."""
+  size = budgets.shape[0]
+  groups = -(-size // width)
+  if len(examples) != groups:
+    raise ValueError(f'group_examples has {len(examples)} sizes for {groups} groups of '
+                     f'{width} clients')
+  padded = groups * width
+  in_axes = (None, 0, 0, 0)
   slots = jnp.concatenate([order, jnp.zeros(padded - size, order.dtype)])
   real = jnp.arange(padded) < size
   outputs, scanned, start = [], [], 0
@@ -225,10 +254,8 @@ def run_cohort(client_update, config: RoundConfig, server_state, cohort_states,
     outputs.append(out)
     scanned.append(scanned_steps(out[0].metrics, width, config.schedule, examples[start]))
     start = stop
-  outputs = jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *outputs)
-  inverse = jnp.argsort(order)   # cohort slot -> its sorted position
-  scanned = None if scanned[0] is None else sum(scanned)
-  return take_clients(outputs, inverse), scanned
+  outputs = jax.tree.map(lambda *leaves: jnp.concatenate(leaves)[:size], *outputs)
+  return outputs, None if scanned[0] is None else sum(scanned)
 
 
 def scanned_steps(metrics: Dict[str, jax.Array], width: int,
@@ -284,10 +311,11 @@ def _check_cohort(config: RoundConfig, cohort: Store, cohort_ids) -> None:
 
 def _finish_round(algorithm: FederatedAlgorithm, config: RoundConfig, server_state,
                   client_states, cohort_num_examples, cohort_ids, outputs, new_states,
-                  scanned=None) -> 'RoundOutput':
+                  scanned=None, fallback=None) -> 'RoundOutput':
   """Weighted server update, client-state scatter and round metrics: the weighted means
-  of the clients' metrics, and where clients report 'num_steps' the round's
-  'local_steps' (their sum) and 'scanned_steps' (what the compiled loops iterated)."""
+  of the clients' metrics, where clients report 'num_steps' the round's 'local_steps'
+  (their sum) and 'scanned_steps' (what the compiled loops iterated), and with a
+  fallback plan 'fallback_plan' (1 when this cohort ran at it)."""
   weights = aggregation_weights(cohort_num_examples, config.weighting)
   server_state = algorithm.server_update(server_state, outputs, weights)
   client_states = put_clients(client_states, cohort_ids, new_states)
@@ -296,6 +324,8 @@ def _finish_round(algorithm: FederatedAlgorithm, config: RoundConfig, server_sta
   if 'num_steps' in outputs.metrics:
     metrics['local_steps'] = jnp.sum(outputs.metrics['num_steps'])
     metrics['scanned_steps'] = metrics['local_steps'] if scanned is None else scanned
+  if fallback is not None:
+    metrics['fallback_plan'] = fallback
   metrics['cohort'] = cohort_ids
   if 'loss' in outputs.metrics:
     metrics['client_loss'] = outputs.metrics['loss']
@@ -350,13 +380,13 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
     cohort), whose ids are ``cohort_ids``."""
     client_keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(key, 1),
                                                           cohort_ids)
-    (outputs, new_states), scanned = run_cohort(
+    (outputs, new_states), scanned, fallback = run_cohort(
         algorithm.client_update, config, server_state, take_clients(client_states, cohort_ids),
         source, rows, step_budgets(key, config.cohort_size, config), client_keys,
         shard_clients)
     num_examples = source.num_examples if rows is None else source.num_examples[rows]
     return _finish_round(algorithm, config, server_state, client_states, num_examples,
-                         cohort_ids, outputs, new_states, scanned)
+                         cohort_ids, outputs, new_states, scanned, fallback)
 
   def round_on_cohort(server_state, client_states, cohort: Store, cohort_ids, key):
     _check_cohort(config, cohort, cohort_ids)
@@ -531,8 +561,19 @@ class HostStore:
     self.bytes_sent = 0   # host→device bytes of the cohorts fetched so far
     self.capacity = (expected_cohort_rows(np.asarray(data.num_examples), config.cohort_size)
                      if isinstance(data, ClientStore) else 0)
+    # A store memory-mapped from a file: its size and time of change now, checked before
+    # every gather (a file rewritten under a run would feed it other examples).
+    self._file = mapped_file(data) if isinstance(data, ClientStore) else None
+    self._file_stat = _stat(self._file) if self._file else None
+
+  def _check_file(self):
+    if self._file and _stat(self._file) != self._file_stat:
+      raise ValueError(f'{self._file} changed while the run read it (size, time of change '
+                       f'{self._file_stat} -> {_stat(self._file)}): the run stops rather '
+                       'than train on other examples; save the store again and re-run')
 
   def _fetch(self, round_index: int):
+    self._check_file()
     key = round_key(self.seed_key, round_index)
     ids = np.asarray(self._sample(key, self._num_examples))
     data = self.data
@@ -570,6 +611,14 @@ class HostStore:
 
   def close(self):
     self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _stat(path: str) -> Optional[Tuple[int, int]]:
+  try:
+    info = os.stat(path)
+  except FileNotFoundError:
+    return None
+  return info.st_size, info.st_mtime_ns
 
 
 def cohort_capacity(total: int) -> int:

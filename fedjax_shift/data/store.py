@@ -337,22 +337,97 @@ def validate_store(store: ClientStore, num_classes: int, split: str = '') -> Non
   if offsets[-1] != len(store.y) or len(store.x) != len(store.y):
     raise ValueError(f'the offsets{where} end at {offsets[-1]} but the store holds '
                      f'{len(store.x)} inputs and {len(store.y)} labels')
-  x = np.asarray(store.x)
-  if store.palette is not None:
-    palette = np.asarray(store.palette)
-    if x.size and int(x.max()) >= len(palette):
-      raise ValueError(f'code {int(x.max())}{where} is past the palette of {len(palette)} '
-                       'values')
-    finite = np.isfinite(palette)[x]
-  else:
-    finite = np.isfinite(x)
-  finite = finite.reshape(len(x), int(np.prod(x.shape[1:]))).all(1)
+  x = store.x
   client_of = lambda row: int(np.searchsorted(offsets, row, side='right') - 1)
-  if not finite.all():
-    raise ValueError(f'client {client_of(np.argmin(finite))}{where}: inputs contain NaN or inf')
+  per_row = max(int(np.prod(x.shape[1:])) * x.dtype.itemsize, 1)
+  width = max(1, CHUNK_BYTES // per_row)
+  for start in range(0, len(x), width):   # a chunk at a time: x may be a mapped file
+    rows = np.asarray(x[start:start + width])
+    if store.palette is not None:
+      palette = np.asarray(store.palette)
+      if rows.size and int(rows.max()) >= len(palette):
+        raise ValueError(f'code {int(rows.max())}{where} is past the palette of '
+                         f'{len(palette)} values')
+      finite = np.isfinite(palette)[rows]
+    else:
+      finite = np.isfinite(rows)
+    finite = finite.reshape(len(rows), -1).all(1)
+    if not finite.all():
+      raise ValueError(f'client {client_of(start + int(np.argmin(finite)))}{where}: inputs '
+                       'contain NaN or inf')
   y = np.asarray(store.y)
   outside = (y < 0) | (y >= num_classes)
   if outside.any():
     row = int(np.argmax(outside))
     raise ValueError(f'client {client_of(row)}{where}: label {y[row]} outside '
                      f'[0, {num_classes})')
+
+
+# A store saved to a directory (``save``): one .npy file an array, and this file with
+# the store's shapes and each file's size, so that ``open_saved`` refuses a cut or
+# changed file before anything trains.
+SAVED_INDEX = 'store.json'
+SAVED_ARRAYS = ('x', 'y', 'offsets', 'num_examples', 'palette')
+
+
+def save(store: ClientStore, directory: str) -> None:
+  """Writes ``store`` to ``directory`` (created): x.npy, y.npy, offsets.npy,
+  num_examples.npy, palette.npy (codes' values; absent for float32 inputs) and
+  ``SAVED_INDEX``, last, so that a directory without it is an unfinished save."""
+  import json
+  import os
+  os.makedirs(directory, exist_ok=True)
+  sizes = {}
+  for name in SAVED_ARRAYS:
+    array = getattr(store, name)
+    if array is None:
+      continue
+    path = os.path.join(directory, f'{name}.npy')
+    np.save(path, np.asarray(array))
+    sizes[name] = os.path.getsize(path)
+  index = {'max_examples': store.max_examples, 'num_clients': store.num_clients,
+           'rows': int(len(store.y)), 'x_shape': list(store.x.shape),
+           'x_dtype': np.dtype(store.x.dtype).str, 'file_bytes': sizes}
+  with open(os.path.join(directory, SAVED_INDEX + '.tmp'), 'w') as f:
+    json.dump(index, f, indent=1)
+  os.replace(os.path.join(directory, SAVED_INDEX + '.tmp'), os.path.join(directory, SAVED_INDEX))
+
+
+def open_saved(directory: str, split: str = '') -> ClientStore:
+  """The store ``save`` wrote to ``directory``, its examples memory-mapped (read from
+  the file as the rounds gather them: a population larger than RAM trains from disk).
+  A missing index, a file of another size than saved (cut short or rewritten) or
+  arrays of other shapes than saved raise ValueError naming the split and the file."""
+  import json
+  import os
+  where = f'split {split!r}: ' if split else ''
+  index_path = os.path.join(directory, SAVED_INDEX)
+  if not os.path.exists(index_path):
+    raise ValueError(f'{where}{directory} holds no saved store ({SAVED_INDEX} is missing: '
+                     'never saved, or its save did not finish); save it again')
+  with open(index_path) as f:
+    index = json.load(f)
+  arrays = {}
+  for name in SAVED_ARRAYS:
+    path = os.path.join(directory, f'{name}.npy')
+    if name not in index['file_bytes']:
+      arrays[name] = None
+      continue
+    size = os.path.getsize(path) if os.path.exists(path) else None
+    if size != index['file_bytes'][name]:
+      raise ValueError(f'{where}{path} has {size} bytes, {index["file_bytes"][name]} when '
+                       'saved: the file was cut short or changed; save the store again')
+    arrays[name] = np.load(path, mmap_mode='r' if name == 'x' else None)
+  saved = ClientStore(arrays['x'], arrays['y'], arrays['offsets'], arrays['num_examples'],
+                      arrays['palette'], int(index['max_examples']))
+  if (list(saved.x.shape) != index['x_shape'] or saved.num_clients != index['num_clients']
+      or len(saved.y) != index['rows']):
+    raise ValueError(f'{where}{directory}: arrays of shapes x {list(saved.x.shape)}, '
+                     f'{saved.num_clients} clients, {len(saved.y)} labels, but '
+                     f'{index["x_shape"]}, {index["num_clients"]}, {index["rows"]} when saved')
+  return saved
+
+
+def mapped_file(store: ClientStore) -> Optional[str]:
+  """The file ``store.x`` is memory-mapped from, or None when it is in memory."""
+  return getattr(store.x, 'filename', None) if isinstance(store.x, np.memmap) else None

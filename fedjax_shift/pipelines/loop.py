@@ -138,13 +138,14 @@ class Trainer(NamedTuple):
   examples_per_step: int = 0
 
 
-ROUND_METRICS = ('loss', 'num_steps', 'local_steps', 'scanned_steps')
+ROUND_METRICS = ('loss', 'num_steps', 'local_steps', 'scanned_steps', 'fallback_plan')
 
 
 def round_metric_names(metrics: Dict[str, Any]) -> Tuple[str, ...]:
   """The round metrics the loop records, of those a round's output has: the weighted
   mean 'loss' and 'num_steps' of the cohort, and the round's real ('local_steps') and
-  iterated ('scanned_steps', padding included) local steps summed over the cohort."""
+  iterated ('scanned_steps', padding included) local steps summed over the cohort, and
+  with a fallback plan whether the cohort ran at it ('fallback_plan')."""
   return tuple(name for name in ROUND_METRICS if name in metrics)
 
 

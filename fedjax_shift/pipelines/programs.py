@@ -17,7 +17,8 @@ from fedjax_shift.benchmarks import Benchmark
 from fedjax_shift.core import evaluation
 from fedjax_shift.core.algorithm import FederatedAlgorithm
 from fedjax_shift.core.plan import (check_example_buckets, fit_client_chunk, fit_example_buckets,
-                                    group_bounds, plan_group_examples, population_steps)
+                                    group_bounds, likely_group_bounds, plan_group_examples,
+                                    population_steps)
 from fedjax_shift.core.round import RoundConfig, build_round, client_mesh
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated, store
@@ -74,6 +75,12 @@ def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, modul
   and its evaluation functions (``check=False``: a config whose swept numbers are
   tracers, pipelines/sweep.py)."""
   train = bench.splits['train']
+  if (store.is_store(train) and algorithm_name in algorithms.base.ALGORITHMS
+      and algorithms.base.ALGORITHMS.meta(algorithm_name).get('layout')):
+    raise ValueError(f'{algorithm_name} trains on clients laid out in padded domain blocks '
+                     f'(an evolving benchmark\'s FederatedData); the train split is a '
+                     f'ClientStore, whose clients hold their examples packed, without the '
+                     f'blocks: build it with an evolving benchmark')
   new_clients = new_client_splits(bench)
   if algorithm is None:
     algorithm = algorithms.build(algorithm_name, config, module, train.max_examples,
@@ -109,8 +116,12 @@ def round_config(config, train: Optional[federated.FederatedData] = None,
   from ``engine.example_buckets`` (or at most ``engine.example_shapes`` sizes fitted),
   and the loop backend's buckets: planned for the training split's client sizes and
   ``populations`` ([K] sizes of the other runs that share the program: every group's
-  bound holds for each of them). Data not stored real-examples-first (FedEvolve's
-  domain-major layout) keeps the padded size."""
+  bound holds for each of them). With ``engine.likely_plan`` and a population larger
+  than the cohort, the groups are cut to the bounds likely cohorts hold
+  (``likely_group_bounds``) where that copies ≥ 10 % fewer examples, the bounds every
+  cohort holds kept as the round's fallback (``RoundConfig.fallback_examples``); not
+  for vmapped seeds or a sweep, whose batched runs would run both. Data not stored
+  real-examples-first (FedEvolve's domain-major layout) keeps the padded size."""
   engine = config.engine
   fields = dict(cohort_size=config.cohort_size, sampling=config.sampling,
                 weighting=config.weighting, straggler_prob=config.straggler_prob,
@@ -131,15 +142,26 @@ def round_config(config, train: Optional[federated.FederatedData] = None,
   cut = (examples_first(train) and not (algorithm_name and
                                         algorithms.base.ALGORITHMS.meta(algorithm_name).get(
                                             'layout')))
-  group_examples = example_buckets = ()
+  group_examples = fallback_examples = example_buckets = ()
   if cut and backend == 'vmap':
     width = chunk or config.cohort_size
-    bounds = np.max([group_bounds(k, config.cohort_size, width) for k in sizes], axis=0)
-    planned = plan_group_examples(
-        bounds, buckets or fit_example_buckets(bounds, width, engine.example_shapes,
-                                               min_saving_examples(train)),
-        'config.engine.example_buckets')
-    group_examples = tuple(min(examples, train.max_examples) for examples in planned)
+
+    def plan(bounds):
+      planned = plan_group_examples(
+          bounds, buckets or fit_example_buckets(bounds, width, engine.example_shapes,
+                                                 min_saving_examples(train)),
+          'config.engine.example_buckets')
+      return tuple(min(examples, train.max_examples) for examples in planned)
+
+    group_examples = plan(np.max([group_bounds(k, config.cohort_size, width) for k in sizes],
+                                 axis=0))
+    if (engine.likely_plan and not (engine.vmap_seeds or config.sweep)
+        and any(config.cohort_size < len(k) for k in sizes)):
+      likely = plan(np.max([likely_group_bounds(k, config.cohort_size, width, config.sampling)
+                            for k in sizes], axis=0))
+      saving = width * (sum(group_examples) - sum(likely))
+      if saving >= max(0.1 * width * sum(group_examples), min_saving_examples(train)):
+        group_examples, fallback_examples = likely, group_examples
   elif cut:
     every = np.concatenate(sizes)
     example_buckets = buckets or fit_example_buckets(np.sort(every)[::-1], 1,
@@ -150,7 +172,7 @@ def round_config(config, train: Optional[federated.FederatedData] = None,
   elif buckets:
     check_example_buckets(buckets, train.max_examples, 'config.engine.example_buckets')
   return RoundConfig(client_chunk=chunk, group_examples=group_examples,
-                     example_buckets=example_buckets, schedule=schedule, **fields)
+                     fallback_examples=fallback_examples, example_buckets=example_buckets, schedule=schedule, **fields)
 
 
 def seed_populations(config: ml_collections.ConfigDict, programs: Optional[Dict] = None

@@ -59,6 +59,10 @@ def shared_data(config: ml_collections.ConfigDict, seed: int, cache: Optional[Di
 
 
 def build_data(config: ml_collections.ConfigDict, seed: int) -> Benchmark:
+  """The benchmark of ``config.data`` and ``seed``, validated (and, with
+  ``data.store_dir``, read from or saved to its files: ``saved_benchmark``)."""
+  if config.data.get('store_dir'):
+    return saved_benchmark(config, seed)
   bench = BENCHMARKS.get(config.data.benchmark, 'config.data.benchmark')(config.data, seed)
   validate_benchmark(bench)
   if not any(int(np.sum(s.num_examples)) for n, s in bench.splits.items() if n != 'train'):
@@ -80,6 +84,57 @@ def build_data(config: ml_collections.ConfigDict, seed: int) -> Benchmark:
                          f'{err}; raise pad_to') from None
     bench = bench._replace(splits=splits)
   return bench
+
+
+def saved_data_dir(config: ml_collections.ConfigDict, seed: int) -> str:
+  """The folder under ``data.store_dir`` of the data of ``config.data`` (but its store
+  fields) and ``seed`` as the library's data code builds them: a hash of the three."""
+  import hashlib
+  import pathlib
+  data = {k: v for k, v in config.data.to_dict().items() if k not in ('store', 'store_dir')}
+  digest = hashlib.sha256(json.dumps([data, seed], sort_keys=True, default=str).encode())
+  package = pathlib.Path(__file__).resolve().parents[1]
+  for folder in ('data', 'benchmarks'):
+    for path in sorted((package / folder).glob('*.py')):
+      digest.update(path.read_bytes())
+  return os.path.join(config.data.store_dir, f'{config.data.benchmark}-seed{seed}-'
+                      f'{digest.hexdigest()[:16]}')
+
+
+def saved_benchmark(config: ml_collections.ConfigDict, seed: int) -> Benchmark:
+  """``build_data`` through ``data.store_dir``: the splits saved there by an earlier run
+  of this data config, seed and library (``saved_data_dir``), their examples
+  memory-mapped (``data/store.open_saved``); else built, saved and opened the same way.
+  A split stored padded (not a ClientStore) is kept whole in the folder's
+  ``SAVED_BENCHMARK`` with the benchmark's classes and info, and in memory."""
+  import pickle
+  folder = saved_data_dir(config, seed)
+  index = os.path.join(folder, SAVED_BENCHMARK)
+  if not os.path.exists(index):   # written last: a folder without it is an unfinished save
+    unsaved = ml_collections.ConfigDict(config.to_dict())
+    unsaved.data.store_dir = ''
+    bench = build_data(unsaved, seed)
+    for name, split in bench.splits.items():
+      if store.is_store(split):
+        store.save(split, os.path.join(folder, name))
+    padded = {name: jax.tree.map(np.asarray, split) for name, split in bench.splits.items()
+              if not store.is_store(split)}
+    with open(index + '.tmp', 'wb') as f:
+      pickle.dump({'num_classes': bench.num_classes, 'example_shape': bench.example_shape,
+                   'info': bench.info, 'names': sorted(bench.splits), 'padded': padded}, f)
+    os.replace(index + '.tmp', index)
+    log.info('config.data.store_dir: saved seed %d\'s splits to %s', seed, folder)
+  with open(index, 'rb') as f:
+    saved = pickle.load(f)
+  splits = {name: saved['padded'][name] if name in saved['padded'] else
+            store.open_saved(os.path.join(folder, name), name) for name in saved['names']}
+  bench = Benchmark(splits, saved['num_classes'], tuple(saved['example_shape']), saved['info'])
+  validate_benchmark(bench)
+  return bench
+
+
+# The file of a saved benchmark's classes, info and padded splits (``saved_benchmark``).
+SAVED_BENCHMARK = 'benchmark.pkl'
 
 
 def validate_benchmark(bench: Benchmark) -> None:

@@ -38,7 +38,7 @@ NON_STATE_FIELDS = ('progress', 'eval_every', 'checkpoint_every', 'keep_checkpoi
                     'algorithms', 'rounds', 'resume', 'eval_adapters', 'eval_adapter_algorithms',
                     'eval_adapter_batch_size', 'eval_adapter_splits', 'paper_tables', 'paper_rounds',
                     'engine', 'adapters', 'tta',
-                    'pipeline', 'data.store', 'data.pad_to', 'on_divergence', 'log_every',
+                    'pipeline', 'data.store', 'data.store_dir', 'data.pad_to', 'on_divergence', 'log_every',
                     'tensorboard', 'sweep', 'sweep_select', 'sweep_metric')
 
 
