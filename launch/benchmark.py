@@ -314,8 +314,10 @@ def population_sweep(clients: int, conv: str) -> str:
            'store / examples: the store\'s bytes over the examples\' own; sent / cohort: '
            'host→device bytes a round moves over its cohort\'s real examples\' bytes):\n',
            '| population | store | data | examples (median, largest per client) | store MB | '
-           'store / examples | sent MB/round | sent / cohort | s/round | first round s | '
-           'peak RSS GB | vs smallest |', '|---|---|---|---|---|---|---|---|---|---|---|---|']
+           'store / examples | sent MB/round | sent / cohort | gathered rows | real / scanned '
+           'steps | fallback rounds | s/round (median, best) | first round s | peak RSS GB | '
+           'vs smallest (median, best) |',
+           '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
   first = {}
   for placement in FLAGS.placements:
     for population in FLAGS.populations:
@@ -323,9 +325,9 @@ def population_sweep(clients: int, conv: str) -> str:
       print('sweep', population, placement, json.dumps(result), flush=True)
       if 'seconds' not in result:
         lines.append(f"| {population} | {placement} | {result.get('error')} |"
-                     + ' |' * 9)
+                     + ' |' * 12)
         continue
-      first.setdefault(placement, result['seconds'])
+      first.setdefault(placement, (result['seconds'], min(result['times'])))
       sent = result['sent_bytes_per_round']
       lines.append(
           f"| {int(population):,} | {placement} | {result['data']} | {result['examples']:,} "
@@ -334,8 +336,11 @@ def population_sweep(clients: int, conv: str) -> str:
           f"{result['store_bytes'] / result['example_bytes']:.3f} | "
           f"{sent / 1e6:.2f} | "
           f"{(sent / result['cohort_bytes_per_round']) if sent else 0:.2f} | "
-          f"{result['seconds']:.4g} | {result['compile_s']:.1f} | "
-          f"{result['peak_rss_gb']:.2f} | {result['seconds'] / first[placement]:.2f}× |")
+          f"{result['gathered_rows']:,} | {result['local_steps']:.0f} / "
+          f"{result['scanned_steps']:.0f} | {result['fallback_rounds']}/{result['rounds']} | "
+          f"{result['seconds']:.3f}, {min(result['times']):.3f} | {result['compile_s']:.1f} | "
+          f"{result['peak_rss_gb']:.2f} | {result['seconds'] / first[placement][0]:.2f}×, "
+          f"{min(result['times']) / first[placement][1]:.2f}× |")
   return '\n'.join(lines)
 
 

@@ -184,6 +184,8 @@ def test_population_sweep_stores_distinct_examples_and_moves_only_the_cohorts(tm
     # 8.4 × 40 = 336 distinct images, 784 uint8 bytes each
     assert result['examples'] == 336 and result['example_bytes'] == 336 * 784
     assert result['example_bytes'] <= result['store_bytes'] <= 1.1 * result['example_bytes']
+    assert 0 <= result['fallback_rounds'] <= result['rounds']
+    assert 0 < result['local_steps'] <= result['scanned_steps']
   host = results['host']
   # A cohort of 8 varies a lot round to round, so its capacity (the expected examples
   # plus two standard deviations) is up to ~1.5× a round's; the padded float32 layout

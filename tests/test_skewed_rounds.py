@@ -120,13 +120,31 @@ def test_fitted_buckets_minimise_the_copied_examples():
 
 
 def test_the_fitted_width_keeps_scanned_steps_within_the_bound():
-  steps = np.array([10, 1, 1, 1, 1, 1, 1, 1])
+  steps = np.array([10, 1, 1, 1, 1, 1, 1, 1])   # one cohort, sorted
   # One group of 8 scans 80 for 17 real steps; groups of 4: 4·10 + 4·1 = 44; of 2:
   # 2·10 + 2 + 2 + 2 = 26 (1.53x); of 1: 17. With max 1.6 the widest within is 2.
-  assert plan.fit_client_chunk(steps, 8, 1.6) == 2
-  assert plan.fit_client_chunk(steps, 8, 5.0) == 0    # the whole cohort: 80 <= 85
-  assert plan.fit_client_chunk(np.full(8, 3), 8, 1.2) == 0   # uniform: one group
-  assert plan.fit_client_chunk(steps, 8, 1.0, multiple=2) == 2   # a 2-device mesh
+  assert plan.fit_client_chunk(steps, 1.6) == 2
+  assert plan.fit_client_chunk(steps, 5.0) == 0    # the whole cohort: 80 <= 85
+  assert plan.fit_client_chunk(np.full(8, 3), 1.2) == 0   # uniform: one group
+  assert plan.fit_client_chunk(steps, 1.0, multiple=2) == 2   # a 2-device mesh
+  # Over likely cohorts the mean counts: a second cohort [2, 2, ..., 2] scans 16 at
+  # any width, so groups of 2 scan (26 + 16) / 2 = 21 of (17 + 16) / 2 = 16.5 real
+  # (1.27x), groups of 4 (44 + 16) / 2 = 30 (1.82x): with max 1.3, width 2.
+  assert plan.fit_client_chunk(np.stack([steps, np.full(8, 2)]), 1.3) == 2
+
+
+def test_simulated_cohorts_are_drawn_as_the_round_draws_them():
+  sizes = np.arange(1, 41)
+  cohorts = plan.simulate_cohorts(sizes, 10, draws=300)
+  assert cohorts.shape == (300, 10)
+  assert np.all(np.diff(cohorts, axis=1) < 0)   # distinct clients, sorted most first
+  # uniform: a client's chance to be drawn is C/K = 1/4, the mean size 20.5 (±0.2 here);
+  # ∝ size: the mean drawn size is above (E[size²] / E[size] = 27.0 for the first draw)
+  assert abs(cohorts.mean() - 20.5) < 0.5
+  assert plan.simulate_cohorts(sizes, 10, 'num_examples', draws=300).mean() > 24
+  np.testing.assert_array_equal(plan.simulate_cohorts(sizes, 10, draws=5),
+                                plan.simulate_cohorts(sizes, 10, draws=5))   # a fixed seed
+  np.testing.assert_array_equal(plan.simulate_cohorts(sizes[:8], 8), [sizes[:8][::-1]])
 
 
 @pytest.mark.parametrize('buckets,message', [
@@ -233,11 +251,13 @@ def test_likely_bounds_hold_likely_cohorts_below_the_bounds_every_cohort_holds()
   # where the population's 6th largest client, the bound every cohort holds, is 100.
   sizes = np.array([100] * 10 + [1] * 990)
   np.testing.assert_array_equal(plan.group_bounds(sizes, 10, 5), [100, 100])
-  np.testing.assert_array_equal(plan.likely_group_bounds(sizes, 10, 5), [100, 1])
-  np.testing.assert_array_equal(plan.likely_group_bounds(sizes, 10, 5, 'num_examples'),
-                                [100, 100])   # ∝ size: the big clients fill the cohort
+  np.testing.assert_array_equal(
+      plan.likely_group_bounds(plan.simulate_cohorts(sizes, 10), 5), [100, 1])
+  np.testing.assert_array_equal(   # ∝ size: the big clients fill the cohort
+      plan.likely_group_bounds(plan.simulate_cohorts(sizes, 10, 'num_examples'), 5),
+      [100, 100])
   # A cohort as large as the population is the population: the exact bounds.
-  np.testing.assert_array_equal(plan.likely_group_bounds(sizes[:8], 8, 3),
+  np.testing.assert_array_equal(plan.likely_group_bounds(plan.simulate_cohorts(sizes[:8], 8), 3),
                                 plan.group_bounds(sizes[:8], 8, 3))
 
 

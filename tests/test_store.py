@@ -351,3 +351,15 @@ def test_a_run_through_store_dir_saves_once_then_trains_from_the_files(tmp_path,
   b = train_and_evaluate(plain, str(tmp_path / 'memory'), 'fedavg', 0)
   for key, value in b['metrics'].items():
     np.testing.assert_allclose(a['metrics'][key], value, rtol=1e-6, err_msg=key)
+
+
+def test_a_store_is_aligned_so_that_a_cpu_device_store_is_the_same_memory():
+  _, stored = skewed_clients()
+  assert stored.x.ctypes.data % client_store.ALIGNMENT == 0
+  gathered = client_store.from_parts(np.asarray(stored.x), np.asarray(stored.y),
+                                     [np.array([3, 1]), np.array([0])])
+  assert gathered.x.ctypes.data % client_store.ALIGNMENT == 0
+  np.testing.assert_array_equal(gathered.x, np.asarray(stored.x)[[3, 1, 0]])
+  on_device = jax.device_put(stored.x)
+  if jax.default_backend() == 'cpu':   # used in place: no second copy of the population
+    assert on_device.unsafe_buffer_pointer() == stored.x.ctypes.data

@@ -1,6 +1,7 @@
 """The round's plan for a population's client sizes, computed on the host before
-compiling: how many local steps each client takes (``population_steps``), how wide
-the vmapped groups of the sorted cohort are (``fit_client_chunk``), and the few
+compiling: how many local steps each client takes (``population_steps``), the cohorts a
+round is likely to draw (``simulate_cohorts``), how wide the vmapped groups of the
+sorted cohort are (``fit_client_chunk``), and the few
 padded sizes clients are cut to (``group_bounds``, ``likely_group_bounds``,
 ``fit_example_buckets``, ``plan_group_examples``), so that a round scans about the
 steps its clients really take instead of every client to the population's largest.
@@ -25,28 +26,56 @@ def population_steps(schedule: LocalSchedule, num_examples: np.ndarray) -> np.nd
   return np.where(num_examples > 0, steps, 0)
 
 
-def fit_client_chunk(steps: np.ndarray, cohort_size: int, max_scanned: float = 1.2,
+def simulate_cohorts(num_examples: np.ndarray, cohort_size: int, sampling: str = 'uniform',
+                     draws: int = 1024, seed: int = 0) -> np.ndarray:
+  """[draws, C] client sizes of ``draws`` cohorts of C drawn from ``num_examples`` [K] as
+  ``core/round.sample_cohort`` draws them (``sampling``: 'uniform', or 'num_examples'
+  for probability ∝ size; the top C of K random keys), each sorted most first; a fixed
+  ``seed``, so that a plan is a function of the population. With C ≥ K the cohort is
+  the population: [1, K]."""
+  sizes = np.asarray(num_examples, np.int64)
+  clients = sizes.size
+  if clients == 0 or cohort_size < 1:
+    raise ValueError(f'a cohort needs a population and a size; got {clients} clients and '
+                     f'cohort_size={cohort_size}')
+  if cohort_size >= clients:
+    return np.sort(sizes)[::-1][None, :]
+  rng = np.random.default_rng(seed)
+  log_probs = None
+  if sampling == 'num_examples':
+    with np.errstate(divide='ignore'):
+      log_probs = np.log(sizes / max(sizes.sum(), 1))
+  cohorts = []
+  batch = max(1, min(draws, 2 ** 21 // clients))   # 16 MB of keys at a time
+  for done in range(0, draws, batch):
+    scores = rng.random((min(batch, draws - done), clients))
+    if log_probs is not None:   # Gumbel keys: the top C are a draw ∝ size
+      scores = log_probs - np.log(-np.log(np.maximum(scores, 1e-300)))
+    drawn = np.argpartition(-scores, cohort_size - 1, axis=1)[:, :cohort_size]
+    cohorts.append(-np.sort(-sizes[drawn], axis=1))
+  return np.concatenate(cohorts)
+
+
+def fit_client_chunk(cohort_steps: np.ndarray, max_scanned: float = 1.2,
                      multiple: int = 1) -> int:
   """The widest group ``RoundConfig.client_chunk`` (0: the whole cohort) whose
   expected scanned steps stay within ``max_scanned`` × the real ones.
 
-  steps: [K] local steps of each client of the population. The expected cohort is the
-  population's step counts at C evenly spaced quantiles (the population itself when C
-  = K). Scanned steps of a width c: Σ over groups of c × the group's largest count;
-  widths are multiples of ``multiple`` (the devices of a client mesh). Fewer, wider
-  groups cost fewer loop iterations; narrower ones waste fewer steps.
+  cohort_steps: [D, C] local steps of the clients of D likely cohorts, each sorted
+  most first (``simulate_cohorts``; [C]: one cohort). Scanned steps of a width c: Σ
+  over groups of c × the group's largest count, averaged over the cohorts; widths are
+  multiples of ``multiple`` (the devices of a client mesh). Fewer, wider groups cost
+  fewer loop iterations; narrower ones waste fewer steps.
   """
-  steps = np.sort(np.asarray(steps, np.int64))[::-1]
-  if steps.size == 0 or cohort_size < 1:
-    raise ValueError(f'fit_client_chunk needs a population and a cohort; got {steps.size} '
-                     f'clients and cohort_size={cohort_size}')
-  quantiles = (np.arange(cohort_size) + 0.5) / cohort_size
-  cohort = steps[np.minimum((quantiles * steps.size).astype(np.int64), steps.size - 1)]
-  real = max(int(cohort.sum()), 1)
+  cohorts = np.atleast_2d(np.asarray(cohort_steps, np.int64))
+  cohort_size = cohorts.shape[1]
+  if cohorts.size == 0:
+    raise ValueError('fit_client_chunk needs a cohort of at least one client')
+  real = max(float(cohorts.sum(1).mean()), 1.0)
   for width in range(cohort_size, 0, -1):
     if width % multiple and width != cohort_size:
       continue
-    scanned = sum(width * int(cohort[start]) for start in range(0, cohort_size, width))
+    scanned = width * float(cohorts[:, ::width].sum(1).mean())
     if scanned <= max_scanned * real:
       return 0 if width >= cohort_size else width
   return multiple if multiple < cohort_size else 0
@@ -79,36 +108,12 @@ def group_bounds(num_examples: np.ndarray, cohort_size: int, width: int) -> np.n
   return np.maximum(sizes[np.minimum(starts, sizes.size - 1)], 1)
 
 
-def likely_group_bounds(num_examples: np.ndarray, cohort_size: int, width: int,
-                        sampling: str = 'uniform', draws: int = 1024, seed: int = 0
-                        ) -> np.ndarray:
-  """[ceil(C/width)] group bounds that the cohorts a round draws almost always hold:
-  per group, the largest (g·width)-th largest client among ``draws`` cohorts of C
-  drawn from ``num_examples`` [K] as ``core/round.sample_cohort`` draws them
-  (``sampling``: 'uniform', or 'num_examples' for probability ∝ size; the top C of K
-  random keys), simulated with a fixed ``seed`` so that the plan is a function of the
-  population. A cohort that exceeds them runs at ``group_bounds`` (the round's
-  fallback). With C ≥ K the cohort is the population: its ``group_bounds``."""
-  sizes = np.asarray(num_examples, np.int64)
-  clients = sizes.size
-  if cohort_size >= clients:
-    return group_bounds(sizes, cohort_size, width)
-  rng = np.random.default_rng(seed)
-  starts = np.arange(0, cohort_size, width)
-  log_probs = None
-  if sampling == 'num_examples':
-    with np.errstate(divide='ignore'):
-      log_probs = np.log(sizes / max(sizes.sum(), 1))
-  largest = np.zeros(starts.size, np.int64)
-  batch = max(1, min(draws, 2 ** 23 // clients))   # ~64 MB of keys at a time
-  for done in range(0, draws, batch):
-    scores = rng.random((min(batch, draws - done), clients))
-    if log_probs is not None:   # Gumbel keys: the top C are a draw ∝ size
-      scores = log_probs - np.log(-np.log(np.maximum(scores, 1e-300)))
-    cohorts = np.argpartition(-scores, cohort_size - 1, axis=1)[:, :cohort_size]
-    ranked = -np.sort(-sizes[cohorts], axis=1)
-    largest = np.maximum(largest, ranked[:, starts].max(axis=0))
-  return np.maximum(largest, 1)
+def likely_group_bounds(cohorts: np.ndarray, width: int) -> np.ndarray:
+  """[ceil(C/width)] group bounds that the cohorts a round draws almost always hold: per
+  group, the largest (g·width)-th largest client of the likely ``cohorts`` [D, C]
+  (``simulate_cohorts``, 1,024 of them by default). A cohort that exceeds them runs
+  at ``group_bounds`` (the round's fallback)."""
+  return np.maximum(np.asarray(cohorts)[:, ::width].max(axis=0), 1)
 
 
 def fit_example_buckets(bounds: np.ndarray, width: int, max_shapes: int = 4,

@@ -5,6 +5,7 @@ them (``ProgramKey``), and the evaluation adapters of ``config.eval_adapters``.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -18,7 +19,7 @@ from fedjax_shift.core import evaluation
 from fedjax_shift.core.algorithm import FederatedAlgorithm
 from fedjax_shift.core.plan import (check_example_buckets, fit_client_chunk, fit_example_buckets,
                                     group_bounds, likely_group_bounds, plan_group_examples,
-                                    population_steps)
+                                    population_steps, simulate_cohorts)
 from fedjax_shift.core.round import RoundConfig, build_round, client_mesh
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated, store
@@ -112,7 +113,8 @@ def round_config(config, train: Optional[federated.FederatedData] = None,
                  ) -> RoundConfig:
   """The compiled round's options. With the training split: the width of the sorted
   cohort's client groups (``engine.client_chunk``, or with 0 the width
-  ``fit_client_chunk`` fits under ``engine.max_scanned``), each group's padded size
+  ``fit_client_chunk`` fits under ``engine.max_scanned`` on 1,024 cohorts drawn as the
+  round draws them, ``likely_cohorts``), each group's padded size
   from ``engine.example_buckets`` (or at most ``engine.example_shapes`` sizes fitted),
   and the loop backend's buckets: planned for the training split's client sizes and
   ``populations`` ([K] sizes of the other runs that share the program: every group's
@@ -135,9 +137,12 @@ def round_config(config, train: Optional[federated.FederatedData] = None,
     sizes.append(own)
   backend = round_backend(config)
   chunk = engine.client_chunk
+  # cohorts of every population as the round draws them: the width and bounds fit them
+  cohorts = lambda: np.concatenate([likely_cohorts(k, config.cohort_size, config.sampling)
+                                    for k in sizes])
   if not chunk and engine.max_scanned and backend == 'vmap':
-    chunk = fit_client_chunk(population_steps(schedule, np.concatenate(sizes)),
-                             config.cohort_size, engine.max_scanned, engine.num_devices or 1)
+    chunk = fit_client_chunk(population_steps(schedule, cohorts()), engine.max_scanned,
+                             engine.num_devices or 1)
   buckets = tuple(engine.example_buckets)
   cut = (examples_first(train) and not (algorithm_name and
                                         algorithms.base.ALGORITHMS.meta(algorithm_name).get(
@@ -157,8 +162,7 @@ def round_config(config, train: Optional[federated.FederatedData] = None,
                                  axis=0))
     if (engine.likely_plan and not (engine.vmap_seeds or config.sweep)
         and any(config.cohort_size < len(k) for k in sizes)):
-      likely = plan(np.max([likely_group_bounds(k, config.cohort_size, width, config.sampling)
-                            for k in sizes], axis=0))
+      likely = plan(likely_group_bounds(cohorts(), width))
       saving = width * (sum(group_examples) - sum(likely))
       if saving >= max(0.1 * width * sum(group_examples), min_saving_examples(train)):
         group_examples, fallback_examples = likely, group_examples
@@ -172,7 +176,22 @@ def round_config(config, train: Optional[federated.FederatedData] = None,
   elif buckets:
     check_example_buckets(buckets, train.max_examples, 'config.engine.example_buckets')
   return RoundConfig(client_chunk=chunk, group_examples=group_examples,
-                     fallback_examples=fallback_examples, example_buckets=example_buckets, schedule=schedule, **fields)
+                     fallback_examples=fallback_examples, example_buckets=example_buckets,
+                     schedule=schedule, **fields)
+
+
+def likely_cohorts(num_examples: np.ndarray, cohort_size: int, sampling: str) -> np.ndarray:
+  """``simulate_cohorts`` of a population, kept for the process's later plans of it (a
+  run plans its round more than once; 1,024 cohorts of 100,000 clients take ~1 s)."""
+  sizes = np.ascontiguousarray(num_examples, np.int64)
+  return _likely_cohorts(sizes.tobytes(), cohort_size, sampling)
+
+
+@functools.lru_cache(maxsize=16)
+def _likely_cohorts(sizes: bytes, cohort_size: int, sampling: str) -> np.ndarray:
+  cohorts = simulate_cohorts(np.frombuffer(sizes, np.int64), cohort_size, sampling)
+  cohorts.flags.writeable = False
+  return cohorts
 
 
 def seed_populations(config: ml_collections.ConfigDict, programs: Optional[Dict] = None

@@ -151,7 +151,7 @@ def rotated_population(population: int, rng: np.random.Generator):
   parts = partitions.dirichlet(np.asarray(labels)[image_of], population, 0.1, rng,
                                min_examples=0)
   order = np.concatenate(parts)
-  x = np.empty((len(order), 28, 28, 1), np.uint8)
+  x = client_store.aligned_empty((len(order), 28, 28, 1), np.uint8)   # used in place
   for a, angle in enumerate(ANGLES):
     at = np.flatnonzero(angle_of[order] == a)   # store rows holding this angle
     for start in range(0, len(at), 10_000):
@@ -179,7 +179,7 @@ def case_population(population: int, placement: str):
   round_device, round_host = build_round(algorithm, round_config)
   host = HostStore(data, seed_key, round_config) if placement == 'host' else None
   on_device = jax.device_put(data) if host is None else None
-  state = {'round': 0, 'cohort_bytes': []}
+  state = {'round': 0, 'cohort_bytes': [], 'fallbacks': 0, 'steps': [], 'scanned': []}
   example_bytes = int(np.prod(data.example_shape)) * data.x.dtype.itemsize
 
   def run():
@@ -191,6 +191,9 @@ def case_population(population: int, placement: str):
     else:
       out = round_device(server, clients, on_device, key)
     state['cohort_bytes'].append(int(out.metrics['cohort_examples']) * example_bytes)
+    state['fallbacks'] += int(out.metrics.get('fallback_plan', 0))
+    state['steps'].append(int(out.metrics['local_steps']))
+    state['scanned'].append(int(out.metrics['scanned_steps']))
     state['round'] += 1
     return jax.block_until_ready(out.server_state)
 
@@ -210,7 +213,14 @@ def case_population(population: int, placement: str):
           'sent_bytes_per_round': sent,
           'cohort_bytes_per_round': float(np.mean(state['cohort_bytes'])),
           'median_client': float(np.median(sizes)), 'largest_client': int(sizes.max()),
-          'group_examples': list(round_config.group_examples)}
+          'group_examples': list(round_config.group_examples),
+          'fallback_examples': list(round_config.fallback_examples),
+          'fallback_rounds': state['fallbacks'], 'rounds': rounds,
+          # rows a round gathers from the store: each group's clients at its padded size
+          'gathered_rows': (round_config.client_chunk or config.cohort_size) * sum(
+              round_config.group_examples or (data.max_examples,)),
+          'local_steps': float(np.mean(state['steps'])),
+          'scanned_steps': float(np.mean(state['scanned']))}
 
 
 def case_experiment(tensorboard: bool):
