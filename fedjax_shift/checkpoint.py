@@ -218,11 +218,12 @@ class Checkpointer:
     restored = _flat_names(self.manager.restore(step, args=ocp.args.StandardRestore(abstract)))
     return jax.tree_util.tree_unflatten(treedef, [restored[name] for name in names])
 
-  def restore(self, template: PyTree, max_round: Optional[int] = None
-              ) -> Tuple[Optional[int], PyTree]:
+  def restore(self, template: PyTree, max_round: Optional[int] = None,
+              move_damaged: bool = True) -> Tuple[Optional[int], PyTree]:
     """(round, state) from the newest readable checkpoint of a round <= ``max_round``
     (any round when None), or (None, template) if there is none. Unreadable ones are
-    moved aside with a warning (see the module docstring)."""
+    moved aside with a warning (see the module docstring); with ``move_damaged=False``
+    (a reader of a workdir, which must not change it) the first is DamagedCheckpoint."""
     for step in sorted(self.manager.all_steps(), reverse=True):
       if max_round is not None and step > max_round:
         continue
@@ -232,6 +233,8 @@ class Checkpointer:
         raise
       except Exception as err:  # orbax / tensorstore errors of a damaged checkpoint
         reason = f'{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ""}'
+        if not move_damaged:
+          raise damaged(os.path.join(self.directory, str(step)), reason) from None
         target = self._move_aside(step, reason)
         log.warning('the checkpoint of round %d in %s is unreadable (%s); moved it to %s and '
                     'falling back to an earlier one', step, self.directory, reason, target)
@@ -249,14 +252,32 @@ def read(directory: str, round_index: Optional[int] = None) -> Tuple[int, dict]:
   directory = os.path.abspath(directory)
   rounds = sorted(int(name) for name in os.listdir(directory) if name.isdigit()) \
       if os.path.isdir(directory) else []
+  if not rounds and os.path.isdir(os.path.join(directory, 'checkpoints')):
+    raise FileNotFoundError(f'{directory} holds no checkpoint: it is a run\'s directory; '
+                            f'did you mean {os.path.join(directory, "checkpoints")}?')
   if round_index is None and rounds:
     round_index = rounds[-1]
   if round_index not in rounds:
     raise FileNotFoundError(f'{directory} holds no checkpoint of round {round_index}; its '
                             f'rounds: {rounds}')
   manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-      enable_async_checkpointing=False), item_handlers=ocp.StandardCheckpointHandler())
+      enable_async_checkpointing=False, create=False),
+      item_handlers=ocp.StandardCheckpointHandler())
   try:
     return round_index, manager.restore(round_index)
+  except Exception as err:   # orbax / tensorstore errors of a damaged checkpoint
+    raise damaged(os.path.join(directory, str(round_index)),
+                  f'{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ""}'
+                  ) from None
   finally:
     manager.close()
+
+
+class DamagedCheckpoint(OSError):
+  """A checkpoint that cannot be read (cut short, a file missing)."""
+
+
+def damaged(path: str, reason: str) -> DamagedCheckpoint:
+  return DamagedCheckpoint(f'the checkpoint {path} is damaged and cannot be read ({reason}); '
+                           f'a training run in its workdir moves it to corrupt_checkpoints/ '
+                           f'and resumes from the newest readable one')

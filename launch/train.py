@@ -60,6 +60,11 @@ flags.mark_flags_as_required(['config', 'workdir'])
 # FEDJAX_SHIFT_TRACEBACK=1.
 USER_ERRORS = (ValueError, OSError, MemoryError, WorkdirBusyError, pipelines.PrimaryRefused)
 TRACEBACK_VARIABLE = 'FEDJAX_SHIFT_TRACEBACK'
+# Of those, the refusals (exit status USAGE_STATUS): a config value, a workdir another
+# run holds or that cannot be written, a full disk, a missing file or folder; the rest
+# (out of memory, other I/O failures) exit 1.
+REFUSED = (ValueError, WorkdirBusyError, checkpoint.DiskFullError, FileNotFoundError,
+           NotADirectoryError, PermissionError, pipelines.PrimaryRefused)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> pipelines.Results:
@@ -142,7 +147,7 @@ def main(argv):
             not isinstance(err, checkpoint.DiskFullError) else '')
     print(f'launch/train.py: {type(err).__name__}: {err}{full}\n(the traceback: re-run '
           f'with {TRACEBACK_VARIABLE}=1)', file=sys.stderr)
-    sys.exit(USAGE_STATUS if isinstance(err, ValueError) else 1)
+    sys.exit(USAGE_STATUS if isinstance(err, REFUSED) else 1)
   except jax.errors.JaxRuntimeError as err:
     if jax.process_count() == 1:
       raise
@@ -207,7 +212,11 @@ def unknown_override(argv) -> str:
 def parse_flags(argv):
   """absl's flag parsing, a mistyped --config.<field> one line naming it;
   ``--config.sweep`` and ``--config.sweep_metric`` also read in their string form."""
-  argv = [sweep.legacy_flag(arg) for arg in argv]
+  try:
+    argv = [sweep.legacy_flag(arg) for arg in argv]
+  except ValueError as err:   # e.g. a sweep field given as a section and dotted
+    print(f'launch/train.py: {err}', file=sys.stderr)
+    sys.exit(USAGE_STATUS)
   try:
     return flags.FLAGS(argv)
   except (AttributeError, KeyError) as err:

@@ -126,8 +126,21 @@ def test_command_line_mistakes_are_one_paragraph_and_touch_nothing(tmp_path):
   assert ("--config.fedprox.client_learning_rate: a method's own client learning rate is "
           "config.client_overrides.fedprox.learning_rate, e.g. --config.client_overrides="
           "\"{'fedprox': {'learning_rate': …}}\"") in renamed.stderr
+  # a sweep field given as a section and dotted: one message naming it
+  twice = subprocess.run(_launch(tmp_path / 'twice', 2) + [
+      "--config.sweep={'client': {'learning_rate': (0.1, 0.2)}, 'client.learning_rate': (0.3,)}"],
+                         capture_output=True, text=True, cwd=ROOT)
+  assert twice.returncode == 2 and 'Traceback' not in twice.stderr, twice.stderr[-3000:]
+  assert 'client.learning_rate is swept twice' in twice.stderr
+  # an unroll that cannot be meant
+  for unroll in ('0', '1000'):
+    refused = subprocess.run(_launch(tmp_path / 'unroll', 2) + [f'--config.engine.unroll={unroll}'],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode == 2 and 'config.engine.unroll: must be True' in refused.stderr, \
+        refused.stderr[-3000:]
   assert not os.path.exists(tmp_path / 'my') and not os.path.exists(tmp_path / 'bad')
   assert not os.path.exists(tmp_path / 'typo') and not os.path.exists(tmp_path / 'renamed')
+  assert not os.path.exists(tmp_path / 'twice') and not os.path.exists(tmp_path / 'unroll')
 
 
 @pytest.mark.slow

@@ -185,6 +185,7 @@ def test_a_cell_says_how_many_runs_it_averages_when_one_is_missing():
   assert mean_std([0.5, None, 0.7, float('nan')]) == '60.00 ± 10.00 (2 of 4 runs)'
   assert mean_std([None, 0.25]) == '25.00 (1 of 2 runs)'
   assert mean_std([None, None]) == 'n/a'
+  assert mean_std([float('nan'), None]) == 'n/a (not finite in 1 of 2 runs)'   # said, not n/a
   assert cell_value(mean_std([0.5, None, 0.7])) == 60.0   # the paper-claims check reads the mean
 
 

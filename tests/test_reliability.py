@@ -216,7 +216,7 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog):
 
 
 def race_for_locks(barrier, workdirs, stale_pid, held):
-  """One racing process: per workdir, waits at ``barrier`` with the other racer,
+  """One racing process: per workdir, waits at ``barrier`` with the other racers,
   tries to take the workdir's lock (a dead run's lock of ``stale_pid`` in it when
   given), and puts in ``held`` whether it holds the lock while the other tries."""
   for workdir in workdirs:
@@ -234,13 +234,16 @@ def race_for_locks(barrier, workdirs, stale_pid, held):
     lock.release()
 
 
+@pytest.mark.parametrize('racers', [2, 4])
 @pytest.mark.parametrize('stale', [False, True], ids=['free', 'dead_holder'])
-def test_two_processes_released_together_never_both_hold_the_lock(tmp_path, stale):
-  # 100 trials, each two processes released by one barrier onto one workdir (empty,
-  # or holding a dead run's lock): exactly one of them holds the lock each time.
+def test_processes_released_together_never_both_hold_the_lock(tmp_path, stale, racers):
+  # 100 trials of two processes, 300 of four, released by one barrier onto one workdir
+  # (empty, or holding a dead run's lock): exactly one of them holds the lock each time
+  # (four taking over a dead run's lock with a rename and a put-back left two holding
+  # it in about one of 200 trials).
   import multiprocessing
   context = multiprocessing.get_context('spawn')
-  workdirs = [str(tmp_path / f'trial_{i}') for i in range(100)]
+  workdirs = [str(tmp_path / f'trial_{i}') for i in range(100 * (racers - 1))]
   for workdir in workdirs:
     os.makedirs(workdir)
   stale_pid = None
@@ -248,18 +251,19 @@ def test_two_processes_released_together_never_both_hold_the_lock(tmp_path, stal
     dead = subprocess.Popen([sys.executable, '-c', 'pass'])
     dead.wait()
     stale_pid = dead.pid
-  barrier, held = context.Barrier(2), context.Queue()
+  barrier, held = context.Barrier(racers), context.Queue()
+  count = racers
   racers = [context.Process(target=race_for_locks, args=(barrier, workdirs, stale_pid, held))
-            for _ in range(2)]
+            for _ in range(count)]
   for racer in racers:
     racer.start()
   holders = {}
-  for _ in range(2 * len(workdirs)):
+  for _ in range(count * len(workdirs)):
     workdir, took = held.get(timeout=120)
     holders[workdir] = holders.get(workdir, 0) + took
   for racer in racers:
     racer.join(timeout=60)
-  assert [racer.exitcode for racer in racers] == [0, 0]
+  assert [racer.exitcode for racer in racers] == [0] * count
   assert sorted(holders) == sorted(workdirs)
   assert {workdir: count for workdir, count in holders.items() if count != 1} == {}
   assert all(os.listdir(workdir) == [] for workdir in workdirs)   # released, no drafts
@@ -318,6 +322,22 @@ def corrupt(step_dir, kind, rng):
             f.truncate(int(rng.integers(0, max(size // 2, 1))))
   else:
     raise ValueError(kind)
+
+
+def test_reading_a_damaged_checkpoint_says_damaged_and_changes_nothing(tmp_path):
+  from fedjax_shift import checkpoint
+  pipelines.run(quick(rounds=4, keep_checkpoints=3), str(tmp_path / 'run'))
+  run_dir = tmp_path / 'run' / RUN
+  corrupt(str(run_dir / 'checkpoints' / '4'), 'truncate_data', np.random.default_rng(0))
+  before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob('*'))
+  with pytest.raises(checkpoint.DamagedCheckpoint, match=r'checkpoints/4 is damaged'):
+    pipelines.load_run(str(tmp_path / 'run'), 'fedavg', seed=0)
+  with pytest.raises(checkpoint.DamagedCheckpoint, match=r'checkpoints/4 is damaged'):
+    checkpoint.read(str(run_dir / 'checkpoints'))
+  # a reader reads: nothing moved to corrupt_checkpoints/, nothing written
+  assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob('*')) == before
+  with pytest.raises(FileNotFoundError, match=r'did you mean .*/checkpoints\?'):
+    checkpoint.read(str(run_dir))   # the run's directory, not its checkpoints/
 
 
 @pytest.mark.parametrize('kind', ['delete_default', 'delete_manifest', 'truncate_data'])

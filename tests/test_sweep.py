@@ -179,6 +179,15 @@ def test_the_command_line_reads_the_string_forms_as_sections():
       'client.learning_rate': (0.2,), 'fedprox.mu': (0.1,)}   # fields in path order
   with pytest.raises(ValueError, match='config.sweep: client.learning_rate: client is swept as'):
     sweep.grid({'client': (0.1,), 'client.learning_rate': (0.2,)})
+  # A field given as a section and dotted, in either order: refused, nothing dropped; a
+  # section beside other dotted fields merges.
+  for order in [lambda a, b: {**a, **b}, lambda a, b: {**b, **a}]:
+    fields = order({'client': {'learning_rate': (0.1, 0.2)}}, {'client.learning_rate': (0.3,)})
+    with pytest.raises(ValueError, match='client.learning_rate is swept twice'):
+      sweep.legacy_flag(f'--config.sweep={fields!r}')
+  assert sweep.parse(sweep.grid({'client': {'learning_rate': (0.1, 0.2)},
+                                 'fedprox.mu': (0.01,)})) == {
+      'client.learning_rate': (0.1, 0.2), 'fedprox.mu': (0.01,)}
 
 
 def test_unknown_selection_and_a_sweep_outside_the_federated_pipeline_are_refused(tmp_path):
@@ -295,6 +304,9 @@ def test_sweep_metric_names_each_methods_validation_metric():
     ("{'fedavg': 0.5}", 'maps method names to metric keys'),
     ('global/val/acc', "'global/val/acc' is not an accuracy key"),
     ("{'fedavg': 'global/val/loss'}", "'global/val/loss' is not an accuracy key"),
+    # a typo in the split: refused against the benchmark's splits, before training
+    ("{'*': 'global/vall/accuracy'}", "selects on split 'vall', which the benchmark does not "
+                                      "build .its splits: \\['test', 'test_corrupted', 'train', 'val'\\]"),
 ])
 def test_bad_sweep_metrics_are_refused_before_anything_compiles(tmp_path, text, message):
   metric = ast.literal_eval(text) if text.startswith('{') else {'*': text}

@@ -227,6 +227,12 @@ def test_table7_puts_one_column_per_pretraining_method(tmp_path):
       {'table1': {'no_adapt': {'feature': {'0': 0.5}}}, 'table3': {}}))
   with pytest.raises(ValueError, match='hybrid shift'):
     report.table7_from_workdirs(workdirs)
+  # an accuracy outside [0, 1] (a hand-edited file) would print as 170.00: refused
+  (tmp_path / 'fedavg' / 'results.json').write_text(json.dumps(
+      {'table1': {'no_adapt': {'hybrid': {'0': 1.7}}}, 'table3': {}}))
+  with pytest.raises(ValueError, match=r'table1.no_adapt.hybrid.0 is 1.7, not an accuracy in '
+                                       r'\[0, 1\]'):
+    report.table7_from_workdirs(workdirs)
 
 
 def test_alpha_is_never_reused_after_its_global_model_changed(tmp_path):

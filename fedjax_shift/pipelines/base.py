@@ -16,6 +16,7 @@ import os
 import platform
 import shutil
 import time
+import uuid
 from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import jax
@@ -307,6 +308,13 @@ def check_run(config: ml_collections.ConfigDict) -> None:
           f'unknown {engine.backend!r}; choose from {list(BACKENDS) + ["auto"]}')
   require(not (engine.backend == 'loop' and engine.num_devices), 'engine.backend',
           "'loop' runs clients one at a time and cannot shard over engine.num_devices")
+  unroll = engine.unroll
+  require(unroll is True or (isinstance(unroll, int) and not isinstance(unroll, bool)
+                             and 1 <= unroll <= MAX_UNROLL), 'engine.unroll',
+          f'must be True (every local step of the padded bound unrolled) or a block of 1 to '
+          f'{MAX_UNROLL} steps, got {unroll!r}: each step of a block is compiled once more '
+          f'(a block of 1,000 MLP steps compiled for over 12 minutes), and 0 or less is no '
+          f'block')
   require(engine.rounds_per_call >= 1, 'engine.rounds_per_call',
           f'must be >= 1, got {engine.rounds_per_call}')
   if engine.rounds_per_call > 1:
@@ -367,13 +375,18 @@ def check_run(config: ml_collections.ConfigDict) -> None:
           f'{tuple(config.eval_adapter_splits)}')
 
 
+# The most local steps ``engine.unroll`` compiles into one loop iteration.
+MAX_UNROLL = 64
+
+
 def check_workdir(workdir: str) -> None:
   """Raises ValueError when ``workdir`` cannot be created or written."""
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as err:
     raise ValueError(f'workdir {workdir!r} cannot be created: {err}') from err
-  probe = os.path.join(workdir, '.write_test')
+  # a name of this process's own: two runs started together do not remove each other's
+  probe = os.path.join(workdir, f'.write_test.{os.getpid()}.{uuid.uuid4().hex[:8]}')
   try:
     with open(probe, 'w') as f:
       f.write('ok')

@@ -30,6 +30,7 @@ from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.pipelines import pretrain, sweep
 from fedjax_shift.pipelines.base import PIPELINES, Results, algorithm_names, check_run, hardware
 from fedjax_shift.pipelines.lockstep import NotTraceable, lockstep_problem, train_lockstep
+from fedjax_shift.pipelines.runs import shared_data
 from fedjax_shift.pipelines.single_run import train_and_evaluate
 
 log = logging.getLogger('fedjax_shift')
@@ -123,6 +124,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   run_dirs: Dict[str, List[str]] = {}
   programs: Dict = {}  # compiled once per method and data shapes, reused across seeds
   backbone = pretrain.backbone_for(config, workdir)
+  if sweep.parse(config.sweep) and sweep.parse_metric(config.sweep_metric):
+    # the selection metrics' splits, against the data (built once, kept for the runs)
+    bench = shared_data(config, config.seeds[0], programs)
+    sweep.check_metric_splits(config.sweep_metric, bench.splits)
   selected: Dict[str, tuple] = {}   # method -> (selected point index, per-point summaries)
   notes: List[str] = []   # points of a narrowed grid on disk that validate better
   selection_metrics: Dict[str, str] = {}   # method -> the validation metric it was selected on

@@ -123,13 +123,13 @@ def restore(config: ml_collections.ConfigDict, run_dir: str, round: Optional[int
     raise FileNotFoundError(f'{run_dir} kept no checkpoint of round {round}; its rounds: '
                             f'{list(kept)} (config.keep_checkpoints={config.keep_checkpoints})')
   checkpointer = checkpoint.Checkpointer(os.path.join(run_dir, 'checkpoints'), 1, len(kept))
-  try:
-    restored, state = checkpointer.restore(template, round)
+  try:   # a reader leaves the workdir as it is: a damaged checkpoint is an error
+    restored, state = checkpointer.restore(template, round, move_damaged=False)
   finally:
     checkpointer.close()
   if restored != round:
-    raise FileNotFoundError(f'{run_dir}: the checkpoint of round {round} could not be read '
-                            f'(moved to corrupt_checkpoints/); restored round {restored}')
+    raise FileNotFoundError(f'{run_dir}: orbax finds no checkpoint of round {round} (its '
+                            f'folder lists rounds {list(kept)})')
   return round, state, results
 
 

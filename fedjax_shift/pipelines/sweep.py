@@ -63,8 +63,17 @@ def grid(fields: Mapping[str, Sequence[Any]]) -> ml_collections.ConfigDict:
   """``config.sweep`` from {dotted field path: values}: {'client.learning_rate': (0.01,
   0.1)} is the section {'client': {'learning_rate': (0.01, 0.1)}}."""
   tree: Dict[str, Any] = {}
+  flat: Dict[str, Any] = {}   # section-form entries ({'client': {...}}) as dotted paths
   for path, values in fields.items():
     require(isinstance(path, str) and path, 'sweep', f'field names are strings, got {path!r}')
+    leaves = (leaf_paths(values, path + '.') if isinstance(values, Mapping) and values
+              else [(path, values)])
+    for leaf_path, leaf_values in leaves:
+      require(leaf_path not in flat, 'sweep',
+              f'{leaf_path} is swept twice (as a section and as a dotted field, values '
+              f'{flat.get(leaf_path)!r} and {leaf_values!r}): give it once')
+      flat[leaf_path] = leaf_values
+  for path, values in flat.items():
     *parents, leaf = path.split('.')
     node = tree
     for part in parents:
@@ -297,6 +306,16 @@ def check_metric_key(metric: str) -> str:
           f'<model>/<split>/{{{", ".join(SELECTION_STATISTICS)}}}, e.g. global/val/accuracy '
           f'or personalized/val/client_accuracy')
   return metric
+
+
+def check_metric_splits(section: Mapping[str, str], splits: Sequence[str]) -> None:
+  """Each ``config.sweep_metric`` key names a split of the benchmark (``splits``), before
+  anything trains; else ValueError naming the field and the splits."""
+  for name, metric in parse_metric(section).items():
+    split = metric.split('/')[1]
+    require(split in splits, 'sweep_metric',
+            f'{metric!r} ({"every method" if name == "*" else name}) selects on split '
+            f'{split!r}, which the benchmark does not build (its splits: {sorted(splits)})')
 
 
 def validation_metric(config: ml_collections.ConfigDict, keys: Sequence[str],

@@ -18,6 +18,8 @@ kept checkpoint of that round, or refuses.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -271,13 +273,13 @@ def _alive(pid: int) -> bool:
 class WorkdirLock:
   """``<workdir>/.lock`` holding host, pid and start time, created exclusively.
 
-  The lock's content is written to a file of this process's own first and then
-  linked into place (``os.link`` fails when ``.lock`` exists), so a ``.lock`` is
-  never seen empty or half-written: of processes started together exactly one
-  takes it. A lock left by a dead process on this host is taken over with a
-  warning: it is moved aside by ``os.rename`` (which one process alone can do to
-  one file) and removed only when the file moved is the one found dead, else put
-  back. A live lock (or one from another host, whose process cannot be checked)
+  Every look at ``.lock`` and every change of it happens under an exclusive ``flock``
+  of ``.lock.guard`` (held by one process at a time, let go by the kernel when its
+  process dies, and removed when its holder is done), so that of any number of
+  processes started together exactly one takes the lock, a dead run's included. The lock's content is written to a file of
+  this process's own first and then linked into place, so a ``.lock`` is never seen
+  empty or half-written. A lock left by a dead process on this host is taken over with
+  a warning; a live lock (or one from another host, whose process cannot be checked)
   is an error that names its holder. Use as a context manager.
   """
 
@@ -297,20 +299,26 @@ class WorkdirLock:
     except OSError:
       return None, None
 
-  def _take_over(self, inode: int) -> None:
-    """Removes the lock file of inode ``inode`` (found dead), unless another process
-    replaced it meanwhile: then that process's lock is put back in place."""
-    aside = f'{self.path}.stale.{socket.gethostname()}.{os.getpid()}'
-    try:
-      os.rename(self.path, aside)
-    except FileNotFoundError:    # another process moved it first
-      return
-    if os.stat(aside).st_ino != inode:   # a live lock taken meanwhile: put it back
+  @contextlib.contextmanager
+  def _guard(self):
+    """An exclusive ``flock`` of ``.lock.guard``, removed by its holder before it lets
+    go (no file is left behind): a process that was waiting on a removed guard finds
+    that its file is no longer the path's and locks the path's new file instead."""
+    path = self.path + '.guard'
+    while True:
+      guard = open(path, 'a')
+      fcntl.flock(guard.fileno(), fcntl.LOCK_EX)
       try:
-        os.link(aside, self.path)
-      except FileExistsError:
+        if os.stat(path).st_ino == os.fstat(guard.fileno()).st_ino:
+          break
+      except FileNotFoundError:
         pass
-    os.remove(aside)
+      guard.close()   # removed while this process waited: lock the path's new file
+    try:
+      yield
+    finally:
+      os.remove(path)
+      guard.close()   # lets go of the flock
 
   def acquire(self) -> 'WorkdirLock':
     mine = {'host': socket.gethostname(), 'pid': os.getpid(),
@@ -319,13 +327,9 @@ class WorkdirLock:
     with open(draft, 'w') as f:
       json.dump(mine, f)
     try:
-      for _ in range(3):
-        try:
-          os.link(draft, self.path)
-        except FileExistsError:
-          holder, inode = self._holder()
-          if inode is None:     # released meanwhile
-            continue
+      with self._guard():
+        holder, inode = self._holder()
+        if inode is not None:
           if holder is None:
             log.warning('%s is unreadable (not written by this library?); taking it over',
                         self.path)
@@ -342,20 +346,19 @@ class WorkdirLock:
           else:
             log.warning('taking over the lock of a dead run (pid %s, started %s) in %s',
                         holder.get('pid'), holder.get('started'), os.path.dirname(self.path))
-          self._take_over(inode)
-          continue
+          os.remove(self.path)
+        os.link(draft, self.path)
         self.held = True
         return self
     finally:
       os.remove(draft)
-    raise WorkdirBusyError(f'could not take {self.path}: other runs took it meanwhile; '
-                           f'wait for them or use another --workdir')
 
   def release(self) -> None:
     if self.held:
-      holder, _ = self._holder()
-      if holder is not None and holder.get('pid') == os.getpid():
-        os.remove(self.path)
+      with self._guard():
+        holder, _ = self._holder()
+        if holder is not None and holder.get('pid') == os.getpid():
+          os.remove(self.path)
       self.held = False
 
   def __enter__(self) -> 'WorkdirLock':

@@ -32,11 +32,13 @@ def mean_std(values: Sequence[float], scale: float = 100.0, digits: int = 2) -> 
   """'mean ± std' of ``scale``·values over the finite ones ('n/a' if none; the value
   alone if one), ``digits`` decimals: accuracies as percentages by default. When some
   runs have no finite value (a diverged seed), the cell says over how many it is:
-  '9.23 ± 3.05 (3 of 4 runs)'; no run is dropped without a word."""
+  '9.23 ± 3.05 (3 of 4 runs)', and 'n/a (not finite in 2 of 2 runs)' where every
+  recorded value is NaN or inf; no run is dropped without a word."""
   count = len(values)
-  values = [scale * v for v in values if v is not None and np.isfinite(v)]
-  if not values:
-    return 'n/a'
+  present = [v for v in values if v is not None]
+  values = [scale * v for v in present if np.isfinite(v)]
+  if not values:   # none recorded, or every recorded one NaN or inf: said so
+    return 'n/a' if not present else f'n/a (not finite in {len(present)} of {count} runs)'
   cell = (f'{values[0]:.{digits}f}' if len(values) == 1 else
           f'{np.mean(values):.{digits}f} ± {np.std(values):.{digits}f}')
   return cell if len(values) == count else f'{cell} ({len(values)} of {count} runs)'
@@ -83,12 +85,18 @@ def run_result(path: str) -> Dict:
   or damaged one is a ValueError naming the file and the key."""
   record = read_result(path)
   for key, value in record.get('metrics', {}).items():
-    if key.endswith('accuracy') and not (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and
-        (math.isnan(value) or 0.0 <= value <= 1.0)):
-      raise ValueError(f'{path}: {key} is {value!r}, not an accuracy in [0, 1]; the file was '
-                       f'edited or damaged: re-run that workdir to rewrite it')
+    if key.endswith('accuracy'):
+      check_accuracy(path, key, value)
   return record
+
+
+def check_accuracy(path: str, key: str, value) -> None:
+  """Refuses an accuracy of a results file ``path`` that is not a number in [0, 1] (or
+  NaN), naming the file and ``key``."""
+  if not (isinstance(value, (int, float)) and not isinstance(value, bool) and
+          (math.isnan(value) or 0.0 <= value <= 1.0)):
+    raise ValueError(f'{path}: {key} is {value!r}, not an accuracy in [0, 1]; the file was '
+                     f'edited or damaged: re-run that workdir to rewrite it')
 
 
 def read_sweep(workdir: str) -> Optional[Dict]:

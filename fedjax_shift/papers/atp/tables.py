@@ -11,8 +11,9 @@ from typing import Dict, Sequence
 import numpy as np
 
 from fedjax_shift.papers.atp import numbers
-from fedjax_shift.report import (PAPER_TABLES, PaperTable, beside_paper, markdown, mean_std,
-                                 paper_markdown, read_result, unfilled_note)
+from fedjax_shift.report import (PAPER_TABLES, PaperTable, beside_paper, check_accuracy,
+                                 markdown, mean_std, paper_markdown, read_result,
+                                 unfilled_note)
 
 SHIFT_ORDER = ('feature', 'label', 'hybrid')
 
@@ -81,11 +82,16 @@ def load(workdirs: Sequence[str]):
         if shift in table1.get(key, {}):
           raise ValueError(f'{workdir}: row {key!r} of the {shift} shift is also in an earlier '
                            f'workdir; pass each shift once')
+        for s, value in per_seed.items():
+          check_accuracy(path, f'table1.{key}.{shift}.{s}', value)
         table1.setdefault(key, {})[shift] = {int(s): v for s, v in per_seed.items()}
         shifts += [shift] if shift not in shifts else []
         seeds += [int(s) for s in per_seed if int(s) not in seeds]
     for pair, rows in results['table3'].items():
       train, test = pair.split('->')
+      for k, r in rows.items():
+        for s, value in r.items():
+          check_accuracy(path, f'table3.{pair}.{k}.{s}', value)
       table3[(train, test)] = {k: {int(s): v for s, v in r.items()} for k, r in rows.items()}
   order = [s for s in SHIFT_ORDER if s in shifts]
   return table1, table3, labels, order, sorted(seeds)
