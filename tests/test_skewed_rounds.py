@@ -304,3 +304,28 @@ def test_the_plan_cuts_a_large_population_to_likely_bounds_but_not_vmapped_seeds
                            'engine.backend': 'vmap', 'client.batch_size': 2})
     assert round_config(other, train, 'fedavg').fallback_examples == ()
     assert round_config(other, train, 'fedavg').group_examples == planned.fallback_examples
+
+
+def test_out_of_memory_where_a_result_is_read_names_the_fields_and_the_bytes(tmp_path):
+  # The round's call is dispatched asynchronously: the allocation fails when the loop
+  # reads the round's metrics, outside the compiled round's own explanation.
+  from fedjax_shift.pipelines import loop
+
+  class Exhausted:
+    def __array__(self, *args, **kwargs):
+      raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to '
+                                       'allocate 6442450944 bytes.')
+
+  trainer = loop.Trainer(lambda state, start, stop: (state, {'loss': Exhausted()}),
+                         loop.only_run)
+  run = loop.Run('fedavg seed 0', str(tmp_path), None, None, 0, 0.0, lambda state: {})
+  with pytest.raises(MemoryError, match=r'ran out of device memory \(an allocation of '
+                                        r'6442450944 bytes\): lower config.engine.client_chunk'
+                                        r'.*config.cohort_size.*data.store=.host.'):
+    loop.train([run], (), trainer, rounds=2, eval_every=1, checkpoint_every=1,
+               progress=False)
+  other = lambda state, start, stop: (_ for _ in ()).throw(
+      jax.errors.JaxRuntimeError('INVALID_ARGUMENT: something else'))
+  with pytest.raises(jax.errors.JaxRuntimeError, match='INVALID_ARGUMENT'):
+    loop.train([run], (), loop.Trainer(other, loop.only_run), rounds=2, eval_every=1,
+               checkpoint_every=1, progress=False)

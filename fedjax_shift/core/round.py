@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
+import re
 from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 import flax
@@ -438,16 +439,36 @@ class ExplainedRound:
           f'state with an example of these data: algorithm.init(key, data.first_example())'
           ) from None
     except jax.errors.JaxRuntimeError as err:
-      if 'RESOURCE_EXHAUSTED' not in str(err) and 'Out of memory' not in str(err):
+      explained = memory_error(err, self._config)
+      if explained is None:
         raise
-      config = self._config
-      width = config.client_chunk or config.cohort_size
-      raise MemoryError(
-          f'the round of {config.cohort_size} clients in vmapped groups of {width} does not '
-          f'fit in device memory: lower config.engine.client_chunk (now '
-          f'{config.client_chunk}; each group of that many clients is in memory at once) '
-          f'or config.cohort_size; the data of the population itself moves to the host '
-          f"with config.data.store='host'. ({str(err).splitlines()[0]})") from err
+      raise explained from err
+
+
+def memory_error(err: Exception, config: Optional[RoundConfig] = None
+                 ) -> Optional[MemoryError]:
+  """The MemoryError that says what to lower for a JAX out-of-memory ``err`` (None for
+  any other error): the bytes the allocation asked for, the width of the vmapped client
+  groups and the cohort (``config``'s, when known), and the host store. Raised where a
+  compiled call fails and where its result is read (the dispatch is asynchronous)."""
+  text = str(err)
+  if 'RESOURCE_EXHAUSTED' not in text and 'Out of memory' not in text:
+    return None
+  asked = re.search(r'allocat\w* ([\d.]+ ?[KMGT]i?B|\d+ bytes)', text)
+  asked = f' (an allocation of {asked.group(1)})' if asked else ''
+  if config is not None:
+    width = config.client_chunk or config.cohort_size
+    what = (f'the round of {config.cohort_size} clients in vmapped groups of {width} does '
+            f'not fit in device memory{asked}: lower config.engine.client_chunk (now '
+            f'{config.client_chunk}; each group of that many clients is in memory at once) '
+            f'or config.cohort_size')
+  else:
+    what = (f'a compiled call ran out of device memory{asked}: lower '
+            f'config.engine.client_chunk (each vmapped group of that many clients is in '
+            f'memory at once; 0 fits the widest under engine.max_scanned), '
+            f'config.cohort_size or the model')
+  return MemoryError(f"{what}; the data of the population itself moves to the host with "
+                     f"config.data.store='host'. ({text.splitlines()[0][:300]})")
 
 
 def _scan_rounds(round_device):

@@ -28,12 +28,14 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
 
 from fedjax_shift import distributed
 from fedjax_shift.checkpoint import RunState
+from fedjax_shift.core.round import memory_error
 
 log = logging.getLogger('fedjax_shift')
 
@@ -297,8 +299,14 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
       compiling.take()
       tick = time.perf_counter()
       stop = call_end(completed, rounds, trainer.rounds_per_call, eval_every)
-      state, metrics = trainer.advance(state, completed, stop)
-      metrics = {name: np.asarray(values) for name, values in metrics.items()}
+      try:   # the call is dispatched asynchronously: its errors arrive with its results
+        state, metrics = trainer.advance(state, completed, stop)
+        metrics = {name: np.asarray(values) for name, values in metrics.items()}
+      except jax.errors.JaxRuntimeError as err:
+        explained = memory_error(err)
+        if explained is None:
+          raise
+        raise explained from err
       seconds = time.perf_counter() - tick
       compile_seconds = compiling.take()
       first, completed = completed, stop
