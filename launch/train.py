@@ -195,7 +195,15 @@ def unknown_override(argv) -> str:
               f'config.client_overrides.{method}.{renamed}, e.g. --config.client_overrides='
               f'"{{\'{method}\': {{\'{renamed}\': …}}}}"')
     node, walked = config, []
-    for part in field.split('.'):
+    parts = field.split('.')
+    if (len(parts) == 3 and parts[0] == 'client_overrides' and
+        parts[1] not in config.client_overrides):   # a method without an override yet
+      merged = config.client_overrides.to_dict()
+      merged[parts[1]] = {parts[2]: override_value(arg.split('=', 1)[1] if '=' in arg else '')}
+      return (f'--config.{field}: config.client_overrides has no section {parts[1]!r} in '
+              f'this config to set a field of; give the method\'s overrides as a dict (with '
+              f'the config\'s others): --config.client_overrides="{merged!r}"')
+    for part in parts:
       if not isinstance(node, ml_collections.ConfigDict) or part not in node:
         known = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
         near = difflib.get_close_matches(part, known, n=3, cutoff=0.5)
@@ -207,6 +215,15 @@ def unknown_override(argv) -> str:
       node = node[part]
       walked.append(part)
   return ''
+
+
+def override_value(text: str):
+  """A flag's value as Python reads it ('0.3' -> 0.3), else the text itself."""
+  import ast
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
 
 
 def parse_flags(argv):

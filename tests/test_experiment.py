@@ -132,6 +132,12 @@ def test_command_line_mistakes_are_one_paragraph_and_touch_nothing(tmp_path):
                          capture_output=True, text=True, cwd=ROOT)
   assert twice.returncode == 2 and 'Traceback' not in twice.stderr, twice.stderr[-3000:]
   assert 'client.learning_rate is swept twice' in twice.stderr
+  # a method's override set as a dotted field where the method has none yet: the dict form
+  dotted = subprocess.run(_launch(tmp_path / 'dotted', 2) +
+                          ['--config.client_overrides.fedprox.learning_rate=0.3'],
+                          capture_output=True, text=True, cwd=ROOT)
+  assert dotted.returncode == 2 and 'Traceback' not in dotted.stderr, dotted.stderr[-3000:]
+  assert "--config.client_overrides=\"{'fedprox': {'learning_rate': 0.3}}\"" in dotted.stderr
   # an unroll that cannot be meant
   for unroll in ('0', '1000'):
     refused = subprocess.run(_launch(tmp_path / 'unroll', 2) + [f'--config.engine.unroll={unroll}'],
