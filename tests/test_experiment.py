@@ -353,3 +353,20 @@ def test_pad_to_gives_dirichlet_seeds_one_compilation_and_the_same_metrics(tmp_p
   config.data.pad_to = -1
   with pytest.raises(ValueError, match=r'config.data.pad_to: must be >= 0'):
     pipelines.run(config, str(tmp_path / 'negative'))
+
+
+def test_a_workdir_held_by_a_live_run_is_a_refusal_with_exit_status_2(tmp_path):
+  # A refused workdir exits 2 as the README says (WorkdirBusyError once exited 1).
+  sleeper = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])
+  try:
+    tmp_path.joinpath('busy').mkdir()
+    (tmp_path / 'busy' / '.lock').write_text(json.dumps(
+        {'host': os.uname().nodename, 'pid': sleeper.pid, 'started': 'then'}))
+    busy = subprocess.run(_launch(tmp_path / 'busy', 2), capture_output=True, text=True,
+                          cwd=ROOT)
+  finally:
+    sleeper.kill()
+    sleeper.wait()
+  assert busy.returncode == 2 and 'Traceback' not in busy.stderr, busy.stderr[-3000:]
+  assert f'in use by a live run: pid {sleeper.pid}' in busy.stderr
+  assert sorted(os.listdir(tmp_path / 'busy')) == ['.lock']   # no probe file left behind
