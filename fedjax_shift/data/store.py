@@ -17,6 +17,8 @@ program (the round's cohort, at the sizes the round's plan cut its groups to).
 """
 from __future__ import annotations
 
+import json
+import os
 from typing import Optional, Sequence, Tuple
 
 import flax
@@ -367,14 +369,15 @@ def validate_store(store: ClientStore, num_classes: int, split: str = '') -> Non
   client_of = lambda row: int(np.searchsorted(offsets, row, side='right') - 1)
   per_row = max(int(np.prod(x.shape[1:])) * x.dtype.itemsize, 1)
   width = max(1, CHUNK_BYTES // per_row)
+  palette = None if store.palette is None else np.asarray(store.palette)
+  finite_code = None if palette is None else np.isfinite(palette)
   for start in range(0, len(x), width):   # a chunk at a time: x may be a mapped file
     rows = np.asarray(x[start:start + width])
-    if store.palette is not None:
-      palette = np.asarray(store.palette)
+    if palette is not None:
       if rows.size and int(rows.max()) >= len(palette):
         raise ValueError(f'code {int(rows.max())}{where} is past the palette of '
                          f'{len(palette)} values')
-      finite = np.isfinite(palette)[rows]
+      finite = finite_code[rows]
     else:
       finite = np.isfinite(rows)
     finite = finite.reshape(len(rows), -1).all(1)
@@ -400,8 +403,6 @@ def save(store: ClientStore, directory: str) -> None:
   """Writes ``store`` to ``directory`` (created): x.npy, y.npy, offsets.npy,
   num_examples.npy, palette.npy (codes' values; absent for float32 inputs) and
   ``SAVED_INDEX``, last, so that a directory without it is an unfinished save."""
-  import json
-  import os
   os.makedirs(directory, exist_ok=True)
   sizes = {}
   for name in SAVED_ARRAYS:
@@ -424,8 +425,6 @@ def open_saved(directory: str, split: str = '') -> ClientStore:
   the file as the rounds gather them: a population larger than RAM trains from disk).
   A missing index, a file of another size than saved (cut short or rewritten) or
   arrays of other shapes than saved raise ValueError naming the split and the file."""
-  import json
-  import os
   where = f'split {split!r}: ' if split else ''
   index_path = os.path.join(directory, SAVED_INDEX)
   if not os.path.exists(index_path):
