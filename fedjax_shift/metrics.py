@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import shutil
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from fedjax_shift import events
 
@@ -180,16 +180,65 @@ FIELDS_OMITTED_AT = {'client.clip_norm': '0.0', 'gma.global_learning_rate': '1.0
                      'data.min_examples_rule': '"redraw"'}
 
 
+# How run.json records a method's client overrides: its learning rate and batch size
+# under the names runs have always been recorded with (each method's section had them,
+# 0 for the shared value), any other field as client_overrides.<method>.<field>.
+RECORDED_OVERRIDES = {'learning_rate': ('client_learning_rate', 0.0),
+                      'batch_size': ('client_batch_size', 0)}
+OVERRIDES = 'client_overrides.'
+
+
+def _overrides_as_written(fields: Dict[str, str]) -> Dict[str, str]:
+  """``fields`` with each method's recorded learning rate and batch size under the name
+  a config gives them, 'client_overrides.<method>.<field>', and left out where the
+  record holds the shared value (no override)."""
+  recorded_as = {recorded: (field, json.dumps(shared))
+                 for field, (recorded, shared) in RECORDED_OVERRIDES.items()}
+  out = {}
+  for key, value in fields.items():
+    method, _, name = key.partition('.')
+    if name in recorded_as:
+      field, shared = recorded_as[name]
+      if value != shared:
+        out[f'{OVERRIDES}{method}.{field}'] = value
+    else:
+      out[key] = value
+  return out
+
+
+def _effective(fields: Dict[str, str], key: str) -> Tuple[Optional[str], str]:
+  """(the value ``key`` trains with, how to show it): an override that is not set
+  trains with the shared ``client.<field>``."""
+  if key in fields:
+    return fields[key], fields[key]
+  if key.startswith(OVERRIDES):
+    shared = 'client.' + key.rsplit('.', 1)[1]
+    if shared in fields:
+      return fields[shared], f'{fields[shared]} (none: the shared {shared})'
+  return None, '(absent)'
+
+
 def changed_fields(recorded: Dict[str, str], fields: Dict[str, str],
                    ignored: Iterable[str] = ()) -> list:
   """'field: old → new' for every field a recorded run and ``fields`` disagree on
   (recorded fields in ``ignored`` are not compared; a field of FIELDS_ADDED_AT that the
-  record lacks counts as recorded at its value), sorted."""
+  record lacks counts as recorded at its value), sorted. A method's client overrides
+  are compared by the values they train with (an override equal to the shared value
+  changes nothing, nor does the shared value under an override) and named as a config
+  writes them."""
   ignored = set(ignored)
   old = {k: v for k, v in recorded.items() if k not in ignored}
   old.update({k: v for k, v in FIELDS_ADDED_AT.items() if k not in old and k in fields})
-  return [f'{k}: {old.get(k, "(absent)")} → {fields.get(k, "(absent)")}'
-          for k in sorted(set(old) | set(fields)) if old.get(k) != fields.get(k)]
+  old, new = _overrides_as_written(old), _overrides_as_written(fields)
+  # A shared client field that the run's method overrides in both does not train it.
+  overridden = {'client.' + key.rsplit('.', 1)[1] for key in set(old) & set(new)
+                if key.startswith(OVERRIDES)}
+  changed = []
+  for key in sorted((set(old) | set(new)) - overridden):
+    (before, shown_before), (after, shown_after) = _effective(old, key), _effective(new, key)
+    if before != after:
+      changed.append(f'{key}: {shown_before} → {shown_after}')
+  return changed
 
 
 def record_changes(recorded: dict, fields: Dict[str, str], rounds: int,

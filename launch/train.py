@@ -13,6 +13,7 @@ the same way.
 import logging
 import os
 import sys
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -81,6 +82,10 @@ def main(argv):
           f'argument is a --flag=value (quote a value holding a space)', file=sys.stderr)
     sys.exit(USAGE_STATUS)
   config = _CONFIG.value
+  problem = entries_for_methods_not_run(config, sys.argv)
+  if problem:
+    print(f'launch/train.py: {problem}', file=sys.stderr)
+    sys.exit(USAGE_STATUS)
   if config.engine.deterministic:
     # XLA's deterministic GPU ops: read when the backend starts, i.e. before any array is
     # made; on CPU XLA is deterministic already and this is a no-op.
@@ -130,13 +135,14 @@ def main(argv):
     jax.config.update('jax_compilation_cache_dir', os.path.expanduser(_COMPILATION_CACHE.value))
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
   try:
-    train(config, _WORKDIR.value)
+    with loop.PromptStop('launch/train.py'):   # a signal while compiling stops at once
+      train(config, _WORKDIR.value)
   except loop.Preempted as stopped:
     log.warning('%s', stopped)
     sys.exit(PREEMPTED_STATUS)
-  except KeyboardInterrupt:
-    print('launch/train.py: interrupted; the rounds trained so far are checkpointed (the line '
-          'above names them): run the same command again to resume', file=sys.stderr)
+  except KeyboardInterrupt as stopped:
+    print(f'launch/train.py: {stopped or "interrupted before training started: nothing to save"}'
+          f'; run the same command again to resume', file=sys.stderr)
     sys.exit(INTERRUPTED_STATUS)
   except USER_ERRORS as err:
     if os.environ.get(TRACEBACK_VARIABLE) == '1':
@@ -169,11 +175,9 @@ RENAMED_CLIENT_FIELDS = {recorded: field for field, (recorded, _)
                          in pipelines.base.RECORDED_OVERRIDES.items()}
 
 
-def unknown_override(argv) -> str:
-  """Why a ``--config.<field>=<value>`` of ``argv`` names no field of the config that
-  ``--config=<file>[:<variant>]`` builds ('' when each one does, or the file does not
-  load: flag parsing then says why), with the field's near names."""
-  import difflib
+def file_config(argv) -> Optional[ml_collections.ConfigDict]:
+  """The config ``--config=<file>[:<variant>]`` of ``argv`` builds, without the
+  ``--config.<field>`` flags; None when it does not load (flag parsing says why)."""
   import importlib.util
   spec = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), '')
   path, _, variant = spec.partition(':')
@@ -181,8 +185,37 @@ def unknown_override(argv) -> str:
     loader = importlib.util.spec_from_file_location('fedjax_shift_launched_config', path)
     module = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(module)
-    config = module.get_config(variant) if variant else module.get_config()
+    return module.get_config(variant) if variant else module.get_config()
   except Exception:   # noqa: BLE001  flag parsing reports a config that does not load
+    return None
+
+
+def entries_for_methods_not_run(config: ml_collections.ConfigDict, argv) -> str:
+  """Why entries the flags of ``argv`` give ``config.client_overrides`` or
+  ``config.sweep_metric`` for a method ``config.algorithms`` does not run would go
+  unused ('' when there are none; entries of the config file itself are let be: a
+  paper's config carries them for the rows a shorter list of methods leaves out)."""
+  if config.pipeline != 'federated':
+    return ''
+  given = file_config(argv)
+  own = sweep.method_entries(given) if given is not None else {}
+  flagged = [path for path, entry in sweep.entries_not_run(config).items()
+             if own.get(path, None) != entry]
+  if not flagged:
+    return ''
+  return (f'{", ".join("config." + path for path in flagged)}: config.algorithms '
+          f'{list(config.algorithms)} does not run '
+          f'{", ".join(sorted({path.split(".")[1] for path in flagged}))}, so the entry '
+          f'would go unused; add the method to --config.algorithms or drop the entry')
+
+
+def unknown_override(argv) -> str:
+  """Why a ``--config.<field>=<value>`` of ``argv`` names no field of the config that
+  ``--config=<file>[:<variant>]`` builds ('' when each one does, or the file does not
+  load: flag parsing then says why), with the field's near names."""
+  import difflib
+  config = file_config(argv)
+  if config is None:
     return ''
   for arg in argv:
     if not arg.startswith('--config.'):

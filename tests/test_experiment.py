@@ -138,6 +138,24 @@ def test_command_line_mistakes_are_one_paragraph_and_touch_nothing(tmp_path):
                           capture_output=True, text=True, cwd=ROOT)
   assert dotted.returncode == 2 and 'Traceback' not in dotted.stderr, dotted.stderr[-3000:]
   assert "--config.client_overrides=\"{'fedprox': {'learning_rate': 0.3}}\"" in dotted.stderr
+  # entries for a method the run does not train would go unused: refused, naming it
+  # (fedavg.py:tiny runs FedAvg alone)
+  for flag in ("--config.client_overrides={'fedprox': {'learning_rate': 0.3}}",
+               "--config.sweep_metric={'fedprox': 'global/val/accuracy'}"):
+    unused = subprocess.run(_launch(tmp_path / 'unused', 2) + [flag], capture_output=True,
+                            text=True, cwd=ROOT)
+    assert unused.returncode == 2 and 'Traceback' not in unused.stderr, unused.stderr[-3000:]
+    section = flag.split('=')[0][len('--config.'):]
+    assert (f"config.{section}.fedprox: config.algorithms ['fedavg'] does not run fedprox, "
+            'so the entry would go unused') in unused.stderr, unused.stderr[-3000:]
+  # ... but a config file's own entries for methods a shorter --config.algorithms leaves
+  # out are let be (configs/fedtta.py tunes eight methods' rates)
+  shorter = subprocess.run([sys.executable, '-c', (
+      "import sys; sys.path.insert(0, 'launch'); import train; from configs import fedtta; "
+      "c = fedtta.get_config(); c.algorithms = ('fedavg',); "
+      "print(repr(train.entries_for_methods_not_run(c, ['--config=configs/fedtta.py'])))")],
+      capture_output=True, text=True, cwd=ROOT)
+  assert shorter.stdout.strip() == "''", shorter.stderr[-3000:]
   # an unroll that cannot be meant
   for unroll in ('0', '1000'):
     refused = subprocess.run(_launch(tmp_path / 'unroll', 2) + [f'--config.engine.unroll={unroll}'],
@@ -147,6 +165,7 @@ def test_command_line_mistakes_are_one_paragraph_and_touch_nothing(tmp_path):
   assert not os.path.exists(tmp_path / 'my') and not os.path.exists(tmp_path / 'bad')
   assert not os.path.exists(tmp_path / 'typo') and not os.path.exists(tmp_path / 'renamed')
   assert not os.path.exists(tmp_path / 'twice') and not os.path.exists(tmp_path / 'unroll')
+  assert not os.path.exists(tmp_path / 'unused')
 
 
 @pytest.mark.slow
@@ -164,7 +183,8 @@ def test_ctrl_c_saves_says_how_to_resume_and_prints_no_traceback(tmp_path):
   proc.send_signal(signal.SIGINT)
   _, stderr = proc.communicate(timeout=120)
   assert proc.returncode == 130 and 'Traceback' not in stderr, stderr[-3000:]
-  assert 'interrupted: saved round' in stderr
+  saved = sorted(int(p) for p in os.listdir(metrics_path.parent / 'checkpoints') if p.isdigit())
+  assert f'interrupted: saved round {saved[-1]} of fedavg seed 0' in stderr
   assert 'run the same command again to resume' in stderr
 
 

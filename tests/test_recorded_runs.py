@@ -55,11 +55,11 @@ def test_a_recorded_workdir_has_todays_fingerprints(name, tmp_path):
     directory.mkdir(parents=True)
     (directory / 'run.json').write_text(json.dumps(recorded))
     pipeline_base.check_run_dir(str(directory), run_config, section, resume='')
-  # A changed override is a changed run, named by its recorded field.
+  # A changed override is a changed run, named as a config writes it.
   method = config.algorithms[-1]
   config.client_overrides[method] = {'batch_size': 7}
   for run_dir, run_config, section in federated.run_dirs(config, str(tmp_path)):
     if section == method:
       with pytest.raises(workdir.RunMismatchError,
-                         match=f'{method}.client_batch_size: [01] → 7'):
+                         match=fr'client_overrides.{method}.batch_size: \d+.* → 7'):
         pipeline_base.check_run_dir(run_dir, run_config, section, resume='')

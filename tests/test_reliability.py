@@ -24,7 +24,7 @@ from fedjax_shift.data.federated import stack_clients, validate
 from fedjax_shift.metrics import MetricsWriter, read_metrics, without_timing
 from fedjax_shift.pipelines.single_run import train_and_evaluate
 from fedjax_shift.pipelines.workdir import RunMismatchError, WorkdirBusyError, WorkdirLock
-from helpers import tiny_config, write_run
+from helpers import override, tiny_config, write_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join('fedavg', 'seed_0')
@@ -58,6 +58,30 @@ def test_resume_with_another_config_is_refused_and_touches_nothing(tmp_path):
   with pytest.raises(RunMismatchError, match=r'model.hidden: \[32\] → \[64\]'):
     pipelines.run(quick(**{'model.hidden': (64,)}), str(tmp_path))
   assert files_of(tmp_path) == before  # config.json included: it still names the old run
+
+
+def test_client_overrides_are_compared_by_the_values_they_train_with(tmp_path):
+  # Before: an override equal to the shared rate was refused ('fedavg.client_learning_rate:
+  # 0.0 → 0.05', the same training), and a removed one read '0.3 → 0.0' (a rate of zero).
+  pipelines.run(quick(), str(tmp_path))
+  shared = quick().client.learning_rate
+  same = quick(client_overrides=ml_collections.ConfigDict(
+      {'fedavg': {'learning_rate': shared}}))
+  pipelines.run(same, str(tmp_path))                      # resumes: nothing changed
+  other = quick(client_overrides=ml_collections.ConfigDict({'fedavg': {'learning_rate': 0.3}}))
+  with pytest.raises(RunMismatchError) as raised:
+    pipelines.run(other, str(tmp_path))
+  assert (f'client_overrides.fedavg.learning_rate: {shared} (none: the shared '
+          f'client.learning_rate) → 0.3') in str(raised.value)
+  assert 'client_learning_rate' not in str(raised.value)
+  trained = tmp_path / 'trained_with_override'
+  pipelines.run(other, str(trained))
+  with pytest.raises(RunMismatchError, match=r'client_overrides.fedavg.learning_rate: 0.3 → '
+                     rf'{shared} \(none: the shared client.learning_rate\)'):
+    pipelines.run(quick(), str(trained))
+  # The shared rate does not train a method that overrides it.
+  pipelines.run(override(other.copy_and_resolve_references(), **{'client.learning_rate': 0.7}),
+                str(trained))
 
 
 def test_other_benchmarks_fields_do_not_fingerprint_a_run(tmp_path):
@@ -449,13 +473,44 @@ def kill_corrupt_resume(workdir, trial: int, sig=signal.SIGKILL, pipeline='feder
   steps = sorted(int(p) for p in os.listdir(checkpoints) if p.isdigit()) \
       if os.path.isdir(checkpoints) else []
   if sig != signal.SIGKILL and proc.returncode != 0:   # it had not finished: it stopped itself
+    # After the round it was training, with a checkpoint; or at once when that round's
+    # predecessor was just checkpointed (nothing trained waited to be saved).
     assert proc.returncode == 143, stderr[-2000:]
-    assert f'{signal.Signals(sig).name} received: stopped after round {steps[-1]}' in stderr
+    name = signal.Signals(sig).name
+    assert (f'{name} received: stopped after round {steps[-1]}' in stderr or
+            f'{name} received while no trained round was waiting' in stderr), stderr[-2000:]
     assert len(read_metrics(newest)) == steps[-1]  # checkpointed the round it ended
   if kind != 'none' and steps:
     corrupt(os.path.join(checkpoints, str(steps[-1])), kind, rng)
   subprocess.run(_launch(workdir, pipeline), check=True, capture_output=True, cwd=ROOT)
   return kill_after, kind, all_metrics(workdir)
+
+
+@pytest.mark.parametrize('sig, status', [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_while_compiling_stops_at_once_saying_nothing_was_trained(sig, status,
+                                                                           tmp_path):
+  # Before: Ctrl-C while compiling segfaulted in 2 of 5 tries after claiming the trained
+  # rounds were checkpointed, and SIGTERM waited for the end of a round. The signal is
+  # sent as the run announces its data (it builds the round next, then compiles it for
+  # seconds): the process must end within 10 s, its lock let go, no round recorded.
+  proc = subprocess.Popen(_launch(tmp_path), cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  lines = []
+  for line in proc.stderr:
+    lines.append(line)
+    if 'train examples' in line:   # 'fedavg seed 0: 10 clients, … train examples …'
+      break
+  sent = time.time()
+  proc.send_signal(sig)
+  rest = proc.communicate(timeout=60)[1]
+  assert time.time() - sent < 10
+  assert proc.returncode == status, ''.join(lines) + rest
+  assert (f'{signal.Signals(sig).name} received while no trained round was waiting to be '
+          'checkpointed') in rest
+  assert 'Segmentation fault' not in rest and 'Traceback' not in rest
+  assert not os.path.exists(tmp_path / '.lock')
+  assert not os.path.exists(tmp_path / RUN / 'metrics.jsonl') or not read_metrics(
+      str(tmp_path / RUN / 'metrics.jsonl'))
 
 
 @pytest.mark.parametrize('trial, sig', [(1, signal.SIGKILL), (2, signal.SIGKILL),

@@ -230,8 +230,8 @@ def test_a_round_out_of_device_memory_names_the_fields_to_lower():
     raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to '
                                      'allocate 80.00GiB.')
 
-  round_fn = engine.explain_out_of_memory(exhausted, RoundConfig(cohort_size=1000,
-                                                                 client_chunk=250))
+  round_fn = engine.ExplainedRound(exhausted, RoundConfig(cohort_size=1000,
+                                                          client_chunk=250))
   with pytest.raises(MemoryError, match=r'config.engine.client_chunk \(now 250.*'
                                         r'config.cohort_size'):
     round_fn()
@@ -240,7 +240,7 @@ def test_a_round_out_of_device_memory_names_the_fields_to_lower():
     raise jax.errors.JaxRuntimeError('INVALID_ARGUMENT: something else')
 
   with pytest.raises(jax.errors.JaxRuntimeError, match='INVALID_ARGUMENT'):
-    engine.explain_out_of_memory(other, RoundConfig(cohort_size=4))()
+    engine.ExplainedRound(other, RoundConfig(cohort_size=4))()
 
 
 def test_likely_bounds_hold_likely_cohorts_below_the_bounds_every_cohort_holds():

@@ -257,6 +257,37 @@ def test_an_integer_swept_over_a_float_field_is_the_floats_point():
   assert sweep.point_name(sweep.method_points(config, 'fedavg')[0]) == 'client.batch_size=8'
 
 
+def test_a_methods_own_rate_sweeps_without_an_override_set_first():
+  # Before: sweeping client_overrides.fedprox.learning_rate was 'not a field of the
+  # config' unless the override was set too. Unset, it reads the shared rate the method
+  # trains with; each point sets it, the shared rate and FedAvg untouched.
+  from fedjax_shift.pipelines.federated import check
+  config = tiny_config(algorithms=('fedavg', 'fedprox'), sweep=sweep.grid(
+      {'client_overrides.fedprox.learning_rate': (0.3, 0.5)}))
+  assert 'fedprox' not in config.client_overrides
+  check(config)
+  assert sweep.field_value(config, 'client_overrides.fedprox.learning_rate') == \
+      config.client.learning_rate
+  assert sweep.method_points(config, 'fedavg') == [{}]
+  points = sweep.method_points(config, 'fedprox')
+  assert points == [{'client_overrides.fedprox.learning_rate': 0.3},
+                    {'client_overrides.fedprox.learning_rate': 0.5}]
+  point = sweep.with_values(config, points[1])
+  assert point.client_overrides.fedprox.learning_rate == 0.5
+  assert point.client.learning_rate == config.client.learning_rate
+
+
+def test_entries_for_methods_not_run_are_listed():
+  config = tiny_config(algorithms=('fedavg',))
+  config.client_overrides.fedprox = {'learning_rate': 0.3}
+  config.sweep_metric = {'*': 'global/val/accuracy', 'moon': 'global/val/accuracy'}
+  assert sweep.entries_not_run(config) == {
+      'client_overrides.fedprox': {'learning_rate': 0.3},
+      'sweep_metric.moon': 'global/val/accuracy'}
+  config.algorithms = ('fedavg', 'fedprox', 'moon')
+  assert sweep.entries_not_run(config) == {}
+
+
 def test_points_times_vmapped_seeds_equal_the_points_seed_by_seed(tmp_path):
   from fedjax_shift.pipelines.runs import build_data
 

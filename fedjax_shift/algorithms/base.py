@@ -279,8 +279,10 @@ def build(name: str, config: ml_collections.ConfigDict, module, max_examples: in
   builder = ALGORITHMS.get(name, 'config.algorithms')
   if check:
     ALGORITHMS.check(name, config[name], f'config.{name}')
-  return builder(config[name], build_context(config, module, max_examples, info, num_clients,
-                                             example_shape, global_variables, name))
+  algorithm = builder(config[name], build_context(config, module, max_examples, info,
+                                                  num_clients, example_shape,
+                                                  global_variables, name))
+  return algorithm._replace(num_classes=getattr(module, 'num_classes', None))
 
 
 def epochs_schedule(schedule: LocalSchedule, epochs: int) -> LocalSchedule:

@@ -71,6 +71,9 @@ class FederatedAlgorithm(NamedTuple):
       the method has no personalised model (FedAvg, FedProx).
     global_model: (ServerState) -> Variables, or None when the method has no
       global model (Local, FedBN): then only personalised results are reported.
+    num_classes: C, the labels the model predicts (``algorithms.build`` sets it from
+      the module): the compiled round refuses data with labels outside [0, C).
+      None: labels are not range-checked.
   """
   init: Callable[[jax.Array, jax.Array], ServerState]
   init_client_state: Callable[[ServerState], ClientState]
@@ -78,3 +81,4 @@ class FederatedAlgorithm(NamedTuple):
   server_update: Callable[..., ServerState]
   personalize: Optional[Callable[..., Variables]]
   global_model: Optional[Callable[[ServerState], Variables]]
+  num_classes: Optional[int] = None

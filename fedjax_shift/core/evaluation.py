@@ -18,17 +18,22 @@ from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
 from fedjax_shift.core.round import NO_STEP_LIMIT
 from fedjax_shift.core.test_time import client_runner
 from fedjax_shift.data.federated import FederatedData
-from fedjax_shift.data.store import ClientStore
+from fedjax_shift.data.store import ClientStore, validate_split
 
 PyTree = Any
 
 
 def logits_metrics(logits: jax.Array, y: jax.Array, mask: jax.Array) -> Dict[str, jax.Array]:
-  """Sums {'correct', 'loss', 'count'} (scalars) of logits [N, C] on labels y [N]."""
+  """Sums {'correct', 'loss', 'count'} (scalars) of logits [N, C] on labels y [N].
+
+  A real example's label outside [0, C) has no logit (optax reads -1 as class C-1):
+  then 'correct' and 'loss' are NaN, never another class's score."""
   weight = mask.astype(jnp.float32)
   loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-  return {'correct': jnp.sum((jnp.argmax(logits, -1) == y) * weight),
-          'loss': jnp.sum(loss * weight), 'count': jnp.sum(weight)}
+  outside = jnp.any(((y < 0) | (y >= logits.shape[-1])) & mask)
+  unscorable = jnp.where(outside, jnp.nan, 0.0)
+  return {'correct': jnp.sum((jnp.argmax(logits, -1) == y) * weight) + unscorable,
+          'loss': jnp.sum(loss * weight) + unscorable, 'count': jnp.sum(weight)}
 
 
 def split_logits(module, variables, x: jax.Array, batch_size: int) -> jax.Array:
@@ -47,9 +52,19 @@ def split_logits(module, variables, x: jax.Array, batch_size: int) -> jax.Array:
 def split_metrics(module, variables, x, y, mask, batch_size: int) -> Dict[str, jax.Array]:
   """Sums over one client's split: {'correct', 'loss', 'count'} (scalars).
 
-  x: [N, ...]; evaluated in eval mode in batches of ``batch_size`` (lax.map).
+  x: [N, ...]; evaluated in eval mode in batches of ``batch_size`` (lax.map). Called on
+  arrays (not inside a jit), inputs that are not finite and labels outside [0, C) are a
+  ValueError; traced, such labels make the sums NaN (``logits_metrics``).
   """
-  return logits_metrics(split_logits(module, variables, x, batch_size), y, mask)
+  logits = split_logits(module, variables, x, batch_size)
+  if not any(isinstance(a, jax.core.Tracer) for a in (x, y, mask)):
+    split = FederatedData(*(np.asarray(a)[None] for a in (x, y, mask)),
+                          np.asarray(mask).sum(keepdims=True))
+    try:
+      validate_split(split, logits.shape[-1])
+    except ValueError as err:
+      raise ValueError(f'split_metrics: {str(err).removeprefix("client 0: ")}') from None
+  return logits_metrics(logits, y, mask)
 
 
 def personalized_variables(algorithm: FederatedAlgorithm, server_state, client_state,

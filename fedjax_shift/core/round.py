@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
 from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.data.federated import FederatedData
-from fedjax_shift.data.store import ClientStore, gather_clients, mapped_file
+from fedjax_shift.data.store import ClientStore, FirstUseCheck, gather_clients, mapped_file
 
 # A population: padded (FederatedData [K, N, ...]) or stored compactly (ClientStore).
 Store = Union[FederatedData, ClientStore]
@@ -335,7 +335,7 @@ def _finish_round(algorithm: FederatedAlgorithm, config: RoundConfig, server_sta
 
 def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
                 mesh: Optional[Mesh] = None, donate: bool = False, backend: str = 'vmap',
-                rounds_per_call: int = 1):
+                rounds_per_call: int = 1, check_data: bool = True):
   """Returns ``(round_device, round_host)``.
 
   With ``rounds_per_call`` R > 1, round_device is instead
@@ -353,6 +353,11 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
   runs the same computation as a Python loop over a jitted ``client_update``
   (fedjax-style; a debug backend whose errors name the client, and the faster one
   for convolutional models on XLA:CPU); it does not support ``mesh``.
+
+  Each data object either is called with is checked the first time it is seen
+  (``store.FirstUseCheck``: shapes, finite inputs, labels in [0, algorithm.num_classes));
+  ``check_data=False`` for callers that validated their data already (the pipelines:
+  their host cohorts are new arrays every round).
   """
   if backend not in BACKENDS:
     raise ValueError(f'unknown round backend {backend!r}; choose from {list(BACKENDS)}')
@@ -365,10 +370,19 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
   if rounds_per_call > 1 and backend != 'vmap':
     raise ValueError('config.engine.rounds_per_call > 1 scans rounds inside one compiled '
                      "program: it needs config.engine.backend='vmap'")
+  def explain(round_fn, what: str, padded_rows: bool = False):
+    check = (FirstUseCheck(algorithm.num_classes, what, padded_rows) if check_data
+             else lambda data: None)
+    return ExplainedRound(round_fn, config, check)
+
+  def explain_both(round_device, round_host):
+    return (explain(round_device, 'the data of the round'),
+            explain(round_host, "the round's cohort", padded_rows=True))
+
   if backend == 'loop':
     if mesh is not None:
       raise ValueError("backend='loop' runs clients one at a time; it takes no mesh")
-    return _build_loop_round(algorithm, config)
+    return explain_both(*_build_loop_round(algorithm, config))
 
   def shard_clients(tree):
     if mesh is None:
@@ -398,34 +412,32 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
     return round_on_rows(server_state, client_states, store, cohort_ids, cohort_ids, key)
 
   donate_argnums = (0, 1) if donate else ()
-  explain = functools.partial(explain_out_of_memory, config=config)
   on_device = _scan_rounds(round_device) if rounds_per_call > 1 else round_device
   # Over several processes every output is replicated on the mesh: each process holds
   # the whole state, to checkpoint and evaluate (fedjax_shift/distributed.py).
   out = ({'out_shardings': NamedSharding(mesh, PartitionSpec())}
          if mesh is not None and jax.process_count() > 1 else {})
-  return (explain(jax.jit(on_device, donate_argnums=donate_argnums, **out)),
-          explain(jax.jit(round_on_cohort, donate_argnums=donate_argnums, **out)))
-
-
-def explain_out_of_memory(round_fn, config: RoundConfig) -> 'ExplainedRound':
-  """``round_fn`` whose out-of-memory error says which fields to lower."""
-  return ExplainedRound(round_fn, config)
+  return explain_both(jax.jit(on_device, donate_argnums=donate_argnums, **out),
+                      jax.jit(round_on_cohort, donate_argnums=donate_argnums, **out))
 
 
 class ExplainedRound:
-  """A compiled round whose out-of-memory error names the fields to lower: the width of
-  the vmapped client groups (``client_chunk``) or the cohort. Everything else
-  (``lower``, the cache) is the jitted function's."""
+  """A compiled round whose data are checked before their first use (``check`` of the
+  store or cohort argument) and whose out-of-memory error names the fields to lower:
+  the width of the vmapped client groups (``client_chunk``) or the cohort. Everything
+  else (``lower``, the cache) is the jitted function's."""
 
-  def __init__(self, round_fn, config: RoundConfig):
+  def __init__(self, round_fn, config: RoundConfig, check=lambda data: None):
     self._round_fn = round_fn
     self._config = config
+    self._check = check
 
   def __getattr__(self, name):
     return getattr(self._round_fn, name)
 
   def __call__(self, *args):
+    if len(args) > 2:
+      self._check(args[2])
     try:
       return self._round_fn(*args)
     except flax.errors.ScopeParamShapeError as err:

@@ -15,6 +15,7 @@ Eq. 2, which minimises Eq. 7 over the local test set before predicting.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
@@ -24,6 +25,7 @@ import optax
 
 from fedjax_shift.core.local import select
 from fedjax_shift.data.federated import FederatedData
+from fedjax_shift.data.store import FirstUseCheck
 from fedjax_shift.registry import Registry
 
 AdaptState = Any
@@ -192,6 +194,9 @@ def build_test_time(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
   ``variables`` are shared by every client (the global model); client k's adapter
   key is ``fold_in(rng, client_ids[k])`` (``client_ids`` defaults to 0..K−1; pass the
   population ids when running a subset so every client keeps its key).
+
+  Each ``data`` is checked the first time it is seen (``store.FirstUseCheck``): inputs
+  that are not finite and labels outside [0, C) of the adapter's logits are a ValueError.
   """
   one_client = client_runner(adapter, batch_size, mode)
 
@@ -202,4 +207,19 @@ def build_test_time(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
     return jax.vmap(one_client, (None, 0, 0, 0, 0))(variables, data.x, data.y,
                                                     data.num_examples, keys)
 
-  return jax.jit(run)
+  def num_classes(data: FederatedData, variables, rng, *_) -> int:
+    batch = AdaptBatch(jnp.zeros((batch_size,) + tuple(data.x.shape[2:]), jnp.float32),
+                       jnp.ones((batch_size,), jnp.float32))
+    logits = jax.eval_shape(lambda v, key: adapter.step(adapter.init(v, key), batch)[1],
+                            variables, rng)
+    return logits.shape[-1]
+
+  check = FirstUseCheck(num_classes, 'the data of the test-time run')
+  compiled = jax.jit(run)
+
+  @functools.wraps(run)
+  def checked_run(variables, data: FederatedData, rng, client_ids=None):
+    check(data, variables, rng)
+    return compiled(variables, data, rng, client_ids)
+
+  return checked_run

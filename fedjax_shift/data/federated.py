@@ -8,7 +8,7 @@ examples has ``num_examples == 0`` and gets weight 0 in every average.
 """
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Sequence
+from typing import Dict, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -129,14 +129,16 @@ def check_integer_labels(y: np.ndarray, where: str) -> None:
       raise ValueError(f'{where}: label {y[fractional][0]} is not an integer class index')
 
 
-def validate(data: FederatedData, num_classes: int, split: str = '') -> None:
+def validate(data: FederatedData, num_classes: Optional[int], split: str = '') -> None:
   """Raises ValueError naming the client on malformed data.
 
   Checks shapes (x [K, N, ...], y and mask [K, N], num_examples [K]),
   mask/num_examples consistency, finiteness of inputs, and integer labels in
-  [0, num_classes) for every real (unmasked) example.
+  [0, num_classes) for every real (unmasked) example (any integer when
+  ``num_classes`` is None).
   """
   where = f' in split {split!r}' if split else ''
+  data = FederatedData(*(np.asarray(array) for array in data))   # jax arrays: to the host
   if np.ndim(data.y) != 2:
     raise ValueError(f'labels{where} must be [clients, examples], got shape {np.shape(data.y)}')
   num_clients, num_pad = data.y.shape
@@ -158,6 +160,8 @@ def validate(data: FederatedData, num_classes: int, split: str = '') -> None:
   bad = np.nonzero((~finite & data.mask).any(1))[0]
   if bad.size:
     raise ValueError(f'client {bad[0]}{where}: inputs contain NaN or inf')
+  if num_classes is None:
+    return
   out_of_range = ((data.y < 0) | (data.y >= num_classes)) & data.mask
   bad = np.nonzero(out_of_range.any(1))[0]
   if bad.size:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from typing import Optional, Sequence, Tuple
 
 import flax
@@ -29,6 +30,7 @@ import numpy as np
 from fedjax_shift.data.federated import (FederatedData, check_integer_labels,
                                          client_statistics, partition_statistics)
 from fedjax_shift.data.federated import pad_examples as federated_pad_examples
+from fedjax_shift.data.federated import validate as federated_validate
 
 MAX_PALETTE = 256
 # A store's arrays start on this many bytes, so that on a CPU ``jax.device_put`` uses
@@ -203,7 +205,8 @@ def encode_inputs(x: np.ndarray, rows: Optional[np.ndarray] = None
   block = max(1, ENCODE_VALUES // max(1, int(np.prod(x.shape[1:]))))
   for start in range(0, len(rows), block):
     values = x[rows[start:start + block]].astype(np.float32, copy=False)
-    chunk = np.clip(np.rint(values * 255), 0, 255).astype(np.uint8)
+    with np.errstate(invalid='ignore'):   # NaN casts to some code; the comparison fails
+      chunk = np.clip(np.rint(values * 255), 0, 255).astype(np.uint8)
     if not np.array_equal(grey[chunk], values):
       break
     codes[start:start + block] = chunk
@@ -348,10 +351,13 @@ def padded_chunks(split):
     yield split.take(np.arange(start, min(start + width, split.num_clients)))
 
 
-def validate_store(store: ClientStore, num_classes: int, split: str = '') -> None:
+def validate_store(store: ClientStore, num_classes: Optional[int], split: str = '',
+                   padded_rows: bool = False) -> None:
   """Raises ValueError naming the split (and client) on a malformed store: offsets that
   do not start at 0, decrease or disagree with ``num_examples`` or the stored rows,
-  codes past the palette, inputs that are not finite, labels outside [0, num_classes)."""
+  codes past the palette, inputs that are not finite, labels outside [0, num_classes)
+  (not checked when ``num_classes`` is None). ``padded_rows``: rows past the last
+  client's are padding, unchecked (a host cohort, ``round.cohort_store``)."""
   where = f' in split {split!r}' if split else ''
   offsets, counts = np.asarray(store.offsets, np.int64), np.asarray(store.num_examples)
   if offsets.shape != (counts.shape[0] + 1,) or offsets[0] != 0:
@@ -362,8 +368,10 @@ def validate_store(store: ClientStore, num_classes: int, split: str = '') -> Non
   if bad.size:
     raise ValueError(f'client {bad[0]}{where}: offsets give {steps[bad[0]]} examples, '
                      f'num_examples {counts[bad[0]]}')
-  if offsets[-1] != len(store.y) or len(store.x) != len(store.y):
-    raise ValueError(f'the offsets{where} end at {offsets[-1]} but the store holds '
+  stored = int(offsets[-1])
+  if (stored > len(store.y) or (stored != len(store.y) and not padded_rows)
+      or len(store.x) != len(store.y)):
+    raise ValueError(f'the offsets{where} end at {stored} but the store holds '
                      f'{len(store.x)} inputs and {len(store.y)} labels')
   x = store.x
   client_of = lambda row: int(np.searchsorted(offsets, row, side='right') - 1)
@@ -371,8 +379,8 @@ def validate_store(store: ClientStore, num_classes: int, split: str = '') -> Non
   width = max(1, CHUNK_BYTES // per_row)
   palette = None if store.palette is None else np.asarray(store.palette)
   finite_code = None if palette is None else np.isfinite(palette)
-  for start in range(0, len(x), width):   # a chunk at a time: x may be a mapped file
-    rows = np.asarray(x[start:start + width])
+  for start in range(0, stored, width):   # a chunk at a time: x may be a mapped file
+    rows = np.asarray(x[start:min(start + width, stored)])
     if palette is not None:
       if rows.size and int(rows.max()) >= len(palette):
         raise ValueError(f'code {int(rows.max())}{where} is past the palette of '
@@ -384,12 +392,59 @@ def validate_store(store: ClientStore, num_classes: int, split: str = '') -> Non
     if not finite.all():
       raise ValueError(f'client {client_of(start + int(np.argmin(finite)))}{where}: inputs '
                        'contain NaN or inf')
-  y = np.asarray(store.y)
+  if num_classes is None:
+    return
+  y = np.asarray(store.y[:stored])
   outside = (y < 0) | (y >= num_classes)
   if outside.any():
     row = int(np.argmax(outside))
     raise ValueError(f'client {client_of(row)}{where}: label {y[row]} outside '
                      f'[0, {num_classes})')
+
+
+def validate_split(split, num_classes: Optional[int], name: str = '',
+                   padded_rows: bool = False) -> None:
+  """``validate_store`` of a ClientStore, ``federated.validate`` of a FederatedData
+  (labels unchecked where ``num_classes`` is None); ValueError naming split and client."""
+  if is_store(split):
+    validate_store(split, num_classes, name, padded_rows)
+  else:
+    federated_validate(split, num_classes, name)
+
+
+class FirstUseCheck:
+  """``validate_split`` of each data object a compiled entry point is called with, the
+  first time it is seen (a jitted program cannot raise on its values: labels outside
+  [0, C) would train as other classes, NaN inputs as NaN). Objects are told apart by
+  their arrays' identity, held weakly; an array changed in place after its first use
+  is not checked again.
+
+  ``num_classes``: C, or a function of the call's arguments giving it (computed only
+  for data not seen yet), or None (shapes and finiteness only). ``what`` begins the
+  error: the data's role ('the data of the round'); ``padded_rows``: a store's rows past
+  its last client's are padding (``validate_store``).
+  """
+
+  def __init__(self, num_classes, what: str, padded_rows: bool = False):
+    self._num_classes = num_classes
+    self._what = what
+    self._padded_rows = padded_rows
+    self._seen = {}
+
+  def __call__(self, data, *args) -> None:
+    if not isinstance(data, (ClientStore, FederatedData)):
+      return
+    key = (id(data.x), id(data.y))
+    if key in self._seen:
+      return
+    num_classes = (self._num_classes(data, *args) if callable(self._num_classes)
+                   else self._num_classes)
+    try:
+      validate_split(data, num_classes, padded_rows=self._padded_rows)
+    except ValueError as err:
+      raise ValueError(f'{self._what}: {err}') from None
+    forget = lambda _, key=key: self._seen.pop(key, None)
+    self._seen[key] = (weakref.ref(data.x, forget), weakref.ref(data.y, forget))
 
 
 # A store saved to a directory (``save``): one .npy file an array, and this file with

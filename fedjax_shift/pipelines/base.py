@@ -27,6 +27,7 @@ from fedjax_shift.algorithms import ALGORITHMS, base
 from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS
 from fedjax_shift.core.round import BACKENDS, SAMPLING, WEIGHTING
 from fedjax_shift.core.test_time import ADAPTERS, mode_problem
+from fedjax_shift.metrics import RECORDED_OVERRIDES
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.registry import Registry, require, require_distinct
 
@@ -408,13 +409,6 @@ def other_benchmark_fields(benchmark: str) -> set:
                                  BENCHMARKS.names() else ())
   return {f'data.{field}' for name in BENCHMARKS.names()
           for field in BENCHMARKS.defaults(name) if field not in own}
-
-
-# How run.json records a method's client overrides: its learning rate and batch size
-# under the names runs have always been recorded with (each method's section had them,
-# 0 for the shared value), any other field as client_overrides.<method>.<field>.
-RECORDED_OVERRIDES = {'learning_rate': ('client_learning_rate', 0.0),
-                      'batch_size': ('client_batch_size', 0)}
 
 
 def override_fields(config: ml_collections.ConfigDict, names: Sequence[str]) -> dict:

@@ -124,6 +124,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   run_dirs: Dict[str, List[str]] = {}
   programs: Dict = {}  # compiled once per method and data shapes, reused across seeds
   backbone = pretrain.backbone_for(config, workdir)
+  unused = sweep.entries_not_run(config)
+  if unused:
+    log.warning('config.algorithms %s does not run %s: those entries are unused',
+                list(config.algorithms), ', '.join(f'config.{path}' for path in unused))
   if sweep.parse(config.sweep) and sweep.parse_metric(config.sweep_metric):
     # the selection metrics' splits, against the data (built once, kept for the runs)
     bench = shared_data(config, config.seeds[0], programs)

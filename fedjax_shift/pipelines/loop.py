@@ -36,6 +36,7 @@ from jax import monitoring
 from fedjax_shift import distributed
 from fedjax_shift.checkpoint import RunState
 from fedjax_shift.core.round import memory_error
+from fedjax_shift.pipelines.workdir import WorkdirLock
 
 log = logging.getLogger('fedjax_shift')
 
@@ -71,6 +72,11 @@ class Preempted(Exception):
   command resumes from them."""
 
 
+class Interrupted(KeyboardInterrupt):
+  """Ctrl-C stopped training; the message says which round was saved (or that none had
+  been trained)."""
+
+
 # The signals that stop training at the end of the current round, checkpointed.
 PREEMPT_SIGNALS = ('SIGTERM', 'SIGUSR1')
 
@@ -95,6 +101,92 @@ def stop_requests():
   finally:
     for number, handler in previous.items():
       signal.signal(number, handler)
+
+
+class PromptStop:
+  """Stops the process at once on SIGINT, SIGTERM or SIGUSR1 received while no round
+  it trained waits to be checkpointed: while it builds the data or compiles (XLA holds
+  the interpreter for as long as a compilation takes, so a Python handler would run only
+  after it), and between a round's checkpoint and the next round's end. It prints why,
+  lets go of the workdir locks this process holds and exits with status 130 (Ctrl-C) or
+  143 (a preempt signal, as after a checkpointed stop). While trained rounds are unsaved, the loop's handling applies: a
+  preempt signal stops after the round with a checkpoint, Ctrl-C saves and stops.
+
+  The command line's (``launch/train.py``) around a whole run: the signal is seen by a
+  thread of its own through ``signal.set_wakeup_fd``, written by the interpreter's C
+  handler whatever the main thread does. From Python (a notebook) nothing changes.
+  """
+  active: Optional['PromptStop'] = None   # signals belong to the process: one at a time
+  SIGNALS = ('SIGINT',) + PREEMPT_SIGNALS
+
+  def __init__(self, program: str):
+    self.program = program
+    self.unsaved = False   # set by ``train``: rounds trained since the last checkpoint
+    self._previous: Dict[int, Any] = {}
+
+  def __enter__(self) -> 'PromptStop':
+    if threading.current_thread() is not threading.main_thread():
+      return self
+    import socket
+    self._reader, self._writer = socket.socketpair()
+    self._writer.setblocking(False)
+    self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+    self._numbers = {getattr(signal, name) for name in self.SIGNALS if hasattr(signal, name)}
+    for number in self._numbers:
+      self._previous[number] = signal.signal(number, self._on_main_thread)
+    self._watcher = threading.Thread(target=self._watch, name='prompt-stop', daemon=True)
+    self._watcher.start()
+    PromptStop.active = self
+    return self
+
+  def _on_main_thread(self, number, frame) -> None:
+    # The interpreter's handler, run between two bytecodes of the main thread: Ctrl-C
+    # with rounds unsaved is KeyboardInterrupt (the loop saves them); everything else
+    # is the watcher's.
+    if number == signal.SIGINT and self.unsaved:
+      raise KeyboardInterrupt
+
+  def _watch(self) -> None:
+    while True:
+      try:
+        received = self._reader.recv(64)
+      except OSError:
+        return
+      if not received:
+        return
+      for number in received:
+        if number in self._numbers and not self.unsaved:
+          self._stop(number)
+
+  def _stop(self, number: int) -> None:
+    name = signal.Signals(number).name
+    print(f'{self.program}: {name} received while no trained round was waiting to be '
+          f'checkpointed (building the data, compiling, or just after a checkpoint): '
+          f'stopped at once. Run the same command again to go on from the last checkpoint '
+          f'in the workdir (from the start where there is none)', file=sys.stderr, flush=True)
+    WorkdirLock.release_held()
+    # The statuses of the stops the loop makes itself (launch/train.py): 130 for Ctrl-C,
+    # 143 for a preempt signal. os._exit: the main thread may be inside XLA.
+    os._exit(130 if number == signal.SIGINT else 143)
+
+  def __exit__(self, *exc) -> None:
+    if PromptStop.active is not self:
+      return
+    PromptStop.active = None
+    for number, handler in self._previous.items():
+      signal.signal(number, handler)
+    signal.set_wakeup_fd(self._previous_fd)
+    self._writer.close()
+    self._reader.shutdown(2)
+    self._watcher.join()
+    self._reader.close()
+
+
+def mark_unsaved(unsaved: bool) -> None:
+  """Tells the command line's ``PromptStop`` (when there is one) whether rounds trained
+  since the last checkpoint wait to be saved."""
+  if PromptStop.active is not None:
+    PromptStop.active.unsaved = unsaved
 
 
 class Run(NamedTuple):
@@ -285,10 +377,14 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
     runs[i].checkpointer.save(
         round_index, RunState(*trainer.take(state, i), jnp.float32(elapsed[i])), force=True)
 
+  saved_at = [run.start_round for run in runs]   # each run's last checkpoint
+
   def save_live() -> None:
     for i, run in enumerate(runs):
       if i not in diverged and completed > run.start_round:
         save(completed, i)
+        saved_at[i] = completed
+    mark_unsaved(False)
 
   signals = contextlib.ExitStack()
   requests = signals.enter_context(stop_requests())
@@ -307,6 +403,7 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
         if explained is None:
           raise
         raise explained from err
+      mark_unsaved(True)
       seconds = time.perf_counter() - tick
       compile_seconds = compiling.take()
       first, completed = completed, stop
@@ -347,6 +444,8 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
         if completed == rounds or any(r % checkpoint_every == 0
                                       for r in range(first + 1, completed + 1)):
           save(completed, i)
+          saved_at[i] = completed
+      mark_unsaved(any(saved_at[i] != completed for i in range(count) if i not in diverged))
       if len(diverged) == count:   # nothing left to train
         break
       if bar is not None:
@@ -366,11 +465,13 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
                         f'{rounds} with checkpoints saved ({", ".join(r.label for r in runs)}); '
                         f'run the same command again to resume')
   except KeyboardInterrupt:
+    saved = [run.label for i, run in enumerate(runs)
+             if i not in diverged and completed > run.start_round]
     save_live()
-    log.warning('interrupted: saved round %d of %s', completed,
-                ', '.join(run.label for run in runs))
-    raise
+    raise Interrupted(f'interrupted: saved round {completed} of {", ".join(saved)}' if saved
+                      else 'interrupted before a round was trained: nothing to save') from None
   finally:
+    mark_unsaved(False)   # what is not saved now is lost with the error that ends the loop
     signals.close()
     if bar is not None:
       bar.close()

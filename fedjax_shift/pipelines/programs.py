@@ -93,7 +93,8 @@ def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, modul
                                          if config.engine.num_devices else None,
                                          donate=config.engine.donate,
                                          backend=round_backend(config),
-                                         rounds_per_call=config.engine.rounds_per_call)
+                                         rounds_per_call=config.engine.rounds_per_call,
+                                         check_data=False)   # runs.validate_benchmark
   adapters = None
   if algorithm_name in tuple(config.eval_adapter_algorithms):
     adapters = eval_adapters(config, module, bench.num_classes, algorithm_name,

@@ -143,10 +143,7 @@ def validate_benchmark(bench: Benchmark) -> None:
   if 'train' not in bench.splits:
     raise ValueError(f'the benchmark has no train split (splits: {sorted(bench.splits)})')
   for name, split in bench.splits.items():
-    if store.is_store(split):
-      store.validate_store(split, bench.num_classes, name)
-    else:
-      federated.validate(split, bench.num_classes, name)
+    store.validate_split(split, bench.num_classes, name)
     if split.num_clients != bench.splits['train'].num_clients:
       raise ValueError(f'split {name!r} has {split.num_clients} clients, the train split '
                        f'{bench.splits["train"].num_clients}')

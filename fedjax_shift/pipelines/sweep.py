@@ -131,9 +131,15 @@ def legacy_flag(arg: str) -> str:
 
 
 def field_value(config: ml_collections.ConfigDict, path: str):
-  """The value of dotted ``path`` in ``config``; KeyError naming it when absent."""
+  """The value of dotted ``path`` in ``config``; KeyError naming it when absent. A
+  method's client override that is not set (``client_overrides.<method>.<field>``) has
+  the value the method trains with, the shared ``client.<field>``."""
+  parts = path.split('.')
+  if (len(parts) == 3 and parts[0] == 'client_overrides' and parts[2] in config.client
+      and parts[2] not in config.client_overrides.get(parts[1], {})):
+    return config.client[parts[2]]
   node = config
-  for part in path.split('.'):
+  for part in parts:
     if not isinstance(node, (ml_collections.ConfigDict, dict)) or part not in node:
       raise KeyError(path)
     node = node[part]
@@ -150,8 +156,8 @@ def with_values(config: ml_collections.ConfigDict, point: Mapping[str, Any]
     *parents, leaf = path.split('.')
     node = tree
     for part in parents:
-      node = node[part]
-    old = node[leaf]
+      node = node.setdefault(part, {})   # an override not set yet (``field_value``)
+    old = field_value(config, path)
     node[leaf] = type(old)(value) if isinstance(value, (int, float)) else value
   return ml_collections.ConfigDict(tree)
 
@@ -290,6 +296,28 @@ def parse_metric(section: Mapping[str, str]) -> Dict[str, str]:
     require(isinstance(name, str) and isinstance(metric, str) and metric, 'sweep_metric',
             f'maps method names to metric keys, got {name!r}: {metric!r}')
   return {name: check_metric_key(metric) for name, metric in metrics.items()}
+
+
+def method_entries(config: ml_collections.ConfigDict) -> Dict[str, Any]:
+  """{'client_overrides.<method>' or 'sweep_metric.<method>': the entry} for each entry
+  of those sections that names a method."""
+  out = {}
+  for name in config.client_overrides.keys():
+    section = config.client_overrides[name]
+    out[f'client_overrides.{name}'] = (section.to_dict() if isinstance(
+        section, ml_collections.ConfigDict) else section)
+  for name, metric in parse_metric(config.sweep_metric).items():
+    if name != '*':
+      out[f'sweep_metric.{name}'] = metric
+  return out
+
+
+def entries_not_run(config: ml_collections.ConfigDict) -> Dict[str, Any]:
+  """The ``method_entries`` naming a method that ``config.algorithms`` does not run: they
+  are unused (a paper's config may carry them for the rows a shorter list leaves out)."""
+  run = set(config.algorithms)
+  return {path: entry for path, entry in method_entries(config).items()
+          if path.split('.')[1] not in run}
 
 
 # What a selection metric's key ends with: '<model>/<split>/<statistic>'.

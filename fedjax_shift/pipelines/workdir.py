@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from typing import Dict, Iterable, Optional, Tuple
 
 import ml_collections
@@ -283,6 +284,9 @@ class WorkdirLock:
   is an error that names its holder. Use as a context manager.
   """
 
+  # The locks this process holds, for ``release_held`` (a process stopping at once).
+  held_by_this_process: 'weakref.WeakSet[WorkdirLock]' = weakref.WeakSet()
+
   def __init__(self, workdir: str):
     self.path = os.path.join(workdir, '.lock')
     self.held = False
@@ -349,6 +353,7 @@ class WorkdirLock:
           os.remove(self.path)
         os.link(draft, self.path)
         self.held = True
+        WorkdirLock.held_by_this_process.add(self)
         return self
     finally:
       os.remove(draft)
@@ -360,9 +365,16 @@ class WorkdirLock:
         if holder is not None and holder.get('pid') == os.getpid():
           os.remove(self.path)
       self.held = False
+      WorkdirLock.held_by_this_process.discard(self)
 
   def __enter__(self) -> 'WorkdirLock':
     return self.acquire()
+
+  @staticmethod
+  def release_held() -> None:
+    """Lets go of every lock this process holds (before it exits without unwinding)."""
+    for lock in list(WorkdirLock.held_by_this_process):
+      lock.release()
 
   def __exit__(self, *exc) -> None:
     self.release()
