@@ -149,3 +149,92 @@ def wait_for_coordinator(address: str, timeout_seconds: float) -> Optional[str]:
       if time.time() >= deadline:
         return f'{type(err).__name__}: {err}'
     time.sleep(0.5)
+
+
+def runtime_line(line: str) -> str:
+  """'fatal' for a line of the error with which JAX's distributed runtime ends a process
+  (an absl F-line, then a C++ stack and SIGABRT), 'error' for its error lines before it
+  (they name the lost process), '' for any other line."""
+  import re
+  if 'Check failure stack trace' in line or 'Terminating process because' in line:
+    return 'fatal'
+  logged = re.match(r'([EF])\d{4} ', line)
+  if logged and re.search(r'coordination|distributed|heartbeat|[Bb]arrier', line):
+    return 'fatal' if logged.group(1) == 'F' else 'error'
+  return ''
+
+
+def runtime_stop_cause(text: str, process_id: Optional[int], num_processes: Optional[int],
+                       coordinator: Optional[str], heartbeat_seconds: int,
+                       initialization_seconds: int) -> str:
+  """Why JAX's distributed runtime aborted process ``process_id`` of a run, from its
+  error ``text`` (the lines the runtime printed before its stack): which process it lost
+  and after how long, or that the run never gathered its processes, or that the
+  coordinator went away."""
+  import re
+  tasks = sorted({int(t) for t in re.findall(r'task[:_/ ]+(\d+)', text)} - {process_id})
+  if re.search(r'[Bb]arrier|DEADLINE_EXCEEDED.*(register|connect)|waiting for all tasks|'
+               r'not all tasks', text) and 'heartbeat' not in text.lower():
+    return (f'the run did not gather its --num_processes={num_processes} processes at '
+            f'coordinator {coordinator} within --initialization_timeout='
+            f'{initialization_seconds}s (start every process with the same --coordinator '
+            f'and --num_processes, and a distinct --process_id below {num_processes})')
+  if 'heartbeat' in text.lower() and tasks:
+    return (f'process {", ".join(map(str, tasks))} of this run stopped answering (no '
+            f'heartbeat for --heartbeat_timeout={heartbeat_seconds}s): killed, crashed or '
+            f'cut off from the network')
+  if process_id and ('UNAVAILABLE' in text or 'Socket closed' in text):
+    return (f'the coordinator {coordinator} (process 0) went away: process 0 stopped or '
+            f'its host cannot be reached')
+  return ('JAX\'s distributed runtime reported a fatal error of the run (another process '
+          'stopped, or the network between them failed): ' +
+          ' '.join(text.split())[:400])
+
+
+def port_holder(port: int) -> Optional[str]:
+  """'pid P (command)' of the process listening on TCP ``port`` on this host (Linux's
+  /proc, the processes this user may read), or None when it cannot be told."""
+  listening = set()
+  for table in ('/proc/net/tcp', '/proc/net/tcp6'):
+    try:
+      with open(table) as f:
+        rows = f.read().splitlines()[1:]
+    except OSError:
+      continue
+    for row in rows:
+      fields = row.split()
+      if len(fields) > 9 and fields[3] == '0A' and int(fields[1].rsplit(':', 1)[1], 16) == port:
+        listening.add(fields[9])   # the socket's inode
+  for pid in (p for p in os.listdir('/proc') if p.isdigit()) if listening else ():
+    try:
+      for fd in os.listdir(f'/proc/{pid}/fd'):
+        target = os.readlink(f'/proc/{pid}/fd/{fd}')
+        if target.startswith('socket:[') and target[8:-1] in listening:
+          with open(f'/proc/{pid}/cmdline', 'rb') as f:
+            command = f.read().replace(b'\0', b' ').decode(errors='replace').strip()
+          return f'pid {pid} ({command[:120]})'
+    except OSError:
+      continue
+  return None
+
+
+def coordinator_port_problem(address: str) -> Optional[str]:
+  """Why process 0 cannot serve the coordinator at ``address`` ('host:port') on this
+  host: the port is held by another program (named where this user can see it); None
+  when it can be bound."""
+  import socket
+  host, _, port = address.rpartition(':')
+  try:
+    number = int(port)
+  except ValueError:
+    return f'--coordinator={address}: the port {port!r} is not a number'
+  with socket.socket(socket.AF_INET6 if ':' in host.strip('[]') else socket.AF_INET) as probe:
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as a server binds
+    try:
+      probe.bind(('', number))
+    except OSError as err:
+      holder = port_holder(number)
+      return (f'the coordinator port {number} is in use on this host'
+              f'{" by " + holder if holder else ""} ({err.strerror}): stop that program or '
+              f'pass another port in --coordinator on every process')
+  return None

@@ -76,6 +76,51 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> pipelines.Results:
   return results
 
 
+# Set in the environment of the process ``supervise`` starts.
+SUPERVISED = 'FEDJAX_SHIFT_SUPERVISED_PROCESS'
+
+
+def supervise() -> int:
+  """Runs this command again as a child process and stands by it (a process of a
+  multi-host run): when JAX's distributed runtime aborts it (SIGABRT, after a C++
+  stack: another process lost, the run's processes never gathered, the coordinator
+  gone), this process prints one message naming the cause and the resume command
+  instead, and exits 1. Signals sent to this process go to the child; the child dies
+  with it (a ``kill -9`` of this process stops the run as it would stop it alone)."""
+  import signal
+  import subprocess
+  import ctypes
+
+  def die_with_parent():
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+
+  child = subprocess.Popen([sys.executable] + sys.argv, env={**os.environ, SUPERVISED: '1'},
+                           stderr=subprocess.PIPE, text=True, errors='replace', bufsize=1,
+                           start_new_session=True, preexec_fn=die_with_parent)
+  for name in ('SIGINT', 'SIGTERM', 'SIGUSR1'):
+    signal.signal(getattr(signal, name), lambda number, frame: child.send_signal(number))
+  runtime, aborting = [], False
+  for line in child.stderr:
+    kind = distributed.runtime_line(line)
+    if kind:
+      runtime.append(line)
+    aborting = aborting or kind == 'fatal'
+    if not aborting:   # the runtime's fatal error and the stacks after it: summarised below
+      sys.stderr.write(line)
+      sys.stderr.flush()
+  status = child.wait()
+  if status in (-signal.SIGABRT, 128 + signal.SIGABRT):
+    cause = distributed.runtime_stop_cause(
+        ''.join(runtime), _PROCESS_ID.value, _NUM_PROCESSES.value, _COORDINATOR.value,
+        _HEARTBEAT.value, _INIT_TIMEOUT.value)
+    print(f'launch/train.py: process {_PROCESS_ID.value if _PROCESS_ID.value is not None else "?"}'
+          f': stopped by JAX\'s distributed runtime: {cause}. The workdir keeps the '
+          f'checkpoints saved so far: run every process again with the same command to '
+          f'resume.', file=sys.stderr, flush=True)
+    return 1
+  return status if status >= 0 else 128 - status
+
+
 def main(argv):
   if len(argv) > 1:   # e.g. an unquoted --workdir with a space: its second word lands here
     print(f'launch/train.py: unexpected words on the command line: {argv[1:]}; every '
@@ -91,6 +136,13 @@ def main(argv):
     # made; on CPU XLA is deterministic already and this is a no-op.
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                                ' --xla_gpu_deterministic_ops=true').strip()
+  if _DISTRIBUTED.value and not os.environ.get(SUPERVISED):
+    sys.exit(supervise())
+  if _DISTRIBUTED.value and _COORDINATOR.value and _PROCESS_ID.value == 0:
+    problem = distributed.coordinator_port_problem(_COORDINATOR.value)   # process 0 serves it
+    if problem:
+      print(f'launch/train.py: --distributed: {problem}', file=sys.stderr)
+      sys.exit(USAGE_STATUS)
   if _DISTRIBUTED.value:
     # CPU devices of several processes talk through Gloo (GPUs and TPUs bring their own
     # collectives; the setting only concerns the CPU backend).

@@ -432,8 +432,9 @@ class FirstUseCheck:
     self._seen = {}
 
   def __call__(self, data, *args) -> None:
-    if not isinstance(data, (ClientStore, FederatedData)):
-      return
+    if (not isinstance(data, (ClientStore, FederatedData))
+        or any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(data))):
+      return   # inside a transformation (a vmapped grid): the values are not known here
     key = (id(data.x), id(data.y))
     if key in self._seen:
       return
