@@ -173,8 +173,8 @@ def runtime_stop_cause(text: str, process_id: Optional[int], num_processes: Opti
   coordinator went away."""
   import re
   tasks = sorted({int(t) for t in re.findall(r'task[:_/ ]+(\d+)', text)} - {process_id})
-  if re.search(r'[Bb]arrier|DEADLINE_EXCEEDED.*(register|connect)|waiting for all tasks|'
-               r'not all tasks', text) and 'heartbeat' not in text.lower():
+  if re.search(r'RegisterTask|barrier|waiting for all tasks|not all tasks', text,
+               re.IGNORECASE) and 'heartbeat' not in text.lower():
     return (f'the run did not gather its --num_processes={num_processes} processes at '
             f'coordinator {coordinator} within --initialization_timeout='
             f'{initialization_seconds}s (start every process with the same --coordinator '

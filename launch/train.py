@@ -102,9 +102,9 @@ def supervise() -> int:
   runtime, aborting = [], False
   for line in child.stderr:
     kind = distributed.runtime_line(line)
-    if kind:
-      runtime.append(line)
     aborting = aborting or kind == 'fatal'
+    if kind or (aborting and len(runtime) < 50):   # its error continues on the next lines
+      runtime.append(line)
     if not aborting:   # the runtime's fatal error and the stacks after it: summarised below
       sys.stderr.write(line)
       sys.stderr.flush()
