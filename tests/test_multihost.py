@@ -210,3 +210,21 @@ def test_a_host_store_over_two_processes_equals_one_process(tmp_path):
       log_of(workdir, 0)
   one_process(reference)
   assert_same_runs(workdir, reference)
+
+
+def test_a_coordinator_port_held_by_another_program_is_named(tmp_path):
+  # Before: process 0 ended in the runtime's SIGABRT (exit 134) with a C++ stack, the
+  # port never named. Now: refused before JAX starts, naming the port and its holder.
+  with socket.socket() as holder:
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(('127.0.0.1', 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    out = subprocess.run([sys.executable, TRAIN, f'--workdir={tmp_path / "run"}',
+                          '--distributed', f'--coordinator=127.0.0.1:{port}',
+                          '--num_processes=2', '--process_id=0', *FLAGS],
+                         env=environment(2), capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert f'the coordinator port {port} is in use on this host by pid {os.getpid()}' in out.stderr
+  assert 'Check failure stack trace' not in out.stderr
+  assert not os.path.exists(tmp_path / 'run')
