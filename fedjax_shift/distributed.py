@@ -151,30 +151,27 @@ def wait_for_coordinator(address: str, timeout_seconds: float) -> Optional[str]:
     time.sleep(0.5)
 
 
-def runtime_line(line: str) -> str:
-  """'fatal' for a line of the error with which JAX's distributed runtime ends a process
-  (an absl F-line, then a C++ stack and SIGABRT), 'error' for its error lines before it
-  (they name the lost process), '' for any other line."""
+def runtime_abort_begins(line: str) -> bool:
+  """Whether ``line`` begins the end JAX's distributed runtime gives a process: its
+  absl F-line (or the C++ stack after it), then SIGABRT."""
   import re
-  if 'Check failure stack trace' in line or 'Terminating process because' in line:
-    return 'fatal'
-  logged = re.match(r'([EF])\d{4} ', line)
-  if logged and re.search(r'coordination|distributed|heartbeat|[Bb]arrier', line):
-    return 'fatal' if logged.group(1) == 'F' else 'error'
-  return ''
+  return ('Check failure stack trace' in line or 'Terminating process because' in line
+          or bool(re.match(r'F\d{4} .*(coordination|distributed|heartbeat|[Bb]arrier)', line)))
 
 
 def runtime_stop_cause(text: str, process_id: Optional[int], num_processes: Optional[int],
                        coordinator: Optional[str], heartbeat_seconds: int,
                        initialization_seconds: int) -> str:
-  """Why JAX's distributed runtime aborted process ``process_id`` of a run, from its
-  error ``text`` (the lines the runtime printed before its stack): which process it lost
-  and after how long, or that the run never gathered its processes, or that the
-  coordinator went away."""
+  """Why JAX's distributed runtime aborted process ``process_id`` of a run, from the
+  last lines ``text`` it printed: the processes it lost (the coordination service lists
+  their task ids after 'stopped sending heartbeats):' or as 'task:N'), that the run never
+  gathered its processes (the registration timed out), or that the coordinator went
+  away."""
   import re
-  tasks = sorted({int(t) for t in re.findall(r'task[:_/ ]+(\d+)', text)} - {process_id})
-  if re.search(r'RegisterTask|barrier|waiting for all tasks|not all tasks', text,
-               re.IGNORECASE) and 'heartbeat' not in text.lower():
+  listed = re.findall(r'stopped sending heartbeats\):\s*((?:\d+\s*)+)', text)
+  tasks = sorted(({int(t) for group in listed for t in group.split()} |
+                  {int(t) for t in re.findall(r'task[:_/ ]+(\d+)', text)}) - {process_id})
+  if 'RegisterTask' in text:
     return (f'the run did not gather its --num_processes={num_processes} processes at '
             f'coordinator {coordinator} within --initialization_timeout='
             f'{initialization_seconds}s (start every process with the same --coordinator '
@@ -188,7 +185,7 @@ def runtime_stop_cause(text: str, process_id: Optional[int], num_processes: Opti
             f'its host cannot be reached')
   return ('JAX\'s distributed runtime reported a fatal error of the run (another process '
           'stopped, or the network between them failed): ' +
-          ' '.join(text.split())[:400])
+          ' '.join(text.split())[-400:])
 
 
 def port_holder(port: int) -> Optional[str]:

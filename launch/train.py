@@ -87,9 +87,10 @@ def supervise() -> int:
   gone), this process prints one message naming the cause and the resume command
   instead, and exits 1. Signals sent to this process go to the child; the child dies
   with it (a ``kill -9`` of this process stops the run as it would stop it alone)."""
+  import collections
+  import ctypes
   import signal
   import subprocess
-  import ctypes
 
   def die_with_parent():
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
@@ -99,19 +100,17 @@ def supervise() -> int:
                            start_new_session=True, preexec_fn=die_with_parent)
   for name in ('SIGINT', 'SIGTERM', 'SIGUSR1'):
     signal.signal(getattr(signal, name), lambda number, frame: child.send_signal(number))
-  runtime, aborting = [], False
+  last_lines, aborting = collections.deque(maxlen=200), False
   for line in child.stderr:
-    kind = distributed.runtime_line(line)
-    aborting = aborting or kind == 'fatal'
-    if kind or (aborting and len(runtime) < 50):   # its error continues on the next lines
-      runtime.append(line)
+    last_lines.append(line)   # the runtime's error spans several lines before its abort
+    aborting = aborting or distributed.runtime_abort_begins(line)
     if not aborting:   # the runtime's fatal error and the stacks after it: summarised below
       sys.stderr.write(line)
       sys.stderr.flush()
   status = child.wait()
   if status in (-signal.SIGABRT, 128 + signal.SIGABRT):
     cause = distributed.runtime_stop_cause(
-        ''.join(runtime), _PROCESS_ID.value, _NUM_PROCESSES.value, _COORDINATOR.value,
+        ''.join(last_lines), _PROCESS_ID.value, _NUM_PROCESSES.value, _COORDINATOR.value,
         _HEARTBEAT.value, _INIT_TIMEOUT.value)
     print(f'launch/train.py: process {_PROCESS_ID.value if _PROCESS_ID.value is not None else "?"}'
           f': stopped by JAX\'s distributed runtime: {cause}. The workdir keeps the '

@@ -79,3 +79,32 @@ def test_a_coordinator_that_never_answers_is_named_within_the_timeout():
     server.bind(('127.0.0.1', 0))
     server.listen()
     assert distributed.wait_for_coordinator(f'127.0.0.1:{server.getsockname()[1]}', 1.0) is None
+
+
+# The lines JAX 0.10's distributed runtime printed before aborting a process (CPU,
+# two processes on the loopback address), cut to what names the cause.
+LOST_PROCESS = """E1202 10:56:24.847866   17255 coordination_service.cc:1549] [1167] Use error polling to propagate the following error to all tasks: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):
+1
+The tasks have crashed. Check the task logs for an earlier error, or scheduler events (e.g. preemption, eviction) to debug further. [type.googleapis.com/tensorflow.CoordinationServiceError='']
+E1202 10:56:24.848641   17266 coordination_service_agent.cc:289] Polled an error from coordination service (this can be an error from this or another task).
+F1202 10:56:24.849001   17266 client.h:80] Terminating process because the JAX distributed service detected fatal errors.
+"""
+NOT_GATHERED = """F1202 08:07:01.466161   21899 client.h:80] Terminating process because the JAX distributed service detected fatal errors. This most likely indicates that another task died; see the other task logs for more details. absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded
+
+RPC: /xla.coordination.CoordinationService/RegisterTask
+*** Check failure stack trace: ***
+"""
+
+
+def test_the_runtimes_abort_is_summarised_by_its_cause():
+  cause = lambda text, process: distributed.runtime_stop_cause(  # noqa: E731
+      text, process, 3, '127.0.0.1:1234', 10, 15)
+  assert cause(LOST_PROCESS, 0).startswith(
+      'process 1 of this run stopped answering (no heartbeat for --heartbeat_timeout=10s)')
+  assert cause(NOT_GATHERED, 1).startswith(
+      'the run did not gather its --num_processes=3 processes at coordinator 127.0.0.1:1234 '
+      'within --initialization_timeout=15s')
+  begins = [distributed.runtime_abort_begins(line) for line in LOST_PROCESS.splitlines()]
+  assert begins == [False, False, False, False, True]   # its error lines are still shown
+  assert distributed.runtime_abort_begins('*** Check failure stack trace: ***')
+  assert not distributed.runtime_abort_begins('2026-12-02 10:56:04,764 fedavg seed 0: 6 clients')
