@@ -371,8 +371,7 @@ def build_round(algorithm: FederatedAlgorithm, config: RoundConfig,
     raise ValueError('config.engine.rounds_per_call > 1 scans rounds inside one compiled '
                      "program: it needs config.engine.backend='vmap'")
   def explain(round_fn, what: str, padded_rows: bool = False):
-    check = (FirstUseCheck(algorithm.num_classes, what, padded_rows) if check_data
-             else lambda data: None)
+    check = FirstUseCheck(algorithm.num_classes, what, padded_rows) if check_data else None
     return ExplainedRound(round_fn, config, check)
 
   def explain_both(round_device, round_host):
@@ -427,7 +426,7 @@ class ExplainedRound:
   the width of the vmapped client groups (``client_chunk``) or the cohort. Everything
   else (``lower``, the cache) is the jitted function's."""
 
-  def __init__(self, round_fn, config: RoundConfig, check=lambda data: None):
+  def __init__(self, round_fn, config: RoundConfig, check=None):
     self._round_fn = round_fn
     self._config = config
     self._check = check
@@ -436,7 +435,7 @@ class ExplainedRound:
     return getattr(self._round_fn, name)
 
   def __call__(self, *args):
-    if len(args) > 2:
+    if self._check is not None and len(args) > 2:
       self._check(args[2])
     try:
       return self._round_fn(*args)
