@@ -153,10 +153,18 @@ def wait_for_coordinator(address: str, timeout_seconds: float) -> Optional[str]:
 
 def runtime_abort_begins(line: str) -> bool:
   """Whether ``line`` begins the end JAX's distributed runtime gives a process: its
-  absl F-line (or the C++ stack after it), then SIGABRT."""
+  absl F-line (or the C++ stack after it), or a collective's C++ exception that nothing
+  catches (Gloo's, when a peer's connection breaks mid-message); then SIGABRT and
+  Python's dump of its threads."""
   import re
   return ('Check failure stack trace' in line or 'Terminating process because' in line
+          or line.startswith(('terminate called after throwing', PYTHON_ABORT_DUMP))
           or bool(re.match(r'F\d{4} .*(coordination|distributed|heartbeat|[Bb]arrier)', line)))
+
+
+# The line Python's faulthandler prints on SIGABRT before each thread's stack: the
+# stacks after it say where Python waited, nothing of the cause.
+PYTHON_ABORT_DUMP = 'Fatal Python error: Aborted'
 
 
 def runtime_stop_cause(text: str, process_id: Optional[int], num_processes: Optional[int],
@@ -180,12 +188,21 @@ def runtime_stop_cause(text: str, process_id: Optional[int], num_processes: Opti
     return (f'process {", ".join(map(str, tasks))} of this run stopped answering (no '
             f'heartbeat for --heartbeat_timeout={heartbeat_seconds}s): killed, crashed or '
             f'cut off from the network')
+  gloo = re.search(r"instance of 'gloo::[^']*'\s*what\(\):\s*([^\n]*)", text)
+  if gloo:   # a peer's connection broke inside a collective; with two, the peer is known
+    peer = (f'process {1 - process_id} of this run' if num_processes == 2
+            and process_id in (0, 1) else 'another process of this run')
+    return (f'a collective with the other processes failed in Gloo '
+            f'({" ".join(gloo.group(1).split())[:300]}): {peer} stopped (its log says '
+            f'why), or the network between the processes failed')
   if process_id and ('UNAVAILABLE' in text or 'Socket closed' in text):
     return (f'the coordinator {coordinator} (process 0) went away: process 0 stopped or '
             f'its host cannot be reached')
+  lines = text.splitlines()
+  first = next((i for i, line in enumerate(lines) if runtime_abort_begins(line)), 0)
   return ('JAX\'s distributed runtime reported a fatal error of the run (another process '
           'stopped, or the network between them failed): ' +
-          ' '.join(text.split())[-400:])
+          ' '.join(' '.join(lines[first:]).split())[:400])
 
 
 def port_holder(port: int) -> Optional[str]:

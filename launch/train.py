@@ -101,8 +101,13 @@ def supervise() -> int:
   for name in ('SIGINT', 'SIGTERM', 'SIGUSR1'):
     signal.signal(getattr(signal, name), lambda number, frame: child.send_signal(number))
   last_lines, aborting = collections.deque(maxlen=200), False
+  dumping_threads = False
   for line in child.stderr:
-    last_lines.append(line)   # the runtime's error spans several lines before its abort
+    # the runtime's error spans several lines before its abort; Python's dump of its
+    # threads after SIGABRT says nothing of the cause
+    dumping_threads = dumping_threads or line.startswith(distributed.PYTHON_ABORT_DUMP)
+    if not dumping_threads:
+      last_lines.append(line)
     aborting = aborting or distributed.runtime_abort_begins(line)
     if not aborting:   # the runtime's fatal error and the stacks after it: summarised below
       sys.stderr.write(line)

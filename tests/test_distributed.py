@@ -94,6 +94,12 @@ NOT_GATHERED = """F1202 08:07:01.466161   21899 client.h:80] Terminating process
 RPC: /xla.coordination.CoordinationService/RegisterTask
 *** Check failure stack trace: ***
 """
+# A peer killed inside a collective: Gloo's exception, uncaught, then Python's dump.
+GLOO_ABORT = """[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3
+terminate called after throwing an instance of 'gloo::EnforceNotMet'
+  what():  [enforce fail at external/gloo/gloo/transport/tcp/pair.cc:459] op.preamble.length <= op.nbytes. 160 vs 4. Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?
+Fatal Python error: Aborted
+"""
 
 
 def test_the_runtimes_abort_is_summarised_by_its_cause():
@@ -104,6 +110,21 @@ def test_the_runtimes_abort_is_summarised_by_its_cause():
   assert cause(NOT_GATHERED, 1).startswith(
       'the run did not gather its --num_processes=3 processes at coordinator 127.0.0.1:1234 '
       'within --initialization_timeout=15s')
+  two = lambda text, process: distributed.runtime_stop_cause(  # noqa: E731
+      text, process, 2, '127.0.0.1:1234', 10, 15)
+  assert two(GLOO_ABORT, 0) == (
+      'a collective with the other processes failed in Gloo ([enforce fail at external/gloo/'
+      'gloo/transport/tcp/pair.cc:459] op.preamble.length <= op.nbytes. 160 vs 4. Received '
+      'data size doesn\'t match expected size. Is there a distributed collective mismatch in '
+      'your code?): process 1 of this run stopped (its log says why), or the network between '
+      'the processes failed')
+  assert 'another process of this run stopped' in cause(GLOO_ABORT, 0)   # one of two peers
+  # anything else: the runtime's own words from its first fatal line, not what came before
+  other = 'I1202 starting\nF1202 10:56:24.849001 1 client.h:80] Terminating process because X\n'
+  assert cause(other, 0).endswith('failed): F1202 10:56:24.849001 1 client.h:80] '
+                                  'Terminating process because X')
+  begins = [distributed.runtime_abort_begins(line) for line in GLOO_ABORT.splitlines()]
+  assert begins == [False, True, False, True]
   begins = [distributed.runtime_abort_begins(line) for line in LOST_PROCESS.splitlines()]
   assert begins == [False, False, False, False, True]   # its error lines are still shown
   assert distributed.runtime_abort_begins('*** Check failure stack trace: ***')
