@@ -12,8 +12,24 @@ the same way.
 """
 import logging
 import os
+import signal
 import sys
 from typing import Optional
+
+
+def stop_outside_the_run(number, frame) -> None:
+  """A signal before the run starts (importing, parsing the config) or after it ends:
+  nothing to save, so the process ends at once (130 for Ctrl-C, 143 otherwise). Without
+  it a Ctrl-C while ``import jax`` runs can be swallowed by the import (the run then
+  goes on) or surface as an ImportError."""
+  os.write(2, f'launch/train.py: {signal.Signals(number).name} received outside the run '
+              f'(starting, or its results written): nothing to save; stopped\n'.encode())
+  os._exit(130 if number == signal.SIGINT else 143)
+
+
+if __name__ == '__main__':   # before the imports below; the run's own handling replaces it
+  for _name in ('SIGINT', 'SIGTERM', 'SIGUSR1'):
+    signal.signal(getattr(signal, _name), stop_outside_the_run)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -89,7 +105,6 @@ def supervise() -> int:
   with it (a ``kill -9`` of this process stops the run as it would stop it alone)."""
   import collections
   import ctypes
-  import signal
   import subprocess
 
   def die_with_parent():
