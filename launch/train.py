@@ -40,7 +40,7 @@ from ml_collections import config_flags  # noqa: E402
 
 import ml_collections  # noqa: E402
 
-from fedjax_shift import checkpoint, distributed, pipelines  # noqa: E402
+from fedjax_shift import checkpoint, distributed, metrics, pipelines  # noqa: E402
 from fedjax_shift.pipelines import loop, sweep  # noqa: E402
 from fedjax_shift.pipelines.workdir import WorkdirBusyError  # noqa: E402
 
@@ -243,7 +243,7 @@ def main(argv):
 # The fields each method's section had for its own client rate and batch, and the
 # config.client fields that config.client_overrides.<method> now sets in their place.
 RENAMED_CLIENT_FIELDS = {recorded: field for field, (recorded, _)
-                         in pipelines.base.RECORDED_OVERRIDES.items()}
+                         in metrics.RECORDED_OVERRIDES.items()}
 
 
 def file_config(argv) -> Optional[ml_collections.ConfigDict]:

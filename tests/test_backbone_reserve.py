@@ -81,13 +81,13 @@ def test_reserve_fields_are_checked_before_anything_trains():
     BENCHMARKS.check('mixed_domains', config.data, 'config.data', known_fields_only=False)
   config = fedins_config.get_config('backbone_mnist+svhn')
   with pytest.raises(ValueError, match=r"backbone.domains: .*\['svhn'\] have none"):
-    pretrain.check(config)
+    pretrain.check_backbone(config)
 
 
 def test_pretraining_fingerprint_records_the_reserve_only_when_set():
-  assert pretrain.fingerprint(fedins_config.get_config('backbone_mnist'))[
+  assert pretrain.backbone_fields(fedins_config.get_config('backbone_mnist'))[
       'backbone_reserve'] == 0.5
-  assert 'backbone_reserve' not in pretrain.fingerprint(fedins_config.get_config())
+  assert 'backbone_reserve' not in pretrain.backbone_fields(fedins_config.get_config())
 
 
 def test_backbone_report_gives_paired_seed_differences_per_domain_and_a_plot(tmp_path):

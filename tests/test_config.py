@@ -116,12 +116,12 @@ def test_fields_added_at_their_old_value_leave_fingerprints_as_they_were():
   """client.clip_norm and gma.global_learning_rate at their old behaviour (0: no clip;
   η_g 1) are not among a run's fields, so a workdir recorded before them resumes; set,
   they are recorded."""
-  from fedjax_shift.pipelines import base as pipeline_base
+  from fedjax_shift.pipelines import fingerprints
   config = config_lib.apply_variant(config_lib.base_config(), 'tiny')
   config.algorithms = ('gma',)
-  fields = pipeline_base.state_fields(config, 'gma')
+  fields = fingerprints.run_fields(config, 'gma')
   assert 'client.clip_norm' not in fields and 'gma.global_learning_rate' not in fields
   config.client.clip_norm = 10.0
   config.gma.global_learning_rate = 1.5
-  fields = pipeline_base.state_fields(config, 'gma')
+  fields = fingerprints.run_fields(config, 'gma')
   assert fields['client.clip_norm'] == '10.0' and fields['gma.global_learning_rate'] == '1.5'

@@ -465,7 +465,7 @@ def test_round_with_patch_convolutions_equals_the_grouped_convolution_round(name
 
 
 def test_auto_backend_picks_the_loop_for_conv_models_on_cpu():
-  from fedjax_shift.pipelines.base import round_backend
+  from fedjax_shift.pipelines.run_config import round_backend
   on_cpu = jax.default_backend() == 'cpu'
   assert round_backend(tiny_config(**{'model.name': 'atp_cnn'})) == ('loop' if on_cpu else
                                                                     'vmap')
@@ -480,7 +480,7 @@ def test_auto_eval_chunk_follows_the_backend_and_gives_the_same_sums():
   backend (no grouped convolutions on XLA:CPU), 64 elsewhere; a chunk of 1 and a chunk of
   all clients give each client the same sums (clients are independent)."""
   from fedjax_shift.core import evaluation
-  from fedjax_shift.pipelines.base import EVAL_CHUNK_SIZE, eval_chunk_size
+  from fedjax_shift.pipelines.run_config import EVAL_CHUNK_SIZE, eval_chunk_size
   assert eval_chunk_size(tiny_config(**{'model.name': 'mlp', 'engine.backend': 'loop'})) == 1
   assert eval_chunk_size(tiny_config(**{'model.name': 'mlp'})) == EVAL_CHUNK_SIZE == 64
   assert eval_chunk_size(tiny_config(**{'model.name': 'mlp', 'engine.backend': 'loop',

@@ -475,7 +475,7 @@ def test_small_clients_deal_the_papers_client_sizes_with_label_shift():
 def test_config_variants_validate(variant):
   config = fedins_config.get_config(variant)
   BENCHMARKS.check(config.data.benchmark, config.data, 'config.data', known_fields_only=False)
-  from fedjax_shift.pipelines.base import check_run
+  from fedjax_shift.pipelines.run_config import check_run
   check_run(config)
 
 
@@ -555,7 +555,7 @@ def test_per_image_schedule_steps_once_per_image(variant, per_image):
   for name in config.algorithms:
     batch = algorithms.base.method_client(config, name).batch_size
     assert batch == (1 if name in per_image else 32), name
-  from fedjax_shift.pipelines.base import check_run
+  from fedjax_shift.pipelines.run_config import check_run
   check_run(config)
   config = small_vit_config()
   data, _, _ = toy_clients([7, 5], shape=(4, 4, 3), num_classes=NUM_CLASSES)

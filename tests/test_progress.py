@@ -86,7 +86,7 @@ def test_piped_run_writes_no_carriage_return_and_few_lines(tmp_path):
 
 def test_negative_log_every_is_refused():
   from fedjax_shift import config as config_lib
-  from fedjax_shift.pipelines.base import check_run
+  from fedjax_shift.pipelines.run_config import check_run
   config = config_lib.apply_variant(config_lib.base_config(), 'tiny')
   config.log_every = -1
   with pytest.raises(ValueError, match=r'config.log_every: must be >= 0'):

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from fedjax_shift.pipelines import base as pipeline_base
+from fedjax_shift.pipelines import fingerprints
 from fedjax_shift.pipelines import federated, sweep, workdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,13 +48,13 @@ def test_a_recorded_workdir_has_todays_fingerprints(name, tmp_path):
   assert sorted(runs) == sorted(case['runs'])
   for run_dir, recorded in case['runs'].items():
     run_config, section = runs[run_dir]
-    fields = pipeline_base.state_fields(run_config, section)
+    fields = fingerprints.run_fields(run_config, section)
     assert fields == recorded['fields'], run_dir
-    assert workdir.fingerprint(fields) == recorded['fingerprint'], run_dir
+    assert fingerprints.fingerprint(fields) == recorded['fingerprint'], run_dir
     directory = tmp_path / run_dir
     directory.mkdir(parents=True)
     (directory / 'run.json').write_text(json.dumps(recorded))
-    pipeline_base.check_run_dir(str(directory), run_config, section, resume='')
+    workdir.check_run_dir(str(directory), fields, run_config, resume='')
   # A changed override is a changed run, named as a config writes it.
   method = config.algorithms[-1]
   config.client_overrides[method] = {'batch_size': 7}
@@ -62,4 +62,5 @@ def test_a_recorded_workdir_has_todays_fingerprints(name, tmp_path):
     if section == method:
       with pytest.raises(workdir.RunMismatchError,
                          match=fr'client_overrides.{method}.batch_size: \d+.* → 7'):
-        pipeline_base.check_run_dir(run_dir, run_config, section, resume='')
+        workdir.check_run_dir(run_dir, fingerprints.run_fields(run_config, section),
+                              run_config, resume='')

@@ -2,6 +2,7 @@
 names and fields are errors, the package layering holds, and the adapter
 evaluation compiles once."""
 import ast
+import glob
 import re
 import os
 
@@ -386,3 +387,45 @@ def test_no_paper_table_lives_outside_the_papers_folders():
   assert not {m: s for m, s in found.items() if s}, found
   assert paper_table_strings('"""Implements Table 1."""\nCAPTION = "Table 3 (ATP)"\n') == [
       'Table 3 (ATP)']
+
+
+# The names every pipeline module defines for the registry (its run loop, its check, its
+# run directories, its config sections and ranges) and the module logger.
+PIPELINE_PROTOCOL = {'run', 'check', 'run_dirs', 'SECTIONS', 'RANGES', 'log'}
+
+
+def top_level_names(path):
+  names = []
+  for node in ast.parse(open(path).read()).body:
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+      names.append(node.name)
+    elif isinstance(node, ast.Assign):
+      names += [t.id for t in node.targets if isinstance(t, ast.Name)]
+    elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+      names.append(node.target.id)
+  return names
+
+
+def names_in_two_modules(paths):
+  """{name: the files defining it} of the names (but PIPELINE_PROTOCOL) that more than
+  one of ``paths`` defines at top level."""
+  where = {}
+  for path in sorted(paths):
+    for name in set(top_level_names(path)) - PIPELINE_PROTOCOL:
+      where.setdefault(name, []).append(os.path.basename(path))
+  return {name: files for name, files in where.items() if len(files) > 1}
+
+
+def test_each_name_of_the_pipelines_is_defined_in_one_module():
+  # One job a file (fedjax_shift/pipelines/__init__.py lists them); a check or a
+  # fingerprint written twice drifts apart.
+  assert names_in_two_modules(glob.glob(os.path.join(PACKAGE, 'pipelines', '*.py'))) == {}
+  with open(os.path.join(PACKAGE, 'pipelines', 'base.py')) as f:
+    assert len(f.readlines()) <= 250   # the registry and the results, not a hub
+
+
+def test_the_one_module_check_sees_a_name_defined_twice(tmp_path):
+  (tmp_path / 'a.py').write_text('def check_run_dir(x):\n  return x\nlog = None\n')
+  (tmp_path / 'b.py').write_text('check_run_dir: int = 1\nlog = None\ndef run(): pass\n')
+  assert names_in_two_modules([str(tmp_path / 'a.py'), str(tmp_path / 'b.py')]) == {
+      'check_run_dir': ['a.py', 'b.py']}

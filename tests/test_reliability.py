@@ -590,19 +590,19 @@ def test_backbone_weights_are_fingerprinted_by_content_hashed_once(tmp_path, mon
   weights rewritten in place make the run another configuration. The file is hashed
   once; a re-run reads the cached digest (keyed by path, size, modification time, inode
   and status-change time)."""
-  from fedjax_shift.pipelines import base, workdir as workdir_lib
-  monkeypatch.setattr(workdir_lib, 'DIGEST_CACHE', str(tmp_path / 'cache' / 'digests.json'))
+  from fedjax_shift.pipelines import fingerprints
+  monkeypatch.setattr(fingerprints, 'DIGEST_CACHE', str(tmp_path / 'cache' / 'digests.json'))
   weights = tmp_path / 'weights.npz'
   weights.write_bytes(b'first weights' * 1000)
   config = tiny_config(**{'backbone.weights': str(weights)})
-  first = base.run_fields(config, 'fedavg')
+  first = fingerprints.run_fields(config, 'fedavg')
   assert 'backbone.content' in first and first['backbone.weights'] == json.dumps(str(weights))
   hashed = []
-  monkeypatch.setattr(workdir_lib, '_hash_file', lambda path: hashed.append(path) or 'x')
-  assert base.run_fields(config, 'fedavg') == first and hashed == []   # read from the cache
+  monkeypatch.setattr(fingerprints, '_hash_file', lambda path: hashed.append(path) or 'x')
+  assert fingerprints.run_fields(config, 'fedavg') == first and hashed == []   # read from the cache
   weights.write_bytes(b'other weights' * 1000)                          # same path, new bytes
   os.utime(weights, ns=(1, 10 ** 18))
-  assert base.run_fields(config, 'fedavg')['backbone.content'] != first['backbone.content']
+  assert fingerprints.run_fields(config, 'fedavg')['backbone.content'] != first['backbone.content']
   assert hashed == [str(weights)]
   # Same size and the modification time put back: the status-change time still moves.
   hashed.clear()
@@ -612,17 +612,17 @@ def test_backbone_weights_are_fingerprinted_by_content_hashed_once(tmp_path, mon
   os.utime(weights, ns=(edited.st_atime_ns, edited.st_mtime_ns))
   assert os.stat(weights).st_size == edited.st_size
   assert os.stat(weights).st_mtime_ns == edited.st_mtime_ns
-  base.run_fields(config, 'fedavg')
+  fingerprints.run_fields(config, 'fedavg')
   assert hashed == [str(weights)]
   # A directory: the digest covers every file in it.
   folder = tmp_path / 'saved'
   (folder / 'params').mkdir(parents=True)
   (folder / 'params' / 'a').write_bytes(b'1')
   monkeypatch.undo()
-  monkeypatch.setattr(workdir_lib, 'DIGEST_CACHE', str(tmp_path / 'cache' / 'digests.json'))
-  before = workdir_lib.content_digest(str(folder))
+  monkeypatch.setattr(fingerprints, 'DIGEST_CACHE', str(tmp_path / 'cache' / 'digests.json'))
+  before = fingerprints.content_digest(str(folder))
   (folder / 'params' / 'b').write_bytes(b'2')
-  assert workdir_lib.content_digest(str(folder)) != before
+  assert fingerprints.content_digest(str(folder)) != before
 
 
 def _write_seed(workdir, method, seed, accuracy, fields, rounds=10):

@@ -157,11 +157,11 @@ def test_a_bad_bucket_list_is_refused_naming_the_field(buckets, message):
 
 
 def test_the_pipeline_refuses_buckets_before_compiling(tmp_path):
-  from fedjax_shift.pipelines import base as pipeline_base
+  from fedjax_shift.pipelines import run_config
   from fedjax_shift.pipelines.single_run import train_and_evaluate
   config = tiny_config(**{'engine.example_buckets': (8, 4)})
   with pytest.raises(ValueError, match='engine.example_buckets'):
-    pipeline_base.validate(config)
+    run_config.validate(config)
   config = tiny_config(**{'engine.example_buckets': (2, 3)})   # smaller than the clients
   with pytest.raises(ValueError, match='engine.example_buckets.*largest client'):
     train_and_evaluate(config, str(tmp_path), 'fedavg', 0)

@@ -149,8 +149,8 @@ def test_cifar100_variant_trains_end_to_end_with_its_augmentation_on_mock_data(t
   config = fedins_config.get_config('cifar100,tiny')
   config.algorithms = ('fedavg',)
   assert pretrain.source_data(config)[0][0].shape[1:3] == (32, 32)
-  assert pretrain.fingerprint(config)['image_size'] == 32
-  assert 'image_size' not in pretrain.fingerprint(fedins_config.get_config('tiny'))
+  assert pretrain.backbone_fields(config)['image_size'] == 32
+  assert 'image_size' not in pretrain.backbone_fields(fedins_config.get_config('tiny'))
   with tfds.testing.mock_data(num_examples=3000):
     results = pipelines.run(config, str(tmp_path))
   rows = results.records['table']['rows']

@@ -48,12 +48,12 @@ from fedjax_shift.benchmarks.atp_shift import SHIFTS, ShiftData, atp_protocol
 from fedjax_shift.core import evaluation
 from fedjax_shift.core.test_time import ADAPTERS, MODES, Adapter, SourceContext, mode_problem
 from fedjax_shift.data import federated
-from fedjax_shift.pipelines.base import (PIPELINES, Results, algorithm_names, check_run,
-                                         hardware, require, run_fields)
+from fedjax_shift.pipelines.base import PIPELINES, Results, hardware
+from fedjax_shift.pipelines.run_config import algorithm_names, check_run
+from fedjax_shift.pipelines.fingerprints import fingerprint, run_fields
 from fedjax_shift.registry import (BOOL, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, TEXT, one_of,
-                                   registered, require_distinct, sequence_of)
+                                   registered, require, require_distinct, sequence_of)
 from fedjax_shift.pipelines import pretrain
-from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.single_run import train_and_evaluate
 
 log = logging.getLogger('fedjax_shift')
@@ -93,10 +93,10 @@ LEARNED_OPTIMIZERS = ('sgd', 'adam')
 RANGES = {
     'tta.shifts': sequence_of(one_of(*SHIFTS), 1),
     'tta.batch_size': POSITIVE_INT,
-    'tta.rows': sequence_of(TEXT, 1),       # keys of tta.label / adapter / mode (validate)
+    'tta.rows': sequence_of(TEXT, 1),       # keys of tta.label / adapter / mode (check)
     'tta.label': TEXT,
     'tta.adapter': registered(ADAPTERS),
-    'tta.mode': one_of(*MODES),             # one the row's adapter runs (validate)
+    'tta.mode': one_of(*MODES),             # one the row's adapter runs (check)
     'tta.client_chunk': NONNEGATIVE_INT,    # 0: every target client in one call
     'learned.rows': sequence_of(TEXT),
     'learned.base': TEXT,                   # a Table 1 row (validate_learned)
@@ -110,7 +110,7 @@ RANGES = {
 }
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
+def check(config: ml_collections.ConfigDict) -> None:
   """The federated checks plus the test-time ones, before any data or compilation."""
   check_run(config)
   names = algorithm_names(config)
@@ -131,7 +131,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
     ADAPTERS.check(adapter, config.adapters[adapter], f'config.adapters.{adapter}')
   validate_learned(config)
-  pretrain.check(config)
+  pretrain.check_backbone(config)
   require(config.backbone.weights != 'pretrain', 'backbone.weights',
           'the atp pipeline starts its pretraining from a user\'s weights (a path, e.g. '
           'torchvision\'s ImageNet ResNet-18 as a .npz) or from a random model (\'\')')
@@ -287,7 +287,7 @@ class Evaluators:
     return self.compiled[key]
 
 
-def adapter_section(config: ml_collections.ConfigDict, name: str, shift: str
+def shift_adapter_section(config: ml_collections.ConfigDict, name: str, shift: str
                     ) -> ml_collections.ConfigDict:
   """``config.adapters.<name>`` with a per-shift choice resolved (Surgical's block)."""
   fields = config.adapters[name].to_dict()
@@ -307,7 +307,7 @@ def test_time(config, evaluators: Evaluators, inputs: AdapterInputs, data: Shift
     name, mode, names = (learned_row(config, key) if key in learned else
                          (config.tta.adapter[key], config.tta.mode[key], ()))
     tick = time.perf_counter()
-    evaluate_chunk = evaluators.get(name, mode, adapter_section(config, name, shift), names)
+    evaluate_chunk = evaluators.get(name, mode, shift_adapter_section(config, name, shift), names)
     row_inputs = inputs._replace(rates=learned[key]) if key in learned else inputs
     per_client = adapter_accuracy(evaluate_chunk, row_inputs, inputs.variables, data.target,
                                   rng, config.tta.client_chunk)
@@ -352,7 +352,7 @@ def train_learned_rates(config, shift_config, workdir: str, key: str, module,
   (``<workdir>/learned_<key>``, resumable). Returns the trained (unconstrained) rates."""
   name = learned_row(config, key)[0]
   algorithm, initial = build_rates_training(config, key, module,
-                                            adapter_section(config, name, shift), context,
+                                            shift_adapter_section(config, name, shift), context,
                                             val.max_examples)
   flat_names = list(learned_rates.flat_values(name, initial))
   record = lambda state: {f'rates/{n}': v for n, v in zip(
@@ -371,7 +371,7 @@ def pretrained_identity(shift_config: ml_collections.ConfigDict) -> Dict[str, ob
   the round of its global model, so that α is never reused after the global model
   changed (pretraining extended or cut, another configuration)."""
   fields = run_fields(shift_config, algorithm_names(shift_config)[0])
-  return {'global_model': {'fingerprint': workdir_lib.fingerprint(fields),
+  return {'global_model': {'fingerprint': fingerprint(fields),
                            'round': int(shift_config.rounds)}}
 
 
@@ -433,7 +433,7 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
   return rows, alpha, inputs, data, names, learned_values
 
 
-@PIPELINES.register('atp', defaults=SECTIONS, ranges=RANGES, check=validate, run_dirs=run_dirs)
+@PIPELINES.register('atp', defaults=SECTIONS, ranges=RANGES, check=check, run_dirs=run_dirs)
 def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   """Every shift × seed (validated by ``pipelines.run``); writes results.json and
   alpha.png. ``records``: 'table1', 'table3', 'markdown'."""

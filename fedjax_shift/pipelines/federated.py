@@ -28,7 +28,8 @@ from fedjax_shift import distributed, report
 from fedjax_shift.report import figures, sweeps
 from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.pipelines import pretrain, sweep
-from fedjax_shift.pipelines.base import PIPELINES, Results, algorithm_names, check_run, hardware
+from fedjax_shift.pipelines.base import PIPELINES, Results, hardware
+from fedjax_shift.pipelines.run_config import algorithm_names, check_run
 from fedjax_shift.pipelines.lockstep import NotTraceable, lockstep_problem, train_lockstep
 from fedjax_shift.pipelines.runs import shared_data
 from fedjax_shift.pipelines.single_run import train_and_evaluate
@@ -88,8 +89,8 @@ def run_dirs(config: ml_collections.ConfigDict, workdir: str):
 
 def check(config: ml_collections.ConfigDict) -> None:
   check_run(config)
-  pretrain.check(config)
-  sweep.check(config, check)
+  pretrain.check_backbone(config)
+  sweep.check_sweep(config, check)
 
 
 def data_summary(config: ml_collections.ConfigDict, run_dirs: Dict[str, List[str]]) -> str:

@@ -53,9 +53,9 @@ from fedjax_shift.core.test_time import client_runner
 from fedjax_shift.data import federated, store
 from fedjax_shift.parts.fedtta_step import InnerStep
 from fedjax_shift.pipelines import loop
-from fedjax_shift.pipelines.base import (PIPELINES, CompileClock, Results, algorithm_names,
-                                         check_run_dir, check_run_loop, check_sections,
-                                         hardware, open_run)
+from fedjax_shift.pipelines.base import PIPELINES, CompileClock, Results, hardware
+from fedjax_shift.pipelines.run_config import algorithm_names, check_run_loop, check_sections
+from fedjax_shift.pipelines.opening import checked_fields, open_run
 from fedjax_shift.pipelines.runs import build_data, diverged_record, evaluated_rounds, run_keys
 from fedjax_shift.registry import NONNEGATIVE, check_fields, require, require_distinct, sequence_of
 
@@ -68,7 +68,7 @@ RANGES = {**{f'hetero_fedtta.{field}': declared
           'hetero.kd_lambdas': sequence_of(NONNEGATIVE)}
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
+def check(config: ml_collections.ConfigDict) -> None:
   """The fields this pipeline reads, before any data is built."""
   require(tuple(algorithm_names(config)) == ('hetero_fedtta',), 'algorithms',
           f"the hetero pipeline trains ('hetero_fedtta',), got {tuple(config.algorithms)}")
@@ -131,7 +131,7 @@ def _sums_concat(parts: List[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
           for key in ('correct', 'loss', 'count')}
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, run_dir: str, seed: int
+def train_lambda(config: ml_collections.ConfigDict, run_dir: str, seed: int
                        ) -> Dict[str, object]:
   """One λ (``config.hetero_fedtta.kd_lambda``) and seed; resumes from ``run_dir``. A
   diverged run with ``config.on_divergence='continue'`` gives its diverged record."""
@@ -195,7 +195,7 @@ def new_client_predictions(bench, config: ml_collections.ConfigDict, seed: int) 
 
 
 def _train_and_evaluate(config, run_dir: str, seed: int) -> Dict[str, object]:
-  fields = check_run_dir(run_dir, config, 'hetero_fedtta', config.resume)
+  fields = checked_fields(run_dir, config, 'hetero_fedtta', config.resume)
   os.makedirs(run_dir, exist_ok=True)
   hp = config.hetero_fedtta
   bench = build_data(config, seed)
@@ -326,7 +326,7 @@ def build_evaluate(config, num_classes: int, parts: Setup, val: federated.Federa
   return evaluate
 
 
-@PIPELINES.register('hetero', defaults=SECTIONS, ranges=RANGES, check=validate,
+@PIPELINES.register('hetero', defaults=SECTIONS, ranges=RANGES, check=check,
                     run_dirs=run_dirs)
 def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   """Every λ × seed; ``records``: 'results' (one dict per run), 'table'."""
@@ -335,7 +335,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   curves: Dict[str, List[str]] = {}
   for run_dir, one_config, _ in run_dirs(config, workdir):
     seed = int(os.path.basename(run_dir).split('_')[-1])
-    results.append(train_and_evaluate(one_config, run_dir, seed))
+    results.append(train_lambda(one_config, run_dir, seed))
     curves.setdefault(results[-1]['algorithm'], []).append(run_dir)
   table = report.results_table(results)
   hp = config.hetero_fedtta

@@ -36,7 +36,7 @@ from fedjax_shift.core.round import stack_client_states
 from fedjax_shift.metrics import read_metrics
 from fedjax_shift.pipelines import atp, hetero, pretrain, sweep
 from fedjax_shift.pipelines import workdir as workdir_lib
-from fedjax_shift.pipelines.base import algorithm_names
+from fedjax_shift.pipelines.run_config import algorithm_names
 from fedjax_shift.pipelines.runs import build_data, run_keys
 
 
@@ -91,7 +91,7 @@ def run_directory(workdir: str, method: str, seed: int,
   return run_dir
 
 
-def _read_json(path: str) -> Optional[dict]:
+def _read_json_or_none(path: str) -> Optional[dict]:
   if not os.path.exists(path):
     return None
   with open(path) as f:
@@ -113,7 +113,7 @@ def restore(config: ml_collections.ConfigDict, run_dir: str, round: Optional[int
   """(round, restored RunState, results or None) of the run in ``run_dir`` from its
   checkpoint of ``round`` (None: ``rounds``, the final one of a finished run)."""
   kept = workdir_lib.checkpoint_rounds(run_dir)
-  results = _read_json(os.path.join(run_dir, 'results.json'))
+  results = _read_json_or_none(os.path.join(run_dir, 'results.json'))
   if round is None:
     if results is None or not kept or kept[-1] < rounds:
       raise FileNotFoundError(f'{run_dir} has not finished ({rounds} rounds; checkpoints of '
@@ -154,7 +154,7 @@ def federated_run(config: ml_collections.ConfigDict, run_dir: str, method: str, 
   return LoadedRun(config, run_dir, round, bench, module, algorithm, state.server,
                    state.clients, global_model(state.server) if global_model else None,
                    read_metrics(os.path.join(run_dir, 'metrics.jsonl')), results,
-                   _read_json(os.path.join(run_dir, 'partition.json')) or {}, extras)
+                   _read_json_or_none(os.path.join(run_dir, 'partition.json')) or {}, extras)
 
 
 def _load_federated(workdir, config, method, seed, round, point) -> LoadedRun:
@@ -185,7 +185,7 @@ def _load_atp(workdir, config, method, seed, round, shift) -> LoadedRun:
     backbone = pretrain.load_encoder(config.backbone.weights, module,
                                      jnp.asarray(data.source.splits['train'].first_example()))
   extras = {name: values for name in ('alpha', 'learned_rates')
-            if (values := _read_json(os.path.join(seed_dir, f'{name}.json'))) is not None}
+            if (values := _read_json_or_none(os.path.join(seed_dir, f'{name}.json'))) is not None}
   extras['target'] = data.target   # the target clients' test data (FederatedData)
   pre = federated_run(shift_config, os.path.join(seed_dir, 'pretrain'), pretraining, seed,
                       round if method == pretraining else None, data.source, module,
@@ -218,7 +218,7 @@ def _load_hetero(workdir, config, method, seed, round) -> LoadedRun:
   round, state, results = restore(config, run_dir, round, template, config.rounds)
   return LoadedRun(config, run_dir, round, bench, None, parts.algorithm, state.server,
                    state.clients, None, read_metrics(os.path.join(run_dir, 'metrics.jsonl')),
-                   results, _read_json(os.path.join(run_dir, 'partition.json')) or {},
+                   results, _read_json_or_none(os.path.join(run_dir, 'partition.json')) or {},
                    {'setup': parts})
 
 

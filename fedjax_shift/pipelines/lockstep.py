@@ -38,7 +38,8 @@ from fedjax_shift.core.runs import grid_round, stack_runs, take_run
 from fedjax_shift.data import store
 from fedjax_shift.pipelines import loop, sweep
 from fedjax_shift.pipelines import workdir as workdir_lib
-from fedjax_shift.pipelines.base import CompileClock, round_backend
+from fedjax_shift.pipelines.base import CompileClock
+from fedjax_shift.pipelines.run_config import round_backend
 from fedjax_shift.pipelines.programs import (Programs, build_programs, examples_per_step,
                                              program_key)
 from fedjax_shift.pipelines.single_run import OpenedRun, finish_run, setup_run

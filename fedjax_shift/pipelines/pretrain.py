@@ -37,7 +37,8 @@ from flax import traverse_util
 from fedjax_shift import models
 from fedjax_shift.data import digit_domains, sources
 from fedjax_shift.models import torchvision_resnet, vit
-from fedjax_shift.pipelines.base import PIPELINES, Results, check_sections, hardware
+from fedjax_shift.pipelines.base import PIPELINES, Results, hardware
+from fedjax_shift.pipelines.run_config import check_sections
 from fedjax_shift.pipelines.runs import build_data
 from fedjax_shift.benchmarks.digit_domains import DOMAIN
 from fedjax_shift.registry import (NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, TEXT, check_fields,
@@ -65,7 +66,7 @@ RANGES = {
 }
 
 
-def check(config: ml_collections.ConfigDict) -> None:
+def check_backbone(config: ml_collections.ConfigDict) -> None:
   """``config.backbone`` (every pipeline that starts methods from it): its fields, their
   ranges, and the weights they name."""
   check_fields(config.backbone, SECTIONS['backbone'], 'config.backbone')
@@ -89,7 +90,7 @@ def image_size(config: ml_collections.ConfigDict) -> int:
   return config.data.image_size or digit_domains.SIZE
 
 
-def fingerprint(config: ml_collections.ConfigDict) -> dict:
+def backbone_fields(config: ml_collections.ConfigDict) -> dict:
   """What determines pretrained weights: the model, the backbone section, the image side
   and the real domains' reserve (these two recorded only when they are not 28 and 0,
   the values of every earlier record)."""
@@ -282,14 +283,14 @@ def pretrained(config: ml_collections.ConfigDict, workdir: str) -> Optional[dict
   if os.path.exists(record_path):
     with open(record_path) as f:
       record = json.load(f)
-    if record['fingerprint'] != json.loads(json.dumps(fingerprint(config))):
+    if record['fingerprint'] != json.loads(json.dumps(backbone_fields(config))):
       raise ValueError(f'{directory} holds a backbone pretrained with another config.model / '
                        f'config.backbone ({record["fingerprint"]}); use a new --workdir')
     log.info('backbone: reusing %s (source accuracy %.2f %%)', directory,
              record['source_accuracy'])
     return record
   params, stats = train_backbone(config)
-  record = {'fingerprint': fingerprint(config), **stats}
+  record = {'fingerprint': backbone_fields(config), **stats}
   save(directory, params, record)
   log.info('backbone: pretrained on %s, source accuracy %.2f %%, saved to %s',
            tuple(config.backbone.domains), stats['source_accuracy'], directory)
@@ -333,15 +334,15 @@ def run_dirs(config: ml_collections.ConfigDict, workdir: str):
   return []
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
+def check(config: ml_collections.ConfigDict) -> None:
   check_sections(config)
   require(config.backbone.weights == 'pretrain', 'backbone.weights',
           f"the pretrain pipeline trains a backbone: set it to 'pretrain', got "
           f"{config.backbone.weights!r}")
-  check(config)
+  check_backbone(config)
 
 
-@PIPELINES.register('pretrain', defaults=SECTIONS, ranges=RANGES, check=validate,
+@PIPELINES.register('pretrain', defaults=SECTIONS, ranges=RANGES, check=check,
                     run_dirs=run_dirs)
 def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   """Pretrains (or finds) ``<workdir>/backbone``; a federated run with

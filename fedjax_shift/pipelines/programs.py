@@ -23,7 +23,7 @@ from fedjax_shift.core.plan import (check_example_buckets, fit_client_chunk, fit
 from fedjax_shift.core.round import RoundConfig, build_round, client_mesh
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated, store
-from fedjax_shift.pipelines.base import adapts, eval_adapter_specs, round_backend
+from fedjax_shift.pipelines.run_config import adapts, eval_adapter_specs, round_backend
 from fedjax_shift.pipelines.runs import data_key, shared_data
 
 

@@ -28,8 +28,9 @@ from fedjax_shift.core import evaluation
 from fedjax_shift.core.round import HostStore, round_key, stack_client_states
 from fedjax_shift.data import federated, store
 from fedjax_shift.pipelines import loop, pretrain
-from fedjax_shift.pipelines.base import (CompileClock, checked_fields, eval_chunk_size,
-                                         hardware, open_run)
+from fedjax_shift.pipelines.base import CompileClock, hardware
+from fedjax_shift.pipelines.opening import checked_fields, open_run
+from fedjax_shift.pipelines.run_config import eval_chunk_size
 from fedjax_shift.pipelines.programs import (Programs, applied_adapters, build_programs,
                                              examples_per_step, new_client_splits,
                                              program_key, round_config)

@@ -52,7 +52,7 @@ from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.metrics import changed_fields
 from fedjax_shift.registry import leaf_paths, require
 
-SECTIONS = ('client', 'server', 'adapters', 'client_overrides')   # and each method's own
+SWEPT_SECTIONS = ('client', 'server', 'adapters', 'client_overrides')   # and each method's own
 SELECT = ('last', 'best_round')
 
 Grid = Dict[str, Tuple[Any, ...]]   # dotted field path -> values, the paths in order
@@ -162,7 +162,7 @@ def with_values(config: ml_collections.ConfigDict, point: Mapping[str, Any]
   return ml_collections.ConfigDict(tree)
 
 
-def check(config: ml_collections.ConfigDict, validate) -> None:
+def check_sweep(config: ml_collections.ConfigDict, validate) -> None:
   """``config.sweep``, ``sweep_select`` and ``sweep_metric``, before anything is built:
   each field exists in a section a sweep may set and is numeric (not bool), and every
   value passes ``validate`` (the pipeline's checks, declared ranges included) on the
@@ -180,8 +180,8 @@ def check(config: ml_collections.ConfigDict, validate) -> None:
   methods = tuple(config.algorithms)
   for path, values in swept.items():
     top = path.split('.')[0]
-    require(top in SECTIONS or top in ALGORITHMS, 'sweep',
-            f'{path}: a sweep sets fields of {list(SECTIONS)} or of a method\'s section '
+    require(top in SWEPT_SECTIONS or top in ALGORITHMS, 'sweep',
+            f'{path}: a sweep sets fields of {list(SWEPT_SECTIONS)} or of a method\'s section '
             f'(config.<method>), not of config.{top}')
     method = path_method(path)
     require(not method or method in methods, 'sweep',

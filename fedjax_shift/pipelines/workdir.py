@@ -1,7 +1,8 @@
 """A workdir holds one experiment's runs, and a re-run must never report a result
 of a different configuration: one writer at a time (``WorkdirLock``), and each run
-directory's fingerprint (``run.json``: the config fields that determine its trained
-state) checked before it resumes.
+directory's fingerprint (``run.json``: the fields ``fingerprints.run_fields`` lists)
+checked before it resumes (``check_run_dir``, ``check_other_seeds``, ``check_layout``)
+and recorded (``record_run``).
 
 ``run.json``::
 
@@ -10,17 +11,14 @@ state) checked before it resumes.
      "rounds": 30,                                       # the run's target
      "history": [{"time": ..., "rounds": 30, "event": "created"}, ...]}
 
-Fields that only change outputs or speed (progress, evaluation cadence, checkpoint
-cadence, the engine, test-time adapters) are left out; so are other methods'
-sections. ``rounds`` is checked on its own: raising it continues a finished run only
-with ``config.resume='extend'`` (recorded in the history); lowering it evaluates the
-kept checkpoint of that round, or refuses.
+``rounds`` is checked on its own: raising it continues a finished run only with
+``config.resume='extend'`` (recorded in the history); lowering it evaluates the kept
+checkpoint of that round, or refuses.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -31,18 +29,12 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import ml_collections
 
-from fedjax_shift.metrics import FIELDS_OMITTED_AT, changed_fields, read_json, record_changes
+from fedjax_shift.metrics import changed_fields, read_json, record_changes
+from fedjax_shift.pipelines.fingerprints import fingerprint, other_benchmark_fields
 
 log = logging.getLogger('fedjax_shift')
 
 RESUME_CHOICES = ('', 'extend')
-# Top-level fields (and dotted paths) that do not change a run's trained state.
-NON_STATE_FIELDS = ('progress', 'eval_every', 'checkpoint_every', 'keep_checkpoints', 'seeds',
-                    'algorithms', 'rounds', 'resume', 'eval_adapters', 'eval_adapter_algorithms',
-                    'eval_adapter_batch_size', 'eval_adapter_splits', 'paper_tables', 'paper_rounds',
-                    'engine', 'adapters', 'tta',
-                    'pipeline', 'data.store', 'data.store_dir', 'data.pad_to', 'on_divergence', 'log_every',
-                    'tensorboard', 'sweep', 'sweep_select', 'sweep_metric')
 
 
 class RunMismatchError(ValueError):
@@ -53,125 +45,44 @@ class WorkdirBusyError(RuntimeError):
   """Another live process holds the workdir."""
 
 
-def _flatten(tree, prefix: str = '') -> Dict[str, object]:
-  out = {}
-  for key, value in tree.items():
-    path = f'{prefix}{key}'
-    if isinstance(value, dict):
-      out.update(_flatten(value, path + '.'))
-    else:
-      out[path] = value
-  return out
-
-
-def state_fields(config: ml_collections.ConfigDict, method_sections: Iterable[str],
-                 own_sections: Iterable[str] = ()) -> Dict[str, str]:
-  """{dotted field: JSON value} of the fields that determine a run's trained state:
-  all of ``config`` but ``NON_STATE_FIELDS`` and the ``method_sections`` (every
-  method's ``config.<name>``) other than ``own_sections``."""
-  skip = set(method_sections) - set(own_sections)
-  out = {}
-  for path, value in _flatten(config.to_dict()).items():
-    top = path.split('.')[0]
-    if top in skip or any(path == f or path.startswith(f + '.') for f in NON_STATE_FIELDS):
-      continue
-    recorded = json.dumps(value, sort_keys=True, default=repr)
-    if FIELDS_OMITTED_AT.get(path) != recorded:
-      out[path] = recorded
-  return out
-
-
-# Where content digests of large input files are cached, keyed by path, size,
-# modification time, inode and status-change time, so that a re-run reads the digest
-# instead of hashing the file again.
-DIGEST_CACHE = os.path.join(os.path.expanduser('~'), '.cache', 'fedjax_shift', 'digests.json')
-
-
-def _hash_file(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, 'rb') as f:
-    for block in iter(lambda: f.read(1 << 20), b''):
-      digest.update(block)
-  return digest.hexdigest()
-
-
-def content_digest(path: str, cache: Optional[str] = None) -> str:
-  """sha256 of a file's bytes, or of a directory's files (relative names and digests, in
-  order): what a run reads from ``path`` (e.g. ``backbone.weights``), so rewriting the
-  file in place changes the run's fingerprint. Each file is hashed once per (path,
-  size, modification time, inode, status-change time: an edit that restores the size
-  and the modification time still changes the last, which no user can set); later
-  calls read the digest from ``cache``."""
-  if not os.path.exists(path):
-    raise FileNotFoundError(f'{path} does not exist')
-  cache = cache or DIGEST_CACHE
-  files = ([path] if os.path.isfile(path) else
-           sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names))
-  try:
-    with open(cache) as f:
-      known = json.load(f)
-  except (OSError, ValueError):
-    known = {}
-  parts, changed = [], False
-  for name in files:
-    stat = os.stat(name)
-    key = '|'.join(str(part) for part in (os.path.abspath(name), stat.st_size, stat.st_mtime_ns,
-                                           stat.st_ino, stat.st_ctime_ns))
-    if key not in known:
-      known[key] = _hash_file(name)
-      changed = True
-    parts.append(f'{os.path.relpath(name, path) if name != path else ""}:{known[key]}')
-  if changed:
-    try:
-      os.makedirs(os.path.dirname(cache), exist_ok=True)
-      tmp = f'{cache}.{os.getpid()}.tmp'
-      with open(tmp, 'w') as f:
-        json.dump(known, f)
-      os.replace(tmp, cache)
-    except OSError as err:   # a read-only home: digests are recomputed next time
-      log.warning('could not cache content digests in %s (%s)', cache, err)
-  return parts[0].split(':', 1)[1] if os.path.isfile(path) else hashlib.sha256(
-      '\n'.join(parts).encode()).hexdigest()
-
-
-def fingerprint(fields: Dict[str, str]) -> str:
-  return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-
-
 def _read_json(path: str) -> dict:
   return read_json(path, 'it records which configuration this run belongs to: restore it '
                          'or use a new --workdir')
 
 
-def check_run_dir(run_dir: str, fields: Dict[str, str], rounds: int, resume: str,
-                  ignored: Iterable[str] = ()) -> None:
+def check_run_dir(run_dir: str, fields: Dict[str, str], run_config: ml_collections.ConfigDict,
+                  resume: str) -> None:
   """Raises RunMismatchError when ``run_dir`` holds a run whose state fields differ
-  from ``fields``, or whose round target is below ``rounds`` without
-  ``resume='extend'``; recorded fields in ``ignored`` (that cannot affect this run:
-  other benchmarks' data fields) are not compared. Reads only."""
+  from ``fields`` (``fingerprints.run_fields`` of ``run_config``), whose round target is
+  below ``run_config.rounds`` without ``resume='extend'``, or whose kept checkpoints
+  cannot give round ``run_config.rounds`` (``check_rounds``); recorded fields of other
+  benchmarks' data (that cannot affect this run) are not compared. Reads only."""
+  rounds = run_config.rounds
   path = os.path.join(run_dir, 'run.json')
-  if not os.path.exists(path):
-    return
-  recorded = _read_json(path)
-  changed = changed_fields(recorded['fields'], fields, ignored)
-  if changed:
-    raise RunMismatchError(
-        f'{run_dir} holds a run of another configuration; changed fields:\n  ' +
-        '\n  '.join(changed) + '\nUse a new --workdir for the new configuration (or delete '
-        f'{run_dir} to retrain it).')
-  if rounds > recorded['rounds'] and resume != 'extend':
-    raise RunMismatchError(
-        f'{run_dir} was trained for rounds={recorded["rounds"]}; config.rounds={rounds} would '
-        f'continue it. Pass --config.resume=extend to extend it (recorded in run.json), or use '
-        f'a new --workdir.')
+  if os.path.exists(path):
+    recorded = _read_json(path)
+    changed = changed_fields(recorded['fields'], fields,
+                             other_benchmark_fields(run_config.data.benchmark))
+    if changed:
+      raise RunMismatchError(
+          f'{run_dir} holds a run of another configuration; changed fields:\n  ' +
+          '\n  '.join(changed) + '\nUse a new --workdir for the new configuration (or '
+          f'delete {run_dir} to retrain it).')
+    if rounds > recorded['rounds'] and resume != 'extend':
+      raise RunMismatchError(
+          f'{run_dir} was trained for rounds={recorded["rounds"]}; config.rounds={rounds} '
+          f'would continue it. Pass --config.resume=extend to extend it (recorded in '
+          f'run.json), or use a new --workdir.')
+  check_rounds(run_dir, rounds)
 
 
-def check_other_seeds(run_dir: str, fields: Dict[str, str], rounds: int,
-                      ignored: Iterable[str] = (), running: Iterable[str] = ()) -> None:
+def check_other_seeds(run_dir: str, fields: Dict[str, str],
+                      run_config: ml_collections.ConfigDict, running: Iterable[str] = ()
+                      ) -> None:
   """Raises RunMismatchError when a sibling ``seed_<s>`` directory of ``run_dir`` that
   this run does not train (not in ``running``) holds the same method trained with
-  other fields or another ``rounds``: its results would be averaged with this run's
-  as seeds of one configuration. Reads only."""
+  other fields or another ``run_config.rounds``: its results would be averaged with
+  this run's as seeds of one configuration. Reads only."""
   parent, name = os.path.split(os.path.normpath(run_dir))
   if not name.startswith('seed_') or not os.path.isdir(parent):
     return
@@ -183,7 +94,8 @@ def check_other_seeds(run_dir: str, fields: Dict[str, str], rounds: int,
         not os.path.exists(path):
       continue
     recorded = _read_json(path)
-    changed = record_changes(recorded, fields, rounds, ignored)
+    changed = record_changes(recorded, fields, run_config.rounds,
+                             other_benchmark_fields(run_config.data.benchmark))
     if changed:
       raise RunMismatchError(
           f'{other} holds another seed of this method trained with another configuration '

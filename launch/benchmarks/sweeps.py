@@ -23,7 +23,7 @@ from fedjax_shift.core.round import (HostStore, RoundConfig, build_round, round_
 from fedjax_shift.core.runs import grid_round, stack_runs
 from fedjax_shift.data import partitions, sources, store as client_store
 from fedjax_shift.pipelines import sweep
-from fedjax_shift.pipelines import workdir as workdir_lib
+from fedjax_shift.pipelines import fingerprints
 from fedjax_shift.pipelines.programs import round_config as pipeline_round_config
 from launch.benchmarks import register
 from launch.benchmarks.common import FLAGS, first_then_timed, num_clients, timed
@@ -251,10 +251,10 @@ def case_digest():
     np.savez(path, params=np.ones(VIT_B16_PARAMETERS, np.float32))
     cache = os.path.join(directory, 'digests.json')
     tick = time.perf_counter()
-    first = workdir_lib.content_digest(path, cache)
+    first = fingerprints.content_digest(path, cache)
     hash_seconds = time.perf_counter() - tick
-    median, times = timed(lambda: workdir_lib.content_digest(path, cache), FLAGS.repeats)
-    assert workdir_lib.content_digest(path, cache) == first
+    median, times = timed(lambda: fingerprints.content_digest(path, cache), FLAGS.repeats)
+    assert fingerprints.content_digest(path, cache) == first
     size_gb = os.path.getsize(path) / 2 ** 30
   finally:
     shutil.rmtree(directory, ignore_errors=True)

@@ -27,7 +27,7 @@ from fedjax_shift import models
 from fedjax_shift.benchmarks.atp_shift import atp_protocol
 from fedjax_shift.parts import atp_rates
 from fedjax_shift.pipelines import atp as atp_pipeline
-from fedjax_shift.pipelines.base import algorithm_names
+from fedjax_shift.pipelines.run_config import algorithm_names
 from fedjax_shift.pipelines.single_run import train_and_evaluate
 
 ATP_ROWS = ('atp_batch', 'atp_online')
