@@ -116,8 +116,25 @@ def test_every_paper_folder_registers_tables_with_numbers_and_claims(paper):
 
 
 def readme_paths():
+  """README.md and the package's pages (the papers', the registry's, the engine's, the
+  run loops')."""
   return ['README.md'] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(
-      os.path.join(ROOT, 'fedjax_shift', 'papers', '*', 'README.md')))
+      os.path.join(ROOT, 'fedjax_shift', '**', 'README.md'), recursive=True))
+
+
+def test_the_readme_states_commands_and_links_the_rest():
+  # Figures that change live in BENCHMARKS.md and the package's pages, so the front
+  # page stays short; each relative link it makes points at a file.
+  import re
+  with open(os.path.join(ROOT, 'README.md')) as f:
+    text = f.read()
+  assert len(text.splitlines()) <= 400
+  for path in readme_paths() + ['BENCHMARKS.md']:
+    with open(os.path.join(ROOT, path)) as f:
+      links = re.findall(r'\]\(([^)#:\s]+)(?:#[^)]*)?\)', f.read())
+    missing = [link for link in links
+               if not os.path.exists(os.path.join(ROOT, os.path.dirname(path), link))]
+    assert not missing, f'{path} links to missing files: {missing}'
 
 
 def bash_commands(path):
