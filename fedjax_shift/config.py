@@ -20,6 +20,7 @@ from fedjax_shift import papers, pipelines  # noqa: F401  (papers: registers the
 from fedjax_shift.adapters import ADAPTERS
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS
+from fedjax_shift.core import plan
 from fedjax_shift.pipelines import PIPELINES
 
 
@@ -36,6 +37,40 @@ def registered_data_defaults() -> dict:
       fields[field] = value
       owner[field] = f'benchmark {name!r}'
   return fields
+
+
+def engine_defaults() -> ml_collections.ConfigDict:
+  """``config.engine``: how rounds are compiled and run (nothing in it changes a
+  trained state, so none of it is fingerprinted)."""
+  e = ml_collections.ConfigDict()
+  e.unroll = 1                      # lax.scan unroll of local steps (True on CPU convnets)
+  e.backend = 'auto'                # 'vmap': one compiled round; 'loop': Python loop of jitted
+                                    # clients; 'auto': loop for conv models on CPU, else vmap
+  e.rounds_per_call = 1             # R rounds per compiled call (a lax.scan); metrics per round
+  e.vmap_seeds = False              # every seed of a method in lockstep, the round vmapped over
+                                    # seeds (one call per round; needs equal shapes: data.pad_to)
+  e.client_chunk = 0                # c: the cohort sorted by local steps, vmapped in groups of
+                                    # c clients, each looping to its largest client's steps
+                                    # (less memory, less padding); 0: fitted, see max_scanned
+  e.max_scanned = plan.MAX_SCANNED  # client_chunk 0: the widest groups whose
+                                    # scanned local steps stay <= this x the real ones on the
+                                    # train split's sizes (0: one vmap of the whole cohort)
+  e.example_buckets = ()            # padded client sizes, ascending, the last >= the largest
+                                    # client: a group of the sorted cohort (or, with the loop
+                                    # backend, a client) is cut to the smallest that holds it;
+                                    # (): at most example_shapes sizes fitted to the train split
+  e.example_shapes = 4              # ... one compiled client update per size
+  e.likely_plan = True              # cohorts drawn from a larger population: groups cut to
+                                    # sizes likely cohorts hold, a cohort that exceeds them
+                                    # running at sizes every cohort holds (not with
+                                    # vmap_seeds or a sweep: their runs would pay for both)
+  e.num_devices = 0                 # shard the cohort over this many devices (0 = one)
+  e.donate = False                  # donate server/client buffers (GPU/TPU)
+  e.deterministic = False           # XLA deterministic GPU ops (launch/train.py; no-op on CPU)
+  e.eval_chunk_size = 0             # clients per compiled evaluation call (0: 1 with the
+                                    # loop backend, 64 with the vmapped round)
+  e.eval_batch_size = 256
+  return e
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -90,34 +125,7 @@ def base_config() -> ml_collections.ConfigDict:
     for section, fields in PIPELINES.defaults(name).items():
       c[section] = fields
 
-  c.engine = ml_collections.ConfigDict()
-  c.engine.unroll = 1               # lax.scan unroll of local steps (True on CPU convnets)
-  c.engine.backend = 'auto'         # 'vmap': one compiled round; 'loop': Python loop of jitted
-                                    # clients; 'auto': loop for conv models on CPU, else vmap
-  c.engine.rounds_per_call = 1      # R rounds per compiled call (a lax.scan); metrics per round
-  c.engine.vmap_seeds = False       # every seed of a method in lockstep, the round vmapped over
-                                    # seeds (one call per round; needs equal shapes: data.pad_to)
-  c.engine.client_chunk = 0         # c: the cohort sorted by local steps, vmapped in groups of
-                                    # c clients, each looping to its largest client's steps
-                                    # (less memory, less padding); 0: fitted, see max_scanned
-  c.engine.max_scanned = 1.2        # client_chunk 0: the widest groups whose scanned local
-                                    # steps stay <= this x the real ones on the train split's
-                                    # sizes (0: one vmap of the whole cohort)
-  c.engine.example_buckets = ()     # padded client sizes, ascending, the last >= the largest
-                                    # client: a group of the sorted cohort (or, with the loop
-                                    # backend, a client) is cut to the smallest that holds it;
-                                    # (): at most example_shapes sizes fitted to the train split
-  c.engine.example_shapes = 4       # ... one compiled client update per size
-  c.engine.likely_plan = True       # cohorts drawn from a larger population: groups cut to
-                                    # sizes likely cohorts hold, a cohort that exceeds them
-                                    # running at sizes every cohort holds (not with
-                                    # vmap_seeds or a sweep: their runs would pay for both)
-  c.engine.num_devices = 0          # shard the cohort over this many devices (0 = one)
-  c.engine.donate = False           # donate server/client buffers (GPU/TPU)
-  c.engine.deterministic = False    # XLA deterministic GPU ops (launch/train.py; no-op on CPU)
-  c.engine.eval_chunk_size = 0      # clients per compiled evaluation call (0: 1 with the
-                                    # loop backend, 64 with the vmapped round)
-  c.engine.eval_batch_size = 256
+  c.engine = engine_defaults()
 
   c.eval_every = 10                 # rounds between evaluations (the last round always)
   c.eval_adapters = ()              # test-time methods on the trained models, '<adapter>:<mode>'
@@ -245,6 +253,6 @@ def apply_variant(config: ml_collections.ConfigDict, arg: Optional[str],
 
 
 def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> None:
-  """The checks of ``config.pipeline`` (pipelines/base.py ``check_run`` and the
+  """The checks of ``config.pipeline`` (pipelines/run_config.py ``check_run`` and the
   pipeline's own), then that ``workdir`` is writable."""
   pipelines.validate(config, workdir)

@@ -112,6 +112,12 @@ from launch.benchmarks.common import (CONV_CHOICES, CONV_MODELS, FLAGS, SHAPES, 
                                       SIZE_PROFILES, TORCH_CASES, client_sizes, define_flags,
                                       real_steps, run_case)
 
+def max_scanned() -> float:
+  """--max_scanned, or the engine's default where it is unset."""
+  from fedjax_shift.core.plan import MAX_SCANNED
+  return MAX_SCANNED if FLAGS.max_scanned is None else FLAGS.max_scanned
+
+
 # The script a case runs in: this one, or for the peers that run in their own
 # environment (--fedjax_python) the peers' module, which imports nothing of fedjax_shift.
 PEER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'benchmarks', 'peers.py')
@@ -199,7 +205,7 @@ def profile_comparison(clients: int, conv: str) -> str:
 
   sizes = {p: client_sizes(clients, p) for p in profiles}
   lines = [f'### Size profiles: {FLAGS.model}, one epoch of batch {FLAGS.batch_size}, '
-           f'unroll={FLAGS.unroll}, max_scanned={FLAGS.max_scanned}, '
+           f'unroll={FLAGS.unroll}, max_scanned={max_scanned()}, '
            f'client_chunk={FLAGS.client_chunk} (0: fitted)\n',
            f'Machine: {machine()}. s/round: median of {FLAGS.passes} interleaved passes, each '
            f'the median of {FLAGS.repeats} after one warm-up; load: the 1-minute load '

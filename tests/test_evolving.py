@@ -463,14 +463,14 @@ def test_a_packed_client_store_is_refused_for_domain_blocks(tmp_path, name):
   # The rotated benchmark pads each client's domain blocks (its clients hold 302 to
   # 1,607 of 11 × 165 rows): a ClientStore packs a client's examples and loses them.
   from fedjax_shift.data import store
-  from fedjax_shift.pipelines.single_run import train_and_evaluate
+  from fedjax_shift.pipelines.single_run import RunInputs, train_and_evaluate
   config = tiny_config(**{'data.benchmark': 'rotated_digits', 'rounds': 1})
   bench = BENCHMARKS.get('rotated_digits')(config.data, 0)
   assert not np.asarray(bench.splits['train'].mask).all()   # blocks with padding
   packed = bench._replace(splits={n: store.compact(s) for n, s in bench.splits.items()})
   with pytest.raises(ValueError, match=f'{name} trains on clients laid out in padded '
                                        'domain blocks'):
-    train_and_evaluate(config, str(tmp_path), name, 0, bench=packed)
+    train_and_evaluate(config, str(tmp_path), name, 0, RunInputs(bench=packed))
 
 
 def test_fedevolve_configs_parse_and_run_tiny(tmp_path):

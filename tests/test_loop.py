@@ -40,8 +40,8 @@ def toy_trainer(bad_round=None, bad_run=None, calls=None):
 
 def test_runs_in_lockstep_write_their_own_records_and_checkpoints(tmp_path):
   runs = toy_runs(tmp_path, 2)
-  outcomes = loop.train(runs, (jnp.zeros(2),), toy_trainer(), rounds=5, eval_every=2,
-                        checkpoint_every=2, progress=False)
+  outcomes = loop.train(runs, (jnp.zeros(2),), toy_trainer(),
+                        loop.Cadence(rounds=5, eval_every=2, checkpoint_every=2, progress=False))
   for run, outcome in zip(runs, outcomes):
     # 1 + 2 + 3 + 4 + 5 = 15; the last evaluation is the final state's.
     assert outcome.summary == {'model/test/accuracy': 15.0} and outcome.diverged is None
@@ -55,8 +55,9 @@ def test_runs_in_lockstep_write_their_own_records_and_checkpoints(tmp_path):
 
 def test_one_run_diverges_the_others_go_on_and_all_diverged_stops(tmp_path):
   runs = toy_runs(tmp_path, 2)
-  outcomes = loop.train(runs, (jnp.zeros(2),), toy_trainer(bad_round=3, bad_run=1), rounds=5,
-                        eval_every=5, checkpoint_every=2, keep_going=True, progress=False)
+  outcomes = loop.train(runs, (jnp.zeros(2),), toy_trainer(bad_round=3, bad_run=1),
+                        loop.Cadence(rounds=5, eval_every=5, checkpoint_every=2,
+                                     keep_going=True, progress=False))
   assert outcomes[0].diverged is None and outcomes[0].summary['model/test/accuracy'] == 15.0
   assert 'toy 1: non-finite training loss (nan) in round 3; the last good checkpoint ' \
          '(round 2)' in str(outcomes[1].diverged)
@@ -64,20 +65,21 @@ def test_one_run_diverges_the_others_go_on_and_all_diverged_stops(tmp_path):
       == [1, 2]
   with pytest.raises(loop.DivergenceError, match='toy 1: non-finite'):
     loop.train(toy_runs(tmp_path / 'stop', 2), (jnp.zeros(2),),
-               toy_trainer(bad_round=3, bad_run=1), rounds=5, eval_every=5,
-               checkpoint_every=2, progress=False)
+               toy_trainer(bad_round=3, bad_run=1),
+               loop.Cadence(rounds=5, eval_every=5, checkpoint_every=2, progress=False))
   calls = []
   single = toy_runs(tmp_path / 'single', 1)
   loop.train(single, (jnp.zeros(1),), toy_trainer(bad_round=2, bad_run=0, calls=calls),
-             rounds=50, eval_every=5, checkpoint_every=2, keep_going=True, progress=False)
+             loop.Cadence(rounds=50, eval_every=5, checkpoint_every=2, keep_going=True,
+                          progress=False))
   assert calls == [(0, 1), (1, 2)]   # nothing trained after its only run diverged
 
 
 def test_runs_must_start_at_one_round(tmp_path):
   first, second = toy_runs(tmp_path, 2)
   with pytest.raises(ValueError, match='must start at one round'):
-    loop.train([first, second._replace(start_round=1)], (jnp.zeros(2),), toy_trainer(), 3,
-               1, 1, progress=False)
+    loop.train([first, second._replace(start_round=1)], (jnp.zeros(2),), toy_trainer(),
+               loop.Cadence(3, 1, 1, progress=False))
 
 
 def test_call_end_stops_at_evaluation_and_last_rounds():

@@ -22,7 +22,7 @@ from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.checkpoint import CheckpointMismatchError, Checkpointer
 from fedjax_shift.data.federated import stack_clients, validate
 from fedjax_shift.metrics import MetricsWriter, read_metrics, without_timing
-from fedjax_shift.pipelines.single_run import train_and_evaluate
+from fedjax_shift.pipelines.single_run import RunInputs, train_and_evaluate
 from fedjax_shift.pipelines.workdir import RunMismatchError, WorkdirBusyError, WorkdirLock
 from helpers import override, tiny_config, write_run
 
@@ -193,10 +193,10 @@ def test_a_given_benchmark_is_validated(tmp_path, layout):
     count_message = "client 0 in split 'train': offsets give"
   with pytest.raises(ValueError, match=count_message):
     train_and_evaluate(config, str(tmp_path / 'a'), 'fedavg', 0,
-                       bench=bench._replace(splits={**bench.splits, 'train': doubled}))
+                       RunInputs(bench=bench._replace(splits={**bench.splits, 'train': doubled})))
   with pytest.raises(ValueError, match=r"client 1 in split 'train': label 12 outside"):
     train_and_evaluate(config, str(tmp_path / 'b'), 'fedavg', 0,
-                       bench=bench._replace(splits={**bench.splits, 'train': bad}))
+                       RunInputs(bench=bench._replace(splits={**bench.splits, 'train': bad})))
 
 
 def test_federated_data_edge_cases_name_the_client():
@@ -789,7 +789,7 @@ def test_a_lower_keep_checkpoints_frees_space_before_a_rerun_writes(tmp_path, mo
   # keep_checkpoints the older checkpoint is deleted before it, so the advice the
   # disk-full message gives can work; the newest is kept.
   import errno
-  from fedjax_shift.pipelines import base
+  from fedjax_shift.pipelines import opening
   pipelines.run(quick(), str(tmp_path))
   checkpoints = tmp_path / RUN / 'checkpoints'
   assert sorted(os.listdir(checkpoints)) == ['3', '4']
@@ -798,7 +798,7 @@ def test_a_lower_keep_checkpoints_frees_space_before_a_rerun_writes(tmp_path, mo
     if path.endswith('config.json'):
       raise OSError(errno.ENOSPC, 'No space left on device', path)
     return open(path, *args, **kwargs)
-  monkeypatch.setattr(base, 'open', full_disk, raising=False)
+  monkeypatch.setattr(opening, 'open', full_disk, raising=False)
   with pytest.raises(OSError, match='No space left on device'):
     pipelines.run(quick(keep_checkpoints=1), str(tmp_path))
   assert sorted(os.listdir(checkpoints)) == ['4']

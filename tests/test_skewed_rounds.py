@@ -322,10 +322,10 @@ def test_out_of_memory_where_a_result_is_read_names_the_fields_and_the_bytes(tmp
   with pytest.raises(MemoryError, match=r'ran out of device memory \(an allocation of '
                                         r'6442450944 bytes\): lower config.engine.client_chunk'
                                         r'.*config.cohort_size.*data.store=.host.'):
-    loop.train([run], (), trainer, rounds=2, eval_every=1, checkpoint_every=1,
-               progress=False)
+    loop.train([run], (), trainer, loop.Cadence(rounds=2, eval_every=1, checkpoint_every=1,
+                                                progress=False))
   other = lambda state, start, stop: (_ for _ in ()).throw(
       jax.errors.JaxRuntimeError('INVALID_ARGUMENT: something else'))
   with pytest.raises(jax.errors.JaxRuntimeError, match='INVALID_ARGUMENT'):
-    loop.train([run], (), loop.Trainer(other, loop.only_run), rounds=2, eval_every=1,
-               checkpoint_every=1, progress=False)
+    loop.train([run], (), loop.Trainer(other, loop.only_run),
+               loop.Cadence(rounds=2, eval_every=1, checkpoint_every=1, progress=False))

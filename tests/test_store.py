@@ -248,7 +248,7 @@ def test_a_dirichlet_minimum_is_met_by_construction():
 def test_a_pipeline_run_on_the_store_equals_the_run_on_the_padded_layout(tmp_path, placement):
   from fedjax_shift.benchmarks import BENCHMARKS
   from fedjax_shift.pipelines.runs import data_digest
-  from fedjax_shift.pipelines.single_run import train_and_evaluate
+  from fedjax_shift.pipelines.single_run import RunInputs, train_and_evaluate
   config = tiny_config(rounds=2)
   stored = BENCHMARKS.get('label_skew_corrupted')(config.data, 0)
   assert all(isinstance(s, client_store.ClientStore) for s in stored.splits.values())
@@ -258,7 +258,7 @@ def test_a_pipeline_run_on_the_store_equals_the_run_on_the_padded_layout(tmp_pat
   results = {}
   for name, bench in [('store', stored), ('padded', padded)]:
     config.data.store = placement if name == 'store' else 'device'   # host: cohort stores
-    run = train_and_evaluate(config, str(tmp_path / name), 'fedavg', 0, bench=bench)
+    run = train_and_evaluate(config, str(tmp_path / name), 'fedavg', 0, RunInputs(bench=bench))
     results[name] = run['metrics']
   for key, value in results['padded'].items():
     np.testing.assert_allclose(results['store'][key], value, rtol=1e-5, atol=1e-6,

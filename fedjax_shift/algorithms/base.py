@@ -247,10 +247,16 @@ def method_schedule(config: ml_collections.ConfigDict, name: str, max_examples: 
                     ) -> LocalSchedule:
   """Method ``name``'s local schedule (``config.client`` with its overrides;
   ``config.client`` alone when ``name`` is '') for clients padded to ``max_examples``."""
-  c = method_client(config, name)
-  return LocalSchedule(batch_size=c.batch_size, num_epochs=c.local_epochs,
-                       num_steps=c.local_steps, max_examples=max_examples,
-                       unroll=config.engine.unroll, augmentation=tuple(c.augmentation))
+  return client_schedule(method_client(config, name), config.engine.unroll, max_examples)
+
+
+def client_schedule(client: ml_collections.ConfigDict, unroll, max_examples: int
+                    ) -> LocalSchedule:
+  """The local schedule of a client section (``method_client``) for clients padded to
+  ``max_examples``, local steps unrolled as ``unroll`` (``config.engine.unroll``)."""
+  return LocalSchedule(batch_size=client.batch_size, num_epochs=client.local_epochs,
+                       num_steps=client.local_steps, max_examples=max_examples,
+                       unroll=unroll, augmentation=tuple(client.augmentation))
 
 
 def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
@@ -262,7 +268,7 @@ def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
   ``config.engine.unroll`` and ``config.cohort_size`` over ``num_clients`` (the
   training split's K; None: a cohort fraction of 1)."""
   c = method_client(config, name)
-  schedule = method_schedule(config, name, max_examples)
+  schedule = client_schedule(c, config.engine.unroll, max_examples)
   fraction = min(1.0, config.cohort_size / num_clients) if num_clients else 1.0
   return BuildContext(module, client_optimizer(c), server_optimizer(config.server), schedule,
                       number(c.learning_rate), build_info(info), fraction, num_clients or 0,

@@ -23,6 +23,7 @@ A straggler's budget caps τ in the same unit.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -85,6 +86,25 @@ def check_feature_dims(phi_features: jax.Array, psi_features: jax.Array) -> int:
     raise ValueError(f'FedEvolve compares f_psi features with f_phi prototypes: their widths '
                      f'differ ({phi_features.shape[-1]} vs {psi_features.shape[-1]})')
   return phi_features.shape[-1]
+
+
+def server_update(server_opt: optax.GradientTransformation, state: FedEvolveState,
+                  outputs: ClientOutput, weights) -> FedEvolveState:
+  """Both encoders by ``server_opt`` on the clients' weighted mean update, the class
+  prototypes from the included clients' last-domain sums, the running statistics as the
+  clients' weighted mean."""
+  mean_delta = trees.weighted_sum(outputs.update['params'], weights)
+  updates, opt_state = server_opt.update(jax.tree.map(jnp.negative, mean_delta),
+                                         state.opt_state, state.params)
+  included = (weights > 0).astype(jnp.float32)
+  sums = jnp.tensordot(included, outputs.update['proto_sums'], axes=1)
+  counts = jnp.tensordot(included, outputs.update['proto_counts'], axes=1)
+  prototypes = sums / jnp.maximum(counts, 1e-12)[:, None]
+  # Running statistics are not trained: the weighted mean of the clients' directly.
+  stats = jax.tree.map(jnp.add, state.batch_stats,
+                       trees.weighted_sum(outputs.update['batch_stats'], weights))
+  return FedEvolveState(optax.apply_updates(state.params, updates), opt_state, prototypes,
+                        counts > 0, state.round + 1, stats)
 
 
 # d of Eq. 4: 'euclidean' (Sec. 4.1: "we employ Euclidean distance") or
@@ -169,20 +189,6 @@ def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
               'proto_sums': sums, 'proto_counts': counts}
     return ClientOutput(update, metrics), client_state
 
-  def server_update(state: FedEvolveState, outputs: ClientOutput, weights) -> FedEvolveState:
-    mean_delta = trees.weighted_sum(outputs.update['params'], weights)
-    updates, opt_state = server_opt.update(jax.tree.map(jnp.negative, mean_delta),
-                                           state.opt_state, state.params)
-    included = (weights > 0).astype(jnp.float32)
-    sums = jnp.tensordot(included, outputs.update['proto_sums'], axes=1)
-    counts = jnp.tensordot(included, outputs.update['proto_counts'], axes=1)
-    prototypes = sums / jnp.maximum(counts, 1e-12)[:, None]
-    # Running statistics are not trained: the weighted mean of the clients' directly.
-    stats = jax.tree.map(jnp.add, state.batch_stats,
-                         trees.weighted_sum(outputs.update['batch_stats'], weights))
-    return FedEvolveState(optax.apply_updates(state.params, updates), opt_state, prototypes,
-                          counts > 0, state.round + 1, stats)
-
   def classifier(state, prototypes, present):
     """f_ψ (with its statistics) and the prototype head: the predicting model."""
     variables = encoder_variables(state.params['psi'], state.batch_stats['psi'])
@@ -196,5 +202,5 @@ def fedevolve(hparams: ml_collections.ConfigDict, context: base.BuildContext
 
   return FederatedAlgorithm(
       init=init, init_client_state=lambda state: (), client_update=client_update,
-      server_update=server_update, personalize=personalize,
+      server_update=functools.partial(server_update, server_opt), personalize=personalize,
       global_model=lambda state: classifier(state, state.prototypes, state.present))

@@ -103,6 +103,24 @@ RANGES = {
 OBJECTIVES = ('supcon', 'simclr', 'ce')
 
 
+def linear_head(module, optimizer: optax.GradientTransformation, schedule, variables, data,
+                rng):
+  """``variables`` with the head trained (``schedule``'s epochs) on the frozen encoder's
+  eval-mode features."""
+  params, model_state = base.split_variables(variables)
+  frozen = {k: v for k, v in params.items() if k != 'head'}
+
+  def loss_fn(head, state, x, y, weight, step_rng):
+    del step_rng
+    logits = models.apply(module, {'params': {**frozen, 'head': head}, **state}, x, 'eval')[0]
+    return masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y),
+                       weight), state
+
+  head, _, _, _ = local_train(loss_fn, optimizer, params['head'], model_state, data, rng,
+                              schedule)
+  return with_head(variables, head)
+
+
 def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildContext,
                       objective: str = 'supcon', share: bool = True) -> FederatedAlgorithm:
   """FedICON (``objective='supcon'``), FedICON-us ('simclr': instance labels) and the
@@ -164,22 +182,6 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
   def shared_personalize(server_state, head, data, rng):
     return train_head(with_head(server_state.variables, head), data, rng)[0]
 
-  def linear_stage(variables, data, rng):
-    """The head trained ``personal_epochs`` on the frozen encoder's eval-mode features."""
-    params, model_state = base.split_variables(variables)
-    frozen = {k: v for k, v in params.items() if k != 'head'}
-
-    def loss_fn(head, state, x, y, weight, step_rng):
-      del step_rng
-      logits = models.apply(module, {'params': {**frozen, 'head': head}, **state}, x, 'eval')[0]
-      return masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, y),
-                         weight), state
-
-    head, _, _, _ = local_train(loss_fn, head_context.client_optimizer, params['head'],
-                                model_state, data, rng,
-                                base.epochs_schedule(context.schedule, hparams.personal_epochs))
-    return with_head(variables, head)
-
   def federated_update(server_state, client_state, data, rng):
     variables, metrics = train(server_state.variables, data, rng)
     delta = trees.tree_sub(variables, server_state.variables)
@@ -187,7 +189,9 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
 
   def federated_personalize(server_state, client_state, data, rng):
     del client_state
-    return linear_stage(server_state.variables, data, rng)
+    return linear_head(module, head_context.client_optimizer,
+                       base.epochs_schedule(context.schedule, hparams.personal_epochs),
+                       server_state.variables, data, rng)
 
   def own_update(server_state, own_variables, data, rng):
     del server_state   # Table 5 without global invariance sharing: nothing is sent

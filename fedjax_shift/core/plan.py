@@ -56,7 +56,12 @@ def simulate_cohorts(num_examples: np.ndarray, cohort_size: int, sampling: str =
   return np.concatenate(cohorts)
 
 
-def fit_client_chunk(cohort_steps: np.ndarray, max_scanned: float = 1.2,
+# config.engine.max_scanned's default: the widest groups whose scanned local steps stay
+# within 1.2 × the real ones.
+MAX_SCANNED = 1.2
+
+
+def fit_client_chunk(cohort_steps: np.ndarray, max_scanned: float = MAX_SCANNED,
                      multiple: int = 1) -> int:
   """The widest group ``RoundConfig.client_chunk`` (0: the whole cohort) whose
   expected scanned steps stay within ``max_scanned`` × the real ones.

@@ -213,8 +213,32 @@ def run_cohort(client_update, config: RoundConfig, server_state, cohort_states,
   if rows is None:
     rows = jnp.arange(size)
   order = jnp.argsort(-source.num_examples[rows], stable=True)
-  run = functools.partial(_run_groups, client_update, config, server_state, cohort_states,
-                          source, rows, budgets, client_keys, shard, order, width)
+  def run(examples: Tuple[Optional[int], ...]):
+    """The groups of ``width`` clients of the cohort sorted by ``order``, group g cut to
+    ``examples[g]`` -> ((outputs, states) in sorted order, scanned)."""
+    if len(examples) != groups:
+      raise ValueError(f'group_examples has {len(examples)} sizes for {groups} groups of '
+                       f'{width} clients')
+    padded = groups * width
+    slots = jnp.concatenate([order, jnp.zeros(padded - size, order.dtype)])
+    real = jnp.arange(padded) < size
+    outputs, scanned, start = [], [], 0
+    while start < groups:   # runs of groups with one example size: one lax.map each
+      stop = start + 1
+      while stop < groups and examples[stop] == examples[start]:
+        stop += 1
+      part = slots[start * width:stop * width]
+      data = client_rows(source, rows[part], budgets[part], examples[start],
+                         real[start * width:stop * width])
+      out = map_clients(client_update, in_axes, width, shard)(
+          server_state, take_clients(cohort_states, part), data,
+          take_clients(client_keys, part))
+      outputs.append(out)
+      scanned.append(scanned_steps(out[0].metrics, width, config.schedule, examples[start]))
+      start = stop
+    outputs = jax.tree.map(lambda *leaves: jnp.concatenate(leaves)[:size], *outputs)
+    return outputs, None if scanned[0] is None else sum(scanned)
+
   if not config.fallback_examples:
     outputs, scanned = run(config.group_examples or (None,) * groups)
     fallback = None
@@ -226,37 +250,6 @@ def run_cohort(client_update, config: RoundConfig, server_state, cohort_states,
         lambda: (run(config.fallback_examples), jnp.float32(1)))
   inverse = jnp.argsort(order)   # cohort slot -> its sorted position
   return take_clients(outputs, inverse), scanned, fallback
-
-
-def _run_groups(client_update, config: RoundConfig, server_state, cohort_states,
-                source: Store, rows: jax.Array, budgets: jax.Array, client_keys, shard,
-                order: jax.Array, width: int, examples: Tuple[Optional[int], ...]):
-  """``run_cohort``'s groups of ``width`` clients of the cohort sorted by ``order``,
-  group g cut to ``examples[g]`` -> ((outputs, states) in sorted order, scanned)."""
-  size = budgets.shape[0]
-  groups = -(-size // width)
-  if len(examples) != groups:
-    raise ValueError(f'group_examples has {len(examples)} sizes for {groups} groups of '
-                     f'{width} clients')
-  padded = groups * width
-  in_axes = (None, 0, 0, 0)
-  slots = jnp.concatenate([order, jnp.zeros(padded - size, order.dtype)])
-  real = jnp.arange(padded) < size
-  outputs, scanned, start = [], [], 0
-  while start < groups:   # runs of groups with one example size: one lax.map each
-    stop = start + 1
-    while stop < groups and examples[stop] == examples[start]:
-      stop += 1
-    part = slots[start * width:stop * width]
-    data = client_rows(source, rows[part], budgets[part], examples[start],
-                       real[start * width:stop * width])
-    out = map_clients(client_update, in_axes, width, shard)(
-        server_state, take_clients(cohort_states, part), data, take_clients(client_keys, part))
-    outputs.append(out)
-    scanned.append(scanned_steps(out[0].metrics, width, config.schedule, examples[start]))
-    start = stop
-  outputs = jax.tree.map(lambda *leaves: jnp.concatenate(leaves)[:size], *outputs)
-  return outputs, None if scanned[0] is None else sum(scanned)
 
 
 def scanned_steps(metrics: Dict[str, jax.Array], width: int,

@@ -54,7 +54,7 @@ from fedjax_shift.pipelines.fingerprints import fingerprint, run_fields
 from fedjax_shift.registry import (BOOL, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, TEXT, one_of,
                                    registered, require, require_distinct, sequence_of)
 from fedjax_shift.pipelines import pretrain
-from fedjax_shift.pipelines.single_run import train_and_evaluate
+from fedjax_shift.pipelines.single_run import RunInputs, train_and_evaluate
 
 log = logging.getLogger('fedjax_shift')
 # The test-time rows: a key each, with its label, adapter and mode (one row here, the
@@ -358,11 +358,11 @@ def train_learned_rates(config, shift_config, workdir: str, key: str, module,
   record = lambda state: {f'rates/{n}': v for n, v in zip(
       flat_names, learned_rates.flat_values(name, state.rates).values())}
   trained = train_and_evaluate(alpha_config(shift_config), os.path.join(workdir, f'learned_{key}'),
-                               'atp', seed,
-                               bench=Benchmark({'train': val}, data.source.num_classes,
-                                               data.source.example_shape, data.info),
-                               algorithm=algorithm, log_state=record,
-                               depends_on=pretrained_identity(shift_config))
+                               'atp', seed, RunInputs(
+                                   bench=Benchmark({'train': val}, data.source.num_classes,
+                                                   data.source.example_shape, data.info),
+                                   algorithm=algorithm, log_state=record,
+                                   depends_on=pretrained_identity(shift_config)))
   return trained['server_state'].rates
 
 
@@ -398,7 +398,7 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
     backbone = pretrain.load_encoder(config.backbone.weights, module,
                                      jnp.asarray(data.source.splits['train'].first_example()))
   pre = train_and_evaluate(shift_config, os.path.join(workdir, 'pretrain'), algorithm_name,
-                           seed, bench=data.source, backbone=backbone)
+                           seed, RunInputs(bench=data.source, backbone=backbone))
   variables = pre['server_state'].variables
   global_model = pretrained_identity(shift_config)
 
@@ -408,10 +408,11 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
                                global_variables=variables)
   names = atp_rates.module_names(atp_rates.init_alpha(variables))
   trained = train_and_evaluate(a_config, os.path.join(workdir, 'alpha'), 'atp', seed,
-                               bench=Benchmark({'train': val}, data.source.num_classes,
-                                               data.source.example_shape, data.info),
-                               algorithm=algorithm, log_state=alpha_record(names),
-                               depends_on=global_model)
+                               RunInputs(bench=Benchmark({'train': val},
+                                                         data.source.num_classes,
+                                                         data.source.example_shape, data.info),
+                                         algorithm=algorithm, log_state=alpha_record(names),
+                                         depends_on=global_model))
   alpha = trained['server_state'].alpha
   with open(os.path.join(workdir, 'alpha.json'), 'w') as f:
     json.dump(dict(zip(names, map(float, jax.tree.leaves(alpha)))), f, indent=1)

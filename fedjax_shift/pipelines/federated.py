@@ -32,7 +32,7 @@ from fedjax_shift.pipelines.base import PIPELINES, Results, hardware
 from fedjax_shift.pipelines.run_config import algorithm_names, check_run
 from fedjax_shift.pipelines.lockstep import NotTraceable, lockstep_problem, train_lockstep
 from fedjax_shift.pipelines.runs import shared_data
-from fedjax_shift.pipelines.single_run import train_and_evaluate
+from fedjax_shift.pipelines.single_run import RunInputs, train_and_evaluate
 
 log = logging.getLogger('fedjax_shift')
 
@@ -73,8 +73,8 @@ def train_grid(config: ml_collections.ConfigDict, workdir: str, name: str,
             programs
         for seed in seeds:
           result = train_and_evaluate(point_config, sweep.run_dir(workdir, name, point, seed),
-                                      name, seed, programs=cache, backbone=backbone,
-                                      keep_going=keep_going)
+                                      name, seed, RunInputs(programs=cache, backbone=backbone),
+                                      keep_going)
           results.append({**result, 'sweep_point': point} if point else result)
   return results
 
@@ -141,8 +141,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
     points = sweep.method_points(config, name)
     if points == [{}] and not config.engine.vmap_seeds:
       mine = [train_and_evaluate(config, os.path.join(workdir, name, f'seed_{seed}'), name,
-                                 seed, programs=programs, backbone=backbone,
-                                 keep_going=config.on_divergence == 'continue')
+                                 seed, RunInputs(programs=programs, backbone=backbone),
+                                 config.on_divergence == 'continue')
               for seed in config.seeds]
     else:
       mine = train_grid(config, workdir, name, points, programs, backbone)

@@ -230,10 +230,7 @@ def _train_and_evaluate(config, run_dir: str, seed: int) -> Dict[str, object]:
 
   try:
     outcome, = loop.train([run], (server_state, group_states),
-                          loop.Trainer(advance, loop.only_run), config.rounds,
-                          config.eval_every, config.checkpoint_every,
-                          config.on_divergence == 'continue', config.progress, label,
-                          config.log_every)
+                          loop.Trainer(advance, loop.only_run), loop.Cadence.of(config), label)
   finally:
     opened.checkpointer.close()
   if outcome.diverged is not None:

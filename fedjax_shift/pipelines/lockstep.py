@@ -23,7 +23,7 @@ and leaves the other runs going.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,7 @@ from fedjax_shift.pipelines.base import CompileClock
 from fedjax_shift.pipelines.run_config import round_backend
 from fedjax_shift.pipelines.programs import (Programs, build_programs, examples_per_step,
                                              program_key)
-from fedjax_shift.pipelines.single_run import OpenedRun, finish_run, setup_run
+from fedjax_shift.pipelines.single_run import OpenedRun, RunInputs, finish_run, setup_run
 from fedjax_shift.pipelines.runs import build_data, log_settled, run_keys, settled_divergences
 
 log = logging.getLogger('fedjax_shift')
@@ -208,9 +208,9 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
           algorithm = algorithms.build(name, point_config, module, train.max_examples,
                                        bench.info, train.num_clients, train.example_shape)
           built = family.at(values[points.index(point)], algorithm, module)
-        opened.append(setup_run(point_config, run_dir, name, seed, bench=benches[seed],
-                                programs=programs, backbone=backbone, max_round=common,
-                                built=built))
+        opened.append(setup_run(point_config, run_dir, name, seed,
+                                RunInputs(bench=benches[seed], programs=programs,
+                                          backbone=backbone), max_round=common, built=built))
       first = opened[live[0]]
       check_lockstep(config, name, [opened[i] for i in live], seeds)
       if fields:
@@ -218,44 +218,53 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
       else:
         device_round = first.programs.round_device
         round_fn = lambda values, *args: device_round(*args)  # noqa: E731
-      round_grid = grid_round(round_fn, len(points), len(seeds))
-      stacked_values = tuple(jnp.stack([jnp.asarray(v[i]) for v in values])
-                             for i in range(len(fields)))
-      trains = [benches[s].splits['train'] for s in seeds]
-      data = jax.device_put(store.stack_stores(trains) if store.is_store(trains[0]) else
-                            stack_runs([jax.tree.map(np.asarray, t) for t in trains]))
-      keys = [run_keys(seed)[1] for seed in seeds]
       state = stack_runs([first.state if o is None else o.state for o in opened])
-
-      def round_keys(start: int):
-        return jnp.stack([round_key(key, start) for key in keys])
-
-      try:
-        jax.eval_shape(round_grid, stacked_values, *state, data, round_keys(0))
-      except TRACE_ERRORS as err:
-        raise NotTraceable(f'{name} uses {", ".join(fields)} in Python ({type(err).__name__})'
-                           ) from None
-
-      def advance(state, start: int, stop: int):
-        del stop
-        out = round_grid(stacked_values, *state, data, round_keys(start))
-        return (out.server_state, out.client_states), loop.one_round(
-            out.metrics, loop.round_metric_names(out.metrics))
-
-      trainer = loop.Trainer(advance, take_run, 1, examples_per_step(config, name))
+      trainer = grid_trainer(config, name, round_fn, values, fields, [benches[s] for s in seeds],
+                             seeds, len(points), state)
       what = (f'{len(points)} points × ' if len(points) > 1 else '') + f'seeds {tuple(seeds)}'
       loop_runs = [loop.Run(f'{name} seed {seed}', run_dir, None, None, common, 0.0, None, None)
                    if o is None else o.run for o, (_, seed), run_dir in zip(opened, runs, run_dirs)]
-      outcomes = loop.train(loop_runs, state, trainer, config.rounds, config.eval_every,
-                            config.checkpoint_every, config.on_divergence == 'continue',
-                            config.progress, f'{name} {what} (vmapped)', config.log_every,
-                            settled=settled)
+      outcomes = loop.train(loop_runs, state, trainer, loop.Cadence.of(config),
+                            f'{name} {what} (vmapped)', settled=settled)
     finally:
       for o in opened:
         if o is not None:
           o.run.checkpointer.close()
   return [record(i, outcome, o and o.upload, clock)
           for i, (outcome, o) in enumerate(zip(outcomes, opened))]
+
+
+def grid_trainer(config: ml_collections.ConfigDict, name: str, round_fn: Callable,
+                 values: Sequence[Tuple[float, ...]], fields: Sequence[str],
+                 benches: Sequence[Benchmark], seeds: Sequence[int], num_points: int,
+                 state) -> loop.Trainer:
+  """The loop's Trainer of a grid of ``num_points`` points (their traced ``values`` of
+  ``fields``) × ``seeds`` (their data ``benches``) as one vmapped round; NotTraceable
+  when ``round_fn`` uses a field in Python (checked by tracing one round on ``state``)."""
+  round_grid = grid_round(round_fn, num_points, len(seeds))
+  stacked_values = tuple(jnp.stack([jnp.asarray(v[i]) for v in values])
+                         for i in range(len(fields)))
+  trains = [bench.splits['train'] for bench in benches]
+  data = jax.device_put(store.stack_stores(trains) if store.is_store(trains[0]) else
+                        stack_runs([jax.tree.map(np.asarray, t) for t in trains]))
+  keys = [run_keys(seed)[1] for seed in seeds]
+
+  def round_keys(start: int):
+    return jnp.stack([round_key(key, start) for key in keys])
+
+  try:
+    jax.eval_shape(round_grid, stacked_values, *state, data, round_keys(0))
+  except TRACE_ERRORS as err:
+    raise NotTraceable(f'{name} uses {", ".join(fields)} in Python ({type(err).__name__})'
+                       ) from None
+
+  def advance(state, start: int, stop: int):
+    del stop
+    out = round_grid(stacked_values, *state, data, round_keys(start))
+    return (out.server_state, out.client_states), loop.one_round(
+        out.metrics, loop.round_metric_names(out.metrics))
+
+  return loop.Trainer(advance, take_run, 1, examples_per_step(config, name))
 
 
 def check_lockstep(config: ml_collections.ConfigDict, name: str, opened: Sequence[OpenedRun],

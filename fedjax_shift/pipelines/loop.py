@@ -348,20 +348,92 @@ class Progress:
       self.bar.close()
 
 
-def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every: int,
-          checkpoint_every: int, keep_going: bool = False, progress: bool = True,
-          description: str = '', log_every: int = 0,
-          settled: Optional[Dict[int, DivergenceError]] = None) -> List[Outcome]:
-  """Trains every run of ``runs`` from their common start round to ``rounds``.
-
+class Cadence(NamedTuple):
+  """How far and how often the loop goes: ``rounds`` (the target), an evaluation every
+  ``eval_every`` rounds and at the last, a checkpoint every ``checkpoint_every``;
   ``keep_going``: a run whose loss turns non-finite is marked diverged (its Outcome
-  carries the error) and the others go on; otherwise the DivergenceError is raised.
-  ``progress``: show ``Progress`` (a bar on a terminal, else a line every ``log_every``
-  rounds). ``settled``: runs (by index) that diverged before, within ``rounds``
-  (their ``DIVERGED_FILE``): they hold a place in ``state`` but are neither trained on
-  nor saved, and their Outcome carries that error. Returns one Outcome per run, in
-  order.
+  carries the error) and the others go on, else the DivergenceError is raised;
+  ``progress``: show ``Progress`` (a line every ``log_every`` rounds off a terminal)."""
+  rounds: int
+  eval_every: int
+  checkpoint_every: int
+  keep_going: bool = False
+  progress: bool = True
+  log_every: int = 0
+
+  @classmethod
+  def of(cls, config, keep_going: Optional[bool] = None) -> 'Cadence':
+    """The run config's (``keep_going`` None: ``config.on_divergence == 'continue'``)."""
+    return cls(config.rounds, config.eval_every, config.checkpoint_every,
+               config.on_divergence == 'continue' if keep_going is None else keep_going,
+               config.progress, config.log_every)
+
+
+def _advance(trainer: Trainer, state, start: int, stop: int):
+  """One compiled call, its metrics read back: the call is dispatched asynchronously, so
+  its errors (out of memory: one message naming the fields to lower) arrive here."""
+  try:
+    state, metrics = trainer.advance(state, start, stop)
+    return state, {name: np.asarray(values) for name, values in metrics.items()}
+  except jax.errors.JaxRuntimeError as err:
+    explained = memory_error(err)
+    if explained is None:
+      raise
+    raise explained from err
+
+
+def _call_records(run: Run, i: int, own, metrics: Dict[str, np.ndarray], first: int,
+                  seconds: float, compile_seconds: float, trainer: Trainer,
+                  evaluate_now: bool) -> Tuple[List[dict], Optional[Dict[str, float]]]:
+  """Run i's records of the call's rounds first + 1 … (one per round; the last with its
+  evaluation when ``evaluate_now`` and its ``log_state``), and that evaluation (None if
+  none). ``own``: the run's state after the call; ``seconds``: the call's per run."""
+  calls = len(metrics['loss'])
+  records, summary = [], None
+  for offset in range(calls):
+    record = {'round': first + offset + 1,
+              **{name: float(values[offset, i]) for name, values in metrics.items()},
+              'round_seconds': seconds / calls}
+    if trainer.examples_per_step and 'num_steps' in metrics:
+      record['examples_per_second'] = (float(metrics['num_steps'][offset, i]) *
+                                       trainer.examples_per_step / record['round_seconds'])
+    if offset == 0 and compile_seconds > 0:
+      record['compile_seconds'] = compile_seconds
+    if offset == calls - 1:  # the call's last round: its state is the one we hold
+      if evaluate_now:
+        summary = run.evaluate(own)
+        record.update(summary)
+      if run.log_state is not None:
+        record.update(run.log_state(own))
+    records.append(record)
+  return records, summary
+
+
+def _progress_fields(metrics: Dict[str, np.ndarray], live: List[int], trainer: Trainer,
+                     seconds: float) -> Dict[str, str]:
+  """The bar's fields after a call: the live runs' loss, examples/s and the share of the
+  iterated local steps that are real."""
+  fields = {'loss': f'{np.nanmean(metrics["loss"][-1, live]) if live else float("nan"):.3f}'}
+  if trainer.examples_per_step and 'num_steps' in metrics and live:
+    steps = float(np.sum(metrics['num_steps'][:, live])) / len(live)
+    fields['examples_per_s'] = f'{steps * trainer.examples_per_step / seconds:.0f}'
+  if 'scanned_steps' in metrics and live:
+    scanned = float(np.sum(metrics['scanned_steps'][:, live]))
+    fields['real_steps'] = (f"{float(np.sum(metrics['local_steps'][:, live])) / scanned:.0%}"
+                            if scanned else 'n/a')
+  return fields
+
+
+def train(runs: Sequence[Run], state, trainer: Trainer, cadence: Cadence,
+          description: str = '', settled: Optional[Dict[int, DivergenceError]] = None
+          ) -> List[Outcome]:
+  """Trains every run of ``runs`` from their common start round to ``cadence.rounds``.
+
+  ``settled``: runs (by index) that diverged before, within the rounds (their
+  ``DIVERGED_FILE``): they hold a place in ``state`` but are neither trained on nor
+  saved, and their Outcome carries that error. Returns one Outcome per run, in order.
   """
+  rounds = cadence.rounds
   diverged: Dict[int, DivergenceError] = dict(settled or {})
   starts = {run.label: run.start_round for i, run in enumerate(runs) if i not in diverged}
   if len(set(starts.values())) > 1:
@@ -371,19 +443,18 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
   completed = next(iter(starts.values()), rounds)
   elapsed = [run.elapsed for run in runs]
   summaries: List[Dict[str, float]] = [{} for _ in runs]
-  bar = Progress(rounds, completed, description, log_every) if progress else None
-
-  def save(round_index: int, i: int) -> None:
-    runs[i].checkpointer.save(
-        round_index, RunState(*trainer.take(state, i), jnp.float32(elapsed[i])), force=True)
-
+  bar = Progress(rounds, completed, description, cadence.log_every) if cadence.progress else None
   saved_at = [run.start_round for run in runs]   # each run's last checkpoint
+
+  def save(i: int) -> None:
+    runs[i].checkpointer.save(
+        completed, RunState(*trainer.take(state, i), jnp.float32(elapsed[i])), force=True)
+    saved_at[i] = completed
 
   def save_live() -> None:
     for i, run in enumerate(runs):
       if i not in diverged and completed > run.start_round:
-        save(completed, i)
-        saved_at[i] = completed
+        save(i)
     mark_unsaved(False)
 
   signals = contextlib.ExitStack()
@@ -394,71 +465,42 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
     while completed < rounds:
       compiling.take()
       tick = time.perf_counter()
-      stop = call_end(completed, rounds, trainer.rounds_per_call, eval_every)
-      try:   # the call is dispatched asynchronously: its errors arrive with its results
-        state, metrics = trainer.advance(state, completed, stop)
-        metrics = {name: np.asarray(values) for name, values in metrics.items()}
-      except jax.errors.JaxRuntimeError as err:
-        explained = memory_error(err)
-        if explained is None:
-          raise
-        raise explained from err
+      stop = call_end(completed, rounds, trainer.rounds_per_call, cadence.eval_every)
+      state, metrics = _advance(trainer, state, completed, stop)
       mark_unsaved(True)
       seconds = time.perf_counter() - tick
       compile_seconds = compiling.take()
       first, completed = completed, stop
-      calls = stop - first
-      losses = metrics['loss']
       for i, run in enumerate(runs):
         if i in diverged:
           continue
-        bad = np.flatnonzero(~np.isfinite(losses[:, i]))
+        bad = np.flatnonzero(~np.isfinite(metrics['loss'][:, i]))
         if bad.size:
-          error = _divergence(run, losses[bad[0], i], first + bad[0] + 1)
-          if not keep_going:
+          error = _divergence(run, metrics['loss'][bad[0], i], first + bad[0] + 1)
+          if not cadence.keep_going:
             raise error
           log.warning('%s; config.on_divergence=continue: the other runs go on', error)
           diverged[i] = error
           record_divergence(run.run_dir, first + int(bad[0]) + 1, error)
           continue
         elapsed[i] += seconds / count
-        evaluate_now = completed % eval_every == 0 or completed == rounds
-        for offset in range(calls):
-          record = {'round': first + offset + 1,
-                    **{name: float(values[offset, i]) for name, values in metrics.items()},
-                    'round_seconds': seconds / (calls * count)}
-          if trainer.examples_per_step and 'num_steps' in metrics:
-            record['examples_per_second'] = (float(metrics['num_steps'][offset, i]) *
-                                             trainer.examples_per_step /
-                                             record['round_seconds'])
-          if offset == 0 and compile_seconds > 0:
-            record['compile_seconds'] = compile_seconds
-          if offset == calls - 1:  # the call's last round: its state is the one we hold
-            own = trainer.take(state, i)
-            if evaluate_now:
-              summaries[i] = run.evaluate(own)
-              record.update(summaries[i])
-            if run.log_state is not None:
-              record.update(run.log_state(own))
+        records, summary = _call_records(
+            run, i, trainer.take(state, i), metrics, first, seconds / count, compile_seconds,
+            trainer, completed % cadence.eval_every == 0 or completed == rounds)
+        if summary is not None:
+          summaries[i] = summary
+        for record in records:
           run.writer.write(record)
-        if completed == rounds or any(r % checkpoint_every == 0
+        if completed == rounds or any(r % cadence.checkpoint_every == 0
                                       for r in range(first + 1, completed + 1)):
-          save(completed, i)
-          saved_at[i] = completed
+          save(i)
       mark_unsaved(any(saved_at[i] != completed for i in range(count) if i not in diverged))
       if len(diverged) == count:   # nothing left to train
         break
       if bar is not None:
         live = [i for i in range(count) if i not in diverged]
-        postfix = {'loss': f'{np.nanmean(losses[-1, live]) if live else float("nan"):.3f}'}
-        if trainer.examples_per_step and 'num_steps' in metrics and live:
-          steps = float(np.sum(metrics['num_steps'][:, live])) / len(live)
-          postfix['examples_per_s'] = f'{steps * trainer.examples_per_step / seconds:.0f}'
-        if 'scanned_steps' in metrics and live:   # the share of iterated steps that are real
-          scanned = float(np.sum(metrics['scanned_steps'][:, live]))
-          postfix['real_steps'] = (f"{float(np.sum(metrics['local_steps'][:, live])) / scanned:.0%}"
-                                   if scanned else 'n/a')
-        bar.update(calls, postfix, compile_seconds)
+        bar.update(stop - first, _progress_fields(metrics, live, trainer, seconds),
+                   compile_seconds)
       if requests and completed < rounds:
         save_live()
         raise Preempted(f'{requests[0]} received: stopped after round {completed} of '
@@ -478,13 +520,12 @@ def train(runs: Sequence[Run], state, trainer: Trainer, rounds: int, eval_every:
     for run in runs:
       if run.writer is not None:
         run.writer.close()
-  outcomes = []
-  for i, run in enumerate(runs):
-    if i in diverged:
-      outcomes.append(Outcome({}, elapsed[i], None, diverged[i]))
-      continue
-    own = trainer.take(state, i)
-    if not summaries[i]:  # resumed after the final round: evaluate the restored state
-      summaries[i] = run.evaluate(own)
-    outcomes.append(Outcome(summaries[i], elapsed[i], own))
-  return outcomes
+  return [Outcome({}, elapsed[i], None, diverged[i]) if i in diverged else
+          _outcome(run, trainer.take(state, i), summaries[i], elapsed[i])
+          for i, run in enumerate(runs)]
+
+
+def _outcome(run: Run, own, summary: Dict[str, float], elapsed: float) -> Outcome:
+  """A trained run's Outcome: its last evaluation (a run resumed after its final round,
+  with none: the restored state's)."""
+  return Outcome(summary or run.evaluate(own), elapsed, own)

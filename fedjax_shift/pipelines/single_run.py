@@ -43,6 +43,29 @@ from fedjax_shift.pipelines.runs import (check_same_data, cohort_sharding,
 log = logging.getLogger('fedjax_shift')
 
 
+class RunInputs(NamedTuple):
+  """What a pipeline may give a run of its own (each None: the run's own).
+
+  Attributes:
+    bench: its data (default: built from ``config.data``; validated either way).
+    algorithm: its method (default: the registered one with its ``config.<name>``).
+    programs: a dict shared by the runs of one process: the built method, its round and
+      its evaluation functions are kept there under a ``ProgramKey``, so a later seed with
+      the same shapes reuses their compilations.
+    backbone: a pretrained backbone to start from (``pretrain.load``'s record).
+    log_state: (server_state) -> fields added to every metrics.jsonl record (ATP: α per
+      module).
+    depends_on: what the trained state depends on outside ``config`` (ATP's α: the
+      pretrained run's fingerprint and rounds), fingerprinted as ``depends_on.<key>``.
+  """
+  bench: Optional[Benchmark] = None
+  algorithm: Optional[FederatedAlgorithm] = None
+  programs: Optional[Dict] = None
+  backbone: Optional[dict] = None
+  log_state: Optional[Callable[[object], Dict[str, float]]] = None
+  depends_on: Optional[Dict[str, object]] = None
+
+
 class OpenedRun(NamedTuple):
   """One (method, seed) run opened and ready to train (``setup_run``)."""
   run: loop.Run
@@ -163,23 +186,20 @@ def run_evaluation(config: ml_collections.ConfigDict, algorithm_name: str, built
 
 
 def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str, seed: int,
-              bench: Optional[Benchmark] = None, algorithm=None,
-              programs: Optional[Dict] = None, backbone: Optional[dict] = None,
-              log_state: Optional[Callable] = None,
-              depends_on: Optional[Dict[str, object]] = None,
-              max_round: Optional[int] = None,
+              inputs: RunInputs = RunInputs(), max_round: Optional[int] = None,
               built: Optional[Programs] = None) -> OpenedRun:
   """Opens one (method, seed) run: ``open_run_dir``, the method's programs (``built``
-  when given, else ``method_programs``), ``restore_state`` and the run's evaluation;
-  ``log_state(server_state)`` adds fields to every metrics record."""
-  fields, bench = open_run_dir(config, workdir, algorithm_name, seed, bench, depends_on,
-                               programs)
+  when given, else ``method_programs``), ``restore_state`` (up to ``max_round``) and the
+  run's evaluation, with what the pipeline gives it (``inputs``)."""
+  fields, bench = open_run_dir(config, workdir, algorithm_name, seed, inputs.bench,
+                               inputs.depends_on, inputs.programs)
   if built is None:
-    built = method_programs(config, algorithm_name, bench, algorithm, programs)
+    built = method_programs(config, algorithm_name, bench, inputs.algorithm, inputs.programs)
   init_key, train_key, eval_key = run_keys(seed)
   opened, server_state, client_states, elapsed, upload = restore_state(
       config, workdir, fields, algorithm_name, built, bench.splits['train'], init_key,
-      backbone, max_round)
+      inputs.backbone, max_round)
+  log_state = inputs.log_state
   run = loop.Run(f'{algorithm_name} seed {seed}', workdir, opened.checkpointer, opened.writer,
                  opened.start_round, elapsed,
                  run_evaluation(config, algorithm_name, built, bench, eval_key, seed),
@@ -188,30 +208,18 @@ def setup_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: s
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorithm_name: str,
-                       seed: int, bench: Optional[Benchmark] = None,
-                       algorithm: Optional[FederatedAlgorithm] = None,
-                       log_state: Optional[Callable[[object], Dict[str, float]]] = None,
-                       programs: Optional[Dict] = None,
-                       backbone: Optional[dict] = None,
-                       keep_going: bool = False,
-                       depends_on: Optional[Dict[str, object]] = None) -> Dict[str, object]:
+                       seed: int, inputs: RunInputs = RunInputs(), keep_going: bool = False
+                       ) -> Dict[str, object]:
   """Trains one method with one seed in ``workdir`` (resuming if it holds a
   checkpoint); returns {'algorithm', 'seed', 'metrics', 'rounds', 'train_seconds',
   'compile_seconds', 'compilations', …, 'server_state'} ('server_state' is not written
   to results.json). 'compile_seconds': tracing, lowering and XLA compilation of every
   function the run compiled; 'compilations': how many XLA compilations it ran.
 
-  ``bench`` (default: built from ``config.data``; validated either way) and
-  ``algorithm`` (default: the registered ``algorithm_name`` with its section
-  ``config.<algorithm_name>``) let pipelines train on data or with methods of their
-  own (ATP's α training); ``log_state(server_state)`` adds fields to every
-  metrics.jsonl record (ATP: α per module). ``programs``: a dict shared by the runs of
-  one process (``run`` passes one): the built method, its round and its evaluation
-  functions are kept there under a ``ProgramKey``, so a later seed with the same
-  shapes reuses their compilations instead of compiling again. ``keep_going``: a
-  non-finite loss gives a diverged record instead of raising DivergenceError.
-  ``depends_on``: what the trained state depends on outside ``config`` (ATP's α: the
-  pretrained run's fingerprint and rounds), fingerprinted as ``depends_on.<key>``.
+  ``inputs``: what a pipeline gives the run of its own (``RunInputs``: data, a method,
+  shared compiled programs, a backbone, extra record fields, what the state depends on
+  outside ``config``; ATP's α training uses them). ``keep_going``: a non-finite loss
+  gives a diverged record instead of raising DivergenceError.
 
   ``workdir/run.json`` records the config fields that determine the trained state; a
   re-run whose fields differ, or that raises ``rounds`` without
@@ -223,8 +231,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
     log_settled(workdir)
     return diverged_record(config, workdir, algorithm_name, seed, settled)
   with CompileClock() as clock:
-    opened = setup_run(config, workdir, algorithm_name, seed, bench, algorithm, programs,
-                       backbone, log_state, depends_on)
+    opened = setup_run(config, workdir, algorithm_name, seed, inputs)
     train = opened.bench.splits['train']
     host_store = (HostStore(train, opened.train_key, round_config(config),
                             cohort_sharding(config))
@@ -232,10 +239,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, algorith
     try:
       trainer = single_run_trainer(config, opened.programs, train, opened.train_key,
                                    host_store, algorithm_name)
-      outcome, = loop.train([opened.run], opened.state, trainer, config.rounds,
-                            config.eval_every, config.checkpoint_every, keep_going,
-                            config.progress, f'{algorithm_name} seed {seed}',
-                            config.log_every)
+      outcome, = loop.train([opened.run], opened.state, trainer,
+                            loop.Cadence.of(config, keep_going), f'{algorithm_name} seed {seed}')
     finally:
       if host_store is not None:
         host_store.close()

@@ -162,8 +162,8 @@ def define_flags() -> None:
   flags.DEFINE_string('unroll', 'true', "lax.scan unroll of local steps: 'true', 'false' or an int.")
   flags.DEFINE_integer('client_chunk', 0, 'Engine client_chunk for (a) (0: fitted to the '
                        'sizes under --max_scanned, as the pipeline does).')
-  flags.DEFINE_float('max_scanned', 1.2, 'engine.max_scanned for (a) with --client_chunk=0 '
-                     '(0: one vmap of the whole cohort).')
+  flags.DEFINE_float('max_scanned', None, 'engine.max_scanned for (a) with --client_chunk=0 '
+                     "(0: one vmap of the whole cohort; unset: the config's default).")
   flags.DEFINE_integer('rounds_per_call', 5, 'R of the rounds_calls / rounds_scan cases.')
   flags.DEFINE_integer('seeds', 3, 'Seeds S of the seeds_vmap / seeds_loop cases.')
   flags.DEFINE_list('grid_rates', ['0.003', '0.005', '0.01', '0.02', '0.03', '0.05', '0.1',

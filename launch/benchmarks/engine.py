@@ -119,7 +119,8 @@ def round_config(config, data, backend: str = 'vmap'):
   fitted padded size."""
   config.cohort_size = num_clients()
   config.engine.client_chunk = FLAGS.client_chunk
-  config.engine.max_scanned = FLAGS.max_scanned
+  if FLAGS.max_scanned is not None:
+    config.engine.max_scanned = FLAGS.max_scanned
   config.engine.backend = backend
   return pipeline_round_config(config, data)
 

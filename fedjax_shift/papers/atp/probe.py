@@ -28,7 +28,7 @@ from fedjax_shift.benchmarks.atp_shift import atp_protocol
 from fedjax_shift.parts import atp_rates
 from fedjax_shift.pipelines import atp as atp_pipeline
 from fedjax_shift.pipelines.run_config import algorithm_names
-from fedjax_shift.pipelines.single_run import train_and_evaluate
+from fedjax_shift.pipelines.single_run import RunInputs, train_and_evaluate
 
 ATP_ROWS = ('atp_batch', 'atp_online')
 
@@ -69,7 +69,7 @@ def restore(config: ml_collections.ConfigDict, workdir: str, shift: str, seed: i
   data = atp_protocol(shift_config.data, seed)
   module = models.create(config.model, data.source.num_classes)
   pre = train_and_evaluate(shift_config, os.path.join(run_dir, 'pretrain'),
-                           algorithm_names(config)[0], seed, bench=data.source)
+                           algorithm_names(config)[0], seed, RunInputs(bench=data.source))
   variables = pre['server_state'].variables
   template = atp_rates.init_alpha(variables)
   with open(alpha_path) as f:

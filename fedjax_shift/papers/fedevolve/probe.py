@@ -50,7 +50,8 @@ def nearest_prototype_accuracy(proto_features, proto_labels, features, labels,
 def probe_seed(config: ml_collections.ConfigDict, workdir: str, seed: int) -> Dict[str, float]:
   bench = runs.build_data(config, seed)
   result = single_run.train_and_evaluate(
-      config, os.path.join(workdir, 'fedevolve', f'seed_{seed}'), 'fedevolve', seed, bench)
+      config, os.path.join(workdir, 'fedevolve', f'seed_{seed}'), 'fedevolve', seed,
+      single_run.RunInputs(bench=bench))
   state = result['server_state']
   module = models.create(config.model, bench.num_classes)
   num_classes = bench.num_classes

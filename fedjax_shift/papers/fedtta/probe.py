@@ -57,7 +57,8 @@ def probe_seed(config: ml_collections.ConfigDict, workdir: str, algorithm: str,
                seed: int) -> Dict[str, float]:
   bench = runs.build_data(config, seed)
   result = single_run.train_and_evaluate(
-      config, os.path.join(workdir, algorithm, f'seed_{seed}'), algorithm, seed, bench)
+      config, os.path.join(workdir, algorithm, f'seed_{seed}'), algorithm, seed,
+      single_run.RunInputs(bench=bench))
   module = models.create(config.model, bench.num_classes)
   # the trained algorithm's global model {'params': ψ, 'fedtta_adaptation': φ}
   state = result['server_state']
