@@ -52,7 +52,7 @@ class RunInputs(NamedTuple):
     programs: a dict shared by the runs of one process: the built method, its round and
       its evaluation functions are kept there under a ``ProgramKey``, so a later seed with
       the same shapes reuses their compilations.
-    backbone: a pretrained backbone to start from (``pretrain.load``'s record).
+    backbone: the pretrained encoder to start from (``pretrain.backbone_for``).
     log_state: (server_state) -> fields added to every metrics.jsonl record (ATP: α per
       module).
     depends_on: what the trained state depends on outside ``config`` (ATP's α: the
@@ -135,7 +135,7 @@ def restore_state(config: ml_collections.ConfigDict, workdir: str, fields: dict,
                   max_round: Optional[int] = None):
   """The method's initial state (from the pretrained encoder ``backbone`` when given:
   pipelines/pretrain.py), restored from ``workdir``'s newest checkpoint (up to
-  ``max_round``). Returns (``base.open_run``'s opened run, server_state,
+  ``max_round``). Returns (``opening.open_run``'s opened run, server_state,
   client_states, elapsed seconds, the numbers a client uploads per update entry)."""
   algorithm = built.algorithm
   server_state = algorithm.init(init_key, jnp.asarray(train.first_example()))

@@ -92,7 +92,7 @@ def probe_run(config: ml_collections.ConfigDict, workdir: str, shift: str, seed:
   table: Dict[str, Dict[str, float]] = {}
   for key in ATP_ROWS:
     name, mode = config.tta.adapter[key], config.tta.mode[key]
-    evaluate = evaluators.get(name, mode, atp_pipeline.adapter_section(config, name, shift))
+    evaluate = evaluators.get(name, mode, atp_pipeline.shift_adapter_section(config, name, shift))
     for label, kept in alpha_subsets(names, layers).items():
       inputs = atp_pipeline.AdapterInputs(variables, source_x, source_y,
                                           masked_alpha(alpha, names, kept))
