@@ -20,6 +20,7 @@ import jax
 from fedjax_shift import report
 from fedjax_shift.registry import Registry
 
+
 # name -> run(config, workdir) -> Results; ``check(config)`` validates what it reads;
 # meta ``run_dirs(config, workdir)`` -> [(run_dir, run_config, own section[, depends_on])] names the
 # run directories it will train, so their fingerprints are checked before anything.

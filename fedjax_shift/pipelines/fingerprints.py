@@ -25,6 +25,7 @@ from fedjax_shift.pipelines.base import PIPELINES
 
 log = logging.getLogger('fedjax_shift')
 
+
 # Top-level fields (and dotted paths) that do not change a run's trained state.
 NON_STATE_FIELDS = ('progress', 'eval_every', 'checkpoint_every', 'keep_checkpoints', 'seeds',
                     'algorithms', 'rounds', 'resume', 'eval_adapters', 'eval_adapter_algorithms',

@@ -22,6 +22,7 @@ from fedjax_shift.pipelines.fingerprints import run_fields
 
 log = logging.getLogger('fedjax_shift')
 
+
 def checked_fields(run_dir: str, run_config: ml_collections.ConfigDict, section: str,
                    resume: str, depends_on: Optional[dict] = None) -> dict:
   """``workdir.check_run_dir`` on every process of a run: process 0 reads the run's files

@@ -22,8 +22,11 @@ from fedjax_shift.pipelines.base import PIPELINES
 from fedjax_shift.pipelines.workdir import RESUME_CHOICES
 from fedjax_shift.registry import require, require_distinct
 
+
 # Float fields where infinity is a meaningful value (Dirichlet α = ∞: IID).
 INFINITE_ALLOWED = ('data.dirichlet_alpha',)
+# The most local steps ``engine.unroll`` compiles into one loop iteration.
+MAX_UNROLL = 64
 
 
 def round_backend(config: ml_collections.ConfigDict) -> str:
@@ -308,9 +311,6 @@ def check_eval_adapters(config: ml_collections.ConfigDict) -> None:
           'eval_adapter_splits', f'name split prefixes, e.g. (\'test\', \'val\'), got '
           f'{tuple(config.eval_adapter_splits)}')
 
-
-# The most local steps ``engine.unroll`` compiles into one loop iteration.
-MAX_UNROLL = 64
 
 
 def check_workdir(workdir: str) -> None:

@@ -34,6 +34,7 @@ from fedjax_shift.pipelines.fingerprints import fingerprint, other_benchmark_fie
 
 log = logging.getLogger('fedjax_shift')
 
+
 RESUME_CHOICES = ('', 'extend')
 
 
