@@ -27,8 +27,11 @@ def stop_outside_the_run(number, frame) -> None:
   os._exit(130 if number == signal.SIGINT else 143)
 
 
+# Ctrl-C and the preempt signals: stopped outside the run, forwarded by ``supervise``.
+STOP_SIGNALS = ('SIGINT', 'SIGTERM', 'SIGUSR1')
+
 if __name__ == '__main__':   # before the imports below; the run's own handling replaces it
-  for _name in ('SIGINT', 'SIGTERM', 'SIGUSR1'):
+  for _name in STOP_SIGNALS:
     signal.signal(getattr(signal, _name), stop_outside_the_run)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -113,7 +116,7 @@ def supervise() -> int:
   child = subprocess.Popen([sys.executable] + sys.argv, env={**os.environ, SUPERVISED: '1'},
                            stderr=subprocess.PIPE, text=True, errors='replace', bufsize=1,
                            start_new_session=True, preexec_fn=die_with_parent)
-  for name in ('SIGINT', 'SIGTERM', 'SIGUSR1'):
+  for name in STOP_SIGNALS:
     signal.signal(getattr(signal, name), lambda number, frame: child.send_signal(number))
   last_lines, aborting = collections.deque(maxlen=200), False
   dumping_threads = False

@@ -213,6 +213,7 @@ def run_cohort(client_update, config: RoundConfig, server_state, cohort_states,
   if rows is None:
     rows = jnp.arange(size)
   order = jnp.argsort(-source.num_examples[rows], stable=True)
+
   def run(examples: Tuple[Optional[int], ...]):
     """The groups of ``width`` clients of the cohort sorted by ``order``, group g cut to
     ``examples[g]`` -> ((outputs, states) in sorted order, scanned)."""
