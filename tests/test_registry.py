@@ -3,6 +3,8 @@ names and fields are errors, the package layering holds, and the adapter
 evaluation compiles once."""
 import ast
 import glob
+import importlib
+import inspect
 import re
 import os
 
@@ -21,7 +23,7 @@ from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.algorithms.fedavg import fedavg
 from fedjax_shift.benchmarks import BENCHMARKS
 from fedjax_shift.core.algorithm import ClientOutput
-from fedjax_shift.core.test_time import Adapter, build_test_time
+from fedjax_shift.core.test_time import Adapter, build_test_time, register_constructor
 from fedjax_shift.parts import atp_rates
 from fedjax_shift.pipelines import PIPELINES
 from fedjax_shift.pipelines.atp import adapter_accuracy, adapter_evaluator
@@ -308,6 +310,53 @@ def test_builders_take_their_section_and_the_engine_context():
   assert seen['context'].schedule.batch_size == config.client.batch_size
   assert seen['context'].schedule.max_examples == 7
   assert seen['context'].client_learning_rate == config.client.learning_rate
+
+
+def test_an_adapter_registered_from_its_constructor_takes_the_signature_defaults():
+  seen = {}
+
+  def toy_constructor(module, rate: float = 0.25, predict: str = 'after') -> Adapter:
+    seen.update(module=module, rate=rate, predict=predict)
+    return Adapter(init=lambda variables, rng: variables, step=None)
+
+  assert register_constructor('toy_signature')(toy_constructor) is toy_constructor
+  try:
+    # The section is the signature's keyword parameters with their defaults.
+    assert ADAPTERS.defaults('toy_signature').to_dict() == {'rate': 0.25, 'predict': 'after'}
+    section = ml_collections.ConfigDict({'rate': 0.5, 'predict': 'before'})
+    ADAPTERS.get('toy_signature')('the module', section, None)
+  finally:
+    ADAPTERS.unregister('toy_signature')
+  assert seen == {'module': 'the module', 'rate': 0.5, 'predict': 'before'}  # by name
+
+  def no_default(module, rate):
+    return None
+  with pytest.raises(ValueError, match=r"adapter 'toy_bad': constructor parameters \['rate'\] "
+                                       r"have no default"):
+    register_constructor('toy_bad')(no_default)
+  assert 'toy_bad' not in ADAPTERS
+
+
+@pytest.mark.parametrize('name, constructor', [
+    ('tent', 'fedjax_shift.adapters.tent:tent'), ('shot', 'fedjax_shift.adapters.shot:shot'),
+    ('t3a', 'fedjax_shift.adapters.t3a:t3a'), ('no_adapt', 'fedjax_shift.adapters.no_adapt:no_adapt'),
+    ('odpfl_hn', 'fedjax_shift.adapters.odpfl_hn:odpfl_hn_adapter')])
+def test_signature_registered_adapters_hold_their_papers_defaults(name, constructor):
+  """Each default is written once, in the constructor: its section equals the
+  signature's keyword defaults, which are the papers' values (Tent: Adam 1e-3 on BN
+  affine parameters; SHOT: β = 0.3; T3A: K = 100; the ATP code predicts before the
+  update)."""
+  module_name, function = constructor.split(':')
+  signature = inspect.signature(getattr(importlib.import_module(module_name), function))
+  expected = {p.name: p.default for p in tuple(signature.parameters.values())[1:]}
+  assert config_lib.base_config().adapters[name].to_dict() == expected
+  papers_values = {
+      'tent': {'learning_rate': 1e-3, 'optimizer': 'adam', 'parameters': 'batch_norm',
+               'clip': 0.0, 'weight_decay': 0.0, 'entropy_units': 'nats', 'predict': 'before'},
+      'shot': {'learning_rate': 1e-3, 'optimizer': 'adam', 'pseudo_label_weight': 0.3,
+               'predict': 'before'},
+      't3a': {'filter_k': 100}, 'no_adapt': {}, 'odpfl_hn': {}}
+  assert expected == papers_values[name]
 
 
 def test_importing_the_library_and_configs_does_not_start_the_jax_backend():

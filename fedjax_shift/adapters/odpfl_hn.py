@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from fedjax_shift import models
 from fedjax_shift.parts.hypernetwork import (HYPERNETWORK, client_embedding, generate,
                                               target_template)
-from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.core.test_time import Adapter, register_constructor
 
 
 class GeneratorState(NamedTuple):
@@ -23,6 +23,7 @@ class GeneratorState(NamedTuple):
   count: jax.Array          # [] Σ_n w_n
 
 
+@register_constructor('odpfl_hn', trained_by=('odpfl_hn',))
 def odpfl_hn_adapter(module) -> Adapter:
   def init(variables, rng):
     del rng
@@ -46,10 +47,3 @@ def odpfl_hn_adapter(module) -> Adapter:
     return GeneratorState(state.omega, total, count), logits
 
   return Adapter(init, step)
-
-
-@ADAPTERS.register('odpfl_hn', defaults={}, trained_by=('odpfl_hn',))
-def build(module, hparams, context: SourceContext) -> Adapter:
-  """The registry's builder (no hyperparameters)."""
-  del hparams, context
-  return odpfl_hn_adapter(module)

@@ -23,7 +23,7 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
-from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.core.test_time import Adapter, register_constructor
 from fedjax_shift.parts import losses
 from fedjax_shift.registry import NONNEGATIVE
 
@@ -45,10 +45,17 @@ def cluster_pseudo_labels(features: jax.Array, probs: jax.Array, weight: jax.Arr
   return assign(jax.nn.one_hot(labels, probs.shape[1]))
 
 
+@register_constructor(
+    'shot', ranges={**common.OPTIMIZER_RANGES,
+                    'pseudo_label_weight': NONNEGATIVE,   # 0: information maximisation only (ATP)
+                    'predict': common.PREDICT_RANGE},
+    learnable={'learning_rate': 'log'})
 def shot(module, learning_rate: float = 1e-3, pseudo_label_weight: float = 0.3,
          predict: str = 'before', optimizer: optax.GradientTransformation | str = 'adam'
          ) -> Adapter:
-  """``optimizer``: 'adam' | 'sgd' at ``learning_rate``, or a GradientTransformation."""
+  """``optimizer``: 'adam' | 'sgd' at ``learning_rate`` (Tent's Adam 1e-3), or a
+  GradientTransformation; ``pseudo_label_weight``: SHOT's β = 0.3; ``predict``:
+  'before' (the ATP code: logits before the update) or 'after'."""
   if isinstance(optimizer, str):
     optimizer = common.make_optimizer(optimizer, learning_rate)
 
@@ -72,18 +79,3 @@ def shot(module, learning_rate: float = 1e-3, pseudo_label_weight: float = 0.3,
   return common.gradient_adapter(
       'shot', lambda path: path[0] == 'encoder', 'shot (encoder parameters)', loss_fn,
       lambda variables, x: forward(variables, x)[1], optimizer, predict)
-
-
-@ADAPTERS.register('shot', defaults={
-    'learning_rate': 1e-3,            # Tent's optimizer
-    'optimizer': 'adam',
-    'pseudo_label_weight': 0.3,       # SHOT: β = 0.3
-    'predict': 'before'},             # ATP code: logits before the update
-    ranges={**common.OPTIMIZER_RANGES,
-            'pseudo_label_weight': NONNEGATIVE,   # 0: information maximisation only (ATP)
-            'predict': common.PREDICT_RANGE},
-    learnable={'learning_rate': 'log'})
-def build_shot(module, hparams, context: SourceContext) -> Adapter:
-  """The registry's builder: this method from its ``config.adapters.shot``."""
-  return shot(module, hparams.learning_rate, hparams.pseudo_label_weight, hparams.predict,
-              hparams.optimizer)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from fedjax_shift import models
 from fedjax_shift.parts.losses import entropy
-from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.core.test_time import Adapter, register_constructor
 from fedjax_shift.registry import POSITIVE_INT
 
 
@@ -57,7 +57,9 @@ def prototype_logits(supports: Supports, features: jax.Array) -> jax.Array:
   return features @ prototypes.T
 
 
+@register_constructor('t3a', ranges={'filter_k': POSITIVE_INT})
 def t3a(module, filter_k: int = 100) -> Adapter:
+  """T3A with ``filter_k`` supports kept per class (T3A / DomainBed's default K)."""
   if filter_k < 1:
     raise ValueError(f't3a filter_k must be >= 1, got {filter_k}')
 
@@ -83,10 +85,3 @@ def t3a(module, filter_k: int = 100) -> Adapter:
     return (variables, supports), prototype_logits(supports, features)
 
   return Adapter(init, step)
-
-
-@ADAPTERS.register('t3a', defaults={'filter_k': 100},  # T3A / DomainBed default K
-                   ranges={'filter_k': POSITIVE_INT})
-def build_t3a(module, hparams, context: SourceContext) -> Adapter:
-  """The registry's builder: this method from its ``config.adapters.t3a``."""
-  return t3a(module, hparams.filter_k)

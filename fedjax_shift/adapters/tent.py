@@ -26,7 +26,7 @@ import optax
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
-from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.core.test_time import Adapter, register_constructor
 from fedjax_shift.parts import losses
 from fedjax_shift.parts.trees import clipped_and_decayed
 from fedjax_shift.registry import NONNEGATIVE, one_of
@@ -35,12 +35,19 @@ PARAMETERS = ('batch_norm', 'all')
 ENTROPY_UNITS = {'nats': 1.0, 'bits': 1.0 / math.log(2.0)}
 
 
+@register_constructor(
+    'tent', ranges={**common.OPTIMIZER_RANGES, 'parameters': one_of(*PARAMETERS),
+                    'clip': NONNEGATIVE, 'weight_decay': NONNEGATIVE,
+                    'entropy_units': one_of(*ENTROPY_UNITS), 'predict': common.PREDICT_RANGE},
+    learnable={'learning_rate': 'log_per_bn_layer'})
 def tent(module, learning_rate: Union[float, Dict[str, Any]] = 1e-3, predict: str = 'before',
          optimizer: optax.GradientTransformation | str = 'adam', parameters: str = 'batch_norm',
          clip: float = 0.0, weight_decay: float = 0.0, entropy_units: str = 'nats') -> Adapter:
-  """``optimizer``: 'adam' | 'sgd' at ``learning_rate`` (after the global-norm ``clip``,
-  0 = none, and ``weight_decay``), or a GradientTransformation used as it is;
-  ``parameters``: 'batch_norm' (BN scale and bias) or 'all'."""
+  """Tent: ``optimizer`` 'adam' | 'sgd' at ``learning_rate`` (Tent: Adam 1e-3 on CIFAR)
+  after the global-norm ``clip`` (0 = none) and ``weight_decay``, or a
+  GradientTransformation used as it is; ``parameters``: 'batch_norm' (BN scale and bias,
+  Tent's choice) or 'all'; ``predict``: 'before' (the ATP code: logits before the
+  update) or 'after'."""
   if parameters not in PARAMETERS:
     raise ValueError(f'tent parameters: unknown {parameters!r}; choose from {list(PARAMETERS)}')
   if isinstance(optimizer, str):
@@ -62,21 +69,3 @@ def tent(module, learning_rate: Union[float, Dict[str, Any]] = 1e-3, predict: st
       'tent', models.is_batch_norm_path, 'tent (BatchNorm affine parameters)', loss_fn,
       forward, optimizer, predict,
       check=common.require_batch_norm('tent'))
-
-
-@ADAPTERS.register('tent', defaults={
-    'learning_rate': 1e-3,            # Tent: Adam 1e-3 (CIFAR)
-    'optimizer': 'adam',
-    'parameters': 'batch_norm',       # Tent: BN affine parameters only
-    'clip': 0.0,                      # global-norm clip of the gradient (0: none)
-    'weight_decay': 0.0,
-    'entropy_units': 'nats',
-    'predict': 'before'},             # ATP code: logits before the update
-    ranges={**common.OPTIMIZER_RANGES, 'parameters': one_of(*PARAMETERS),
-            'clip': NONNEGATIVE, 'weight_decay': NONNEGATIVE,
-            'entropy_units': one_of(*ENTROPY_UNITS), 'predict': common.PREDICT_RANGE},
-    learnable={'learning_rate': 'log_per_bn_layer'})
-def build_tent(module, hparams, context: SourceContext) -> Adapter:
-  """The registry's builder: this method from its ``config.adapters.tent``."""
-  return tent(module, hparams.learning_rate, hparams.predict, hparams.optimizer,
-              hparams.parameters, hparams.clip, hparams.weight_decay, hparams.entropy_units)

@@ -16,6 +16,7 @@ Eq. 2, which minimises Eq. 7 over the local test set before predicting.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
@@ -83,6 +84,29 @@ class SourceContext(NamedTuple):
 # and ``adapts_models`` (which of their models in config.eval_adapters: FedTHE's
 # ensemble only the personalised one).
 ADAPTERS: Registry = Registry('adapter')
+
+
+def register_constructor(name: str, **registration) -> Callable:
+  """Decorator: registers the adapter constructor ``constructor(module, **fields)``
+  under ``name``, its config fields (``config.adapters.<name>``) and their defaults
+  read from its keyword parameters, so each default is written once, in the
+  signature; ``registration``: the rest of ``ADAPTERS.register``'s arguments
+  (ranges, check, meta). The constructor is returned unchanged."""
+  def decorator(constructor: Callable[..., Adapter]) -> Callable[..., Adapter]:
+    fields = tuple(inspect.signature(constructor).parameters.values())[1:]
+    missing = [p.name for p in fields if p.default is inspect.Parameter.empty]
+    if missing:
+      raise ValueError(f'adapter {name!r}: constructor parameters {missing} have no default '
+                       f'(each config field needs one)')
+
+    def build(module, hparams, context: SourceContext) -> Adapter:
+      del context
+      return constructor(module, **{p.name: hparams[p.name] for p in fields})
+
+    build.__doc__ = f'The registry\'s builder: {constructor.__name__} from config.adapters.{name}.'
+    ADAPTERS.register(name, defaults={p.name: p.default for p in fields}, **registration)(build)
+    return constructor
+  return decorator
 
 
 def client_batches(x: jax.Array, num_examples: jax.Array, batch_size: int) -> AdaptBatch:
