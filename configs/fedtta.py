@@ -172,9 +172,8 @@ def _fashion_mnist(c: ml_collections.ConfigDict, match) -> None:
   c.gma.global_learning_rate = 1.5
   c.odpfl_hn.encoder_learning_rate = 0.5
   c.odpfl_hn.hypernetwork_learning_rate = 0.5
-  for name in ('fedtta', 'fedtta_prox'):
-    c[name].inner_learning_rate = 0.05   # η_inner
-    c[name].adapt_learning_rate = 0.001  # η_adapt
+  c.fedtta.inner_learning_rate = 0.05   # η_inner (FedTTA-Prox's too: it follows config.fedtta)
+  c.fedtta.adapt_learning_rate = 0.001  # η_adapt (FedTTA-Prox's own is 0.001 already)
   c.fedtta_prox.mu = 0.001
   c.adapters.fedtta_pp.patience = 5   # FedTTA++ patience 5
   c.adapters.tent.learning_rate = 0.3   # TENT: FedAvg's η (the tent variant's row)

@@ -2,7 +2,8 @@
 
 ``base_config()`` holds every field the library reads, each with one default: the
 run's own fields here, and the sections the registries own — each algorithm's
-``config.<name>``, each adapter's ``config.adapters.<name>``, each benchmark's
+``config.<name>``, each adapter's ``config.adapters.<name>`` (a variant's section: only
+what it changes from its method's, ``Registry.register(variant_of=)``), each benchmark's
 ``config.data`` fields and each pipeline's sections (the test-time pipeline's
 ``tta`` and ``atp``) — filled from what their files registered. configs/<method>.py
 start from ``base_config()``, set their fields and call ``apply_variant``.
@@ -118,9 +119,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.server.adam_eps = 1e-3
 
   for name in ALGORITHMS.names():   # each method's hyperparameters (algorithms/<name>.py)
-    c[name] = ALGORITHMS.defaults(name)
+    c[name] = ALGORITHMS.own_defaults(name)   # a variant's: what it changes
   c.adapters = ml_collections.ConfigDict(  # each adapter's (adapters/<name>.py)
-      {name: ADAPTERS.defaults(name) for name in ADAPTERS.names()})
+      {name: ADAPTERS.own_defaults(name) for name in ADAPTERS.names()})
   for name in PIPELINES.names():    # each pipeline's sections (pipelines/<name>.py)
     for section, fields in PIPELINES.defaults(name).items():
       c[section] = fields

@@ -8,6 +8,13 @@ another); ``fedjax_shift.config.base_config`` fills the config from the registri
 so adding a method, adapter, benchmark or pipeline is one file.
 
     ALGORITHMS.register('fedprox', defaults={'mu': 0.01}, ranges={'mu': NONNEGATIVE})
+
+A variant of an entry (an ablation, a paper's second setting) registers only what it
+changes: its section holds those fields, the others follow the entry's own section
+(``section(name, sections)`` is what its builder reads), and its ranges and check are
+the entry's unless it gives its own.
+
+    ALGORITHMS.register('fedtta_prox', variant_of='fedtta', defaults={'mu': 0.01})
 """
 from __future__ import annotations
 
@@ -114,25 +121,48 @@ class Registry(Generic[T]):
   def __init__(self, kind: str):
     self.kind = kind
     self._entries: Dict[str, T] = {}
-    self._defaults: Dict[str, dict] = {}
+    self._defaults: Dict[str, dict] = {}   # the whole section, a variant's included
+    self._own: Dict[str, dict] = {}        # what the config's section holds
+    self._variant_of: Dict[str, Optional[str]] = {}
     self._ranges: Dict[str, Dict[str, Range]] = {}
     self._checks: Dict[str, Optional[Callable]] = {}
     self._meta: Dict[str, dict] = {}
 
   def register(self, name: str, defaults: Optional[Mapping[str, Any]] = None,
                check: Optional[Callable] = None,
-               ranges: Optional[Mapping[str, Range]] = None, **meta) -> Callable[[T], T]:
+               ranges: Optional[Mapping[str, Range]] = None,
+               variant_of: Optional[str] = None, **meta) -> Callable[[T], T]:
     """Decorator. ``defaults``: the entry's config fields and their default values;
     ``ranges``: {dotted field path: Range}, a path naming a nested mapping covering
     each of its leaves; ``check(section)``: raises ValueError naming
-    ``config.<field>`` on what ranges cannot say; ``meta``: anything else the caller
-    looks up with ``meta(name)``."""
+    ``config.<field>`` on what ranges cannot say; ``variant_of``: a registered entry
+    whose section this one follows, ``defaults`` holding only the fields it changes
+    or adds (a default equal to the entry's is refused: it would be a copy), ``ranges``
+    added to the entry's, ``check`` the entry's unless given; ``meta``: anything else
+    the caller looks up with ``meta(name)`` (not inherited)."""
+    own = copy.deepcopy(dict(defaults or {}))
+    whole, declared = own, dict(ranges or {})
+    if variant_of is not None:
+      self.get(variant_of)
+      parent = self._defaults[variant_of]
+      copies = sorted(field for field, value in own.items()
+                      if field in parent and parent[field] == value)
+      if copies:
+        raise ValueError(f'{self.kind} {name!r}, a variant of {variant_of!r}, registers '
+                         f'{copies} at the values of {variant_of!r}: a variant holds only '
+                         f'what it changes')
+      whole = _merged(copy.deepcopy(parent), own)
+      declared = {**self._ranges[variant_of], **declared}
+      check = check if check is not None else self._checks[variant_of]
+
     def decorator(value: T) -> T:
       if name in self._entries:
         raise ValueError(f'{self.kind} {name!r} is registered twice')
       self._entries[name] = value
-      self._defaults[name] = copy.deepcopy(dict(defaults or {}))
-      self._ranges[name] = dict(ranges or {})
+      self._defaults[name] = whole
+      self._own[name] = own
+      self._variant_of[name] = variant_of
+      self._ranges[name] = declared
       self._checks[name] = check
       self._meta[name] = dict(meta)
       return value
@@ -141,7 +171,8 @@ class Registry(Generic[T]):
   def unregister(self, name: str) -> None:
     """Removes an entry (tests that register toy entries clean up with this)."""
     self.get(name)
-    for table in (self._entries, self._defaults, self._ranges, self._checks, self._meta):
+    for table in (self._entries, self._defaults, self._own, self._variant_of, self._ranges,
+                  self._checks, self._meta):
       del table[name]
 
   def ranges(self, name: str) -> Dict[str, Range]:
@@ -179,9 +210,32 @@ class Registry(Generic[T]):
     return self._entries[name]
 
   def defaults(self, name: str) -> ml_collections.ConfigDict:
-    """A fresh ConfigDict of the entry's default config fields."""
+    """A fresh ConfigDict of the entry's whole default section (a variant's: its
+    entry's with its changes)."""
     self.get(name)
     return ml_collections.ConfigDict(copy.deepcopy(self._defaults[name]))
+
+  def own_defaults(self, name: str) -> ml_collections.ConfigDict:
+    """A fresh ConfigDict of the fields the config's section of ``name`` holds (a
+    variant's: only what it changes)."""
+    self.get(name)
+    return ml_collections.ConfigDict(copy.deepcopy(self._own[name]))
+
+  def variant_of(self, name: str) -> Optional[str]:
+    """The entry ``name`` is a variant of (None: an entry of its own)."""
+    self.get(name)
+    return self._variant_of[name]
+
+  def section(self, name: str, sections: Mapping[str, Any]) -> ml_collections.ConfigDict:
+    """The section ``name``'s builder reads from ``sections`` (the config, or its
+    ``adapters``): ``sections[name]``, a variant's over its entry's (recursively), as a
+    new ConfigDict; values are not copied (a swept tracer stays one)."""
+    self.get(name)
+    own = _plain(sections[name]) if name in sections else {}
+    parent = self._variant_of[name]
+    if parent is None:
+      return ml_collections.ConfigDict(own)
+    return ml_collections.ConfigDict(_merged(_plain(self.section(parent, sections)), own))
 
   def meta(self, name: str) -> dict:
     self.get(name)
@@ -241,3 +295,14 @@ def _plain(section) -> dict:
     return section.to_dict()
   return {key: _plain(value) if isinstance(value, Mapping) else value
           for key, value in section.items()}
+
+
+def _merged(base: dict, changes: Mapping[str, Any]) -> dict:
+  """``base`` with ``changes`` written over it, nested mappings merged field by field."""
+  out = dict(base)
+  for key, value in changes.items():
+    if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+      out[key] = _merged(out[key], value)
+    else:
+      out[key] = value
+  return out

@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 
 def stop_outside_the_run(number, frame) -> None:
@@ -44,6 +44,8 @@ from ml_collections import config_flags  # noqa: E402
 import ml_collections  # noqa: E402
 
 from fedjax_shift import checkpoint, distributed, metrics, pipelines  # noqa: E402
+from fedjax_shift.algorithms import ALGORITHMS  # noqa: E402
+from fedjax_shift.core.test_time import ADAPTERS  # noqa: E402
 from fedjax_shift.pipelines import loop, sweep  # noqa: E402
 from fedjax_shift.pipelines.workdir import WorkdirBusyError  # noqa: E402
 
@@ -333,16 +335,59 @@ def override_value(text: str):
     return text
 
 
+def variant_field_flags(argv) -> Tuple[list, list]:
+  """(``argv`` without its ``--config.<variant>.<field>=<value>`` flags for a field the
+  variant follows from its method's section, those flags' ([path], value)): a
+  variant's section holds only what it changes (``Registry.register(variant_of=)``),
+  so absl has no flag for the others; they are set after parsing."""
+  kept, later = [], []
+  for arg in argv:
+    flag, equals, text = arg.partition('=')
+    path = flag[len('--config.'):].split('.') if flag.startswith('--config.') else []
+    registry, entry = (ADAPTERS, path[1:]) if path[:1] == ['adapters'] else (ALGORITHMS, path)
+    if (equals and len(entry) == 2 and entry[0] in registry and registry.variant_of(entry[0])
+        and entry[1] in registry.defaults(entry[0])):
+      later.append((path, override_value(text)))
+    else:
+      kept.append(arg)
+  return kept, later
+
+
+def set_variant_fields(config: ml_collections.ConfigDict, fields) -> None:
+  """Sets the ``variant_field_flags`` fields on ``config``; a value of another type than
+  the field's default is refused (exit 2), as absl refuses it for other fields."""
+  for path, value in fields:
+    *sections, field = path
+    section = config
+    for name in sections:
+      section = section[name]
+    registry = ADAPTERS if sections[0] == 'adapters' else ALGORITHMS
+    default = registry.defaults(sections[-1])[field]
+    if not (type(value) is type(default) or (isinstance(default, float) and
+                                             type(value) is int)):
+      print(f'launch/train.py: --config.{".".join(path)}: expected a value of type '
+            f'{type(default).__name__} (as config.{".".join(path)}\'s default '
+            f'{default!r}), got {value!r}', file=sys.stderr)
+      sys.exit(USAGE_STATUS)
+    with section.unlocked():   # config_flags locks the config it built
+      section[field] = float(value) if isinstance(default, float) else value
+
+
 def parse_flags(argv):
   """absl's flag parsing, a mistyped --config.<field> one line naming it;
-  ``--config.sweep`` and ``--config.sweep_metric`` also read in their string form."""
+  ``--config.sweep`` and ``--config.sweep_metric`` also read in their string form; a
+  variant's field it follows from its method set too (``variant_field_flags``)."""
   try:
     argv = [sweep.legacy_flag(arg) for arg in argv]
   except ValueError as err:   # e.g. a sweep field given as a section and dotted
     print(f'launch/train.py: {err}', file=sys.stderr)
     sys.exit(USAGE_STATUS)
+  argv, variant_fields = variant_field_flags(argv)
+  sys.argv[:] = argv   # config_flags reads its overrides' names from sys.argv
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
+    set_variant_fields(_CONFIG.value, variant_fields)
+    return rest
   except (AttributeError, KeyError) as err:
     problem = unknown_override(argv)
     if problem:

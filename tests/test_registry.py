@@ -27,6 +27,7 @@ from fedjax_shift.core.test_time import Adapter, build_test_time, register_const
 from fedjax_shift.parts import atp_rates
 from fedjax_shift.pipelines import PIPELINES
 from fedjax_shift.pipelines.atp import adapter_accuracy, adapter_evaluator
+from fedjax_shift.registry import POSITIVE
 from helpers import compiled_programs, tiny_config, toy_clients
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,10 +98,13 @@ def test_toy_algorithm_and_adapter_from_a_test_file_run_through_the_launcher(tmp
 
 def test_every_method_section_holds_its_registered_defaults():
   config = config_lib.base_config()
-  for name in ALGORITHMS.names():
-    assert config[name].to_dict() == ALGORITHMS.defaults(name).to_dict()
+  for name in ALGORITHMS.names():   # a variant's section: what it changes
+    assert config[name].to_dict() == ALGORITHMS.own_defaults(name).to_dict()
+    assert ALGORITHMS.section(name, config).to_dict() == ALGORITHMS.defaults(name).to_dict()
   for name in ADAPTERS.names():
-    assert config.adapters[name].to_dict() == ADAPTERS.defaults(name).to_dict()
+    assert config.adapters[name].to_dict() == ADAPTERS.own_defaults(name).to_dict()
+    assert ADAPTERS.section(name, config.adapters).to_dict() == \
+        ADAPTERS.defaults(name).to_dict()
   for name in BENCHMARKS.names():
     for field, value in BENCHMARKS.defaults(name).to_dict().items():
       assert config.data[field] == value or (isinstance(value, dict) and
@@ -329,6 +333,20 @@ def test_an_adapter_registered_from_its_constructor_takes_the_signature_defaults
     ADAPTERS.unregister('toy_signature')
   assert seen == {'module': 'the module', 'rate': 0.5, 'predict': 'before'}  # by name
 
+  def with_context(module, num_classes, rate: float = 0.5, *, note: str = 'python only'):
+    seen.update(num_classes=num_classes, rate=rate, note=note)
+    return None
+  register_constructor('toy_context', from_context={'num_classes': lambda m, c: c * 2})(
+      with_context)
+  try:   # C from the context, keyword-only parameters not fields
+    assert ADAPTERS.defaults('toy_context').to_dict() == {'rate': 0.5}
+    ADAPTERS.get('toy_context')('m', ml_collections.ConfigDict({'rate': 0.1}), 5)
+  finally:
+    ADAPTERS.unregister('toy_context')
+  assert seen['num_classes'] == 10 and seen['rate'] == 0.1 and seen['note'] == 'python only'
+  with pytest.raises(ValueError, match=r"from_context names \['classes'\], not parameters"):
+    register_constructor('toy_bad', from_context={'classes': None})(with_context)
+
   def no_default(module, rate):
     return None
   with pytest.raises(ValueError, match=r"adapter 'toy_bad': constructor parameters \['rate'\] "
@@ -340,23 +358,116 @@ def test_an_adapter_registered_from_its_constructor_takes_the_signature_defaults
 @pytest.mark.parametrize('name, constructor', [
     ('tent', 'fedjax_shift.adapters.tent:tent'), ('shot', 'fedjax_shift.adapters.shot:shot'),
     ('t3a', 'fedjax_shift.adapters.t3a:t3a'), ('no_adapt', 'fedjax_shift.adapters.no_adapt:no_adapt'),
-    ('odpfl_hn', 'fedjax_shift.adapters.odpfl_hn:odpfl_hn_adapter')])
+    ('odpfl_hn', 'fedjax_shift.adapters.odpfl_hn:odpfl_hn_adapter'),
+    ('em', 'fedjax_shift.adapters.em:em'), ('bbse', 'fedjax_shift.adapters.bbse:bbse'),
+    ('memo', 'fedjax_shift.adapters.memo:memo')])
 def test_signature_registered_adapters_hold_their_papers_defaults(name, constructor):
   """Each default is written once, in the constructor: its section equals the
-  signature's keyword defaults, which are the papers' values (Tent: Adam 1e-3 on BN
-  affine parameters; SHOT: β = 0.3; T3A: K = 100; the ATP code predicts before the
-  update)."""
+  signature's defaults (but the keyword-only ones, the Python API's), which are the
+  papers' values (Tent: Adam 1e-3 on BN affine parameters; SHOT: β = 0.3; T3A: K = 100;
+  the ATP code predicts before the update; Saerens et al.'s EM 100 iterations; Lipton
+  et al.'s clipped least squares; MEMO's 32 augmentations, lr 0.005, one step)."""
   module_name, function = constructor.split(':')
   signature = inspect.signature(getattr(importlib.import_module(module_name), function))
-  expected = {p.name: p.default for p in tuple(signature.parameters.values())[1:]}
+  expected = {p.name: p.default for p in tuple(signature.parameters.values())[1:]
+              if p.default is not inspect.Parameter.empty and   # from the source context
+              p.kind is not inspect.Parameter.KEYWORD_ONLY}
   assert config_lib.base_config().adapters[name].to_dict() == expected
   papers_values = {
       'tent': {'learning_rate': 1e-3, 'optimizer': 'adam', 'parameters': 'batch_norm',
                'clip': 0.0, 'weight_decay': 0.0, 'entropy_units': 'nats', 'predict': 'before'},
       'shot': {'learning_rate': 1e-3, 'optimizer': 'adam', 'pseudo_label_weight': 0.3,
                'predict': 'before'},
-      't3a': {'filter_k': 100}, 'no_adapt': {}, 'odpfl_hn': {}}
+      't3a': {'filter_k': 100}, 'no_adapt': {}, 'odpfl_hn': {}, 'em': {'num_iterations': 100},
+      'bbse': {'projection': 'clip'},
+      'memo': {'num_augmentations': 32, 'learning_rate': 0.005, 'num_steps': 1,
+               'augmentation': 'translate_rotate_jitter'}}
   assert expected == papers_values[name]
+
+
+def test_a_variant_holds_what_it_changes_and_follows_its_method():
+  toy = ALGORITHMS.__class__('toy')
+  toy.register('base', defaults={'rate': 0.1, 'steps': 2, 'nested': {'a': 1, 'b': 2}},
+               ranges={'rate': POSITIVE})(None)
+  toy.register('ablation', variant_of='base', defaults={'steps': 5, 'nested': {'b': 3}})(None)
+  assert toy.own_defaults('ablation').to_dict() == {'steps': 5, 'nested': {'b': 3}}
+  assert toy.defaults('ablation').to_dict() == {'rate': 0.1, 'steps': 5,
+                                                'nested': {'a': 1, 'b': 3}}
+  sections = ml_collections.ConfigDict({'base': toy.own_defaults('base'),
+                                        'ablation': toy.own_defaults('ablation')})
+  sections.base.rate = 0.2        # the method's field: the variant follows it
+  sections.base.steps = 7         # ... but not where the variant has its own
+  assert toy.section('ablation', sections).to_dict() == {'rate': 0.2, 'steps': 5,
+                                                         'nested': {'a': 1, 'b': 3}}
+  sections.ablation.rate = 0.3    # its own value of a field it followed
+  assert toy.section('ablation', sections).rate == 0.3 and sections.base.rate == 0.2
+  toy.check('ablation', sections.ablation, 'config.ablation')   # the method's fields are known
+  sections.ablation.rate = -1.0   # ... within the method's ranges
+  with pytest.raises(ValueError, match=r'config.ablation.rate: must be a number > 0'):
+    toy.check('ablation', sections.ablation, 'config.ablation')
+  with pytest.raises(ValueError, match=r"config.ablation.lr: unknown field"):
+    toy.check('ablation', ml_collections.ConfigDict({'lr': 1.0}), 'config.ablation')
+  with pytest.raises(ValueError, match=r"toy 'copy', a variant of 'base', registers \['rate'\] "
+                                       r"at the values of 'base': a variant holds only what it changes"):
+    toy.register('copy', variant_of='base', defaults={'rate': 0.1, 'steps': 4})
+  assert 'copy' not in toy
+
+
+def _leaves(section) -> set:
+  from fedjax_shift.registry import leaf_paths
+  return {(path, repr(value)) for path, value in leaf_paths(section.to_dict())}
+
+
+@pytest.mark.parametrize('registry, sections', [
+    (ALGORITHMS, lambda config: config), (ADAPTERS, lambda config: config.adapters)])
+def test_no_section_copies_another_methods_defaults(registry, sections):
+  """An ablation registers what it changes (the five FedICON variants, FedIns-SSF and
+  FedIns batch-query, FedTTA-Prox; FedTHE+, FedTTA++ among adapters): two entries of
+  one registry, neither a variant of the other, share fewer than 5 (field, value) leaves
+  of their whole sections, and at most half of the smaller one's where it has 5 or
+  more (the old copies shared 4 of FedIns' 7 to all 9 of FedICON's)."""
+  config = config_lib.base_config()
+  for name in registry.names():   # a variant's own fields are changes, never copies
+    parent = registry.variant_of(name)
+    if parent:
+      assert not _leaves(sections(config)[name]) & _leaves(registry.defaults(parent)), name
+  def related(a, b):
+    return registry.variant_of(a) in (b, registry.variant_of(b) or b) or \
+        registry.variant_of(b) == a
+  names = registry.names()
+  for i, a in enumerate(names):
+    for b in names[i + 1:]:
+      if related(a, b):
+        continue
+      whole_a, whole_b = _leaves(registry.defaults(a)), _leaves(registry.defaults(b))
+      shared, smaller = whole_a & whole_b, min(len(whole_a), len(whole_b))
+      assert len(shared) < 5 and (smaller < 5 or 2 * len(shared) <= smaller), \
+          (a, b, sorted(shared))
+
+
+def test_a_variants_field_it_follows_is_set_from_the_command_line(tmp_path):
+  """A variant's section holds only what it changes, so absl has no flag for the fields
+  it follows; the launcher sets them after parsing (type-checked like absl's)."""
+  import subprocess
+  import sys
+  code = ("import sys; sys.path.insert(0, 'launch'); import train; "
+          "from fedjax_shift.algorithms import ALGORITHMS; "
+          "from fedjax_shift.adapters import ADAPTERS; "
+          "train.parse_flags(['train.py', '--config=configs/fedtta.py:tiny', '--workdir=w', "
+          "'--config.fedtta_prox.inner_learning_rate=0.3', '--config.fedtta.mu=0.5', "
+          "'--config.adapters.fedtta_pp.fill_batch=48']); c = train._CONFIG.value; "
+          "s = ALGORITHMS.section('fedtta_prox', c); "
+          "print(s.inner_learning_rate, s.mu, c.fedtta.mu, "
+          "ADAPTERS.section('fedtta_pp', c.adapters).fill_batch, c.adapters.fedtta.fill_batch)")
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=ROOT)
+  # its own η_inner; its own μ (FedTTA-Prox's 0.01) although FedTTA's is set; the adapter's
+  assert out.stdout.split() == ['0.3', '0.01', '0.5', '48', '-1'], out.stderr[-3000:]
+  bad = subprocess.run([sys.executable, 'launch/train.py', '--config=configs/fedtta.py:tiny',
+                        f'--workdir={tmp_path}', '--config.fedtta_prox.inner_learning_rate=x'],
+                       capture_output=True, text=True, cwd=ROOT)
+  assert bad.returncode == 2 and 'Traceback' not in bad.stderr, bad.stderr[-3000:]
+  assert ("--config.fedtta_prox.inner_learning_rate: expected a value of type float (as "
+          "config.fedtta_prox.inner_learning_rate's default 0.5), got 'x'") in bad.stderr
 
 
 def test_importing_the_library_and_configs_does_not_start_the_jax_backend():

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from fedjax_shift import models
 from fedjax_shift.adapters.em import reweight
-from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.core.test_time import Adapter, SourceContext, register_constructor
 from fedjax_shift.registry import one_of
 
 
@@ -66,9 +66,18 @@ def simplex_label_distribution(inverse_conditional: jax.Array, predicted: jax.Ar
 PROJECTIONS = ('clip', 'simplex')
 
 
+def source_confusion(module, context: SourceContext) -> jax.Array:
+  """The joint confusion [K, K] of the global model on the labelled source examples."""
+  return confusion_matrix(module, context.variables, context.source_x, context.source_y,
+                          context.num_classes)
+
+
+@register_constructor('bbse', from_context={'confusion': source_confusion},
+                      ranges={'projection': one_of(*PROJECTIONS)})
 def bbse(module, confusion: jax.Array, projection: str = 'clip') -> Adapter:
   """``confusion`` [K, K]: the joint C[i, j] = P_s(ŷ = i, y = j); ``projection``: 'clip'
-  (Lipton et al.'s least squares clipped at 0) or 'simplex' (the ATP authors')."""
+  (Lipton et al.'s least squares clipped at 0, the default) or 'simplex' (the ATP
+  authors')."""
   if projection not in PROJECTIONS:
     raise ValueError(f'bbse projection: unknown {projection!r}; choose from {list(PROJECTIONS)}')
   confusion = jnp.asarray(confusion, jnp.float32)
@@ -97,10 +106,3 @@ def bbse(module, confusion: jax.Array, projection: str = 'clip') -> Adapter:
 
   return Adapter(init, step)
 
-
-@ADAPTERS.register('bbse', defaults={'projection': 'clip'},  # Lipton et al.
-                   ranges={'projection': one_of(*PROJECTIONS)})
-def build_bbse(module, hparams, context: SourceContext) -> Adapter:
-  """The registry's builder: this method from its ``config.adapters.bbse``."""
-  return bbse(module, confusion_matrix(module, context.variables, context.source_x,
-                                      context.source_y, context.num_classes), hparams.projection)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_shift import models
-from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.core.test_time import Adapter, class_count, register_constructor
 from fedjax_shift.registry import POSITIVE_INT
 
 
@@ -38,7 +38,11 @@ def em_prior(log_probs: jax.Array, weight: jax.Array, source_prior: jax.Array,
   return jnp.where(jnp.sum(weight) > 0, prior, start)
 
 
-def em(module, num_classes: int, num_iterations: int = 100, source_prior=None) -> Adapter:
+@register_constructor('em', from_context={'num_classes': class_count},
+                      ranges={'num_iterations': POSITIVE_INT})
+def em(module, num_classes: int, num_iterations: int = 100, *, source_prior=None) -> Adapter:
+  """``num_iterations``: EM steps per batch (100, Saerens et al.); ``source_prior`` π_s
+  [C] (None: uniform, as the ATP authors' code)."""
   source_prior = (jnp.full((num_classes,), 1.0 / num_classes) if source_prior is None
                   else jnp.asarray(source_prior, jnp.float32))
 
@@ -54,9 +58,3 @@ def em(module, num_classes: int, num_iterations: int = 100, source_prior=None) -
 
   return Adapter(init, step)
 
-
-@ADAPTERS.register('em', defaults={'num_iterations': 100},  # Saerens et al. EM iterations
-                   ranges={'num_iterations': POSITIVE_INT})
-def build_em(module, hparams, context: SourceContext) -> Adapter:
-  """The registry's builder: this method from its ``config.adapters.em``."""
-  return em(module, context.num_classes, hparams.num_iterations)

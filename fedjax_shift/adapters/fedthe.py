@@ -213,12 +213,11 @@ def build_fedthe(module, hparams, context: SourceContext) -> Adapter:
                         history=hparams.history)
 
 
-@ADAPTERS.register('fedthe_plus', defaults={
-    **DEFAULTS,
+@ADAPTERS.register('fedthe_plus', variant_of='fedthe', defaults={   # what FedTHE+ changes
     'tune_steps': 3,                  # authors' code: _test_time_tune num_steps = 3
     'tune_learning_rate': 0.0005,     # authors' code: SGD lr 0.0005
     'num_augmentations': 16},
-    ranges={**RANGES, 'tune_learning_rate': POSITIVE, 'num_augmentations': POSITIVE_INT},
+    ranges={'tune_learning_rate': POSITIVE, 'num_augmentations': POSITIVE_INT},
     trained_by=('fedthe',), adapts_models=('personalized',))
 def build_fedthe_plus(module, hparams, context: SourceContext) -> Adapter:
   """FedTHE+: the ensemble, then per-sample marginal-entropy tuning."""

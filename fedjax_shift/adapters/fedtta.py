@@ -27,6 +27,7 @@ it). A batch of B or more examples is taken as it is; 0 weights every example 1.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -178,11 +179,11 @@ def fill_batch_of(hparams, config) -> int:
   return int(hparams.fill_batch)
 
 
-def for_method(name: str, hparams, config, algorithm_name: str):
-  """``config.adapters.<name>`` for ``algorithm_name``'s models: η_inner and ε at
-  FROM_TRAINING replaced by the method's own; a value that differs from the method's is
-  refused unless ``override_training``."""
-  method = config[algorithm_name]
+def for_method(name: str, hparams, config, algorithm_name: str,
+               method: ml_collections.ConfigDict):
+  """``config.adapters.<name>`` for ``algorithm_name``'s models (``method``: its
+  section): η_inner and ε at FROM_TRAINING replaced by the method's own; a value that
+  differs from the method's is refused unless ``override_training``."""
   out = ml_collections.ConfigDict(hparams.to_dict())
   out.fill_batch = fill_batch_of(hparams, config)
   for field in SHARED_WITH_TRAINING:
@@ -241,19 +242,19 @@ ADAPTERS.register('fedtta', defaults={
     'override_training': False,   # True: adapt with this section's η_inner / ε
     'loop': 'scan',               # 'scan' (masked, differentiable) | 'while' (stops)
     'restore_best': False,        # (only with patience > 0)
+    # ψ_0 among the candidates (the authors' released code); Algorithm 1 selects among
+    # the steps e = 1 … E. A collapsed base is the most confident model, so with ψ_0 the
+    # rule can keep it.
     'include_initial': False,
     'clip_norm': 0.0,             # Eq. 11 = Eq. 5: the step training differentiates
     'weight_decay': 0.0,
     'fill_batch': int(FROM_TRAINING)},   # config.client.batch_size (module docstring)
     ranges=RANGES, trained_by=TRAINED_BY,
-    for_method=lambda hparams, config, method: for_method('fedtta', hparams, config, method))(
+    for_method=functools.partial(for_method, 'fedtta'))(
         build)
-ADAPTERS.register('fedtta_pp', defaults={
-    'inner_learning_rate': FROM_TRAINING,   # η_inner: the trained method's
+ADAPTERS.register('fedtta_pp', variant_of='fedtta', defaults={   # what FedTTA++ changes
     'max_steps': 50,              # FedTTA++: E = 50 (Sec. 3.3.2)
     'patience': 1,                # App. table, MNIST: patience 1
-    'norm_epsilon': FROM_TRAINING,          # ε: the trained method's
-    'override_training': False,
     # 'while' stops computing at the stop (papers/fedtta/README.md, round costs: 50
     # clients, E ≤ 50, ~2 steps run: 0.12 s vs 1.50 s for the masked scan); 'scan' is
     # reverse-differentiable.
@@ -262,13 +263,8 @@ ADAPTERS.register('fedtta_pp', defaults={
     # (MNIST protocol, η_inner 0.5, patience 1: the model at the stop scored 80.72 % on
     # new clients, the lowest-entropy one 95.56 %; one step: 95.04 %).
     'restore_best': True,
-    # ψ_0 among the candidates (the authors' released code); Algorithm 1 selects among
-    # the steps e = 1 … E. A collapsed base is the most confident model, so with ψ_0 the
-    # rule can keep it.
-    'include_initial': False,
     'clip_norm': 10.0,            # the authors' test loop: clip_grad_norm_(…, 10)
-    'weight_decay': 1e-4,         # and SGD(weight_decay=1e-4)
-    'fill_batch': int(FROM_TRAINING)},   # config.client.batch_size (module docstring)
-    ranges=RANGES, trained_by=TRAINED_BY,
-    for_method=lambda hparams, config, method: for_method('fedtta_pp', hparams, config, method))(
+    'weight_decay': 1e-4},        # and SGD(weight_decay=1e-4)
+    trained_by=TRAINED_BY,
+    for_method=functools.partial(for_method, 'fedtta_pp'))(
         build)

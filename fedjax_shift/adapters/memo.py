@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_shift import models
-from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.core.test_time import Adapter, register_constructor
 from fedjax_shift.data.augment import MARGINAL_AUGMENTATIONS, augment_many
 from fedjax_shift.registry import POSITIVE, POSITIVE_INT, one_of
 
@@ -29,12 +29,16 @@ def marginal_entropy(logits: jax.Array) -> jax.Array:
   return -jnp.sum(jnp.exp(log_mean) * log_mean)
 
 
+@register_constructor('memo', ranges={
+    'num_augmentations': POSITIVE_INT, 'learning_rate': POSITIVE, 'num_steps': POSITIVE_INT,
+    'augmentation': one_of(*MARGINAL_AUGMENTATIONS)}, learnable={'learning_rate': 'log'})
 def memo(module, num_augmentations: int = 32, learning_rate: float = 0.005,
-         mode: str = 'eval', num_steps: int = 1,
-         augmentation: str = 'translate_rotate_jitter') -> Adapter:
-  """``mode``: the BatchNorm mode of the forward passes ('eval': running statistics);
+         num_steps: int = 1, augmentation: str = 'translate_rotate_jitter', *,
+         mode: str = 'eval') -> Adapter:
+  """MEMO's A = 32 augmentations and SGD lr 0.005, one step per test point;
   ``num_steps``: SGD steps per example, each on fresh augmentations (FedEvolve: 3);
-  ``augmentation``: a name of ``augment.MARGINAL_AUGMENTATIONS``."""
+  ``augmentation``: a name of ``augment.MARGINAL_AUGMENTATIONS``; ``mode``: the
+  BatchNorm mode of the forward passes ('eval': running statistics)."""
   if augmentation not in MARGINAL_AUGMENTATIONS:
     raise ValueError(f'memo augmentation: unknown {augmentation!r}; choose from '
                      f'{sorted(MARGINAL_AUGMENTATIONS)}')
@@ -66,16 +70,3 @@ def memo(module, num_augmentations: int = 32, learning_rate: float = 0.005,
 
   return Adapter(init, step)
 
-
-@ADAPTERS.register('memo', defaults={
-    'num_augmentations': 32,          # MEMO: 32 augmentations
-    'learning_rate': 0.005,           # MEMO: lr 0.005
-    'num_steps': 1,                   # MEMO: one step per test point
-    'augmentation': 'translate_rotate_jitter'},
-    ranges={'num_augmentations': POSITIVE_INT, 'learning_rate': POSITIVE,
-            'num_steps': POSITIVE_INT, 'augmentation': one_of(*MARGINAL_AUGMENTATIONS)},
-    learnable={'learning_rate': 'log'})
-def build_memo(module, hparams, context: SourceContext) -> Adapter:
-  """The registry's builder: this method from its ``config.adapters.memo``."""
-  return memo(module, hparams.num_augmentations, hparams.learning_rate,
-              num_steps=hparams.num_steps, augmentation=hparams.augmentation)

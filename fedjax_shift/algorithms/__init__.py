@@ -5,6 +5,9 @@ defaults (the paper's values, cited): ``builder(hparams, context) -> FederatedAl
 where ``hparams`` is the method's section ``config.<name>`` and ``context`` a
 ``base.BuildContext`` (module, optimizers, local schedule, benchmark info).
 ``base.build(name, config, module, max_examples, info)`` builds one from a config.
+An ablation registers as a variant (``variant_of=``) holding only the fields it
+changes; its builder reads ``ALGORITHMS.section(name, config)``, the method's section
+with those changes (fedicon.py's variants, fedins.py's, fedtta.py's FedTTA-Prox).
 Adding a method: one file plus one import line here.
 """
 from fedjax_shift.algorithms import (afl, apfl, atp, ditto, fedadg, fedavg, fedavg_ft,  # noqa: F401

@@ -278,16 +278,16 @@ def build_context(config: ml_collections.ConfigDict, module, max_examples: int,
 def build(name: str, config: ml_collections.ConfigDict, module, max_examples: int,
           info: Optional[dict] = None, num_clients: Optional[int] = None,
           example_shape: tuple = (), global_variables=None, check: bool = True):
-  """The registered algorithm ``name`` with its section ``config.<name>``, checked
-  first (unknown fields, the declared ranges, the method's registered ``check``;
-  ``check=False``: a config whose swept numbers are tracers, checked as numbers
-  before)."""
+  """The registered algorithm ``name`` with its section ``config.<name>`` (a variant's
+  over its method's, ``Registry.section``), checked first (unknown fields, the declared
+  ranges, the method's registered ``check``; ``check=False``: a config whose swept
+  numbers are tracers, checked as numbers before)."""
   builder = ALGORITHMS.get(name, 'config.algorithms')
+  section = ALGORITHMS.section(name, config)   # a variant's over its method's
   if check:
-    ALGORITHMS.check(name, config[name], f'config.{name}')
-  algorithm = builder(config[name], build_context(config, module, max_examples, info,
-                                                  num_clients, example_shape,
-                                                  global_variables, name))
+    ALGORITHMS.check(name, section, f'config.{name}')
+  algorithm = builder(section, build_context(config, module, max_examples, info, num_clients,
+                                             example_shape, global_variables, name))
   return algorithm._replace(num_classes=getattr(module, 'num_classes', None))
 
 

@@ -221,7 +221,8 @@ def fedicon_algorithm(hparams: ml_collections.ConfigDict, context: base.BuildCon
 
 # name -> (objective, share): FedICON, FedICON-us (Table 4) and Table 5's variants
 # without a component (the third, test-time adaptation, is the 'personalized' column next
-# to 'personalized+fedicon' of every variant).
+# to 'personalized+fedicon' of every variant). The variants are registered as variants of
+# 'fedicon': their sections are empty and follow config.fedicon.
 VARIANTS = {
     'fedicon': ('supcon', True),
     'fedicon_us': ('simclr', True),              # Table 4: the encoder learns without labels
@@ -237,7 +238,8 @@ def _register(name: str, objective: str, share: bool) -> None:
     return fedicon_algorithm(hparams, context, objective, share)
   builder.__name__ = builder.__qualname__ = name
   builder.__doc__ = f'FedICON variant {name!r}: objective {objective!r}, shared encoder {share}.'
-  base.ALGORITHMS.register(name, defaults=DEFAULTS, ranges=RANGES)(builder)
+  own = dict(defaults=DEFAULTS, ranges=RANGES) if name == 'fedicon' else dict(variant_of='fedicon')
+  base.ALGORITHMS.register(name, **own)(builder)
 
 
 for _name, (_objective, _share) in VARIANTS.items():

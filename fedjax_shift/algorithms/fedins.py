@@ -226,10 +226,12 @@ def selection_diagnostics(module) -> Callable[..., Dict[str, float]]:
   return diagnose
 
 
-def _register(name: str, **overrides) -> None:
-  diagnostics = {} if overrides.get('pool_size') == 1 else {'diagnostics': selection_diagnostics}
-  base.ALGORITHMS.register(name, defaults={**DEFAULTS, **overrides}, check=check(name),
-                           ranges=RANGES, models=('vit',), **diagnostics)(build)
+def _register(name: str, **changes) -> None:
+  """FedIns, or (``changes``) an ablation of it registered as a variant of 'fedins'."""
+  diagnostics = {} if changes.get('pool_size') == 1 else {'diagnostics': selection_diagnostics}
+  own = dict(variant_of='fedins', defaults=changes) if changes else \
+      dict(defaults=DEFAULTS, ranges=RANGES)
+  base.ALGORITHMS.register(name, check=check(name), models=('vit',), **own, **diagnostics)(build)
 
 
 _register('fedins')

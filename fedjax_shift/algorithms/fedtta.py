@@ -162,11 +162,10 @@ def fedtta(hparams: ml_collections.ConfigDict, context: base.BuildContext
   return build(hparams, context)
 
 
-@base.ALGORITHMS.register('fedtta_prox', defaults={
-    **FEDTTA_DEFAULTS,
+@base.ALGORITHMS.register('fedtta_prox', variant_of='fedtta', defaults={
     'adapt_learning_rate': 0.001,  # η_adapt (App. table, MNIST FedTTA-Prox)
     'mu': 0.01},                   # μ (App. table, MNIST FedTTA-Prox)
-    ranges=RANGES, batch_norm=False)
+    batch_norm=False)
 def fedtta_prox(hparams: ml_collections.ConfigDict, context: base.BuildContext
                 ) -> FederatedAlgorithm:
   return build(hparams, context)

@@ -60,11 +60,10 @@ DEFAULTS = {
                                     # D_p itself is the benchmark's (data.public_source)
     'inner_learning_rate': 0.5,     # η_inner (Sec. 4.6: 0.5)
     'adapt_learning_rate': 0.005,   # η_adapt (Sec. 4.6: 0.005); η_outer = client.learning_rate
-    'norm_epsilon': 0.1,            # as config.fedtta.norm_epsilon
-    'clip_norm': 10.0,              # as config.fedtta.clip_norm (not in the paper)
-    'clip_groups': 'separate',      # as config.fedtta.clip_groups
-    'adapt_momentum': 0.9,          # as config.fedtta: the authors' meta_opt (digest too)
-    'weight_decay': 1e-4,
+    # ε, the outer clip (not in the paper), its groups and the authors' meta_opt (its
+    # momentum, digest too, and weight decay): FedTTA's defaults (algorithms/fedtta.py)
+    **{field: fedtta.FEDTTA_DEFAULTS[field] for field in (
+        'norm_epsilon', 'clip_norm', 'clip_groups', 'adapt_momentum', 'weight_decay')},
     # How the server combines the clients' public logits: 'logits' (Alg. 2: their mean)
     # or 'probabilities' (log of the mean softmax; not in the paper: fedjax_shift/papers/fedtta/README.md).
     'ensemble': 'logits',

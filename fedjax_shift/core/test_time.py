@@ -86,22 +86,39 @@ class SourceContext(NamedTuple):
 ADAPTERS: Registry = Registry('adapter')
 
 
-def register_constructor(name: str, **registration) -> Callable:
+def class_count(module, context: SourceContext) -> int:
+  """C, for ``register_constructor(from_context={'num_classes': class_count})``."""
+  del module
+  return context.num_classes
+
+
+def register_constructor(name: str, from_context: Optional[Dict[str, Callable]] = None,
+                         **registration) -> Callable:
   """Decorator: registers the adapter constructor ``constructor(module, **fields)``
   under ``name``, its config fields (``config.adapters.<name>``) and their defaults
-  read from its keyword parameters, so each default is written once, in the
-  signature; ``registration``: the rest of ``ADAPTERS.register``'s arguments
-  (ranges, check, meta). The constructor is returned unchanged."""
+  read from its parameters after ``module``, so each default is written once, in the
+  signature. ``from_context``: {parameter: f(module, context)} for the parameters the
+  source context gives (C, a confusion matrix), not fields; keyword-only parameters
+  are the Python API's alone (left at their defaults). ``registration``: the rest of
+  ``ADAPTERS.register``'s arguments (ranges, check, meta). The constructor is returned
+  unchanged."""
+  from_context = dict(from_context or {})
+
   def decorator(constructor: Callable[..., Adapter]) -> Callable[..., Adapter]:
-    fields = tuple(inspect.signature(constructor).parameters.values())[1:]
+    parameters = tuple(inspect.signature(constructor).parameters.values())[1:]
+    unknown = sorted(set(from_context) - {p.name for p in parameters})
+    fields = tuple(p for p in parameters if p.name not in from_context and
+                   p.kind is not inspect.Parameter.KEYWORD_ONLY)
     missing = [p.name for p in fields if p.default is inspect.Parameter.empty]
-    if missing:
-      raise ValueError(f'adapter {name!r}: constructor parameters {missing} have no default '
+    if unknown or missing:
+      raise ValueError(f'adapter {name!r}: from_context names {unknown}, not parameters of '
+                       f'{constructor.__name__}' if unknown else
+                       f'adapter {name!r}: constructor parameters {missing} have no default '
                        f'(each config field needs one)')
 
     def build(module, hparams, context: SourceContext) -> Adapter:
-      del context
-      return constructor(module, **{p.name: hparams[p.name] for p in fields})
+      given = {parameter: f(module, context) for parameter, f in from_context.items()}
+      return constructor(module, **given, **{p.name: hparams[p.name] for p in fields})
 
     build.__doc__ = f'The registry\'s builder: {constructor.__name__} from config.adapters.{name}.'
     ADAPTERS.register(name, defaults={p.name: p.default for p in fields}, **registration)(build)

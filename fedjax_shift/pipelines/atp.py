@@ -129,7 +129,8 @@ def check(config: ml_collections.ConfigDict) -> None:
     problem = mode_problem(adapter, tta.mode[key])
     require(problem is None, f'tta.mode.{key}', problem)
     require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
-    ADAPTERS.check(adapter, config.adapters[adapter], f'config.adapters.{adapter}')
+    ADAPTERS.check(adapter, ADAPTERS.section(adapter, config.adapters),
+                   f'config.adapters.{adapter}')
   validate_learned(config)
   pretrain.check_backbone(config)
   require(config.backbone.weights != 'pretrain', 'backbone.weights',
@@ -156,8 +157,9 @@ def validate_learned(config: ml_collections.ConfigDict) -> None:
             f'{base!r} is not a test-time row; choose from {sorted(config.tta.adapter)}')
     adapter, mode, names = learned_row(config, key)
     require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
-    ADAPTERS.check(adapter, config.adapters[adapter], f'config.adapters.{adapter}')
-    learned_rates.check_learned(adapter, names, config.adapters[adapter], mode,
+    section = ADAPTERS.section(adapter, config.adapters)
+    ADAPTERS.check(adapter, section, f'config.adapters.{adapter}')
+    learned_rates.check_learned(adapter, names, section, mode,
                                 learned.num_batches[key], f'config.learned.rates.{key}')
 
 
@@ -290,7 +292,7 @@ class Evaluators:
 def shift_adapter_section(config: ml_collections.ConfigDict, name: str, shift: str
                     ) -> ml_collections.ConfigDict:
   """``config.adapters.<name>`` with a per-shift choice resolved (Surgical's block)."""
-  fields = config.adapters[name].to_dict()
+  fields = ADAPTERS.section(name, config.adapters).to_dict()
   if isinstance(fields.get('block'), dict):
     fields['block'] = fields['block'][shift]
   return ml_collections.ConfigDict(fields)

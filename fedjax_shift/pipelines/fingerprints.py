@@ -4,7 +4,7 @@ its ``run.json`` (``workdir.py`` checks and records them) and compared before it
 ``run_fields(config, section)`` is every field of ``config`` but ``NON_STATE_FIELDS``
 (fields that change only outputs or speed: progress, evaluation and checkpoint cadence,
 the engine, test-time adapters), other methods' sections and other benchmarks' data
-fields; a method's client overrides under their recorded names; a backbone file by its
+fields (a variant's section whole: its method's fields with its changes); a method's client overrides under their recorded names; a backbone file by its
 content (``content_digest``); what the run reads from another run
 (``depends_on.<key>``). ``fingerprint(fields)`` is their sha256.
 """
@@ -49,10 +49,15 @@ def _flatten(tree, prefix: str = '') -> Dict[str, object]:
 def _config_fields(config: ml_collections.ConfigDict, own_sections: Iterable[str]
                    ) -> Dict[str, str]:
   """{dotted field: JSON value} of all of ``config`` but ``NON_STATE_FIELDS`` and the
-  method sections (``method_sections``) other than ``own_sections``."""
+  method sections (``method_sections``) other than ``own_sections``; a variant's own
+  section whole, as its builder reads it (the fields it shares with its method too)."""
   skip = method_sections() - set(own_sections)
+  tree = config.to_dict()
+  for name in own_sections:
+    if name in ALGORITHMS and ALGORITHMS.variant_of(name):
+      tree[name] = ALGORITHMS.section(name, config).to_dict()
   out = {}
-  for path, value in _flatten(config.to_dict()).items():
+  for path, value in _flatten(tree).items():
     top = path.split('.')[0]
     if top in skip or any(path == f or path.startswith(f + '.') for f in NON_STATE_FIELDS):
       continue

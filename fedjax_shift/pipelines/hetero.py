@@ -49,7 +49,7 @@ from fedjax_shift.core.groups import (build_grouped_round, cohort_sizes, init_gr
                                       split_groups)
 from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.core.round import round_key
-from fedjax_shift.core.test_time import client_runner
+from fedjax_shift.core.test_time import ADAPTERS, client_runner
 from fedjax_shift.data import federated, store
 from fedjax_shift.parts.fedtta_step import InnerStep
 from fedjax_shift.pipelines import loop
@@ -256,7 +256,7 @@ def build_evaluate(config, num_classes: int, parts: Setup, val: federated.Federa
   group_ids, new_ids = parts.group_ids, parts.new_ids
   val_parts = split_groups(val, group_ids)
   test_parts = split_groups(test, new_ids)
-  early = config.adapters.fedtta_pp   # FedTTA++'s stopping rule (adapters/fedtta.py)
+  early = ADAPTERS.section('fedtta_pp', config.adapters)   # FedTTA++'s stopping rule
   programs = []
   for size in hp.sizes:
     arch = hetero_fedtta.architecture(size, num_classes, hp.base_model)

@@ -23,7 +23,8 @@ from fedjax_shift.core.plan import (check_example_buckets, fit_client_chunk, fit
 from fedjax_shift.core.round import RoundConfig, build_round, client_mesh
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated, store
-from fedjax_shift.pipelines.run_config import adapts, eval_adapter_specs, round_backend
+from fedjax_shift.pipelines.run_config import (adapter_section, adapts, eval_adapter_specs,
+                                               round_backend)
 from fedjax_shift.pipelines.runs import data_key, shared_data
 
 
@@ -236,15 +237,6 @@ def examples_per_step(config: ml_collections.ConfigDict, algorithm_name: str) ->
   """Examples one local step of a round touches over the cohort (the progress bar's
   examples/s): the method's own batch size (with its client overrides) × cohort."""
   return algorithms.base.method_client(config, algorithm_name).batch_size * config.cohort_size
-
-
-def adapter_section(config: ml_collections.ConfigDict, name: str, algorithm_name: str
-                    ) -> ml_collections.ConfigDict:
-  """``config.adapters.<name>`` for ``algorithm_name``'s models: an adapter registered with
-  ``for_method`` (FedTTA's: η_inner and ε are the trained method's) resolves it."""
-  resolve = ADAPTERS.meta(name).get('for_method')
-  return resolve(config.adapters[name], config, algorithm_name) if resolve else \
-      config.adapters[name]
 
 
 def applied_adapters(config: ml_collections.ConfigDict, algorithm_name: str) -> Dict[str, dict]:

@@ -120,6 +120,18 @@ def adapts(adapter: str, algorithm: str) -> bool:
   return algorithm in ADAPTERS.meta(adapter).get('trained_by', (algorithm,))
 
 
+def adapter_section(config: ml_collections.ConfigDict, name: str, algorithm_name: str
+                    ) -> ml_collections.ConfigDict:
+  """``config.adapters.<name>`` as it adapts ``algorithm_name``'s models: a variant's
+  section over its adapter's (``Registry.section``), then, for an adapter registered
+  with ``for_method`` (FedTTA's: η_inner and ε are the trained method's), resolved
+  against the method's section."""
+  section = ADAPTERS.section(name, config.adapters)
+  resolve = ADAPTERS.meta(name).get('for_method')
+  return resolve(section, config, algorithm_name, ALGORITHMS.section(algorithm_name, config)) \
+      if resolve else section
+
+
 def check_seeds(config: ml_collections.ConfigDict) -> None:
   """``config.seeds``: one or more distinct integers in [0, 2**32) (each (method,
   seed) one run): a JAX key holds 32 bits of a seed, so a larger one would share its
@@ -194,7 +206,7 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   models.MODELS.get(config.model.name, 'config.model.name')
   for name in names:
     ALGORITHMS.get(name, 'config.algorithms')
-    ALGORITHMS.check(name, config[name], f'config.{name}')
+    ALGORITHMS.check(name, ALGORITHMS.section(name, config), f'config.{name}')
     require(not ALGORITHMS.meta(name).get('pretrained_model'), 'algorithms',
             f'{name} trains around a pretrained global model; the pipeline that trains '
             f'that model first runs it (config.pipeline=\'atp\')')
@@ -286,7 +298,7 @@ def check_eval_adapters(config: ml_collections.ConfigDict) -> None:
   require_distinct(config.eval_adapter_algorithms, 'eval_adapter_algorithms', 'one method')
   for name, mode in specs:
     ADAPTERS.get(name, 'config.eval_adapters')
-    ADAPTERS.check(name, config.adapters[name], f'config.adapters.{name}')
+    ADAPTERS.check(name, ADAPTERS.section(name, config.adapters), f'config.adapters.{name}')
     problem = mode_problem(name, mode)
     require(problem is None, 'eval_adapters', problem)
     trained_by = ADAPTERS.meta(name).get('trained_by')
@@ -297,10 +309,9 @@ def check_eval_adapters(config: ml_collections.ConfigDict) -> None:
               f'the {name} adapter adapts models trained by {list(trained_by)}; none of '
               f'{list(config.eval_adapter_algorithms)} is')
   for name, _ in specs:   # sections resolved per method (FedTTA's η_inner and ε)
-    resolve = ADAPTERS.meta(name).get('for_method')
     for algorithm in config.eval_adapter_algorithms or algorithm_names(config):
-      if resolve and adapts(name, algorithm) and algorithm in config:
-        resolve(config.adapters[name], config, algorithm)
+      if adapts(name, algorithm) and algorithm in config:
+        adapter_section(config, name, algorithm)
   for algorithm in config.eval_adapter_algorithms:   # each gets at least one adapter
     if specs and not any(adapts(n, algorithm) for n, _ in specs):
       require(False, 'eval_adapter_algorithms',

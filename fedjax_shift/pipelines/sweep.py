@@ -49,6 +49,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_shift.algorithms import ALGORITHMS
+from fedjax_shift.core.test_time import ADAPTERS
 from fedjax_shift.metrics import changed_fields
 from fedjax_shift.registry import leaf_paths, require
 
@@ -133,8 +134,14 @@ def legacy_flag(arg: str) -> str:
 def field_value(config: ml_collections.ConfigDict, path: str):
   """The value of dotted ``path`` in ``config``; KeyError naming it when absent. A
   method's client override that is not set (``client_overrides.<method>.<field>``) has
-  the value the method trains with, the shared ``client.<field>``."""
+  the value the method trains with, the shared ``client.<field>``; a field a variant
+  follows from its method's section (``Registry.section``), the method's."""
   parts = path.split('.')
+  registry, entry = (ADAPTERS, parts[1:]) if parts[0] == 'adapters' else (ALGORITHMS, parts)
+  if len(entry) == 2 and entry[0] in registry and registry.variant_of(entry[0]):
+    section = registry.section(entry[0], config.adapters if registry is ADAPTERS else config)
+    if entry[1] in section:
+      return section[entry[1]]
   if (len(parts) == 3 and parts[0] == 'client_overrides' and parts[2] in config.client
       and parts[2] not in config.client_overrides.get(parts[1], {})):
     return config.client[parts[2]]

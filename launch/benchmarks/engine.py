@@ -25,7 +25,7 @@ from fedjax_shift.core.groups import build_grouped_round, init_group_states, spl
 from fedjax_shift.core.local import LocalSchedule
 from fedjax_shift.core.round import (NO_STEP_LIMIT, RoundConfig, aggregation_weights,
                                      build_round, round_key, stack_client_states)
-from fedjax_shift.core.test_time import SourceContext
+from fedjax_shift.core.test_time import ADAPTERS, SourceContext
 from fedjax_shift.data.federated import FederatedData
 from fedjax_shift.pipelines.atp import build_rates_training, learned_row
 from fedjax_shift.pipelines.programs import round_config as pipeline_round_config
@@ -107,7 +107,8 @@ def rates_algorithm(config, module, variables, kind: str):
   config.learned.remat = remat == 'remat'
   config.learned.local_steps = 1
   config.learned.optimizer = 'sgd'
-  hparams = config.adapters[learned_row(config, key)[0]]
+  adapter = learned_row(config, key)[0]
+  hparams = ADAPTERS.section(adapter, config.adapters)
   context = SourceContext(variables, 10, FLAGS.batch_size)
   return build_rates_training(config, key, module, hparams, context, FLAGS.examples)[0]
 
