@@ -155,11 +155,10 @@ VIEWS = {
 
 
 def _views(c: ml_collections.ConfigDict, match=None) -> None:
-  """Every FedICON section's views and the fedicon adapter's: VIEWS[variant]."""
+  """FedICON's views (its variants follow config.fedicon) and the fedicon adapter's:
+  VIEWS[variant]."""
   names = VIEWS[match.group(0)]
-  for section in c.keys():
-    if section.startswith('fedicon') and 'augmentations' in c[section]:
-      c[section].augmentations = names
+  c.fedicon.augmentations = names
   c.adapters.fedicon.augmentations = names
 
 

@@ -6,10 +6,10 @@ import numpy as np
 import optax
 import pytest
 
-from fedjax_shift import models
+from fedjax_shift import algorithms, models
+from fedjax_shift.pipelines import atp as atp_pipeline
 from fedjax_shift.adapters import atp as atp_lib
 from fedjax_shift.adapters.no_adapt import no_adapt
-from fedjax_shift.algorithms.atp import atp_training
 from fedjax_shift.core.round import RoundConfig, build_round, round_key
 from fedjax_shift.core.test_time import build_test_time
 from fedjax_shift.parts import atp_rates
@@ -135,13 +135,19 @@ def test_alpha_that_does_not_match_the_model_is_rejected():
     atp_rates.gradient_scale(variables, 'log')
 
 
+def alpha_training(config, module, max_examples, variables):
+  """ATP's α training as the atp pipeline builds it: a plain method run of config.atp."""
+  return algorithms.build('atp', atp_pipeline.alpha_config(config), module, max_examples,
+                          global_variables=variables)
+
+
 def alpha_round_setup(scaling='sqrt', weighting='uniform'):
   module, variables, _, _ = setup()
   config = tiny_config()
   config.atp.scaling = scaling
   config.atp.batch_size = 4
   data, _, _ = toy_clients([4, 4, 0, 4], num_classes=NUM_CLASSES, pad_to=6, seed=1)
-  algorithm = atp_training(config.atp, module, 6, variables)
+  algorithm = alpha_training(config, module, 6, variables)
   state = algorithm.init(jax.random.key(0), data.x[0, :1])
   round_config = RoundConfig(cohort_size=4, weighting=weighting)
   return module, variables, config, data, algorithm, state, round_config
@@ -169,10 +175,45 @@ def test_alpha_round_equals_hand_loop_over_clients():
   assert int(out.server_state.round) == 1
 
 
+def test_alpha_training_is_a_method_run_of_config_atp():
+  """α training's optimizer and schedule are config.atp's, built by the engine as any
+  method's: the round's plan runs atp.local_steps steps of atp.batch_size (not the
+  pretraining's config.client), and a round with 3 fixed steps equals 3 hand SGD steps
+  of lr 0.1 on the 1/sqrt(numel)-scaled α gradient, averaged over the clients."""
+  from fedjax_shift.pipelines.programs import round_config as pipeline_round_config
+  module, variables, config, data, _, _, _ = alpha_round_setup()
+  config.client.batch_size, config.client.local_steps = 7, 0   # the pretraining's
+  config.atp.local_steps, config.atp.local_epochs = 3, 0
+  alpha_run = atp_pipeline.alpha_config(config)
+  plan = pipeline_round_config(alpha_run, data, 'atp')
+  assert (plan.schedule.num_steps, plan.schedule.batch_size) == (3, 4)
+  algorithm = alpha_training(config, module, 6, variables)
+  state = algorithm.init(jax.random.key(0), data.x[0, :1])
+  out = build_round(algorithm, RoundConfig(cohort_size=4, weighting='uniform',
+                                           schedule=plan.schedule))[0](
+      state, (), data, round_key(jax.random.key(0), 0))
+  scale = atp_rates.gradient_scale(variables, 'sqrt')
+  expected = []
+  for k in (0, 1, 3):   # 4 examples, batch 4: each step is the whole client
+    n = int(data.num_examples[k])
+    x, y, w = data.x[k, :n], data.y[k, :n], jnp.ones(n)
+    h, _ = atp_rates.update_direction(module, variables, x, w)
+    alpha = state.alpha
+    for _ in range(3):
+      grad = jax.grad(lambda a: atp_rates.alpha_loss(module, variables, a, h, x, y, w))(alpha)
+      alpha = jax.tree.map(lambda a, g, s: a - 0.1 * s * g, alpha, grad, scale)
+    expected.append(alpha)
+  mean = jax.tree.map(lambda *a: sum(a) / 3, *expected)
+  chex.assert_trees_all_close(out.server_state.alpha, mean, rtol=1e-4, atol=1e-7)
+  config.client_overrides = {'atp': {'learning_rate': 0.5}}
+  with pytest.raises(ValueError, match=r"config.client_overrides.atp: α training's optimizer"):
+    atp_pipeline.check(config)
+
+
 def test_alpha_training_lowers_source_loss():
   module, variables, config, data, algorithm, state, round_config = alpha_round_setup()
   config.atp.learning_rate = 1.0
-  algorithm = atp_training(config.atp, module, 6, variables)
+  algorithm = alpha_training(config, module, 6, variables)
   round_device, _ = build_round(algorithm, round_config)
   losses = []
   for r in range(8):
@@ -240,10 +281,9 @@ def test_float64_round_of_fedavg_and_of_alpha_training():
     assert out.metrics['loss'].dtype == jnp.float64 or np.isfinite(out.metrics['loss'])
     chex.assert_tree_all_finite(out.server_state.variables)
     config.atp.batch_size = 3
-    alpha_training = atp_training(config.atp, module, data.max_examples,
-                                  out.server_state.variables)
-    state = alpha_training.init(jax.random.key(1), jnp.asarray(data.x[0, :1]))
-    alpha_out = build_round(alpha_training, RoundConfig(cohort_size=3, weighting='uniform'))[0](
+    algorithm = alpha_training(config, module, data.max_examples, out.server_state.variables)
+    state = algorithm.init(jax.random.key(1), jnp.asarray(data.x[0, :1]))
+    alpha_out = build_round(algorithm, RoundConfig(cohort_size=3, weighting='uniform'))[0](
         state, (), data, round_key(jax.random.key(0), 1))
     chex.assert_tree_all_finite(alpha_out.server_state.alpha)
     assert np.isfinite(float(alpha_out.metrics['loss']))

@@ -11,6 +11,7 @@ from fedjax_shift import algorithms, models
 from fedjax_shift.papers.fedicon import tables as report
 from fedjax_shift.adapters import fedicon as fedicon_adapter
 from fedjax_shift.adapters import fedthe as fedthe_adapter
+from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.algorithms import fedthe as fedthe_algorithm
 from fedjax_shift.parts.contrastive import supcon_loss
 from fedjax_shift.benchmarks import BENCHMARKS, label_skew
@@ -120,10 +121,10 @@ def test_mild_crop_keeps_at_least_three_fifths_of_the_area_and_the_variants_set_
   from configs import fedicon as fedicon_configs
   for variant, names in fedicon_configs.VIEWS.items():
     config = fedicon_configs.get_config(f'digit5,ablation,{variant}')
-    sections = [s for s in config.keys() if s.startswith('fedicon') and 'augmentations'
-                in config[s]]
-    assert len(sections) == 5
-    assert all(tuple(config[s].augmentations) == names for s in sections)
+    methods = [name for name in ALGORITHMS.names() if name.startswith('fedicon')]
+    assert len(methods) == 5   # FedICON and its four variants, which follow its views
+    assert all(tuple(ALGORITHMS.section(name, config).augmentations) == names
+               for name in methods)
     assert tuple(config.adapters.fedicon.augmentations) == names
 
 

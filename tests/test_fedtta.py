@@ -211,7 +211,7 @@ def test_adapter_takes_eta_inner_and_epsilon_from_the_trained_method(tmp_path):
   assert adapter_section(config, 'fedtta_pp', 'fedtta_prox').inner_learning_rate == 0.3
   assert adapter_section(config, 'fedtta_pp', 'fedtta').inner_learning_rate == 0.5
   assert adapter_section(config, 'fedtta', 'fedtta_prox').norm_epsilon == \
-      config.fedtta_prox.norm_epsilon
+      algorithms.ALGORITHMS.section('fedtta_prox', config).norm_epsilon   # FedTTA's
   config.adapters.fedtta_pp.inner_learning_rate = 0.5
   with pytest.raises(ValueError, match=r'config.adapters.fedtta_pp.inner_learning_rate=0.5 '
                      r'differs from config.fedtta_prox.inner_learning_rate=0.3.*'

@@ -12,7 +12,8 @@ import pytest
 
 from configs import atp as atp_configs
 from fedjax_shift import config as config_lib
-from fedjax_shift import models, pipelines
+from fedjax_shift import algorithms, models, pipelines
+from fedjax_shift.pipelines import atp as atp_pipeline
 from fedjax_shift.adapters import learned_rates
 from fedjax_shift.adapters.bn_adapt import bn_adapt, prior_weight
 from fedjax_shift.adapters.tent import tent
@@ -129,15 +130,14 @@ def test_remat_gives_the_same_gradient(adapter):
 def test_k1_episodic_atp_rates_training_equals_atps_alpha_training():
   # The learned-rates training of ATP's α with K = 1 in the episodic mode is ATP's
   # Algorithm 1: same batches (the engine's schedule), same loss, same scaled SGD.
-  from fedjax_shift.algorithms.atp import atp_training
-  from fedjax_shift.pipelines import atp as atp_pipeline
   module, variables, data = setup()
   config = atp_configs.get_config('digits_hybrid,tiny,learned')
   config.atp.batch_size = BATCH
   config.tta.batch_size = BATCH
   config.atp.local_steps = 2
   config.learned.local_steps = 2
-  atp = atp_training(config.atp, module, data.x.shape[1], variables)
+  atp = algorithms.build('atp', atp_pipeline.alpha_config(config), module, data.x.shape[1],
+                         global_variables=variables)
   learned = learned_rates.rates_training(
       lambda rates: rated('atp', module, variables, rates),
       learned_rates.init_rates('atp', ('alpha',), {}, variables), variables,

@@ -31,7 +31,6 @@ from fedjax_shift.parts import trees
 from fedjax_shift.registry import (NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, one_of,
                                    require)
 
-OPTIMIZERS = ('sgd', 'adam')
 # config.atp: α training (Algorithm 1; the authors' code for what the paper leaves out).
 DEFAULTS = {
     'rounds': 400,                # CNN: 400 rounds (ResNet-18: 200)
@@ -51,7 +50,7 @@ DEFAULTS = {
 RANGES = {
     'rounds': POSITIVE_INT,
     'cohort_size': POSITIVE_INT,       # and <= data.num_clients (the atp pipeline)
-    'optimizer': one_of(*OPTIMIZERS),
+    'optimizer': one_of(*base.CLIENT_OPTIMIZERS),
     'learning_rate': POSITIVE,
     'scaling': one_of(*atp_adapter.SCALINGS),
     'batch_size': POSITIVE_INT,
@@ -74,35 +73,39 @@ class ATPServerState(NamedTuple):
   round: jax.Array
 
 
-def alpha_optimizer(atp_config: ml_collections.ConfigDict, variables, key: str = ''
-                    ) -> optax.GradientTransformation:
-  """The client's α optimizer: per-module gradient scaling, then SGD/Adam. ``key``:
-  α sits under it in the optimized tree ({key: α}, as learned_rates holds it)."""
-  scale = atp_adapter.gradient_scale(variables, atp_config.scaling)
+def alpha_client(hparams: ml_collections.ConfigDict) -> dict:
+  """α training's ``config.client`` fields, from ``config.atp``: its optimizer, rate
+  and schedule, no momentum, weight decay, clip or augmentation (Algorithm 1's plain
+  SGD on α). The engine builds the local optimizer and schedule from them, as for
+  any method, and the round's plan follows them."""
+  return {'optimizer': hparams.optimizer, 'learning_rate': hparams.learning_rate,
+          'momentum': 0.0, 'weight_decay': 0.0, 'clip_norm': 0.0,
+          'batch_size': hparams.batch_size, 'local_epochs': hparams.local_epochs,
+          'local_steps': hparams.local_steps, 'augmentation': ()}
+
+
+def alpha_optimizer(client_optimizer: optax.GradientTransformation, variables, scaling: str,
+                    key: str = '') -> optax.GradientTransformation:
+  """α's optimizer: the per-module gradient scaling s (``scaling``) chained before
+  ``client_optimizer``. ``key``: α sits under it in the optimized tree ({key: α}, as
+  learned_rates holds it)."""
+  scale = atp_adapter.gradient_scale(variables, scaling)
   if key:
     scale = {key: scale}
   scale_tx = optax.stateless(lambda updates, params: jax.tree.map(jnp.multiply, updates, scale))
-  if atp_config.optimizer == 'sgd':
-    inner = optax.sgd(atp_config.learning_rate)
-  elif atp_config.optimizer == 'adam':
-    inner = optax.adam(atp_config.learning_rate)
-  else:
-    raise ValueError(f'atp.optimizer: unknown {atp_config.optimizer!r}; choose from {OPTIMIZERS}')
-  return optax.chain(scale_tx, inner)
+  return optax.chain(scale_tx, client_optimizer)
 
 
-def atp_training(atp_config: ml_collections.ConfigDict, module, max_examples: int,
-                 global_variables, unroll: int = 1) -> FederatedAlgorithm:
-  """α-training algorithm around the pretrained ``global_variables``, from the
-  ``config.atp`` section (optimizer, learning_rate, scaling, batch_size,
-  local_epochs, local_steps).
+def atp_training(module, global_variables, schedule: LocalSchedule,
+                 client_optimizer: optax.GradientTransformation, scaling: str = 'sqrt',
+                 variance_clamp: str = 'straight_through') -> FederatedAlgorithm:
+  """α-training algorithm around the pretrained ``global_variables``: each client runs
+  ``schedule`` with ``client_optimizer`` after α's ``scaling`` (``alpha_optimizer``);
+  ``variance_clamp``: α's gradient through the clamp of adapted variances.
 
   ServerState is ``ATPServerState``; ``global_model`` returns θ_G (α is evaluated
   by the test-time adapters, not by the training loop).
   """
-  schedule = LocalSchedule(batch_size=atp_config.batch_size, num_epochs=atp_config.local_epochs,
-                           num_steps=atp_config.local_steps, max_examples=max_examples,
-                           unroll=unroll)
   server_opt = optax.sgd(1.0)
 
   def init(rng, example_x):
@@ -117,10 +120,11 @@ def atp_training(atp_config: ml_collections.ConfigDict, module, max_examples: in
       del step_rng
       h, _ = atp_adapter.update_direction(module, variables, x, weight)
       return atp_adapter.alpha_loss(module, variables, alpha, h, x, y, weight,
-                                    atp_config.variance_clamp), model_state
+                                    variance_clamp), model_state
 
-    alpha, _, _, metrics = local_train(loss_fn, alpha_optimizer(atp_config, variables),
-                                       server_state.alpha, (), data, rng, schedule)
+    optimizer = alpha_optimizer(client_optimizer, variables, scaling)
+    alpha, _, _, metrics = local_train(loss_fn, optimizer, server_state.alpha, (), data, rng,
+                                       schedule)
     return ClientOutput(trees.tree_sub(alpha, server_state.alpha), metrics), client_state
 
   def server_update(state: ATPServerState, outputs: ClientOutput, weights) -> ATPServerState:
@@ -137,13 +141,12 @@ def atp_training(atp_config: ml_collections.ConfigDict, module, max_examples: in
 
 
 @base.ALGORITHMS.register('atp', defaults=DEFAULTS, ranges=RANGES, check=check,
-                          pretrained_model=True)
+                          pretrained_model=True, client=alpha_client)
 def atp(hparams: ml_collections.ConfigDict, context: base.BuildContext) -> FederatedAlgorithm:
-  """The registry's builder: α training around ``context.global_variables``, with its
-  own schedule (``config.atp``'s batch, epochs and steps) over the padded N and unroll
-  of ``context.schedule``."""
+  """The registry's builder: α training around ``context.global_variables``, with the
+  engine's schedule and optimizer of ``config.atp`` (registered ``client=alpha_client``)."""
   if context.global_variables is None:
     raise ValueError('atp trains the adaptation rates of a pretrained global model: run '
                      "it in config.pipeline='atp', which pretrains that model first")
-  return atp_training(hparams, context.module, context.schedule.max_examples,
-                      context.global_variables, context.schedule.unroll)
+  return atp_training(context.module, context.global_variables, context.schedule,
+                      context.client_optimizer, hparams.scaling, hparams.variance_clamp)

@@ -70,7 +70,8 @@ class BuildContext(NamedTuple):
 # batch_norm=False (cannot take a model with BatchNorm statistics); pretrains=True (its
 # server state is one global model ``ServerState.variables`` that another stage can
 # start from); pretrained_model=True (trains around a pretrained global model,
-# ``BuildContext.global_variables``); models=(...) (the models it needs).
+# ``BuildContext.global_variables``); models=(...) (the models it needs); client=f (its
+# local optimizer and schedule are f(its section), config.client fields, not shared).
 ALGORITHMS: Registry = Registry('algorithm')
 
 
@@ -109,8 +110,12 @@ def client_overrides(config: ml_collections.ConfigDict, name: str) -> dict:
 
 def method_client(config: ml_collections.ConfigDict, name: str) -> ml_collections.ConfigDict:
   """``config.client`` as method ``name`` trains with it: the shared fields with its
-  ``config.client_overrides.<name>`` in their place (name '': the shared fields)."""
-  return ml_collections.ConfigDict({**config.client.to_dict(), **client_overrides(config, name)})
+  ``config.client_overrides.<name>`` in their place, or, for a method registered with
+  ``client=f``, ``f(its section)`` (ATP's α: ``config.atp``'s optimizer and schedule);
+  name '': the shared fields."""
+  own = ALGORITHMS.meta(name).get('client') if name in ALGORITHMS else None
+  fields = own(ALGORITHMS.section(name, config)) if own else client_overrides(config, name)
+  return ml_collections.ConfigDict({**config.client.to_dict(), **fields})
 
 
 def client_optimizer(client: ml_collections.ConfigDict) -> optax.GradientTransformation:

@@ -137,6 +137,9 @@ def check(config: ml_collections.ConfigDict) -> None:
           'the atp pipeline starts its pretraining from a user\'s weights (a path, e.g. '
           'torchvision\'s ImageNet ResNet-18 as a .npz) or from a random model (\'\')')
   ALGORITHMS.check('atp', config.atp, 'config.atp')
+  require('atp' not in config.client_overrides, 'client_overrides.atp',
+          "α training's optimizer and schedule are config.atp's (optimizer, learning_rate, "
+          "batch_size, local_epochs, local_steps); set them there")
   require(1 <= config.atp.cohort_size <= config.data.num_clients, 'atp.cohort_size',
           f'must be in [1, data.num_clients={config.data.num_clients}], got '
           f'{config.atp.cohort_size}')
@@ -208,14 +211,14 @@ def run_dirs(config: ml_collections.ConfigDict, workdir: str):
 
 
 def alpha_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The federated-run config of α training: ATP's rounds, cohort, batch and an
-  unweighted server mean (Algorithm 1, line 6)."""
+  """The federated-run config of α training: ATP's rounds and cohort, uniform sampling
+  and an unweighted server mean (Algorithm 1, line 6); the method's optimizer and
+  schedule are ``config.atp``'s (``algorithms.atp.alpha_client``)."""
   c = ml_collections.ConfigDict(config.to_dict())
   c.rounds = config.atp.rounds
   c.cohort_size = config.atp.cohort_size
   c.weighting = 'uniform'
   c.sampling = 'uniform'
-  c.client.batch_size = config.atp.batch_size
   c.eval_every = config.atp.rounds
   return c
 
@@ -326,7 +329,9 @@ def rates_optimizer(config: ml_collections.ConfigDict, names: Tuple[str, ...], v
   """ATP's α: config.atp's α optimizer (its per-module scaling); log-space rates:
   ``config.learned``'s optimizer."""
   if names == ('alpha',):
-    return alpha_optimizer(config.atp, variables, key='alpha')
+    client = algorithms.base.method_client(config, 'atp')
+    return alpha_optimizer(algorithms.base.client_optimizer(client), variables,
+                           config.atp.scaling, key='alpha')
   learned = config.learned
   return {'sgd': optax.sgd, 'adam': optax.adam}[learned.optimizer](learned.learning_rate)
 

@@ -18,7 +18,6 @@ import optax
 from configs.fedins import vit_model
 from fedjax_shift import algorithms, models
 from fedjax_shift.algorithms import base, hetero_fedtta
-from fedjax_shift.algorithms.atp import atp_training
 from fedjax_shift.config import base_config
 from fedjax_shift.core.algorithm import ClientData
 from fedjax_shift.core.groups import build_grouped_round, init_group_states, split_groups
@@ -27,6 +26,7 @@ from fedjax_shift.core.round import (NO_STEP_LIMIT, RoundConfig, aggregation_wei
                                      build_round, round_key, stack_client_states)
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext
 from fedjax_shift.data.federated import FederatedData
+from fedjax_shift.pipelines import atp as atp_pipeline
 from fedjax_shift.pipelines.atp import build_rates_training, learned_row
 from fedjax_shift.pipelines.programs import round_config as pipeline_round_config
 from fedjax_shift.pipelines.runs import uploaded_parameters
@@ -91,8 +91,8 @@ def setup_algorithm(num_clients_data, kind='fedavg'):
   if kind == 'alpha':
     config.atp.local_steps = 1
     config.atp.batch_size = FLAGS.batch_size
-    algorithm = atp_training(config.atp, module, padded_examples(), server.variables,
-                             config.engine.unroll)
+    algorithm = algorithms.build('atp', atp_pipeline.alpha_config(config), module,
+                                 padded_examples(), global_variables=server.variables)
     server = algorithm.init(jax.random.key(0), jnp.asarray(data.x[0, :1]))
   return config, module, algorithm, data, server
 
