@@ -130,7 +130,8 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.eval_every = 10                 # rounds between evaluations (the last round always)
   c.eval_adapters = ()              # test-time methods on the trained models, '<adapter>:<mode>'
-  c.eval_adapter_algorithms = ()    # ... applied to these algorithms' models
+  c.eval_adapter_algorithms = ()    # ... applied to these algorithms' models (): every method
+                                    # run that one of the adapters adapts
   c.eval_adapter_batch_size = 32    # their test batch size
   c.eval_adapter_splits = ('test',) # ... run on the evaluation splits named with these prefixes
   c.paper_tables = ''               # a registered paper table (fedjax_shift/papers/) to print too

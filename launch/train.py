@@ -382,6 +382,13 @@ def parse_flags(argv):
   except ValueError as err:   # e.g. a sweep field given as a section and dotted
     print(f'launch/train.py: {err}', file=sys.stderr)
     sys.exit(USAGE_STATUS)
+  for arg in argv:
+    flag, _, value = arg.partition('=')
+    if flag == '--config.seeds' and value.strip().isdigit():
+      print(f'launch/train.py: --config.seeds={value} would run seed {value} alone: '
+            f'config.seeds is the tuple of seeds to run, e.g. --config.seeds="(0, 1, 2)" '
+            f'for three, --config.seeds="({value},)" for seed {value} alone', file=sys.stderr)
+      sys.exit(USAGE_STATUS)
   argv, variant_fields = variant_field_flags(argv)
   sys.argv[:] = argv   # config_flags reads its overrides' names from sys.argv
   try:
@@ -395,8 +402,24 @@ def parse_flags(argv):
       sys.exit(USAGE_STATUS)
     raise err
   except flags.Error as err:
-    print(f'launch/train.py: {err}\nPass --helpfull to see the flags.', file=sys.stderr)
+    refused = config_file_error(str(err))
+    print(f'launch/train.py: {refused}' if refused else
+          f'launch/train.py: {err}\nPass --helpfull to see the flags.', file=sys.stderr)
     sys.exit(USAGE_STATUS)
+
+
+def config_file_error(text: str) -> str:
+  """Where absl's message ``text`` says ``--config``'s file refused its variant or a
+  value (the library's one-line ValueError), that flag and line alone, without the
+  traceback config_flags wraps it in; '' for any other error (a config file's own bug
+  keeps its traceback)."""
+  lines = [line for line in text.splitlines() if line.strip()]
+  header = 'Error whilst parsing config file'
+  if lines and header in lines[0] and lines[-1].startswith('ValueError: '):
+    flag = lines[0].split(': ' + header)[0]
+    return f'{flag[len("flag "):] if flag.startswith("flag ") else flag}: ' \
+        f'{lines[-1][len("ValueError: "):]}'
+  return ''
 
 
 if __name__ == '__main__':

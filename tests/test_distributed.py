@@ -129,3 +129,25 @@ def test_the_runtimes_abort_is_summarised_by_its_cause():
   assert begins == [False, False, False, False, True]   # its error lines are still shown
   assert distributed.runtime_abort_begins('*** Check failure stack trace: ***')
   assert not distributed.runtime_abort_begins('2026-12-02 10:56:04,764 fedavg seed 0: 6 clients')
+
+
+def test_the_coordination_client_is_where_this_jax_keeps_it(two_processes, monkeypatch):
+  """The one private jax name the library reads (no public accessor exists): on the
+  installed jax the client of ``jax.distributed.initialize()`` is
+  ``jax._src.distributed.global_state.client`` (None before initialize) and its class
+  answers ``get_live_nodes``; a client that says process 1 is gone is named."""
+  import jax
+  from jax._src import distributed as jax_distributed
+  from jax._src.lib import _jax
+  assert set(dir(jax.distributed)) >= {'initialize', 'is_initialized', 'shutdown'}
+  assert jax_distributed.global_state.client is None
+  assert distributed.coordination_client() is None
+  assert hasattr(_jax.DistributedRuntimeClient, 'get_live_nodes')
+
+  class Client:
+    def get_live_nodes(self, everyone):
+      return [0]
+  monkeypatch.setattr(jax_distributed.global_state, 'client', Client())
+  assert distributed.lost_processes(wait_seconds=0) == [1]
+  monkeypatch.setattr(jax_distributed.global_state, 'client', None)
+  assert distributed.lost_processes(wait_seconds=0) == []   # nothing to ask: none named

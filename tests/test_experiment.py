@@ -67,6 +67,22 @@ def test_training_beats_chance(tmp_path):
   assert out.records['results'][0]['metrics']['global/test/accuracy'] > 0.6
 
 
+def test_eval_adapters_alone_adapt_every_method_run_they_can(tmp_path):
+  """With config.eval_adapter_algorithms empty, an adapter of config.eval_adapters runs on
+  every method it adapts (T3A on FedAvg's global model: a global+t3a column); one that
+  adapts only other methods' models (FedTTA's g) is refused naming config.algorithms."""
+  from fedjax_shift import config as config_lib
+  config = tiny_config(**{'eval_adapters': ('t3a:online',), 'rounds': 1, 'eval_every': 1})
+  out = pipelines.run(config, str(tmp_path / 'alone'))
+  metrics = out.records['results'][0]['metrics']
+  assert 0.0 <= metrics['global+t3a/test/accuracy'] <= 1.0
+  config.eval_adapters = ('fedtta:episodic',)
+  with pytest.raises(ValueError, match=r"config.algorithms: the fedtta adapter adapts models "
+                                       r"trained by \['fedtta', 'fedtta_prox'\]; none of "
+                                       r"\['fedavg'\] is"):
+    config_lib.validate(config, str(tmp_path / 'refused'))
+
+
 def _launch(workdir, rounds):
   return [sys.executable, os.path.join(ROOT, 'launch', 'train.py'),
           '--config=' + os.path.join(ROOT, 'configs', 'fedavg.py') + ':tiny',
@@ -162,6 +178,22 @@ def test_command_line_mistakes_are_one_paragraph_and_touch_nothing(tmp_path):
                              capture_output=True, text=True, cwd=ROOT)
     assert refused.returncode == 2 and 'config.engine.unroll: must be True' in refused.stderr, \
         refused.stderr[-3000:]
+  # an int where the seeds' tuple goes: refused, naming both forms
+  seeds = subprocess.run(_launch(tmp_path / 'seeds', 2) + ['--config.seeds=3'],
+                         capture_output=True, text=True, cwd=ROOT)
+  assert seeds.returncode == 2 and seeds.stderr.strip().splitlines() == [
+      'launch/train.py: --config.seeds=3 would run seed 3 alone: config.seeds is the tuple of '
+      'seeds to run, e.g. --config.seeds="(0, 1, 2)" for three, --config.seeds="(3,)" for '
+      'seed 3 alone'], seeds.stderr[-3000:]
+  # a variant typo: one line naming the variant and the known ones, like a field typo
+  variant = subprocess.run(
+      [arg.replace('fedavg.py:tiny', 'fedavg.py:tny') for arg in _launch(tmp_path / 'variant', 2)],
+      capture_output=True, text=True, cwd=ROOT)
+  lines = variant.stderr.strip().splitlines()
+  assert variant.returncode == 2 and len(lines) == 1, variant.stderr[-3000:]
+  assert lines[0].startswith('launch/train.py: --config=') and \
+      "fedavg.py:tny: unknown config variant 'tny'; the known variants are" in lines[0]
+  assert not os.path.exists(tmp_path / 'seeds') and not os.path.exists(tmp_path / 'variant')
   assert not os.path.exists(tmp_path / 'my') and not os.path.exists(tmp_path / 'bad')
   assert not os.path.exists(tmp_path / 'typo') and not os.path.exists(tmp_path / 'renamed')
   assert not os.path.exists(tmp_path / 'twice') and not os.path.exists(tmp_path / 'unroll')

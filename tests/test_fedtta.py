@@ -434,21 +434,27 @@ def test_upfl_pipeline_runs_and_scores_personalised_methods_as_pfl_baselines(tmp
   # The run records the test-time settings it used, resolved from training's.
   used = json.load(open(tmp_path / 'ok' / 'fedtta_prox' / 'seed_0' / 'results.json'))['adapters']
   assert set(used) == {'fedtta', 'fedtta_pp'}
+  trained = algorithms.ALGORITHMS.section('fedtta_prox', config)   # FedTTA's η_inner and ε
   for name in used:
-    assert used[name]['inner_learning_rate'] == config.fedtta_prox.inner_learning_rate
-    assert used[name]['norm_epsilon'] == config.fedtta_prox.norm_epsilon
+    assert used[name]['inner_learning_rate'] == trained.inner_learning_rate
+    assert used[name]['norm_epsilon'] == trained.norm_epsilon
     assert used[name]['fill_batch'] == config.client.batch_size
   # A personalised method has no model for a new client: its own model is scored on the
   # training clients' validation data only, and new clients get PFL-Sampled / -Ensemble.
   config.algorithms = ('fedper',)
-  config.eval_adapter_algorithms = ()
+  config.eval_adapter_algorithms = ()   # every method run that an adapter adapts: none
+  with pytest.raises(ValueError, match=r"config.algorithms: the fedtta adapter adapts models "
+                                       r"trained by \['fedtta', 'fedtta_prox'\]; none of "
+                                       r"\['fedper'\] is"):
+    pipelines.run(config, str(tmp_path / 'fedper'))
+  adapters, config.eval_adapters = config.eval_adapters, ()
   metrics = pipelines.run(config, str(tmp_path / 'fedper')).records['results'][0]['metrics']
   assert 'personalized/test/accuracy' not in metrics
   for key in ('personalized/val/accuracy', 'pfl_sampled/test/accuracy',
               'pfl_ensemble/test/accuracy'):
     assert 0.0 <= metrics[key] <= 1.0, key
   # Each method gets only the adapters trained for it: ODPFL-HN's generator, not FedTTA's.
-  config.algorithms = ('odpfl_hn',)
+  config.algorithms, config.eval_adapters = ('odpfl_hn',), adapters
   config.eval_adapter_algorithms = ('fedtta', 'odpfl_hn')
   metrics = pipelines.run(config, str(tmp_path / 'odpfl')).records['results'][0]['metrics']
   assert 0.0 <= metrics['global+odpfl_hn/test/accuracy'] <= 1.0

@@ -141,8 +141,8 @@ def test_k1_episodic_atp_rates_training_equals_atps_alpha_training():
   learned = learned_rates.rates_training(
       lambda rates: rated('atp', module, variables, rates),
       learned_rates.init_rates('atp', ('alpha',), {}, variables), variables,
-      atp_pipeline.rates_optimizer(config, ('alpha',), variables), BATCH, 1, 'episodic', 2,
-      data.x.shape[1])
+      atp_pipeline.rates_optimizer(config, ('alpha',), variables),
+      learned_rates.rates_schedule(BATCH, 1, 2, data.x.shape[1]), BATCH, 'episodic')
   key = jax.random.key(4)
   round_config = RoundConfig(cohort_size=2, weighting='uniform')
   expected = build_round(atp, round_config)[1](atp.init(None, None), (), data, jnp.arange(2),
@@ -161,8 +161,9 @@ def test_a_round_of_rates_equals_the_mean_of_each_clients_sgd_step_on_its_stream
   module, variables, data = setup()
   rates = starting_rates('tent', variables)
   make = lambda r: rated('tent', module, variables, r, predict='after')
-  algorithm = learned_rates.rates_training(make, rates, variables, optax.sgd(0.5), BATCH, 2,
-                                           'online', 1, data.x.shape[1])
+  algorithm = learned_rates.rates_training(
+      make, rates, variables, optax.sgd(0.5), learned_rates.rates_schedule(
+          BATCH, 2, 1, data.x.shape[1]), BATCH, 'online')
   key = jax.random.key(4)
   out = build_round(algorithm, RoundConfig(cohort_size=2, weighting='uniform'))[1](
       algorithm.init(None, None), (), data, jnp.arange(2), key)

@@ -110,14 +110,11 @@ def gradient_adapter(name: str, is_selected: Callable, select_field: str,
                      opt: optax.GradientTransformation, predict: str,
                      init_extra: Callable = lambda variables: (),
                      check: Callable = lambda variables: None,
-                     selector_of_params: bool = False,
                      step_if: Optional[Callable[[Any], jax.Array]] = None):
   """An ``Adapter`` taking one optimizer step per batch on a parameter subset.
 
   Args:
-    is_selected: flat parameter path -> bool, the parameters the method updates; or,
-      when it depends on the model's structure, a function of the params tree
-      returning that predicate (pass ``selector_of_params=True``).
+    is_selected: flat parameter path -> bool, the parameters the method updates.
     select_field: the config field named in the error when nothing is selected.
     loss_fn: (variables, batch, extra) -> (loss, (logits, new_extra)); logits are
       the ones computed before the update.
@@ -128,18 +125,14 @@ def gradient_adapter(name: str, is_selected: Callable, select_field: str,
       that keeps no example). None: every batch steps.
   """
   check_predict(name, predict)
-  predicate = is_selected if selector_of_params else (lambda params: is_selected)
-
   def init(variables, rng):
     del rng
     check(variables)
-    selected, _ = split_params(variables['params'], predicate(variables['params']),
-                               select_field)
+    selected, _ = split_params(variables['params'], is_selected, select_field)
     return GradientState(variables, opt.init(selected), init_extra(variables))
 
   def step(state, batch):
-    selected, rest = split_params(state.variables['params'],
-                                  predicate(state.variables['params']), select_field)
+    selected, rest = split_params(state.variables['params'], is_selected, select_field)
 
     def objective(selected):
       variables = {**state.variables, 'params': join_params(selected, rest)}

@@ -97,10 +97,24 @@ def feature_history(features, weight, history, has_history, alpha: float,
   return per_row, last, has
 
 
+class Tuning(NamedTuple):
+  """FedTHE+'s test-time tuning of each sample after the ensemble: ``steps``
+  marginal-entropy SGD steps of ``learning_rate`` over ``num_augmentations`` views (0
+  steps: FedTHE, no tuning)."""
+  steps: int = 0
+  learning_rate: float = 0.0005
+  num_augmentations: int = 16
+
+
 def fedthe_adapter(module, learning_rate: float = 0.1, steps: int = 20, alpha: float = 0.1,
-                   beta: float = 0.1, initial_global_weight: float = 0.5, tune_steps: int = 0,
-                   tune_learning_rate: float = 0.0005, num_augmentations: int = 16,
-                   name: str = 'fedthe', history: str = 'official') -> Adapter:
+                   beta: float = 0.1, initial_global_weight: float = 0.5,
+                   history: str = 'official', tuning: Tuning = Tuning(),
+                   name: str = 'fedthe') -> Adapter:
+  """FedTHE's two-head ensemble (``steps`` Adam steps of ``learning_rate`` on the
+  per-sample head weights from ``initial_global_weight``; feature history EMA
+  ``alpha``, mixing ``beta``, rule ``history``), then FedTHE+'s ``tuning``; ``name``:
+  the section errors name (config.adapters.<name>)."""
+  tune_steps, tune_learning_rate, num_augmentations = tuning
   field = f'config.adapters.{name}'
   check_history(history, field)
   if steps < 0 or tune_steps < 0:
@@ -209,8 +223,8 @@ def build_fedthe(module, hparams, context: SourceContext) -> Adapter:
   """FedTHE: the learned two-head ensemble, from ``config.adapters.fedthe``."""
   del context
   return fedthe_adapter(module, hparams.learning_rate, hparams.steps, hparams.alpha,
-                        hparams.beta, hparams.initial_global_weight, hparams.tune_steps,
-                        history=hparams.history)
+                        hparams.beta, hparams.initial_global_weight, hparams.history,
+                        Tuning(hparams.tune_steps))
 
 
 @ADAPTERS.register('fedthe_plus', variant_of='fedthe', defaults={   # what FedTHE+ changes
@@ -223,6 +237,6 @@ def build_fedthe_plus(module, hparams, context: SourceContext) -> Adapter:
   """FedTHE+: the ensemble, then per-sample marginal-entropy tuning."""
   del context
   return fedthe_adapter(module, hparams.learning_rate, hparams.steps, hparams.alpha,
-                        hparams.beta, hparams.initial_global_weight, hparams.tune_steps,
-                        hparams.tune_learning_rate, hparams.num_augmentations, 'fedthe_plus',
-                        hparams.history)
+                        hparams.beta, hparams.initial_global_weight, hparams.history,
+                        Tuning(hparams.tune_steps, hparams.tune_learning_rate,
+                               hparams.num_augmentations), 'fedthe_plus')

@@ -181,23 +181,29 @@ class RatesState(NamedTuple):
   round: jax.Array
 
 
-def rates_training(make_adapter: Callable[[Rates], Adapter], initial: Rates, variables,
-                   optimizer: optax.GradientTransformation, batch_size: int, num_batches: int,
-                   mode: str, local_steps: int, max_examples: int, remat: bool = False,
-                   unroll: Any = 1) -> FederatedAlgorithm:
-  """The federated training of an adapter's rates. Client i: ``local_steps`` steps of
-  ``optimizer`` on the K-step objective of streams of K·B from its held-out data (the
-  engine's local schedule with batch K·B, fixed steps: its examples in a random order,
-  cycled); server: the unweighted mean of the clients' rates (run it with
-  ``config.weighting='uniform'``). ``make_adapter(rates) -> Adapter``; ``variables``
-  (the trained model) stay fixed. Server state: ``RatesState``."""
+def rates_schedule(batch_size: int, num_batches: int, local_steps: int, max_examples: int,
+                   unroll: Any = 1) -> LocalSchedule:
+  """The local schedule of rates training: ``local_steps`` fixed steps, each on a
+  stream of K·B (K = ``num_batches`` test batches of B = ``batch_size``), over clients
+  padded to ``max_examples``: a client's examples in a random order, cycled."""
   if num_batches < 1:
     raise ValueError(f'learned rates: the number of test batches K must be >= 1, got '
                      f'{num_batches}')
   if local_steps < 1:
     raise ValueError(f'learned rates: local_steps must be >= 1, got {local_steps}')
-  schedule = LocalSchedule(batch_size=num_batches * batch_size, num_epochs=1,
-                           num_steps=local_steps, max_examples=max_examples, unroll=unroll)
+  return LocalSchedule(batch_size=num_batches * batch_size, num_epochs=1,
+                       num_steps=local_steps, max_examples=max_examples, unroll=unroll)
+
+
+def rates_training(make_adapter: Callable[[Rates], Adapter], initial: Rates, variables,
+                   optimizer: optax.GradientTransformation, schedule: LocalSchedule,
+                   batch_size: int, mode: str, remat: bool = False) -> FederatedAlgorithm:
+  """The federated training of an adapter's rates. Client i: ``schedule``'s steps of
+  ``optimizer`` on the K-step objective (K test batches of ``batch_size``) of streams
+  of K·B from its held-out data (``rates_schedule``); server: the unweighted mean of
+  the clients' rates (run it with ``config.weighting='uniform'``).
+  ``make_adapter(rates) -> Adapter``; ``variables`` (the trained model) stay fixed.
+  Server state: ``RatesState``."""
   server_opt = optax.sgd(1.0)
 
   def loss_fn(rates, model_state, x, y, weight, rng):

@@ -347,8 +347,9 @@ def build_rates_training(config: ml_collections.ConfigDict, key: str, module, hp
   algorithm = learned_rates.rates_training(
       lambda rates: learned_rates.rated_adapter(name, module, hparams, context, rates),
       initial, context.variables, rates_optimizer(config, names, context.variables),
-      context.batch_size, learned.num_batches[key], mode, learned.local_steps, max_examples,
-      learned.remat, config.engine.unroll)
+      learned_rates.rates_schedule(context.batch_size, learned.num_batches[key],
+                                   learned.local_steps, max_examples, config.engine.unroll),
+      context.batch_size, mode, learned.remat)
   return algorithm, initial
 
 

@@ -23,8 +23,8 @@ from fedjax_shift.core.plan import (check_example_buckets, fit_client_chunk, fit
 from fedjax_shift.core.round import RoundConfig, build_round, client_mesh
 from fedjax_shift.core.test_time import ADAPTERS, SourceContext, client_runner
 from fedjax_shift.data import federated, store
-from fedjax_shift.pipelines.run_config import (adapter_section, adapts, eval_adapter_specs,
-                                               round_backend)
+from fedjax_shift.pipelines.run_config import (adapted_algorithms, adapter_section, adapts,
+                                               eval_adapter_specs, round_backend)
 from fedjax_shift.pipelines.runs import data_key, shared_data
 
 
@@ -97,7 +97,7 @@ def build_programs(config: ml_collections.ConfigDict, algorithm_name: str, modul
                                          rounds_per_call=config.engine.rounds_per_call,
                                          check_data=False)   # runs.validate_benchmark
   adapters = None
-  if algorithm_name in tuple(config.eval_adapter_algorithms):
+  if algorithm_name in adapted_algorithms(config):
     adapters = eval_adapters(config, module, bench.num_classes, algorithm_name,
                              train.example_shape)
   evaluate_chunk = evaluation.build_evaluate(algorithm, module, config.engine.eval_batch_size,
@@ -243,7 +243,7 @@ def applied_adapters(config: ml_collections.ConfigDict, algorithm_name: str) -> 
   """{adapter: its section as the run used it (``adapter_section``: FedTTA's η_inner, ε
   and fill_batch resolved)} of every test-time adapter run on ``algorithm_name``'s
   models; recorded in results.json."""
-  if algorithm_name not in tuple(config.eval_adapter_algorithms):
+  if algorithm_name not in adapted_algorithms(config):
     return {}
   return {name: adapter_section(config, name, algorithm_name).to_dict()
           for name, _ in eval_adapter_specs(config) if adapts(name, algorithm_name)}

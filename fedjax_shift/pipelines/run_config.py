@@ -120,6 +120,16 @@ def adapts(adapter: str, algorithm: str) -> bool:
   return algorithm in ADAPTERS.meta(adapter).get('trained_by', (algorithm,))
 
 
+def adapted_algorithms(config: ml_collections.ConfigDict) -> Tuple[str, ...]:
+  """The methods whose models ``config.eval_adapters`` adapt:
+  ``config.eval_adapter_algorithms``, or, when it is empty, every method run that one
+  of those adapters adapts (``adapts``)."""
+  if config.eval_adapter_algorithms:
+    return tuple(config.eval_adapter_algorithms)
+  specs = eval_adapter_specs(config)
+  return tuple(a for a in algorithm_names(config) if any(adapts(n, a) for n, _ in specs))
+
+
 def adapter_section(config: ml_collections.ConfigDict, name: str, algorithm_name: str
                     ) -> ml_collections.ConfigDict:
   """``config.adapters.<name>`` as it adapts ``algorithm_name``'s models: a variant's
@@ -303,13 +313,13 @@ def check_eval_adapters(config: ml_collections.ConfigDict) -> None:
     require(problem is None, 'eval_adapters', problem)
     trained_by = ADAPTERS.meta(name).get('trained_by')
     if trained_by:   # adapters that need parts only some methods train (FedTTA's g)
-      require(not config.eval_adapter_algorithms or
-              any(adapts(name, a) for a in config.eval_adapter_algorithms),
-              'eval_adapter_algorithms',
+      field = 'eval_adapter_algorithms' if config.eval_adapter_algorithms else 'algorithms'
+      candidates = tuple(config.eval_adapter_algorithms) or algorithm_names(config)
+      require(any(adapts(name, a) for a in candidates), field,
               f'the {name} adapter adapts models trained by {list(trained_by)}; none of '
-              f'{list(config.eval_adapter_algorithms)} is')
+              f'{list(candidates)} is')
   for name, _ in specs:   # sections resolved per method (FedTTA's η_inner and ε)
-    for algorithm in config.eval_adapter_algorithms or algorithm_names(config):
+    for algorithm in adapted_algorithms(config):
       if adapts(name, algorithm) and algorithm in config:
         adapter_section(config, name, algorithm)
   for algorithm in config.eval_adapter_algorithms:   # each gets at least one adapter
