@@ -12,7 +12,10 @@ input it knows, before any data is built or any function compiled.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
+import sys
 from typing import Callable, Optional, Sequence, Tuple
 
 import ml_collections
@@ -252,6 +255,48 @@ def apply_variant(config: ml_collections.ConfigDict, arg: Optional[str],
                        f'tiny and quick (an unknown variant is never ignored)')
   config.paper_rounds = max(protocol.paper_rounds, protocol.rounds)
   return config
+
+
+# The repository's configs/ beside the package (an editable install: pip install -e .).
+REPOSITORY_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  'configs')
+
+
+def config_path(path: str) -> str:
+  """The file ``path`` names: itself where it exists (relative to the working
+  directory), else the repository's ``configs/<name>`` ('configs/default.py' and
+  'default.py' from any directory); FileNotFoundError naming both places."""
+  for candidate in (path, os.path.join(REPOSITORY_CONFIGS, os.path.basename(path))):
+    if os.path.isfile(candidate):
+      return os.path.abspath(candidate)
+  known = (sorted(n for n in os.listdir(REPOSITORY_CONFIGS) if n.endswith('.py'))
+           if os.path.isdir(REPOSITORY_CONFIGS) else
+           'not beside this install: pip install -e the repository')
+  raise FileNotFoundError(f'no config file {path!r} here ({os.getcwd()}) nor in the '
+                          f'repository\'s configs ({REPOSITORY_CONFIGS}: {known})')
+
+
+def load(spec: str) -> ml_collections.ConfigDict:
+  """The config ``spec`` names, as ``launch/train.py --config=<spec>`` reads it:
+  ``'<file>.py[:<variant>]'``, the file found by ``config_path`` (so
+  ``load('configs/default.py:tiny')`` works from any directory), its ``get_config``
+  called with the variant. A config file may import its siblings (``from configs import
+  fedevolve``)."""
+  path, _, variant = spec.partition(':')
+  path = config_path(path)
+  root = os.path.dirname(os.path.dirname(path))
+  loader = importlib.util.spec_from_file_location(
+      f'fedjax_shift_config_{os.path.splitext(os.path.basename(path))[0]}', path)
+  module = importlib.util.module_from_spec(loader)
+  added = root not in sys.path
+  if added:   # its siblings import as configs.<name>
+    sys.path.insert(0, root)
+  try:
+    loader.loader.exec_module(module)
+  finally:
+    if added:
+      sys.path.remove(root)
+  return module.get_config(variant) if variant else module.get_config()
 
 
 def validate(config: ml_collections.ConfigDict, workdir: str | None = None) -> None:

@@ -125,3 +125,21 @@ def test_fields_added_at_their_old_value_leave_fingerprints_as_they_were():
   config.gma.global_learning_rate = 1.5
   fields = fingerprints.run_fields(config, 'gma')
   assert fields['client.clip_norm'] == '10.0' and fields['gma.global_learning_rate'] == '1.5'
+
+
+def test_a_config_loads_by_its_path_from_any_directory(tmp_path, monkeypatch):
+  """``config.load`` reads what ``--config=`` reads: the repository's configs from
+  another directory (a sibling-importing one too, fedevp.py), a file of the working
+  directory first, and a missing file is named with the configs there are."""
+  monkeypatch.chdir(tmp_path)
+  tiny = config_lib.load('configs/default.py:tiny')
+  assert (tiny.rounds, tiny.seeds) == (3, (0,)) and config_lib.load('default.py').rounds == 30
+  assert config_lib.load('configs/fedevp.py:tiny').algorithms == ('fedevp',)
+  (tmp_path / 'configs').mkdir()
+  (tmp_path / 'configs' / 'default.py').write_text(
+      'from fedjax_shift.config import base_config\n'
+      'def get_config(arg=""):\n  c = base_config()\n  c.rounds = 7\n  return c\n')
+  assert config_lib.load('configs/default.py').rounds == 7   # the working directory's own
+  with pytest.raises(FileNotFoundError, match=r"no config file 'configs/nope.py' here .* nor "
+                                              r"in the repository's configs .*'default.py'"):
+    config_lib.load('configs/nope.py')

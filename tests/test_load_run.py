@@ -3,6 +3,7 @@ state its run ended with (the evaluation of the loaded global model reproduces t
 recorded test accuracy), sweep points and rounds are chosen by name, and a workdir
 without the method, seed, point or round names what it has."""
 import os
+import sys
 
 import chex
 import jax
@@ -86,9 +87,19 @@ def readme_python_examples():
   return re.findall(r'```python\n(.*?)```', section, re.S)
 
 
-def test_the_readmes_python_examples_run(tmp_path):
-  # README.md "From Python", each example executed as written but for its workdir.
+def test_the_readmes_python_examples_run(tmp_path, monkeypatch):
+  # README.md "From Python", each example executed as written but for its workdir, from
+  # another directory where the repository's root is not importable (a notebook
+  # anywhere after pip install -e .): `from configs import ...` would fail there.
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, 'path', [p for p in sys.path
+                                    if os.path.abspath(p or os.curdir) != root])
+  for name in [m for m in sys.modules if m == 'configs' or m.startswith('configs.')]:
+    monkeypatch.delitem(sys.modules, name)
   loaded, alpha, own = readme_python_examples()
+  assert not any('from configs' in block or 'import configs' in block
+                 for block in (loaded, alpha, own))
   namespace = {}
   assert loaded.count('/tmp/fedjax_shift_python') == 2
   exec(loaded.replace('/tmp/fedjax_shift_python', str(tmp_path / 'python')), namespace)
