@@ -105,6 +105,9 @@ def test_the_readmes_python_examples_run(tmp_path, monkeypatch):
   exec(loaded.replace('/tmp/fedjax_shift_python', str(tmp_path / 'python')), namespace)
   run, grads = namespace['run'], namespace['grads']
   assert run.round == run.config.rounds
+  metrics = namespace['metrics']   # the run's own evaluation, and T3A on its global model
+  assert metrics['global/test/accuracy'] == run.results['metrics']['global/test/accuracy']
+  assert 0.0 <= metrics['global+t3a/test/accuracy'] <= 1.0
   chex.assert_trees_all_equal_shapes(grads, run.global_variables['params'])
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
   # ATP: the gradient of a target client's loss with respect to every module's α.
@@ -180,3 +183,31 @@ def test_hetero_runs_load_per_architecture_group(tmp_path):
   with pytest.raises(FileNotFoundError, match=r"holds no method 'hetero_fedtta'; its methods: "
                                               r"\['hetero_fedtta_lambda0.8'\]"):
     pipelines.load_run(str(tmp_path), 'hetero_fedtta', seed=0)
+
+
+def test_evaluate_on_a_loaded_run_gives_its_results_numbers(tmp_path):
+  """pipelines.evaluate of a loaded run equals results.json's metrics to the last bit
+  (same programs, same evaluation key): FedAvg's global model, FedPer's personalised ones and
+  T3A on them as config.eval_adapters ran it; other adapters on request, none
+  with ()."""
+  config = tiny_config(**{'algorithms': ('fedavg', 'fedper'), 'eval_adapters': ('t3a:online',),
+                          'eval_adapter_algorithms': ('fedper',)})
+  pipelines.run(config, str(tmp_path))
+  run = pipelines.load_run(str(tmp_path), 'fedper', seed=0)
+  assert (run.method, run.seed) == ('fedper', 0)
+  metrics = pipelines.evaluate(run)
+  recorded = run.results['metrics']
+  for key in ('personalized/test/accuracy', 'personalized/test/client_accuracy',
+              'personalized+t3a/test/accuracy', 'personalized+t3a/test_corrupted/accuracy'):
+    assert key in metrics, sorted(metrics)   # FedPer has no global model
+  assert {key: recorded[key] for key in metrics} == metrics
+  fedavg = pipelines.load_run(str(tmp_path), 'fedavg', seed=0)
+  global_metrics = pipelines.evaluate(fedavg)
+  assert 'global/test/accuracy' in global_metrics and \
+      {key: fedavg.results['metrics'][key] for key in global_metrics} == global_metrics
+  other = pipelines.evaluate(run, adapters=('em:episodic',))
+  assert 0.0 <= other['personalized+em/test/accuracy'] <= 1.0
+  assert other['personalized/test/accuracy'] == metrics['personalized/test/accuracy']
+  assert not any('+' in key for key in pipelines.evaluate(run, adapters=()))
+  with pytest.raises(ValueError, match=r"config.eval_adapters: unknown adapter 'nope'"):
+    pipelines.evaluate(run, adapters=('nope:episodic',))

@@ -6,6 +6,7 @@ Adding a pipeline: one file plus one import line here.
 
     results = pipelines.run(config, workdir)   # validate, config.json, run, results.md
     run = pipelines.load_run(workdir, 'fedavg', seed=0)   # a trained run, back in Python
+    metrics = pipelines.evaluate(run, adapters=('tent:episodic',))   # as results.json's
 
 What they share, one job a file: ``base`` (the registry, ``Results``, what results
 record), ``run_config`` (the checks of the fields every run reads, and their resolved
@@ -13,7 +14,7 @@ values), ``fingerprints`` (the fields of a run's run.json), ``workdir`` (the loc
 the run.json checks), ``opening`` (a workdir's runs checked, restored and opened),
 ``runs`` (data, keys and shardings of one run), ``programs`` (its compiled programs),
 ``single_run`` / ``lockstep`` (one run, or several in one program), ``sweep`` (grids),
-``load`` (a finished run back in Python).
+``load`` (a finished run back in Python, and its evaluation).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from fedjax_shift.pipelines.base import (PIPELINES, Results, format_results,  # 
                                          write_results)
 from fedjax_shift.pipelines.opening import prologue  # noqa: F401
 from fedjax_shift.pipelines.run_config import validate  # noqa: F401
-from fedjax_shift.pipelines.load import LoadedRun, load_backbone, load_run  # noqa: F401
+from fedjax_shift.pipelines.load import LoadedRun, evaluate, load_backbone, load_run  # noqa: F401
 from fedjax_shift.pipelines.workdir import (RunMismatchError, WorkdirBusyError,  # noqa: F401
                                             WorkdirLock)
 

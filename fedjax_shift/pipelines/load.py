@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import jax.numpy as jnp
 import ml_collections
@@ -36,8 +36,10 @@ from fedjax_shift.core.round import stack_client_states
 from fedjax_shift.metrics import read_metrics
 from fedjax_shift.pipelines import atp, hetero, pretrain, sweep
 from fedjax_shift.pipelines import workdir as workdir_lib
-from fedjax_shift.pipelines.run_config import algorithm_names
+from fedjax_shift.pipelines.programs import build_programs
+from fedjax_shift.pipelines.run_config import algorithm_names, check_eval_adapters
 from fedjax_shift.pipelines.runs import build_data, run_keys
+from fedjax_shift.pipelines.single_run import run_evaluation
 
 
 class LoadedRun(NamedTuple):
@@ -58,6 +60,8 @@ class LoadedRun(NamedTuple):
                                       # 'learned_rates' {row: {rate: value}} and the
                                       # 'target' clients' data (ATP), 'setup' (hetero),
                                       # 'backbone' (the encoder variables it started from)
+  method: str = ''                    # the method's name (a run directory's)
+  seed: int = 0
 
 
 def _names(directory: str, keep=lambda name: True) -> List[str]:
@@ -154,7 +158,8 @@ def federated_run(config: ml_collections.ConfigDict, run_dir: str, method: str, 
   return LoadedRun(config, run_dir, round, bench, module, algorithm, state.server,
                    state.clients, global_model(state.server) if global_model else None,
                    read_metrics(os.path.join(run_dir, 'metrics.jsonl')), results,
-                   _read_json_or_none(os.path.join(run_dir, 'partition.json')) or {}, extras)
+                   _read_json_or_none(os.path.join(run_dir, 'partition.json')) or {}, extras,
+                   method, seed)
 
 
 def _load_federated(workdir, config, method, seed, round, point) -> LoadedRun:
@@ -219,7 +224,7 @@ def _load_hetero(workdir, config, method, seed, round) -> LoadedRun:
   return LoadedRun(config, run_dir, round, bench, None, parts.algorithm, state.server,
                    state.clients, None, read_metrics(os.path.join(run_dir, 'metrics.jsonl')),
                    results, _read_json_or_none(os.path.join(run_dir, 'partition.json')) or {},
-                   {'setup': parts})
+                   {'setup': parts}, method, seed)
 
 
 def load_run(workdir: str, method: str, seed: int, round: Optional[int] = None,
@@ -238,6 +243,31 @@ def load_run(workdir: str, method: str, seed: int, round: Optional[int] = None,
     raise ValueError(f'{workdir} is a run of the pretrain pipeline, a backbone alone: '
                      f'load_backbone({workdir!r}) reads it')
   return _load_federated(workdir, config, method, seed, round, point)
+
+
+def evaluate(run: LoadedRun, adapters: Optional[Sequence[str]] = None) -> Dict[str, float]:
+  """``run``'s evaluation at its round, as training evaluated it: {'<model>/<split>/
+  <metric>': value} of every evaluation split (the global model; the personalised one
+  where the method personalises, each client's after ``personalize``; new clients'
+  PFL-Sampled and -Ensemble), the numbers of results.json's ``metrics`` at the final
+  round (metrics.jsonl's at an evaluated one). ``adapters``: test-time adapters
+  ``'<adapter>:<mode>'`` (e.g. ``('tent:episodic',)``) run on the method's models,
+  adding '<model>+<adapter>/<split>/...' (None: the run's own ``config.eval_adapters``;
+  (): none). For runs of the federated pipeline (ATP's and HeteroFedTTA's protocols
+  evaluate in their own pipelines)."""
+  if run.config.pipeline != 'federated' or not run.method:
+    raise ValueError(f'evaluate takes a run of the federated pipeline; {run.run_dir} is '
+                     f"the {run.config.pipeline} pipeline's, whose results.json holds its "
+                     f'evaluation')
+  config = ml_collections.ConfigDict(run.config.to_dict())
+  if adapters is not None:
+    config.eval_adapters = tuple(adapters)
+    config.eval_adapter_algorithms = (run.method,) if adapters else ()
+    check_eval_adapters(config)
+  built = build_programs(config, run.method, run.module, run.bench, run.algorithm)
+  evaluation = run_evaluation(config, run.method, built, run.bench, run_keys(run.seed)[2],
+                              run.seed)
+  return evaluation((run.server_state, run.client_states))
 
 
 def load_backbone(workdir: str) -> dict:
