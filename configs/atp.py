@@ -79,9 +79,8 @@ def get_config(arg: str = 'digits_hybrid') -> ml_collections.ConfigDict:
 
   c.data.benchmark = 'atp_shift'      # fields: fedjax_shift/benchmarks/atp_shift.py
   c.data.source = 'mnist_embedded'
-  c.data.shift = 'hybrid'
-  c.data.num_clients = 240            # ATP: 240 source clients (+ data.num_target_clients 60)
-  c.data.corruptions = ()
+  c.data.num_clients = 240            # ATP: 240 source clients (+ 60 target clients:
+                                      # config.data.atp_shift's defaults, hybrid shift)
   c.model.name = 'bn_mlp'
   c.model.hidden = (200, 200)
   # The baselines as the ATP release runs them for its Table 1 (src/options.py defaults
@@ -113,15 +112,15 @@ def get_config(arg: str = 'digits_hybrid') -> ml_collections.ConfigDict:
 def _shift(c: ml_collections.ConfigDict, match) -> None:
   name, shift = match['name'], match['shift']
   c.tta.shifts = (shift,) if shift else SHIFTS
-  c.data.shift = c.tta.shifts[0]
+  c.data.atp_shift.shift = c.tta.shifts[0]
   if name == 'fmnist':   # 56,000 source and 14,000 target images: none drawn twice
     c.data.source = 'fashion_mnist'
     c.data.tfds_split = 'train+test'
   if name == 'cifar10c':
     c.data.source = 'tfds:cifar10'
     c.data.tfds_split = 'train'
-    c.data.target_split = 'test'          # CIFAR-10-C rows are the CIFAR-10 test images
-    c.data.target_corrupted_tfds = True
+    c.data.atp_shift.target_split = 'test'   # CIFAR-10-C rows are the CIFAR-10 test images
+    c.data.atp_shift.target_corrupted_tfds = True
     c.model.name = 'atp_cnn'
     c.engine.unroll = True
 
@@ -159,10 +158,11 @@ def _tiny(c: ml_collections.ConfigDict, match) -> None:
   c.cohort_size = 4
   c.atp.cohort_size = 4
   c.data.num_clients = 12
-  c.data.num_target_clients = 4
-  c.data.source_train = 16
-  c.data.source_heldout = 8
-  c.data.target_test = 12
+  shift = c.data.atp_shift
+  shift.num_target_clients = 4
+  shift.source_train = 16
+  shift.source_heldout = 8
+  shift.target_test = 12
   c.data.step_major_count = 8
   c.data.step_minor_count = 1
   c.tta.batch_size = 6

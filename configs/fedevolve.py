@@ -81,11 +81,8 @@ def get_config(arg: str = 'rmnist_dirinf') -> ml_collections.ConfigDict:
   c.data.source = 'mnist_embedded'
   c.data.partition = 'dirichlet'
   c.data.dirichlet_alpha = float('inf')
-  c.data.num_clients = 20             # RMNIST: 20 clients
-  c.data.num_domains = 12             # 0°–165° step 15°, last = target
-  c.data.rotation_step = 15.0
-  c.data.rotation_start = 0.0         # first domain's angle
-  c.data.corruptions = ()
+  c.data.num_clients = 20             # RMNIST: 20 clients (12 domains, 0°–165° step 15°:
+                                      # config.data.rotated_digits' defaults)
   c.cohort_size = 20
   # App. D CNN; 'pool': how its last 4×4×64 map enters the Linear ('flatten' | 'mean').
   c.model = ml_collections.ConfigDict({'name': 'evolve_cnn', 'pool': 'flatten'})
@@ -117,7 +114,7 @@ def _dataset(c: ml_collections.ConfigDict, match) -> None:
     c.data.tfds_split = 'train+test'
   if name == 'remnist':
     c.data.source = 'tfds:emnist/letters'
-    c.data.rotation_step = 8.0      # REMNIST: 0°, 8°, …, 88°
+    c.data.rotated_digits.rotation_step = 8.0   # REMNIST: 0°, 8°, …, 88°
     c.client.optimizer = 'adam'     # App. D: Adam, weight decay 1e-4, batch 96
     c.client.learning_rate = 1e-3
     c.client.weight_decay = 1e-4
@@ -125,7 +122,7 @@ def _dataset(c: ml_collections.ConfigDict, match) -> None:
   if name == 'circle':
     c.data.benchmark = 'circle'
     c.data.source = 'circle'
-    c.data.num_domains = 30         # Circle: 30 domains
+    c.data.circle.num_domains = 30  # Circle: 30 domains
     c.data.num_clients = 10         # App. D: 10 clients
     c.cohort_size = 10
     # App. C.2: representation 2×256, 256×256, 256×256; classifier 256×64, 64×2.
@@ -145,12 +142,12 @@ def _dataset(c: ml_collections.ConfigDict, match) -> None:
     c.client.local_epochs = 5       # App. D: 5 epochs, weight decay 5e-4, batch 32
     c.client.weight_decay = 5e-4
   if name == 'portraits':
-    c.data.num_domains = 9          # App. C.3: 12-year bins from 1905
+    c.data.timed_images.num_domains = 9    # App. C.3: 12-year bins from 1905
     c.model = ml_collections.ConfigDict({'name': 'wide_resnet'})
     c.client.optimizer = 'adam'     # App. D: Adam; Table 11 lr range 1e-3 … 1e-2
     c.client.learning_rate = 1e-3
   if name == 'caltran':
-    c.data.num_domains = 12         # App. C.4: 2-hour blocks of the day
+    c.data.timed_images.num_domains = 12   # App. C.4: 2-hour blocks of the day
     c.data.num_clients = 10         # App. D: 10 clients
     c.cohort_size = 10
     c.model = ml_collections.ConfigDict({'name': 'resnet18'})
@@ -159,28 +156,29 @@ def _dataset(c: ml_collections.ConfigDict, match) -> None:
 
 
 def _domains(c: ml_collections.ConfigDict, match) -> None:
-  c.data.num_domains = int(match['count'])
+  rotated = c.data.rotated_digits
+  rotated.num_domains = int(match['count'])
   # Tables 5 / 9: fewer domains drop the earliest angles; the target stays at 165°, and
   # each domain keeps the digits it has in the 12-domain split.
-  c.data.rotation_start = 165.0 - (c.data.num_domains - 1) * c.data.rotation_step
-  c.data.split_domains = max(12, c.data.num_domains)
+  rotated.rotation_start = 165.0 - (rotated.num_domains - 1) * rotated.rotation_step
+  rotated.split_domains = max(12, rotated.num_domains)
 
 
 def _resplit(c: ml_collections.ConfigDict, match) -> None:
-  c.data.split_domains = 0
+  c.data.rotated_digits.split_domains = 0
 
 
 def _increment(c: ml_collections.ConfigDict, match) -> None:
   # Figure 3: the same 12 domains rotated in steps of <deg> degrees.
-  c.data.rotation_step = float(match['degrees'])
-  c.data.rotation_start = 0.0
+  c.data.rotated_digits.rotation_step = float(match['degrees'])
+  c.data.rotated_digits.rotation_start = 0.0
 
 
 def _unexpected(c: ml_collections.ConfigDict, match) -> None:
   # App. Table 13: steps of 10° (0°–110°), the target rotated a further 0, 10 or 20°.
-  c.data.rotation_step = 10.0
-  c.data.rotation_start = 0.0
-  c.data.target_offset = float(match['offset'])
+  c.data.rotated_digits.rotation_step = 10.0
+  c.data.rotated_digits.rotation_start = 0.0
+  c.data.rotated_digits.target_offset = float(match['offset'])
 
 
 def _straggler(c: ml_collections.ConfigDict, match) -> None:
@@ -213,12 +211,12 @@ def _quick(c: ml_collections.ConfigDict, match) -> None:
 
 def _tiny(c: ml_collections.ConfigDict, match) -> None:
   c.rounds = 2
-  c.data.num_domains = 4
+  c.data[c.data.benchmark].num_domains = 4
   if c.data.benchmark == 'rotated_digits' and c.data.source == 'mnist_embedded':
-    c.data.split_domains = 60        # domains of 83 digits, not 1,250 (5,000 / 4)
+    c.data.rotated_digits.split_domains = 60   # domains of 83 digits, not 1,250 (5,000 / 4)
   c.data.num_clients = 3
   c.cohort_size = 3
-  c.data.points_per_domain = 30
+  c.data.circle.points_per_domain = 30
   c.client.local_epochs = 1
   c.client.batch_size = 8
   c.eval_every = 2

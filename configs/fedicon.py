@@ -46,7 +46,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.data.num_clients = 20             # FedTHE: 20 clients
   c.data.partition = 'dirichlet'
   c.data.dirichlet_alpha = 0.1        # FedTHE: Dir(0.1) (and 1.0)
-  c.data.shift_tests = ('ooc', 'natural', 'mixture')
+  c.data.label_skew_corrupted.shift_tests = ('ooc', 'natural', 'mixture')
   c.model = ml_collections.ConfigDict({'name': 'bn_mlp', 'hidden': (200, 200)})
   c.cohort_size = 20                  # every client in every round
   c.rounds = 50
@@ -81,16 +81,17 @@ def _paper(c: ml_collections.ConfigDict, match=None) -> None:
 
 def _digit5(c: ml_collections.ConfigDict, match=None) -> None:
   """Table 1 / 4: one client per digit domain, corrupted test sets (covariate shift)."""
-  c.data.benchmark = 'digit_domains'  # fields: fedjax_shift/benchmarks/digit_domains.py
-  c.data.held_out_domain = ''
-  c.cohort_size = len(c.data.domains) * c.data.clients_per_domain
+  c.data.benchmark = 'digit_domains'  # config.data.digit_domains: no held-out domain
+  domains = c.data.digit_domains
+  c.cohort_size = len(domains.domains) * domains.clients_per_domain
 
 
 def _lodo(c: ml_collections.ConfigDict, match) -> None:
   """Table 2: leave one digit domain out; the others are the clients."""
   _digit5(c)
-  c.data.held_out_domain = match['domain']
-  c.cohort_size = (len(c.data.domains) - 1) * c.data.clients_per_domain
+  domains = c.data.digit_domains
+  domains.held_out_domain = match['domain']
+  c.cohort_size = (len(domains.domains) - 1) * domains.clients_per_domain
 
 
 def _ablation(c: ml_collections.ConfigDict, match=None) -> None:
@@ -112,14 +113,15 @@ def _cnn(c: ml_collections.ConfigDict, match=None) -> None:
 
 def _tiny(c: ml_collections.ConfigDict, match=None) -> None:
   c.data.min_examples_per_client = 2
-  c.data.corruptions = ('gaussian_noise', 'contrast')
+  for benchmark in ('label_skew_corrupted', 'digit_domains'):
+    c.data[benchmark].corruptions = ('gaussian_noise', 'contrast')
   if c.model.name == 'bn_mlp':
     c.model.hidden = (32,)
   c.client.batch_size = 8
   c.eval_adapter_batch_size = 8
   c.adapters.fedthe_plus.num_augmentations = 4
   c.adapters.fedicon.memory_size = 16
-  c.data.domain_examples = 40
+  c.data.digit_domains.domain_examples = 40
 
 
 # The baselines' learning-rate grid of the `tuned` variant (ours: Sec. 5.1 gives every

@@ -115,13 +115,14 @@ def _domainnet(c: ml_collections.ConfigDict, match=None) -> None:
   """Feature shift (Table 1, DomainNet) as the authors' code: FedBN's 10 classes, six
   clients of 26 images, client k holding domain k alone, each tested on its domain's
   test split."""
-  c.data.domains = tuple(f'tfds:domainnet/{d}' for d in ('clipart', 'infograph', 'painting',
-                                                         'quickdraw', 'real', 'sketch'))
-  c.data.classes = FEDBN_DOMAINNET_CLASSES
-  c.data.client_domains = 'one_each'
-  c.data.client_sizes = (26,) * 6
-  c.data.domain_examples = 500
-  c.data.test_split = 'test'
+  mixed = c.data.mixed_domains
+  mixed.domains = tuple(f'tfds:domainnet/{d}' for d in ('clipart', 'infograph', 'painting',
+                                                        'quickdraw', 'real', 'sketch'))
+  mixed.classes = FEDBN_DOMAINNET_CLASSES
+  mixed.client_domains = 'one_each'
+  mixed.client_sizes = (26,) * 6
+  mixed.domain_examples = 500
+  mixed.test_split = 'test'
   c.cohort_size = 6
   c.client.augmentation = ('horizontal_flip', 'rotate30')  # their train transform
   _cpu_patches(c)
@@ -134,9 +135,9 @@ def _cifar100(c: ml_collections.ConfigDict, match=None) -> None:
   c.data.benchmark = 'small_clients'
   c.data.source = 'tfds:cifar100'
   c.data.dirichlet_alpha = 0.2
-  c.data.images_per_class = 10
+  c.data.small_clients.images_per_class = 10
   c.data.num_clients = 5
-  c.data.test_split = 'test'
+  c.data.small_clients.test_split = 'test'
   c.client.augmentation = ('horizontal_flip', 'rotate15')  # their train transform
   _cpu_patches(c)
 
@@ -151,9 +152,10 @@ def _tiny_imagenet(c: ml_collections.ConfigDict, match=None) -> None:
   val/; no training augmentation, as theirs)."""
   c.data.benchmark = 'small_clients'
   c.data.source = 'folder:tiny-imagenet-200/train'
-  c.data.test_split = 'folder:tiny-imagenet-200/val'   # the authors' test set: all of val/
+  # the authors' test set: all of val/
+  c.data.small_clients.test_split = 'folder:tiny-imagenet-200/val'
   c.data.dirichlet_alpha = 0.2
-  c.data.images_per_class = 10
+  c.data.small_clients.images_per_class = 10
   c.data.num_clients = 5
   _cpu_patches(c)
 
@@ -187,7 +189,7 @@ def _top(c: ml_collections.ConfigDict, match) -> None:
 
 
 def _alpha(c: ml_collections.ConfigDict, match) -> None:
-  c.data.domain_alpha = float(match['alpha'])
+  c.data.mixed_domains.domain_alpha = float(match['alpha'])
 
 
 # The backbone study's reserve: half of each real digit domain (mnist, uci, mnistm) is kept
@@ -198,7 +200,7 @@ BACKBONE_RESERVE = 0.5
 def _backbone(c: ml_collections.ConfigDict, match) -> None:
   """The backbone pretrained on the named domains ('+'-joined; the real ones from their
   reserve, synth from new renders), the clients drawing from the rest."""
-  c.data.backbone_reserve = BACKBONE_RESERVE
+  c.data.mixed_domains.backbone_reserve = BACKBONE_RESERVE
   c.backbone.domains = tuple(match['domains'].split('+'))
 
 
@@ -212,9 +214,10 @@ def _tiny(c: ml_collections.ConfigDict, match=None) -> None:
   c.model.width = 16
   c.model.depth = 1
   c.model.mlp_dim = 24
-  c.data.domain_examples = 60
-  c.data.client_sizes = (12, 20, 16)
-  c.data.test_examples = 8
+  c.data.mixed_domains.domain_examples = 60
+  for benchmark in ('mixed_domains', 'small_clients'):
+    c.data[benchmark].client_sizes = (12, 20, 16)
+    c.data[benchmark].test_examples = 8
   c.cohort_size = 3
   c.client.batch_size = 8
   c.client.local_epochs = 1

@@ -73,7 +73,6 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.data.partition = 'pathological'
   c.data.classes_per_client = 2       # Sec. 4.1.1: at most two labels per client
   c.data.num_clients = 100            # 100 clients, half of them new
-  c.data.corruptions = ()
   c.cohort_size = 50                  # "All clients participate in the training process"
   c.rounds = 200                      # MNIST: 200 rounds
   c.model = ml_collections.ConfigDict({'name': 'mlp', 'hidden': (200, 200)})  # MNIST MLP
@@ -185,7 +184,7 @@ def _shift(c: ml_collections.ConfigDict, match) -> None:
   # Dirichlet α = <value> over theirs (0.01, 0.03, 0.05, 0.1, 0.3, 0.5).
   c.data.partition = 'dirichlet'
   c.data.dirichlet_alpha = 0.1
-  c.data.new_client_alpha = float(match.group(1))
+  c.data.upfl.new_client_alpha = float(match.group(1))
   # Dir(0.1) over 50 clients of 2,500 digits leaves some with < 10 (the default floor)
   c.data.min_examples_per_client = 2
   c.eval_adapter_batch_size = 512     # a new client's whole data (up to ~290) in one batch
@@ -197,10 +196,11 @@ def _concept_shift(c: ml_collections.ConfigDict, match) -> None:
   # {0, 30, 60}°, 25 new clients by one drawn from {15, 45}°.
   c.data.partition = 'iid'
   c.data.num_clients = 50
-  c.data.sample_examples = 1000
-  c.data.train_rotations = (0.0, 30.0, 60.0)
-  c.data.new_rotations = (15.0, 45.0)
-  c.data.rotation_choice = 'random'
+  upfl = c.data.upfl
+  upfl.sample_examples = 1000
+  upfl.train_rotations = (0.0, 30.0, 60.0)
+  upfl.new_rotations = (15.0, 45.0)
+  upfl.rotation_choice = 'random'
   c.cohort_size = 25                  # every training client in every round
   c.eval_adapter_batch_size = 32      # ≥ a client's 20 digits: one batch per client
 

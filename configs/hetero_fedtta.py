@@ -11,7 +11,7 @@ pathological 2 classes each, 50 % new clients, 85 : 15), every training client i
 round, τ = 20 local iterations of batch 64; η_inner 0.5, η_outer 0.1, η_adapt 0.005
 (Sec. 4.6); the architectures assigned to clients in turn over a random order (App. G:
 "with equal probability"). Public set: 500 of the 5,000 embedded digits, held out of every
-client before partitioning (their labels unused); `data.public_source='uci_digits'` draws
+client before partitioning (their labels unused); `data.upfl.public_source='uci_digits'` draws
 it from the UCI digits instead (another writer population; measured: the ensemble's
 knowledge collapses there: fedjax_shift/papers/fedtta/README.md). Fig. 5 plots CIFAR-10 test accuracy per
 round for λ ∈ {0, 0.2, …, 1} (the `lambda_sweep` variant) next to heterogeneous TENT
@@ -46,8 +46,9 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   c.data.partition = 'pathological'
   c.data.classes_per_client = 2
   c.data.num_clients = 100
-  c.data.public_source = 'holdout'    # D_p: digits held out of every client, labels unused
-  c.data.public_examples = 500        #   (10 % of the 5,000; the clients share the rest)
+  c.data.upfl.public_source = 'holdout'   # D_p: digits held out of every client, labels
+  c.data.upfl.public_examples = 500       # unused (10 % of the 5,000; the clients share
+                                          # the rest)
   c.cohort_size = 50                  # every training client, every round
   c.weighting = 'uniform'             # Alg. 2: F = 1/N Σ_i f(D_p; ψ_i)
   c.rounds = 50
@@ -75,7 +76,7 @@ def _tiny(c: ml_collections.ConfigDict, match) -> None:
   c.data.num_clients = 12
   c.cohort_size = 6
   c.client.local_steps = 2
-  c.data.public_examples = 40
+  c.data.upfl.public_examples = 40
   c.hetero_fedtta.public_batch_size = 20
   c.hetero_fedtta.digest_steps = 2
   c.hetero_fedtta.new_client_digest_steps = 3

@@ -4,8 +4,8 @@
 run's own fields here, and the sections the registries own — each algorithm's
 ``config.<name>``, each adapter's ``config.adapters.<name>`` (a variant's section: only
 what it changes from its method's, ``Registry.register(variant_of=)``), each benchmark's
-``config.data`` fields and each pipeline's sections (the test-time pipeline's
-``tta`` and ``atp``) — filled from what their files registered. configs/<method>.py
+``config.data.<benchmark>`` beside the shared ``config.data`` fields and each pipeline's
+sections (the test-time pipeline's ``tta`` and ``atp``) — filled from what their files registered. configs/<method>.py
 start from ``base_config()``, set their fields and call ``apply_variant``.
 ``validate`` raises ValueError naming the field and the allowed values for every bad
 input it knows, before any data is built or any function compiled.
@@ -23,24 +23,9 @@ import ml_collections
 from fedjax_shift import papers, pipelines  # noqa: F401  (papers: registers their table layouts)
 from fedjax_shift.adapters import ADAPTERS
 from fedjax_shift.algorithms import ALGORITHMS
-from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS
+from fedjax_shift.benchmarks import DATA_DEFAULTS, data_sections
 from fedjax_shift.core import plan
 from fedjax_shift.pipelines import PIPELINES
-
-
-def registered_data_defaults() -> dict:
-  """``DATA_DEFAULTS`` plus every benchmark's fields; a field two benchmarks register
-  must have one default."""
-  fields = dict(DATA_DEFAULTS)
-  owner = {}
-  for name in BENCHMARKS.names():
-    for field, value in BENCHMARKS.defaults(name).to_dict().items():
-      if field in fields and fields[field] != value:
-        raise ValueError(f'benchmark {name!r} registers config.data.{field}={value!r}, but '
-                         f'{owner.get(field, "DATA_DEFAULTS")} has {fields[field]!r}')
-      fields[field] = value
-      owner[field] = f'benchmark {name!r}'
-  return fields
 
 
 def engine_defaults() -> ml_collections.ConfigDict:
@@ -90,7 +75,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.straggler_prob = 0.0            # FedEvolve Table 6: r
   c.straggler_max_steps = 1         # FedEvolve Table 6: τ
 
-  c.data = ml_collections.ConfigDict(registered_data_defaults())  # benchmarks/*.py
+  c.data = ml_collections.ConfigDict({**DATA_DEFAULTS, **data_sections()})  # benchmarks/*.py
 
   c.model = ml_collections.ConfigDict()
   c.model.name = 'mlp'              # other fields are the model builder's keyword arguments
@@ -207,7 +192,7 @@ def _source_partition(c: ml_collections.ConfigDict, match: re.Match) -> None:
 
 def _label_skew_tiny(c: ml_collections.ConfigDict, match=None) -> None:
   c.data.min_examples_per_client = 2
-  c.data.corruptions = ('gaussian_noise', 'contrast')
+  c.data.label_skew_corrupted.corruptions = ('gaussian_noise', 'contrast')
   # A small MLP; with BatchNorm where the config's model has it (FedBN keeps it local).
   batch_norm = c.model.name in ('bn_mlp', 'atp_cnn', 'resnet18') or 'fedbn' in c.algorithms
   c.model.name = 'bn_mlp' if batch_norm else 'mlp'

@@ -219,16 +219,18 @@ def _effective(fields: Dict[str, str], key: str) -> Tuple[Optional[str], str]:
 
 
 def changed_fields(recorded: Dict[str, str], fields: Dict[str, str],
-                   ignored: Iterable[str] = ()) -> list:
+                   ignored: Iterable[str] = (), added: Optional[Dict[str, str]] = None
+                   ) -> list:
   """'field: old → new' for every field a recorded run and ``fields`` disagree on
-  (recorded fields in ``ignored`` are not compared; a field of FIELDS_ADDED_AT that the
-  record lacks counts as recorded at its value), sorted. A method's client overrides
-  are compared by the values they train with (an override equal to the shared value
-  changes nothing, nor does the shared value under an override) and named as a config
-  writes them."""
+  (recorded fields in ``ignored`` are not compared; a field of FIELDS_ADDED_AT or
+  ``added`` that the record lacks counts as recorded at its value), sorted. A method's
+  client overrides are compared by the values they train with (an override equal to the
+  shared value changes nothing, nor does the shared value under an override) and named
+  as a config writes them."""
   ignored = set(ignored)
   old = {k: v for k, v in recorded.items() if k not in ignored}
-  old.update({k: v for k, v in FIELDS_ADDED_AT.items() if k not in old and k in fields})
+  old.update({k: v for k, v in {**FIELDS_ADDED_AT, **(added or {})}.items()
+              if k not in old and k in fields})
   old, new = _overrides_as_written(old), _overrides_as_written(fields)
   # A shared client field that the run's method overrides in both does not train it.
   overridden = {'client.' + key.rsplit('.', 1)[1] for key in set(old) & set(new)
@@ -242,10 +244,11 @@ def changed_fields(recorded: Dict[str, str], fields: Dict[str, str],
 
 
 def record_changes(recorded: dict, fields: Dict[str, str], rounds: int,
-                   ignored: Iterable[str] = ()) -> list:
+                   ignored: Iterable[str] = (), added: Optional[Dict[str, str]] = None
+                   ) -> list:
   """``changed_fields`` of a run.json record (``{'fields', 'rounds'}``) against
   ``fields``, plus 'rounds: old → new' when the round targets differ."""
-  changed = changed_fields(recorded['fields'], fields, ignored)
+  changed = changed_fields(recorded['fields'], fields, ignored, added)
   if recorded['rounds'] != rounds:
     changed.append(f'rounds: {recorded["rounds"]} → {rounds}')
   return changed

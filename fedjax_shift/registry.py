@@ -1,8 +1,8 @@
 """Name -> value registries that raise on unknown and duplicate names.
 
 An entry may carry its config defaults (a method's hyperparameters with the paper's
-values, a benchmark's ``config.data`` fields, a pipeline's sections), the ``ranges``
-those fields may take (a ``Range`` per field, checked before anything compiles) and a
+values, a benchmark's section ``config.data.<name>``, a pipeline's sections), the
+``ranges`` those fields may take (a ``Range`` per field, checked before anything compiles) and a
 ``check`` of its config section for what a range cannot say (one field against
 another); ``fedjax_shift.config.base_config`` fills the config from the registries,
 so adding a method, adapter, benchmark or pipeline is one file.
@@ -250,7 +250,13 @@ class Registry(Generic[T]):
     if known_fields_only:
       check_fields(section, self._defaults[name], where)
     self.check_ranges(name, section, where)
-    if run_check and self._checks[name] is not None:
+    if run_check:
+      self.run_check(name, section)
+
+  def run_check(self, name: str, section: Mapping[str, Any]) -> None:
+    """The entry's own ``check(section)``, where it registered one."""
+    self.get(name)
+    if self._checks[name] is not None:
       self._checks[name](section)
 
   def names(self):

@@ -151,7 +151,8 @@ def main(argv):
           f'argument is a --flag=value (quote a value holding a space)', file=sys.stderr)
     sys.exit(USAGE_STATUS)
   config = _CONFIG.value
-  problem = entries_for_methods_not_run(config, sys.argv)
+  problem = entries_for_methods_not_run(config, sys.argv) or other_benchmark_flags(config,
+                                                                                   sys.argv)
   if problem:
     print(f'launch/train.py: {problem}', file=sys.stderr)
     sys.exit(USAGE_STATUS)
@@ -285,6 +286,34 @@ def entries_for_methods_not_run(config: ml_collections.ConfigDict, argv) -> str:
           f'would go unused; add the method to --config.algorithms or drop the entry')
 
 
+def other_benchmark_flags(config: ml_collections.ConfigDict, argv) -> str:
+  """Why a ``--config.data.<benchmark>.<field>`` flag of ``argv`` would go unused: it sets
+  a section of a benchmark other than the run's ``config.data.benchmark`` ('' when none
+  does)."""
+  from fedjax_shift.benchmarks import BENCHMARKS
+  for arg in argv:
+    parts = arg[len('--config.'):].split('=', 1)[0].split('.')
+    if (arg.startswith('--config.data.') and len(parts) > 2 and parts[1] in BENCHMARKS and
+        parts[1] != config.data.benchmark):
+      return (f'{arg.split("=", 1)[0][2:]}: the run\'s benchmark is config.data.benchmark='
+              f'{config.data.benchmark!r}, which does not read config.data.{parts[1]}; set '
+              f'--config.data.benchmark={parts[1]} or drop the flag')
+  return ''
+
+
+def moved_data_field(field: str, config: ml_collections.ConfigDict) -> str:
+  """Where ``--config.data.<field>`` lives when it is a benchmark's own field
+  (``config.data.<benchmark>.<field>``), the run's benchmark first; '' otherwise."""
+  from fedjax_shift.benchmarks import sections_with
+  owners = sections_with(field)
+  if not owners:
+    return ''
+  owners.sort(key=lambda name: name != config.data.benchmark)
+  return (f'--config.data.{field}: {field!r} is a benchmark\'s own field, in its section: '
+          + ' or '.join(f'--config.data.{name}.{field}' for name in owners) +
+          f' (the run\'s benchmark: {config.data.benchmark!r})')
+
+
 def unknown_override(argv) -> str:
   """Why a ``--config.<field>=<value>`` of ``argv`` names no field of the config that
   ``--config=<file>[:<variant>]`` builds ('' when each one does, or the file does not
@@ -305,6 +334,10 @@ def unknown_override(argv) -> str:
               f'"{{\'{method}\': {{\'{renamed}\': …}}}}"')
     node, walked = config, []
     parts = field.split('.')
+    if len(parts) == 2 and parts[0] == 'data' and parts[1] not in config.data:
+      moved = moved_data_field(parts[1], config)
+      if moved:
+        return moved
     if (len(parts) == 3 and parts[0] == 'client_overrides' and
         parts[1] not in config.client_overrides):   # a method without an override yet
       merged = config.client_overrides.to_dict()

@@ -26,8 +26,13 @@ def backend_tolerance(rtol: float, atol: float = 0.0) -> dict:
 
 
 def override(config: ml_collections.ConfigDict, **fields) -> ml_collections.ConfigDict:
-  """``config`` with dotted ``fields`` set ('client.batch_size'=4); returns it."""
+  """``config`` with dotted ``fields`` set ('client.batch_size'=4); returns it. A
+  'data.<field>' of the run's benchmark's own section is set there
+  ('data.severity' -> config.data.<benchmark>.severity: ``set_data``)."""
   for key, value in fields.items():
+    if key.startswith('data.') and key.count('.') == 1:
+      set_data(config.data, **{key[len('data.'):]: value})
+      continue
     target = config
     *path, leaf = key.split('.')
     for part in path:
@@ -36,16 +41,30 @@ def override(config: ml_collections.ConfigDict, **fields) -> ml_collections.Conf
   return config
 
 
+def set_data(data: ml_collections.ConfigDict, **fields) -> ml_collections.ConfigDict:
+  """``data`` (a ``config.data``) with ``fields`` set: a shared field itself, a field of
+  the benchmark ``data.benchmark`` (once set) in its section; returns it."""
+  if 'benchmark' in fields:
+    data.benchmark = fields.pop('benchmark')
+  for key, value in fields.items():
+    own = data.get(data.benchmark)
+    if key not in data and own is not None and key in own:
+      own[key] = value
+    else:
+      data[key] = value
+  return data
+
+
 def tiny_config(**overrides) -> ml_collections.ConfigDict:
   return override(apply_variant(base_config(), 'tiny'), **overrides)
 
 
 def data_config(**fields) -> ml_collections.ConfigDict:
-  """A full ``config.data`` (every benchmark's defaults) with ``fields`` set."""
-  config = base_config().data
-  for key, value in fields.items():
-    config[key] = value
-  return config
+  """What a benchmark reads (``benchmarks.data_view``) of a ``config.data`` of every
+  benchmark's defaults with ``fields`` set (``set_data``): the benchmark's functions and
+  checks take it as it is."""
+  from fedjax_shift.benchmarks import data_view
+  return data_view(set_data(base_config().data, **fields))
 
 
 def toy_clients(sizes, shape=(4, 4, 1), num_classes=3, seed=0, pad_to=None):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from configs import fedins as fedins_config
-from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.benchmarks import build_benchmark, check_data
 from fedjax_shift.data import digit_domains, sources
 from fedjax_shift.pipelines import pretrain
 from helpers import write_run
@@ -47,7 +47,7 @@ def test_no_client_holds_an_image_of_the_backbones_reserve():
   uci reserve) and every client image of those domains (train and test) are disjoint;
   the backbone gets the whole reserve (half of each pool) when asked for more."""
   config = fedins_config.get_config('backbone_mnist+uci+synth')
-  assert config.data.backbone_reserve == 0.5
+  assert config.data.mixed_domains.backbone_reserve == 0.5
   config.backbone.examples = 5000       # more than a reserve holds: all of it
   rng = np.random.default_rng([config.backbone.seed, 91])
   data_dir = config.data.data_dir or None
@@ -58,27 +58,29 @@ def test_no_client_holds_an_image_of_the_backbones_reserve():
   (train_x, _), (held_x, _) = pretrain.source_data(config)
   backbone = _hashes(np.concatenate([train_x, held_x]))
   assert _hashes(reserve['mnist'].x) <= backbone and _hashes(reserve['uci'].x) <= backbone
-  bench = BENCHMARKS.get('mixed_domains')(config.data, 0)
+  bench = build_benchmark(config.data, 0)
   for split in ('train', 'test'):
     data = bench.splits[split]
     client_images = _hashes(data.x[data.mask])
     assert not client_images & _hashes(reserve['mnist'].x)
     assert not client_images & _hashes(reserve['uci'].x)
   # without the reserve the same draw of clients does meet the backbone's mnist images
-  config.data.backbone_reserve = 0.0
-  shared = BENCHMARKS.get('mixed_domains')(config.data, 0).splits['train']
+  config.data.mixed_domains.backbone_reserve = 0.0
+  shared = build_benchmark(config.data, 0).splits['train']
   assert _hashes(shared.x[shared.mask]) & _hashes(reserve['mnist'].x)
 
 
 def test_reserve_fields_are_checked_before_anything_trains():
   config = fedins_config.get_config('backbone_mnist')
-  config.data.backbone_reserve = 1.0
-  with pytest.raises(ValueError, match=r'data.backbone_reserve: must be a number >= 0 and < 1'):
-    BENCHMARKS.check('mixed_domains', config.data, 'config.data', known_fields_only=False)
-  config.data.backbone_reserve = 0.5
-  config.data.domains = ('mnist', 'folder:usps')
-  with pytest.raises(ValueError, match=r"data.backbone_reserve: .*\['folder:usps'\] cannot be"):
-    BENCHMARKS.check('mixed_domains', config.data, 'config.data', known_fields_only=False)
+  config.data.mixed_domains.backbone_reserve = 1.0
+  with pytest.raises(ValueError,
+                     match=r'data.mixed_domains.backbone_reserve: must be a number >= 0 and < 1'):
+    check_data(config.data)
+  config.data.mixed_domains.backbone_reserve = 0.5
+  config.data.mixed_domains.domains = ('mnist', 'folder:usps')
+  with pytest.raises(ValueError,
+                     match=r"data.mixed_domains.backbone_reserve: .*\['folder:usps'\] cannot be"):
+    check_data(config.data)
   config = fedins_config.get_config('backbone_mnist+svhn')
   with pytest.raises(ValueError, match=r"backbone.domains: .*\['svhn'\] have none"):
     pretrain.check_backbone(config)

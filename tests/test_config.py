@@ -23,11 +23,13 @@ from helpers import tiny_config
     ('client.learning_rate', -0.1, r'config.client.learning_rate'),
     ('server.learning_rate', 0.0, r'config.server.learning_rate'),
     ('client.batch_size', 0, r'config.client.batch_size: must be >= 1'),
-    ('data.severity', 6, r'config.data.severity: must be an integer in 1..5'),
-    ('data.severity', 0, r'config.data.severity'),
+    ('data.label_skew_corrupted.severity', 6,
+     r'config.data.label_skew_corrupted.severity: must be an integer in 1..5'),
+    ('data.label_skew_corrupted.severity', 0, r'config.data.label_skew_corrupted.severity'),
     ('data.dirichlet_alpha', 0.0, r'config.data.dirichlet_alpha: must be > 0'),
     ('data.dirichlet_alpha', -1.0, r'config.data.dirichlet_alpha'),
-    ('data.corruptions', ('fog', 'rain'), r"config.data.corruptions: must be a tuple .*'rain'"),
+    ('data.label_skew_corrupted.corruptions', ('fog', 'rain'),
+     r"config.data.label_skew_corrupted.corruptions: must be a tuple .*'rain'"),
     ('sampling', 'roundrobin', r'config.sampling'),
     ('straggler_prob', 1.5, r'config.straggler_prob'),
     ('client.optimizer', 'lbfgs', r'config.client.optimizer'),
@@ -143,3 +145,58 @@ def test_a_config_loads_by_its_path_from_any_directory(tmp_path, monkeypatch):
   with pytest.raises(FileNotFoundError, match=r"no config file 'configs/nope.py' here .* nor "
                                               r"in the repository's configs .*'default.py'"):
     config_lib.load('configs/nope.py')
+
+
+def test_each_benchmark_reads_the_shared_data_fields_and_its_own_section():
+  """config.data: the fields every benchmark reads and one section per benchmark; what
+  a benchmark reads (``data_view``) is the shared fields and its section's, flat, and
+  changing another benchmark's section changes neither that nor the run's fields."""
+  from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS, data_view
+  from fedjax_shift.pipelines import fingerprints
+  config = tiny_config()
+  assert set(config.data.keys()) == set(DATA_DEFAULTS) | set(BENCHMARKS.names())
+  view = data_view(config.data)
+  assert set(view.keys()) == set(DATA_DEFAULTS) | set(BENCHMARKS.defaults(
+      'label_skew_corrupted'))
+  assert view.severity == config.data.label_skew_corrupted.severity == 5
+  fields = fingerprints.run_fields(config, 'fedavg')
+  assert fields['data.severity'] == '5' and not any(
+      key.startswith(('data.upfl', 'data.label_skew_corrupted')) for key in fields)
+  config.data.upfl.public_examples = 7           # another benchmark's section
+  config.data.digit_domains.severity = 2
+  assert data_view(config.data).to_dict() == view.to_dict()
+  assert fingerprints.run_fields(config, 'fedavg') == fields
+  config.data.label_skew_corrupted.severity = 3  # its own
+  assert fingerprints.run_fields(config, 'fedavg')['data.severity'] == '3'
+
+
+def test_a_benchmark_field_beside_the_shared_ones_is_refused_naming_its_section(tmp_path):
+  """Set as ``config.data.<field>`` (as configs wrote it before the sections), a
+  benchmark's field would be read by no benchmark: refused, naming where it lives; a
+  benchmark's error about its own field names its section."""
+  config = tiny_config()
+  config.data.severity = 3
+  with pytest.raises(ValueError, match=r'config.data.severity: not a field every benchmark '
+                                       r'reads; .* config.data.label_skew_corrupted.severity'):
+    config_lib.validate(config)
+  config = tiny_config(**{'data.benchmark': 'upfl', 'data.partition': 'pathological'})
+  config.data.upfl.new_client_fraction = 1.0
+  with pytest.raises(ValueError, match=r'^config.data.upfl.new_client_fraction: '):
+    config_lib.validate(config)
+
+
+def test_a_data_config_recorded_flat_reads_back_with_its_benchmarks_section(tmp_path):
+  """config.json of a run recorded before the sections: ``report.run_config`` moves its
+  benchmark's fields into their section (the other benchmarks' recorded fields dropped),
+  so what the benchmark reads is what it read then."""
+  import json
+  from fedjax_shift import report
+  from fedjax_shift.benchmarks import DATA_DEFAULTS, data_view
+  config = tiny_config(**{'data.label_skew_corrupted.severity': 2})
+  flat = {**data_view(config.data).to_dict(), 'public_examples': 500, 'num_domains': 12}
+  (tmp_path / 'config.json').write_text(json.dumps({**config.to_dict(), 'data': flat}))
+  recorded = report.run_config(str(tmp_path))
+  assert set(recorded.data.keys()) == set(DATA_DEFAULTS) | {'label_skew_corrupted'}
+  assert recorded.data.label_skew_corrupted.severity == 2
+  as_json = lambda data: json.dumps(data_view(data).to_dict(), sort_keys=True)   # tuples: lists
+  assert as_json(recorded.data) == as_json(config.data)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.benchmarks import build_benchmark
 from fedjax_shift.data import corruptions, partitions, sources
 from fedjax_shift.data.federated import stack_clients, validate
 from helpers import tiny_config
@@ -32,7 +32,7 @@ def test_circle_follows_fedevolve_appendix_c2():
   np.testing.assert_array_equal(y, (x ** 2).sum(-1) <= 100.0)
   assert 0.4 < y.mean() < 0.6      # the boundary runs through every domain's centre
   from configs import fedevolve as fedevolve_configs
-  data = fedevolve_configs.get_config('circle_dirinf').data
+  data = fedevolve_configs.get_config('circle_dirinf').data.circle
   assert (data.points_per_domain, data.num_domains, data.circle_generator) == (
       1000, 30, 'gaussian')
   with pytest.raises(ValueError, match='data.circle_generator'):
@@ -151,8 +151,8 @@ def test_stack_and_validate():
 
 def test_benchmark_reproducible_disjoint_and_corrupted():
   config = tiny_config()
-  a = BENCHMARKS.get('label_skew_corrupted')(config.data, 0)
-  b = BENCHMARKS.get('label_skew_corrupted')(config.data, 0)
+  a = build_benchmark(config.data, 0)
+  b = build_benchmark(config.data, 0)
   for name in a.splits:
     np.testing.assert_array_equal(a.splits[name].x, b.splits[name].x)
   assert set(a.splits) == {'train', 'val', 'test', 'test_corrupted'}
@@ -165,7 +165,7 @@ def test_benchmark_reproducible_disjoint_and_corrupted():
   for k in range(tr.num_clients):
     train_rows = {r.tobytes() for r in tr.client(k)[0]}
     assert not any(r.tobytes() in train_rows for r in te.client(k)[0])
-  c = BENCHMARKS.get('label_skew_corrupted')(config.data, 1)
+  c = build_benchmark(config.data, 1)
   assert not np.array_equal(a.splits['train'].num_examples, c.splits['train'].num_examples)
 
 
@@ -180,7 +180,7 @@ def test_tfds_source_with_mock_data():
     config = tiny_config(**{'data.source': 'tfds:cifar10', 'data.num_clients': 2,
                             'data.min_examples_per_client': 1,
                             'data.corruptions': ('saturate',)})
-    bench = BENCHMARKS.get('label_skew_corrupted')(config.data, 0)
+    bench = build_benchmark(config.data, 0)
     assert bench.example_shape == (32, 32, 3)
 
 

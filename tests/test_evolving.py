@@ -10,7 +10,7 @@ from fedjax_shift import models
 from fedjax_shift import algorithms
 from fedjax_shift.algorithms.prototypes import (class_prototypes, prototype_head,
                                                 prototype_loss)
-from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.benchmarks import BENCHMARKS, build_benchmark, data_view
 from fedjax_shift.benchmarks.evolving import split_domain, client_proportions
 from fedjax_shift.core.algorithm import ClientData
 from fedjax_shift.core.round import NO_STEP_LIMIT, RoundConfig, build_round, round_key
@@ -18,9 +18,9 @@ from helpers import backend_tolerance, data_config, tiny_config, write_run
 
 
 def circle_config(alpha=float('inf'), num_domains=5):
-  config = tiny_config()
-  config.data.num_domains = num_domains
-  config.data.points_per_domain = 40
+  config = tiny_config(**{'data.benchmark': 'circle', 'data.source': 'circle'})
+  config.data.circle.num_domains = num_domains
+  config.data.circle.points_per_domain = 40
   config.data.num_clients = 3
   config.data.dirichlet_alpha = alpha
   config.model.hidden = (16,)
@@ -94,7 +94,8 @@ def test_domain_split_is_reproducible_and_assigns_every_example_once(alpha):
 
 
 def test_rotated_digits_layout_and_bad_input():
-  config = data_config(**{'source': 'mnist_embedded', 'num_domains': 4,
+  config = data_config(**{'benchmark': 'rotated_digits', 'source': 'mnist_embedded',
+                          'num_domains': 4,
                           'rotation_step': 15.0, 'num_clients': 3, 'dirichlet_alpha': 1.0})
   bench = BENCHMARKS.get('rotated_digits')(config, 0)
   train, test = bench.splits['train'], bench.splits['test']
@@ -114,10 +115,10 @@ def test_fewer_domains_drop_the_first_domains_of_the_twelve_domain_split():
   """Tables 5 / 9 (rmnist_domains<D>): D domains are the last D of RMNIST's 12-domain
   split, so a domain keeps its ~417 digits; ``resplit`` divides all 5,000 into D."""
   from configs import fedevolve as fedevolve_config
-  full = fedevolve_config.get_config('rmnist_dirinf').data
-  dropped = fedevolve_config.get_config('rmnist_domains7').data
+  full = data_view(fedevolve_config.get_config('rmnist_dirinf').data)
+  dropped = data_view(fedevolve_config.get_config('rmnist_domains7').data)
   assert dropped.split_domains == 12 and dropped.rotation_start == 75.0
-  assert fedevolve_config.get_config('rmnist_domains7,resplit').data.split_domains == 0
+  assert fedevolve_config.get_config('rmnist_domains7,resplit').data.rotated_digits.split_domains == 0
   benches = {}
   for name, config in (('full', full), ('dropped', dropped)):
     benches[name] = BENCHMARKS.get('rotated_digits')(config, 0)
@@ -130,17 +131,17 @@ def test_fewer_domains_drop_the_first_domains_of_the_twelve_domain_split():
   # 7 of 12 pieces of 5,000 digits (417 or 416 each) in all, not all 5,000.
   count = lambda bench: sum(int(bench.splits[s].num_examples.sum()) for s in ('train', 'test'))
   assert count(benches['dropped']) == sum(len(p) for p in np.array_split(np.arange(5000), 12)[-7:])
-  resplit = fedevolve_config.get_config('rmnist_domains7,resplit').data
+  resplit = data_view(fedevolve_config.get_config('rmnist_domains7,resplit').data)
   assert count(BENCHMARKS.get('rotated_digits')(resplit, 0)) == 5000
   from fedjax_shift import config as config_lib
   config = fedevolve_config.get_config('rmnist_domains7,mlp')
-  config.data.split_domains = 5
-  with pytest.raises(ValueError, match='data.split_domains'):
+  config.data.rotated_digits.split_domains = 5
+  with pytest.raises(ValueError, match='data.rotated_digits.split_domains'):
     config_lib.validate(config)
 
 
 def make(name, config):
-  bench = BENCHMARKS.get('circle')(config.data, 0)
+  bench = build_benchmark(config.data, 0)
   train = bench.splits['train']
   module = models.create(config.model, 2)
   algorithm = algorithms.build(name, config, module, train.max_examples, bench.info)
@@ -346,7 +347,7 @@ def test_fedevp_bad_align_is_refused(tmp_path):
   with pytest.raises(ValueError, match='config.fedevp.personalize'):
     config_lib.validate(config, str(tmp_path))
   config = circle_config(num_domains=2)       # one source domain: Algorithm 2 never steps
-  bench = BENCHMARKS.get('circle')(config.data, 0)
+  bench = build_benchmark(config.data, 0)
   module = models.create(config.model, 2)
   with pytest.raises(ValueError, match=r"config.fedevp.align='algorithm2' steps only"):
     algorithms.build('fedevp', config, module, bench.splits['train'].max_examples, bench.info)
@@ -465,7 +466,7 @@ def test_a_packed_client_store_is_refused_for_domain_blocks(tmp_path, name):
   from fedjax_shift.data import store
   from fedjax_shift.pipelines.single_run import RunInputs, train_and_evaluate
   config = tiny_config(**{'data.benchmark': 'rotated_digits', 'rounds': 1})
-  bench = BENCHMARKS.get('rotated_digits')(config.data, 0)
+  bench = build_benchmark(config.data, 0)
   assert not np.asarray(bench.splits['train'].mask).all()   # blocks with padding
   packed = bench._replace(splits={n: store.compact(s) for n, s in bench.splits.items()})
   with pytest.raises(ValueError, match=f'{name} trains on clients laid out in padded '
@@ -480,11 +481,11 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
   assert config.data.dirichlet_alpha == 0.1 and config.straggler_prob == 0.5
   assert config.straggler_max_steps == config.client.local_epochs == 10
   # App. Table 13: the target off the 10° schedule by 20° (130° where 110° was due).
-  unexpected = fedevolve_config.get_config('rmnist_dir1.0,unexpected20').data
+  unexpected = data_view(fedevolve_config.get_config('rmnist_dir1.0,unexpected20').data)
   bench = BENCHMARKS.get('rotated_digits')(unexpected, 0)
   assert bench.info['angles'] == [10.0 * m for m in range(11)] + [130.0]
   assert bench.info['target_angle'] == 130.0
-  seven = fedevolve_config.get_config('rmnist_domains7').data
+  seven = data_view(fedevolve_config.get_config('rmnist_domains7').data)
   assert seven.num_domains == 7 and seven.rotation_start == 75.0  # App.: 75° … 165°
   from fedjax_shift.benchmarks.evolving import rotation_angles
   assert rotation_angles(7, 15.0, 75.0) == [75.0, 90.0, 105.0, 120.0, 135.0, 150.0, 165.0]
@@ -545,7 +546,7 @@ def test_fedevolve_configs_parse_and_run_tiny(tmp_path):
 
 
 def test_more_clients_than_examples_is_an_error():
-  config = data_config(**{'num_domains': 3, 'points_per_domain': 4,
+  config = data_config(**{'benchmark': 'circle', 'num_domains': 3, 'points_per_domain': 4,
                           'num_clients': 5, 'dirichlet_alpha': 1.0})
   with pytest.raises(ValueError, match='config.data.num_clients=5 exceeds'):
     BENCHMARKS.get('circle')(config, 0)
@@ -560,9 +561,9 @@ def test_rotated_emnist_letters_through_tfds_mock_data():
   from configs import fedevolve as fedevolve_config
   assert fedevolve_config.get_config('remnist_dir1.0').client.batch_size == 96
   config = fedevolve_config.get_config('remnist_dir1.0,tiny')
-  assert config.data.rotation_step == 8.0
+  assert config.data.rotated_digits.rotation_step == 8.0
   with tfds.testing.mock_data(num_examples=48):
-    bench = BENCHMARKS.get('rotated_digits')(config.data, 0)
+    bench = build_benchmark(config.data, 0)
   assert bench.num_classes == 27 and bench.info['angles'] == [0.0, 8.0, 16.0, 24.0]
 
 
@@ -587,7 +588,7 @@ def portraits_folder(root, years=range(1905, 2014, 4)):
 
 def timed_config(source, data_dir, num_domains, num_clients=2, alpha=float('inf')):
   return data_config(**{
-      'source': source, 'data_dir': str(data_dir), 'num_domains': num_domains,
+      'benchmark': 'timed_images', 'source': source, 'data_dir': str(data_dir), 'num_domains': num_domains,
       'num_clients': num_clients, 'dirichlet_alpha': alpha, 'image_size': 0})
 
 
@@ -626,7 +627,7 @@ def test_timed_images_bad_input(tmp_path):
   from configs import fedevolve as fedevolve_config
   from fedjax_shift import config as config_lib
   config = fedevolve_config.get_config('portraits_dir1.0')
-  assert config.data.num_domains == 9 and config.model.name == 'wide_resnet'
+  assert config.data.timed_images.num_domains == 9 and config.model.name == 'wide_resnet'
   with pytest.raises(ValueError, match='data.data_dir'):
     config_lib.validate(config)
   with pytest.raises(FileNotFoundError, match='not found'):
@@ -802,7 +803,7 @@ def test_figure3_increment_variant_and_its_table_and_plot(tmp_path):
   in a table and plots accuracy against the increment."""
   from configs import fedevolve as fedevolve_config
   from fedjax_shift.papers.fedevolve import tables
-  data = fedevolve_config.get_config('rmnist_dir1.0,increment5').data
+  data = data_view(fedevolve_config.get_config('rmnist_dir1.0,increment5').data)
   assert BENCHMARKS.get('rotated_digits')(data, 0).info['angles'] == [5.0 * m for m in range(12)]
   workdirs = []
   for increment, accuracy in ((0, 0.9), (10, 0.6)):

@@ -142,6 +142,20 @@ def test_command_line_mistakes_are_one_paragraph_and_touch_nothing(tmp_path):
   assert ("--config.fedprox.client_learning_rate: a method's own client learning rate is "
           "config.client_overrides.fedprox.learning_rate, e.g. --config.client_overrides="
           "\"{'fedprox': {'learning_rate': …}}\"") in renamed.stderr
+  # a benchmark's own field given beside the shared ones: the section that holds it; a
+  # field of another benchmark's section than the run's: refused (it would go unused)
+  moved = subprocess.run(_launch(tmp_path / 'moved', 2) + ['--config.data.severity=3'],
+                         capture_output=True, text=True, cwd=ROOT)
+  assert moved.returncode == 2 and 'Traceback' not in moved.stderr, moved.stderr[-3000:]
+  assert ("--config.data.severity: 'severity' is a benchmark's own field, in its section: "
+          "--config.data.label_skew_corrupted.severity or --config.data.digit_domains.severity"
+          ) in moved.stderr
+  other = subprocess.run(_launch(tmp_path / 'other', 2) + ['--config.data.upfl.public_examples=9'],
+                         capture_output=True, text=True, cwd=ROOT)
+  assert other.returncode == 2 and 'Traceback' not in other.stderr, other.stderr[-3000:]
+  assert ("config.data.upfl.public_examples: the run's benchmark is config.data.benchmark="
+          "'label_skew_corrupted', which does not read config.data.upfl") in other.stderr
+  assert not (tmp_path / 'moved').exists() and not (tmp_path / 'other').exists()
   # a sweep field given as a section and dotted: one message naming it
   twice = subprocess.run(_launch(tmp_path / 'twice', 2) + [
       "--config.sweep={'client': {'learning_rate': (0.1, 0.2)}, 'client.learning_rate': (0.3,)}"],

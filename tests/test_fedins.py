@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from fedjax_shift import algorithms, models, pipelines
-from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.benchmarks import BENCHMARKS, build_benchmark, check_data, data_view
 from fedjax_shift.core.algorithm import ClientData
 from fedjax_shift.core.local import local_train, masked_mean
 from fedjax_shift.core.round import NO_STEP_LIMIT, RoundConfig, build_round, stack_client_states
@@ -411,7 +411,7 @@ def test_pipeline_pretrains_once_starts_every_method_from_it_and_prints_table_1(
                                  '(12-20 per client, seed 0), 2 rounds'), out.preamble
   table = out.records['paper_tables']
   assert '# Com.cost' in table and '| FedIns |' in table and '| FedAvg (w.Full) |' in table
-  for domain in config.data.domains:
+  for domain in config.data.mixed_domains.domains:
     assert f'| {domain} ' in table.splitlines()[2] or domain in table
   # A second run reuses the backbone; another backbone config is refused, by the runs'
   # fingerprints and by the backbone's own record (the pretrain pipeline).
@@ -474,7 +474,7 @@ def test_small_clients_deal_the_papers_client_sizes_with_label_shift():
                                      'alpha_0.3', 'paper', 'vit_b16'])
 def test_config_variants_validate(variant):
   config = fedins_config.get_config(variant)
-  BENCHMARKS.check(config.data.benchmark, config.data, 'config.data', known_fields_only=False)
+  check_data(config.data)
   from fedjax_shift.pipelines.run_config import check_run
   check_run(config)
 
@@ -580,8 +580,9 @@ def test_domainnet_variant_is_fedbn_ten_classes_one_domain_per_client():
   import tensorflow_datasets as tfds
   from fedjax_shift.data import sources
   config = fedins_config.get_config('domainnet')
-  assert config.data.classes == fedins_config.FEDBN_DOMAINNET_CLASSES
-  data = override(config.data, domains=config.data.domains[:2], client_sizes=(6, 8),
+  assert config.data.mixed_domains.classes == fedins_config.FEDBN_DOMAINNET_CLASSES
+  data = data_view(config.data)   # what the benchmark reads
+  data = override(data, domains=data.domains[:2], client_sizes=(6, 8),
                   domain_examples=30, image_size=16)
   BENCHMARKS.check('mixed_domains', data, 'config.data', known_fields_only=False)
   ids = sources.tfds_class_ids('domainnet/real', data.classes)
@@ -622,10 +623,10 @@ def test_cifar100_variant_deals_ten_images_per_class_and_tests_on_the_test_split
   draw), and the whole test split dealt over the clients (mock data)."""
   import tensorflow_datasets as tfds
   config = fedins_config.get_config('cifar100')
-  assert (config.data.dirichlet_alpha, config.data.images_per_class,
-          config.data.num_clients, config.data.test_split) == (0.2, 10, 5, 'test')
+  assert (config.data.dirichlet_alpha, config.data.small_clients.images_per_class,
+          config.data.num_clients, config.data.small_clients.test_split) == (0.2, 10, 5, 'test')
   with tfds.testing.mock_data(num_examples=3000):
-    bench = BENCHMARKS.get('small_clients')(config.data, 0)
+    bench = build_benchmark(config.data, 0)
   train, test = bench.splits['train'], bench.splits['test']
   assert int(train.num_examples.sum()) == 1000 and train.num_clients == 5
   counts = np.asarray(bench.info['client_class_counts'])
@@ -635,8 +636,8 @@ def test_cifar100_variant_deals_ten_images_per_class_and_tests_on_the_test_split
   assert bench.example_shape == (32, 32, 3)
   from fedjax_shift import config as config_lib
   config.data.source = 'mnist_embedded'
-  with pytest.raises(ValueError, match='data.test_split'):
-    BENCHMARKS.check('small_clients', config.data, 'config.data', known_fields_only=False)
+  with pytest.raises(ValueError, match='data.small_clients.test_split'):
+    check_data(config.data)
 
 
 def test_settings_report_puts_each_workdir_in_a_column_with_the_papers_number(tmp_path):
@@ -686,14 +687,14 @@ def test_tiny_imagenet_variant_tests_on_the_val_folder(tmp_path, val_layout):
     (root / 'val' / 'val_annotations.txt').write_text(
         ''.join(f'{n}\t{w}\t0\t0\t7\t7\n' for n, w in val))
   config = fedins_config.get_config('tiny_imagenet')
-  assert config.data.test_split == 'folder:tiny-imagenet-200/val'
+  assert config.data.small_clients.test_split == 'folder:tiny-imagenet-200/val'
   config.data.data_dir = str(tmp_path)
-  BENCHMARKS.check('small_clients', config.data, 'config.data', known_fields_only=False)
-  bench = BENCHMARKS.get('small_clients')(config.data, 0)
+  check_data(config.data)
+  bench = build_benchmark(config.data, 0)
   train, test = bench.splits['train'], bench.splits['test']
   assert int(train.num_examples.sum()) == 30 and int(test.num_examples.sum()) == 7
   labels = np.concatenate([np.asarray(test.y[k, :n]) for k, n in enumerate(test.num_examples)])
   assert sorted(labels.tolist()) == sorted(wnids.index(w) for _, w in val)
-  config.data.test_split = ''
-  with pytest.raises(ValueError, match='data.test_split'):
-    BENCHMARKS.check('small_clients', config.data, 'config.data', known_fields_only=False)
+  config.data.small_clients.test_split = ''
+  with pytest.raises(ValueError, match='data.small_clients.test_split'):
+    check_data(config.data)

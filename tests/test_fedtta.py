@@ -9,13 +9,14 @@ import pytest
 
 from fedjax_shift import algorithms, models
 from fedjax_shift.adapters.fedtta import Adaptation, adapt, adaptation_module_of
+from fedjax_shift.benchmarks import build_benchmark, check_data
 from fedjax_shift.parts import losses
 from fedjax_shift.parts.fedtta_step import (ADAPTATION, InnerStep, inner_step,
                                             personalization_loss)
 from fedjax_shift.core.algorithm import ClientData
 from fedjax_shift.core.round import NO_STEP_LIMIT
 from fedjax_shift.core.test_time import ADAPTERS, AdaptBatch, SourceContext
-from helpers import tiny_config, toy_clients
+from helpers import set_data, tiny_config, toy_clients
 
 NUM_CLASSES = 3
 
@@ -367,15 +368,13 @@ def test_personalization_loss_is_the_l2_norm_over_real_examples():
 def upfl_config(**fields):
   from configs import fedtta as fedtta_config
   config = fedtta_config.get_config('tiny')
-  for key, value in fields.items():
-    config.data[key] = value
+  set_data(config.data, **fields)
   return config
 
 
 def test_upfl_splits_new_clients_and_bad_input():
-  from fedjax_shift.benchmarks import BENCHMARKS
   config = upfl_config(num_clients=20)
-  bench = BENCHMARKS.get('upfl')(config.data, 0)
+  bench = build_benchmark(config.data, 0)
   train, val, test = (bench.splits[s] for s in ('train', 'val', 'test'))
   assert train.num_clients == val.num_clients == test.num_clients == 10
   assert sorted(bench.info['training_clients'] + bench.info['new_clients']['test']) == \
@@ -390,16 +389,14 @@ def test_upfl_splits_new_clients_and_bad_input():
   assert not any(hash(x.tobytes()) in train_images
                  for k in range(10) for x in test.x[k][test.mask[k]])
   # 30 % new clients: 14 training, 6 new; the new side is padded with empty clients
-  uneven = BENCHMARKS.get('upfl')(upfl_config(num_clients=20, new_client_fraction=0.3).data, 0)
+  uneven = build_benchmark(upfl_config(num_clients=20, new_client_fraction=0.3).data, 0)
   assert uneven.splits['test'].num_clients == 14
   assert (uneven.splits['test'].num_examples > 0).sum() == 6
   for field, value, match in [('classes_per_client', 11, 'only 10 classes'),
                               ('new_client_fraction', 1.0, 'new_client_fraction')]:
     bad = upfl_config(**{field: value})
     with pytest.raises(ValueError, match=match):
-      from fedjax_shift.benchmarks.base import BENCHMARKS as registry
-      registry.check('upfl', bad.data, 'config.data', known_fields_only=False)
-      registry.get('upfl')(bad.data, 0)
+      build_benchmark(bad.data, 0)
 
 
 def test_new_clients_labels_are_never_read_by_the_adaptation():
@@ -501,9 +498,8 @@ def test_pfl_sampled_and_ensemble_equal_a_loop_over_training_models():
 
 
 def test_upfl_degree_of_shift_and_concept_shift_splits():
-  from fedjax_shift.benchmarks import BENCHMARKS
   from fedjax_shift.data import sources
-  upfl = BENCHMARKS.get('upfl')
+  upfl = build_benchmark
   # Table 2: training clients from one pool (pathological here), new clients from a
   # disjoint pool with Dirichlet(0.01).
   bench = upfl(upfl_config(num_clients=20, new_client_alpha=0.01).data, 0)
@@ -546,13 +542,12 @@ def test_upfl_degree_of_shift_and_concept_shift_splits():
     real = unrotated.splits['test'].mask[k]
     np.testing.assert_array_equal(app_f.splits['test'].x[k][real], sources.rotate(
         unrotated.splits['test'].x[k][real], angles['test_clients'][k]))
-  for fields, match in [({'new_client_alpha': -1.0}, 'data.new_client_alpha'),
-                        ({'rotation_choice': 'spin'}, 'data.rotation_choice'),
-                        ({'sample_examples': -1}, 'data.sample_examples'),
-                        ({'new_rotations': (15,)}, 'data.train_rotations')]:
+  for fields, match in [({'new_client_alpha': -1.0}, 'config.data.upfl.new_client_alpha'),
+                        ({'rotation_choice': 'spin'}, 'config.data.upfl.rotation_choice'),
+                        ({'sample_examples': -1}, 'config.data.upfl.sample_examples'),
+                        ({'new_rotations': (15,)}, 'config.data.upfl.train_rotations')]:
     with pytest.raises(ValueError, match=match):
-      BENCHMARKS.check('upfl', upfl_config(**fields).data, 'config.data',
-                       known_fields_only=False)
+      check_data(upfl_config(**fields).data)
 
 
 def test_fedtta_probe_reproduces_the_engines_adapted_columns(tmp_path):
@@ -614,7 +609,6 @@ def test_fashion_mnist_variant_is_table_4s_column_on_a_70000_image_partition(tmp
   Table 4 (Fashion-MNIST) rate, the authors' clip 10 on each step."""
   import importlib
   from fedjax_shift.algorithms.base import method_client
-  from fedjax_shift.benchmarks import BENCHMARKS
   from test_offline_sources import write_fashion_mnist_like
   config = importlib.import_module('configs.fedtta').get_config('fashion_mnist')
   assert (config.data.source, config.data.tfds_split, config.rounds) == \
@@ -633,7 +627,7 @@ def test_fashion_mnist_variant_is_table_4s_column_on_a_70000_image_partition(tmp
       (0.05, 0.001, 0.001, 5, 1.5, 700)
   write_fashion_mnist_like(str(tmp_path))
   config.data.data_dir = str(tmp_path)
-  bench = BENCHMARKS.get('upfl')(config.data, 0)
+  bench = build_benchmark(config.data, 0)
   train, val, test = (bench.splits[s] for s in ('train', 'val', 'test'))
   assert bench.example_shape == (28, 28, 1)
   np.testing.assert_array_equal(train.num_examples, [595] * 50)

@@ -334,9 +334,9 @@ def test_new_clients_labels_are_never_read():
 
 @pytest.mark.parametrize('field, value, message', [
     ('hetero_fedtta.sizes', ('small', 'huge'), 'hetero_fedtta.sizes'),
-    ('data.public_examples', 30, 'data.public_examples'),
-    ('data.public_source', '', 'data.public_source'),
-    ('data.public_source', 'imagenet', 'data.public_source'),
+    ('data.public_examples', 30, 'data.upfl.public_examples'),
+    ('data.public_source', '', 'data.upfl.public_source'),
+    ('data.upfl.public_source', 'imagenet', 'data.upfl.public_source'),
     ('hetero_fedtta.kd_lambda', -1.0, 'hetero_fedtta.kd_lambda'),
     ('hetero_fedtta.ensemble', 'median', 'hetero_fedtta.ensemble'),
     ('hetero_fedtta.sizes', (), 'hetero_fedtta.sizes'),
@@ -360,16 +360,16 @@ def test_bad_input_names_the_field(tmp_path, field, value, message):
 def test_a_public_set_larger_than_its_source_is_an_error(tmp_path):
   config = hetero_config(**{'data.public_source': 'uci_digits', 'data.public_examples': 2000,
                             'hetero_fedtta.public_batch_size': 20})
-  with pytest.raises(ValueError, match=r'data\.public_examples=2000: uci_digits has only 1797'):
+  with pytest.raises(ValueError, match=r'data\.upfl\.public_examples=2000: uci_digits has only 1797'):
     pipelines.run(config, str(tmp_path))
 
 
 def test_public_sets_are_disjoint_from_every_client_and_framed_like_mnist():
-  from fedjax_shift.benchmarks import upfl
+  from fedjax_shift.benchmarks import data_view, upfl
   from fedjax_shift.pipelines import hetero
   config = hetero_config(**{'data.num_clients': 20})
   bench = hetero.build_data(config, 0)
-  public_x, _ = upfl.public_set(config.data, bench.info)
+  public_x, _ = upfl.public_set(data_view(config.data), bench.info)
   assert public_x.shape == (40, 28, 28, 1)
   held_out = {x.tobytes() for x in public_x}
   for split in bench.splits.values():
@@ -382,6 +382,6 @@ def test_public_sets_are_disjoint_from_every_client_and_framed_like_mnist():
   assert sum(int(s.num_examples.sum()) for s in plain.splits.values()) == \
       40 + sum(int(s.num_examples.sum()) for s in bench.splits.values())
   uci = override(config, **{'data.public_source': 'uci_digits'})
-  x, y = upfl.public_set(uci.data, hetero.build_data(uci, 0).info)
+  x, y = upfl.public_set(data_view(uci.data), hetero.build_data(uci, 0).info)
   assert x.shape == (40, 28, 28, 1) and y.shape == (40,)
   assert x[:, :4].max() == 0 and x[:, -4:].max() == 0   # MNIST's empty 4-pixel margin

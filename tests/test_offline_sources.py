@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import data_config
 
-from fedjax_shift.benchmarks import BENCHMARKS, load_source
+from fedjax_shift.benchmarks import BENCHMARKS, build_benchmark, load_source
 from fedjax_shift.data import partitions, sources
 
 
@@ -138,7 +138,7 @@ def test_fashion_mnist_variant_builds_a_label_skew_run_on_idx_files(tmp_path):
   assert config.data.source == 'fashion_mnist' and config.data.partition == 'pathological'
   config.data.data_dir = str(tmp_path)
   config.data.min_examples_per_client = 1
-  bench = BENCHMARKS.get(config.data.benchmark)(config.data, 0)
+  bench = build_benchmark(config.data, 0)
   assert bench.example_shape == (5, 3, 1)
   assert sum(int(s.num_examples.sum()) for s in bench.splits.values()
              if s is not bench.splits.get('test_corrupted')) == 60
@@ -216,10 +216,10 @@ def test_atp_fmnist_variant_gives_every_client_distinct_images(fashion_mnist_lik
   (the 5,000 digits reuse most); a target pool class holds 1,400 images, which the
   random major classes of step_2_16 (80 each) can exceed: 47 of 12,000 draws here."""
   import importlib
-  from fedjax_shift.benchmarks import BENCHMARKS
+  from fedjax_shift.benchmarks import build_benchmark
   config = importlib.import_module('configs.atp').get_config('fmnist_label')
   config.data.data_dir = fashion_mnist_like
-  data = BENCHMARKS.get('atp_shift')(config.data, 0)
+  data = build_benchmark(config.data, 0)
   reused = data.info['reused_examples']
   assert (reused['source_train'], reused['source_heldout']) == (0, 0)
   assert reused['target'] < 0.01 * 60 * 200
@@ -234,11 +234,11 @@ def test_fedevolve_rfmnist_variant_rotates_the_full_fashion_mnist(fashion_mnist_
   """configs/fedevolve.py:rfmnist_dir1.0: RMNIST's 12 domains over 70,000 images
   (~5,833 each, against ~417 of the 5,000 digits)."""
   import importlib
-  from fedjax_shift.benchmarks import BENCHMARKS
+  from fedjax_shift.benchmarks import build_benchmark
   config = importlib.import_module('configs.fedevolve').get_config('rfmnist_dir1.0')
   assert config.data.source == 'fashion_mnist'
   config.data.data_dir = fashion_mnist_like
-  bench = BENCHMARKS.get(config.data.benchmark)(config.data, 0)
+  bench = build_benchmark(config.data, 0)
   total = sum(int(split.num_examples.sum()) for split in bench.splits.values())
   assert total >= 11 * 5833   # the source domains (and the target's) hold every image
 

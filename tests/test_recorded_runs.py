@@ -64,3 +64,25 @@ def test_a_recorded_workdir_has_todays_fingerprints(name, tmp_path):
                          match=fr'client_overrides.{method}.batch_size: \d+.* → 7'):
         workdir.check_run_dir(run_dir, fingerprints.run_fields(run_config, section),
                               run_config, resume='')
+
+
+def test_a_digit_domains_run_recorded_without_its_corrupted_test_fields_resumes(tmp_path):
+  """The digit domains read the corrupted test split's corruptions and severity, which
+  runs recorded before the data sections did not record for them: such a run.json
+  matches a config at their defaults; one at another severity is another run."""
+  from fedjax_shift import config as config_lib
+  config = config_lib.load('configs/fedicon.py:digit5')
+  config.algorithms = ('fedavg',)
+  (run_dir, run_config, section), = federated.run_dirs(config, str(tmp_path))[:1]
+  fields = fingerprints.run_fields(run_config, section)
+  assert fields['data.severity'] == '5' and 'data.corruptions' in fields
+  old = {k: v for k, v in fields.items() if k not in ('data.severity', 'data.corruptions')}
+  os.makedirs(run_dir)
+  with open(os.path.join(run_dir, 'run.json'), 'w') as f:
+    json.dump({'fields': old, 'fingerprint': fingerprints.fingerprint(old),
+               'rounds': run_config.rounds}, f)
+  workdir.check_run_dir(run_dir, fields, run_config, resume='')
+  run_config.data.digit_domains.severity = 3
+  with pytest.raises(workdir.RunMismatchError, match=r'data.severity: 5 → 3'):
+    workdir.check_run_dir(run_dir, fingerprints.run_fields(run_config, section), run_config,
+                          resume='')

@@ -18,7 +18,7 @@ import pytest
 
 from fedjax_shift import pipelines
 from fedjax_shift import config as config_lib
-from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.benchmarks import build_benchmark
 from fedjax_shift.checkpoint import CheckpointMismatchError, Checkpointer
 from fedjax_shift.data.federated import stack_clients, validate
 from fedjax_shift.metrics import MetricsWriter, read_metrics, without_timing
@@ -176,7 +176,7 @@ def test_empty_training_split_is_an_error(tmp_path):
 @pytest.mark.parametrize('layout', ['store', 'padded'])
 def test_a_given_benchmark_is_validated(tmp_path, layout):
   config = tiny_config()
-  bench = BENCHMARKS.get('label_skew_corrupted')(config.data, 0)
+  bench = build_benchmark(config.data, 0)
   train = bench.splits['train']
   if layout == 'padded':   # a user's own FederatedData
     train = train.padded()

@@ -246,11 +246,11 @@ def test_a_dirichlet_minimum_is_met_by_construction():
 
 @pytest.mark.parametrize('placement', ['device', 'host'])
 def test_a_pipeline_run_on_the_store_equals_the_run_on_the_padded_layout(tmp_path, placement):
-  from fedjax_shift.benchmarks import BENCHMARKS
+  from fedjax_shift.benchmarks import build_benchmark
   from fedjax_shift.pipelines.runs import data_digest
   from fedjax_shift.pipelines.single_run import RunInputs, train_and_evaluate
   config = tiny_config(rounds=2)
-  stored = BENCHMARKS.get('label_skew_corrupted')(config.data, 0)
+  stored = build_benchmark(config.data, 0)
   assert all(isinstance(s, client_store.ClientStore) for s in stored.splits.values())
   padded = stored._replace(splits={n: s.padded() for n, s in stored.splits.items()})
   # the digest is of the data, not their layout: workdirs of padded runs stay valid
@@ -328,6 +328,7 @@ def test_the_host_store_stops_when_its_mapped_file_changes_under_the_run(tmp_pat
 
 
 def test_a_run_through_store_dir_saves_once_then_trains_from_the_files(tmp_path, monkeypatch):
+  from fedjax_shift.benchmarks import BENCHMARKS
   from fedjax_shift.pipelines import runs
   from fedjax_shift.pipelines.single_run import train_and_evaluate
   config = tiny_config(rounds=2, **{'data.store': 'host',
@@ -336,14 +337,14 @@ def test_a_run_through_store_dir_saves_once_then_trains_from_the_files(tmp_path,
   folder = runs.saved_data_dir(config, 0)
   assert sorted(os.listdir(folder)) == sorted(list(first.splits) + [runs.SAVED_BENCHMARK])
   assert all(isinstance(s.x, np.memmap) for s in first.splits.values())
-  builder = runs.BENCHMARKS._entries[config.data.benchmark]
+  builder = BENCHMARKS._entries[config.data.benchmark]
 
   def not_called(*args):
     raise AssertionError('the benchmark was built again')
 
-  monkeypatch.setitem(runs.BENCHMARKS._entries, config.data.benchmark, not_called)
+  monkeypatch.setitem(BENCHMARKS._entries, config.data.benchmark, not_called)
   again = runs.build_data(config, 0)   # a second build reads the files
-  monkeypatch.setitem(runs.BENCHMARKS._entries, config.data.benchmark, builder)
+  monkeypatch.setitem(BENCHMARKS._entries, config.data.benchmark, builder)
   assert runs.data_digest(again) == runs.data_digest(first)
   plain = tiny_config(rounds=2, **{'data.store': 'host'})
   assert runs.data_digest(runs.build_data(plain, 0)) == runs.data_digest(first)

@@ -9,7 +9,8 @@ import pytest
 from configs import atp as atp_configs
 from fedjax_shift import config as config_lib
 from fedjax_shift import pipelines
-from fedjax_shift.benchmarks.atp_shift import atp_protocol, class_counts
+from fedjax_shift.benchmarks import build_benchmark
+from fedjax_shift.benchmarks.atp_shift import class_counts
 from fedjax_shift.data import corruptions
 from fedjax_shift.metrics import read_metrics
 from tests.helpers import override
@@ -31,8 +32,8 @@ def test_step_counts_follow_step_2_16_and_feature_shift_is_balanced():
 @pytest.mark.parametrize('shift', ['feature', 'label', 'hybrid'])
 def test_protocol_shapes_corruptions_and_disjoint_pools(shift):
   config = tiny()
-  config.data.shift = shift
-  data = atp_protocol(config.data, seed=0)
+  config.data.atp_shift.shift = shift
+  data = build_benchmark(config.data, 0)
   train, val = data.source.splits['train'], data.source.splits['val']
   assert train.x.shape[:2] == (12, 16) and val.x.shape[:2] == (12, 8)
   assert data.target.x.shape[:2] == (4, 12)
@@ -46,9 +47,9 @@ def test_protocol_shapes_corruptions_and_disjoint_pools(shift):
   else:
     assert set(data.info['source_corruptions']) <= set(corruptions.SOURCE_CORRUPTIONS)
     assert set(data.info['target_corruptions']) <= set(corruptions.HELDOUT_CORRUPTIONS)
-  again = atp_protocol(config.data, seed=0)
+  again = build_benchmark(config.data, 0)
   np.testing.assert_array_equal(again.target.x, data.target.x)
-  assert not np.array_equal(atp_protocol(config.data, seed=1).target.y, data.target.y)
+  assert not np.array_equal(build_benchmark(config.data, 1).target.y, data.target.y)
 
 
 def test_source_heldout_images_come_from_base_images_no_source_client_trains_on():
@@ -56,9 +57,9 @@ def test_source_heldout_images_come_from_base_images_no_source_client_trains_on(
   held-out image is a training image of any source client, and the pools' sizes
   follow source_train : source_heldout."""
   config = tiny()
-  config.data.shift = 'label'                      # clean images: compare pixels
+  config.data.atp_shift.shift = 'label'                      # clean images: compare pixels
   config.data.num_clients = 240
-  data = atp_protocol(config.data, seed=0)
+  data = build_benchmark(config.data, 0)
   flat = lambda split: {x.tobytes() for x in np.asarray(split.x).reshape(-1, 28 * 28)}
   assert not flat(data.source.splits['train']) & flat(data.source.splits['val'])
   info = data.info
@@ -69,13 +70,13 @@ def test_source_heldout_images_come_from_base_images_no_source_client_trains_on(
 
 def test_protocol_bad_input_names_the_field():
   config = tiny()
-  config.data.shift = 'covariate'
-  with pytest.raises(ValueError, match='config.data.shift'):
-    atp_protocol(config.data, 0)
+  config.data.atp_shift.shift = 'covariate'
+  with pytest.raises(ValueError, match='config.data.atp_shift.shift'):
+    build_benchmark(config.data, 0)
   config = tiny()
-  config.data.num_target_clients = 0
-  with pytest.raises(ValueError, match='config.data.num_target_clients'):
-    atp_protocol(config.data, 0)
+  config.data.atp_shift.num_target_clients = 0
+  with pytest.raises(ValueError, match='config.data.atp_shift.num_target_clients'):
+    build_benchmark(config.data, 0)
 
 
 def test_cifar10c_protocol_reads_tfds_mock_data():
@@ -83,14 +84,14 @@ def test_cifar10c_protocol_reads_tfds_mock_data():
   config = atp_configs.get_config('cifar10c_hybrid,tiny')
   config.model = ml_collections.ConfigDict({'name': 'bn_mlp', 'hidden': (8,)})
   with tfds.testing.mock_data(num_examples=200):
-    data = atp_protocol(config.data, 0)
+    data = build_benchmark(config.data, 0)
   assert data.source.example_shape == (32, 32, 3)
   assert data.target.x.shape == (4, 12, 32, 32, 3)
   assert data.info['target_pool'] == 200
   # A pool without some class is refused, naming the pool.
   with tfds.testing.mock_data(num_examples=6):
     with pytest.raises(ValueError, match='the source (training|held-out) pool .* has no image of class'):
-      atp_protocol(config.data, 0)
+      build_benchmark(config.data, 0)
 
 
 @pytest.mark.parametrize('field, value, message', [

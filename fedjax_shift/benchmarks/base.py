@@ -2,17 +2,21 @@
 ``BENCHMARKS`` registry, and what benchmarks share (loading a pooled source,
 partitioning it, checking those ``config.data`` fields).
 
-A benchmark is a function ``(data_config, seed) -> Benchmark`` registered with the
-``config.data`` fields it adds (``defaults``), a ``check(data_config)`` that raises
-naming ``config.data.<field>``, ``pipelines``: the run loops it feeds, and
-``partitioned=True`` when it deals a pooled ``data.source`` to clients by
-``data.partition`` (the results' preamble then names both).
-``DATA_DEFAULTS`` are the fields every benchmark may read.
+A benchmark is a function ``(data_config, seed) -> Benchmark`` registered with its
+own fields (``defaults``: the section ``config.data.<benchmark>``), a
+``check(data_config)`` that raises naming the field, ``pipelines``: the run loops it
+feeds, and ``partitioned=True`` when it deals a pooled ``data.source`` to clients by
+``data.partition`` (the results' preamble then names both). ``DATA_DEFAULTS`` are the
+fields every benchmark may read, beside the sections in ``config.data``; the
+``data_config`` a benchmark and its check read is ``data_view(config.data)``: the shared
+fields and its own section's, flat.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Dict, NamedTuple, Optional, Union
+import re
+from typing import Dict, Iterator, NamedTuple, Optional, Union
 
 import ml_collections
 import numpy as np
@@ -35,7 +39,7 @@ PARTITIONS = ('dirichlet', 'iid', 'pathological', 'step', 'natural')
 SEVERITY = Range('an integer in 1..5', lambda value: isinstance(value, int) and
                  not isinstance(value, bool) and 1 <= value <= 5, 0)
 
-# config.data fields shared by the benchmarks (each adds its own when registered).
+# config.data fields every benchmark reads (its own: its section config.data.<name>).
 DATA_DEFAULTS = {
     'benchmark': 'label_skew_corrupted',
     'source': 'mnist_embedded',       # or 'uci_digits', 'fashion_mnist', 'idx', 'tfds:<name>',
@@ -69,6 +73,95 @@ DATA_DEFAULTS = {
     # multi-seed run compiles once.
     'pad_to': 0,
 }
+
+
+def data_sections() -> Dict[str, dict]:
+  """{benchmark: its own fields' defaults}: the sections of ``config.data``."""
+  return {name: BENCHMARKS.defaults(name).to_dict() for name in BENCHMARKS.names()}
+
+
+def sections_with(field: str) -> list:
+  """The benchmarks whose own section has ``field`` (sorted)."""
+  return [name for name, fields in data_sections().items() if field in fields]
+
+
+def data_view(data_config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """What the benchmark ``data_config.benchmark`` reads: the shared fields of
+  ``data_config`` (``config.data``) and its own section's (``config.data.<benchmark>``),
+  flat, as runs record them (``data.<field>``); a data config recorded flat (before the
+  sections) as it is."""
+  sections = set(BENCHMARKS.names())
+  own = data_config.get(data_config.benchmark)
+  fields = {key: value for key, value in data_config.items() if key not in sections}
+  if isinstance(own, ml_collections.ConfigDict):
+    fields.update(own.to_dict())
+  return ml_collections.ConfigDict(fields)
+
+
+def nested_data(data: dict) -> dict:
+  """A ``config.data`` dict as the config holds it: a recorded flat one (a run written
+  before the sections) with each benchmark field moved into the section of the
+  benchmark it ran (other benchmarks' fields dropped: they could not change it)."""
+  sections = data_sections()
+  if any(name in data for name in sections):
+    return data
+  own = sections.get(data.get('benchmark'), {})
+  out = {key: value for key, value in data.items()
+         if not any(key in fields for fields in sections.values())}
+  if own:
+    out[data['benchmark']] = {key: data.get(key, value) for key, value in own.items()}
+  return out
+
+
+@contextlib.contextmanager
+def configured_names(benchmark: str) -> Iterator[None]:
+  """A benchmark and its check name their own fields as ``data_view`` has them
+  ('config.data.<field>'); a ValueError or FileNotFoundError raised inside names a field
+  of ``benchmark``'s section as the config holds it ('config.data.<benchmark>.<field>')."""
+  try:
+    yield
+  except (ValueError, FileNotFoundError) as err:
+    own = BENCHMARKS.defaults(benchmark) if benchmark in BENCHMARKS else {}
+    message = str(err)
+    named = re.sub(r'config\.data\.(\w+)\b', lambda m: f'config.data.{benchmark}.{m[1]}'
+                   if m[1] in own else m[0], message)
+    if named == message or len(err.args) != 1:
+      raise
+    raise type(err)(named).with_traceback(err.__traceback__) from None
+
+
+def check_data(data_config: ml_collections.ConfigDict) -> None:
+  """``config.data``'s benchmark section: only its fields, each in its range
+  (naming ``config.data.<benchmark>.<field>``), then the benchmark's own check of
+  ``data_view`` (a flat data config: its benchmark's fields of it, in their ranges)."""
+  benchmark = data_config.benchmark
+  BENCHMARKS.get(benchmark, 'config.data.benchmark')
+  section = data_config.get(benchmark)
+  if section is None:   # a flat data config (data_view's, a recorded one): its own fields
+    section = {field: data_config[field] for field in BENCHMARKS.defaults(benchmark)
+               if field in data_config}
+  else:   # config.data: shared fields and sections only (a field set beside them is read
+    # by no benchmark)
+    for field in data_config.keys():
+      if field not in DATA_DEFAULTS and field not in BENCHMARKS:
+        owners = sections_with(field)
+        where = (' or '.join(f'config.data.{name}.{field}' for name in owners) if owners
+                 else None)
+        require(False, f'data.{field}', 'not a field every benchmark reads; ' + (
+            f'a benchmark\'s own fields are in its section: {where}' if where else
+            f'choose from {sorted(DATA_DEFAULTS)} or a benchmark\'s section '
+            f'config.data.<benchmark>'))
+  BENCHMARKS.check(benchmark, section, f'config.data.{benchmark}', run_check=False)
+  with configured_names(benchmark):
+    BENCHMARKS.run_check(benchmark, data_view(data_config))
+
+
+def build_benchmark(data_config: ml_collections.ConfigDict, seed: int):
+  """What benchmark ``data_config.benchmark`` builds for ``seed`` from
+  ``data_view(data_config)`` (``config.data``), checked first (``check_data``)."""
+  check_data(data_config)
+  with configured_names(data_config.benchmark):
+    return BENCHMARKS.get(data_config.benchmark)(data_view(data_config), seed)
 
 
 def check_source(data_config: ml_collections.ConfigDict) -> None:

@@ -23,6 +23,8 @@ import ml_collections
 import numpy as np
 
 from fedjax_shift.benchmarks.base import BENCHMARKS, Benchmark
+from fedjax_shift.benchmarks.label_skew import (SPLIT_AND_CORRUPTION_DEFAULTS,
+                                                SPLIT_AND_CORRUPTION_RANGES)
 from fedjax_shift.data import corruptions, digit_domains
 from fedjax_shift.data.federated import split_clients, stack_clients
 from fedjax_shift.registry import (POSITIVE_INT, TEXT, Range, interval, require,
@@ -87,7 +89,9 @@ def load_domains(data_config: ml_collections.ConfigDict, seed: int):
     # A fraction of each real domain (mnist, uci, mnistm) kept for backbone pretraining
     # (pipelines/pretrain.py draws backbone.domains from it): the clients never see it.
     'backbone_reserve': 0.0,
+    **SPLIT_AND_CORRUPTION_DEFAULTS,  # each client's splits, the corrupted test split's
 }, ranges={
+    **SPLIT_AND_CORRUPTION_RANGES,
     'domains': sequence_of(DOMAIN, 2),      # distinct (check)
     'domain_examples': interval(10, integer=True),
     'clients_per_domain': POSITIVE_INT,

@@ -121,7 +121,7 @@ def rotation_angles(num_domains: int, step: float, start: float = 0.0) -> List[f
   return [start + m * step for m in range(num_domains)]
 
 
-# config.data fields of the evolving benchmarks (RMNIST's values; variants set the rest).
+# The evolving benchmarks' own fields (RMNIST's values; variants set the rest).
 EVOLVING_DEFAULTS = {
     'num_domains': 12,                # M + 1 domains, the last is the target (RMNIST: 12)
     'rotation_step': 15.0,            # RMNIST: 0°, 15°, …, 165° (REMNIST: step 8°)

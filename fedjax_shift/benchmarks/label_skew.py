@@ -162,20 +162,29 @@ def mixture(test_sets, rng: np.random.Generator):
   return xs, ys
 
 
-@BENCHMARKS.register('label_skew_corrupted', defaults={
+# Each client's splits and its corrupted test split (FedTHE; the digit domains too).
+SPLIT_AND_CORRUPTION_DEFAULTS = {
     'split_fractions': {'train': 0.6, 'val': 0.2, 'test': 0.2},   # FedTHE: 60/20/20
     'corruptions': ('gaussian_noise', 'shot_noise', 'impulse_noise', 'defocus_blur',
                     'motion_blur', 'contrast', 'elastic_transform', 'pixelate'),
     'severity': 5,                    # FedTHE corrupted test set: severity 5
+}
+SPLIT_AND_CORRUPTION_RANGES = {
+    'split_fractions': FRACTION,   # each split's; they sum to 1 (check)
+    'corruptions': sequence_of(one_of(*corruptions.ALL_CORRUPTIONS)),   # (): no test_corrupted
+    'severity': SEVERITY,
+}
+
+
+@BENCHMARKS.register('label_skew_corrupted', defaults={
+    **SPLIT_AND_CORRUPTION_DEFAULTS,
     'shift_tests': (),                # any of 'ooc', 'natural', 'mixture' (FedTHE's five)
     'natural_source': 'auto',         # test_natural's source ('auto': by data.source)
     'ooc_source': 'pooled',           # test_ooc: 'pooled' (FedTHE) | 'donor' (one client)
     # test_corrupted: one corruption per 'client' | per 'example' (FedTHE's corr_data)
     'corruption_draw': 'client',
 }, ranges={
-    'split_fractions': FRACTION,   # each split's; they sum to 1 (check)
-    'corruptions': sequence_of(one_of(*corruptions.ALL_CORRUPTIONS)),   # (): no test_corrupted
-    'severity': SEVERITY,
+    **SPLIT_AND_CORRUPTION_RANGES,
     'shift_tests': sequence_of(one_of(*SHIFT_TESTS)),
     'natural_source': NATURAL_SOURCE,
     'ooc_source': one_of(*OOC_SOURCES),

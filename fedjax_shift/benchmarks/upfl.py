@@ -119,7 +119,7 @@ def public_set(data_config: ml_collections.ConfigDict, info: dict):
   """(x [P, ...], y [P]) of the benchmark's public set (``info['public']``)."""
   public = info.get('public')
   if not public:
-    raise ValueError('the benchmark has no public set: set config.data.public_source')
+    raise ValueError('the benchmark has no public set: set config.data.upfl.public_source')
   indices = np.asarray(public['indices'], np.int64)
   size = data_config.image_size or 28
   if public['source'] == 'holdout':

@@ -43,8 +43,8 @@ from fedjax_shift.adapters import learned_rates
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.algorithms.atp import alpha_optimizer
 from fedjax_shift.parts import atp_rates
-from fedjax_shift.benchmarks import Benchmark
-from fedjax_shift.benchmarks.atp_shift import SHIFTS, ShiftData, atp_protocol
+from fedjax_shift.benchmarks import Benchmark, build_benchmark
+from fedjax_shift.benchmarks.atp_shift import SHIFTS, ShiftData
 from fedjax_shift.core import evaluation
 from fedjax_shift.core.test_time import ADAPTERS, MODES, Adapter, SourceContext, mode_problem
 from fedjax_shift.data import federated
@@ -186,9 +186,9 @@ def learned_label(config: ml_collections.ConfigDict, key: str) -> str:
 
 
 def for_shift(config: ml_collections.ConfigDict, shift: str) -> ml_collections.ConfigDict:
-  """The config of one shift's runs (``data.shift`` set)."""
+  """The config of one shift's runs (``data.atp_shift.shift`` set)."""
   out = ml_collections.ConfigDict(config.to_dict())
-  out.data.shift = shift
+  out.data.atp_shift.shift = shift
   return out
 
 
@@ -388,7 +388,7 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
   inputs, data, α module names); ``evaluators_for(module, num_classes)`` gives the
   run's shared ``Evaluators``."""
   shift_config = for_shift(config, shift)
-  data = atp_protocol(shift_config.data, seed)
+  data = build_benchmark(shift_config.data, seed)
   for name, split in data.source.splits.items():
     federated.validate(split, data.source.num_classes, name)
   federated.validate(data.target, data.source.num_classes, 'target')
@@ -483,7 +483,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
       'Accuracy (%) on the target clients, mean ± std over seeds\n\n' +
       report.grid_table(table1, labels, tuple(config.tta.shifts), tuple(config.seeds)))
   preamble = (f"ATP protocol on {config.data.source}: {config.data.num_clients} source + "
-              f"{config.data.num_target_clients} target clients, model {config.model.name}, "
+              f"{config.data.atp_shift.num_target_clients} target clients, "
+              f"model {config.model.name}, "
               f"{algorithm_names(config)[0]} {config.rounds} rounds → α "
               f"{config.atp.rounds} rounds; test batch {config.tta.batch_size}; accuracy (%) "
               f"on target clients, mean ± std over seeds {tuple(config.seeds)}; "

@@ -4,7 +4,9 @@ its ``run.json`` (``workdir.py`` checks and records them) and compared before it
 ``run_fields(config, section)`` is every field of ``config`` but ``NON_STATE_FIELDS``
 (fields that change only outputs or speed: progress, evaluation and checkpoint cadence,
 the engine, test-time adapters), other methods' sections and other benchmarks' data
-fields (a variant's section whole: its method's fields with its changes); a method's client overrides under their recorded names; a backbone file by its
+sections (a variant's section whole: its method's fields with its changes; the run's
+benchmark's fields flat, ``data.<field>``); a method's client overrides under their
+recorded names; a backbone file by its
 content (``content_digest``); what the run reads from another run
 (``depends_on.<key>``). ``fingerprint(fields)`` is their sha256.
 """
@@ -19,7 +21,8 @@ from typing import Dict, Iterable, Optional, Sequence
 import ml_collections
 
 from fedjax_shift.algorithms import ALGORITHMS, base
-from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS
+from fedjax_shift.benchmarks import BENCHMARKS, DATA_DEFAULTS, data_view
+from fedjax_shift.benchmarks.label_skew import SPLIT_AND_CORRUPTION_DEFAULTS
 from fedjax_shift.metrics import FIELDS_OMITTED_AT, RECORDED_OVERRIDES
 from fedjax_shift.pipelines.base import PIPELINES
 
@@ -33,6 +36,20 @@ NON_STATE_FIELDS = ('progress', 'eval_every', 'checkpoint_every', 'keep_checkpoi
                     'engine', 'adapters', 'tta',
                     'pipeline', 'data.store', 'data.store_dir', 'data.pad_to', 'on_divergence', 'log_every',
                     'tensorboard', 'sweep', 'sweep_select', 'sweep_metric')
+
+
+# Runs recorded before the benchmarks had data sections of their own recorded the
+# label-skew benchmark's split fractions whatever their benchmark, at these values: a
+# benchmark without split fractions of its own records them still, so the fingerprints
+# of those runs stay.
+FIELDS_KEPT_AT = {f'data.split_fractions.{split}': json.dumps(fraction) for split, fraction
+                  in SPLIT_AND_CORRUPTION_DEFAULTS['split_fractions'].items()}
+# The digit domains read the corrupted test split's fields of the label-skew benchmark,
+# unrecorded then: a digit-domains run.json without them ran at these values
+# (``metrics.changed_fields``' ``added``).
+DATA_FIELDS_ADDED_AT = {
+    'data.corruptions': json.dumps(list(SPLIT_AND_CORRUPTION_DEFAULTS['corruptions'])),
+    'data.severity': json.dumps(SPLIT_AND_CORRUPTION_DEFAULTS['severity'])}
 
 
 def _flatten(tree, prefix: str = '') -> Dict[str, object]:
@@ -50,9 +67,13 @@ def _config_fields(config: ml_collections.ConfigDict, own_sections: Iterable[str
                    ) -> Dict[str, str]:
   """{dotted field: JSON value} of all of ``config`` but ``NON_STATE_FIELDS`` and the
   method sections (``method_sections``) other than ``own_sections``; a variant's own
-  section whole, as its builder reads it (the fields it shares with its method too)."""
+  section whole, as its builder reads it (the fields it shares with its method too);
+  of ``config.data`` what its benchmark reads (``data_view``: the shared fields and its
+  own section's, flat, as runs have always recorded them; ``FIELDS_KEPT_AT`` where it
+  has no split fractions)."""
   skip = method_sections() - set(own_sections)
   tree = config.to_dict()
+  tree['data'] = data_view(config.data).to_dict()   # data.<field>, as runs record them
   for name in own_sections:
     if name in ALGORITHMS and ALGORITHMS.variant_of(name):
       tree[name] = ALGORITHMS.section(name, config).to_dict()
@@ -64,6 +85,8 @@ def _config_fields(config: ml_collections.ConfigDict, own_sections: Iterable[str
     recorded = json.dumps(value, sort_keys=True, default=repr)
     if FIELDS_OMITTED_AT.get(path) != recorded:
       out[path] = recorded
+  if 'split_fractions' not in tree['data']:
+    out.update(FIELDS_KEPT_AT)
   return out
 
 
@@ -132,8 +155,9 @@ def method_sections() -> set:
 
 
 def other_benchmark_fields(benchmark: str) -> set:
-  """'data.<field>' of the fields only other benchmarks read: they cannot change this
-  benchmark's runs (and a new benchmark's fields do not invalidate existing workdirs)."""
+  """'data.<field>' of the fields only other benchmarks read: runs recorded before the
+  benchmarks had sections of their own recorded some, which cannot change this
+  benchmark's runs (the resume checks do not compare them)."""
   own = set(DATA_DEFAULTS) | set(BENCHMARKS.defaults(benchmark) if benchmark in
                                  BENCHMARKS.names() else ())
   return {f'data.{field}' for name in BENCHMARKS.names()
@@ -157,7 +181,7 @@ def override_fields(config: ml_collections.ConfigDict, names: Sequence[str]) -> 
 def run_fields(config: ml_collections.ConfigDict, section: str,
                depends_on: Optional[dict] = None) -> Dict[str, str]:
   """The fingerprinted fields of a run trained by ``section``'s method (not those of
-  other methods' sections, nor the data fields of other benchmarks), with
+  other methods' sections, nor other benchmarks' sections of ``config.data``), with
   ``depends_on.<key>`` for what it reads from another run (``depends_on``)."""
   # The pretrained backbone (pipelines/pretrain.py) belongs to a run that starts from it.
   own = (section,) + (('backbone',) if 'backbone' in config and config.backbone.weights else ())
@@ -168,8 +192,6 @@ def run_fields(config: ml_collections.ConfigDict, section: str,
   if weights and weights != 'pretrain' and os.path.exists(weights):
     # a path is not an identity: the same file may be rewritten with other weights
     fields['backbone.content'] = json.dumps(content_digest(weights))
-  unused = other_benchmark_fields(config.data.benchmark)
-  fields = {path: value for path, value in fields.items() if path not in unused}
   fields.update({f'depends_on.{key}': json.dumps(value, sort_keys=True)
                  for key, value in (depends_on or {}).items()})
   return fields

@@ -5,7 +5,7 @@ and seed, with the grouped compiled round of ``core/groups.py``.
 
 Training clients and new clients are each given an architecture
 (``algorithms.hetero_fedtta.assign_sizes``, numpy generator [seed, 31]). The public set
-D_p is the benchmark's (``data.public_source``, ``data.public_examples``;
+D_p is the benchmark's (``data.upfl.public_source``, ``data.upfl.public_examples``;
 benchmarks/upfl.py); its labels are never read in training.
 
 Evaluation (every ``eval_every`` rounds and the last), accuracy over examples:
@@ -43,7 +43,7 @@ from fedjax_shift.report import figures
 from fedjax_shift.adapters.fedtta import Adaptation, fedtta_adapter, fill_batch_of
 from fedjax_shift.adapters.no_adapt import no_adapt
 from fedjax_shift.algorithms import base, hetero_fedtta
-from fedjax_shift.benchmarks import BENCHMARKS, upfl
+from fedjax_shift.benchmarks import check_data, data_view, upfl
 from fedjax_shift.core import evaluation
 from fedjax_shift.core.groups import (build_grouped_round, cohort_sizes, init_group_states,
                                       split_groups)
@@ -78,16 +78,17 @@ def check(config: ml_collections.ConfigDict) -> None:
     check_fields(config[section], fields, f'config.{section}')
   require(config.data.benchmark == 'upfl', 'data.benchmark',
           f"HeteroFedTTA personalises new clients: use 'upfl', got {config.data.benchmark!r}")
-  BENCHMARKS.check('upfl', config.data, 'config.data', known_fields_only=False)
+  check_data(config.data)
+  public = config.data.upfl
   require(config.model.name == 'mlp', 'model.name',
           f"the hetero pipeline builds MLPs of the sizes in hetero_fedtta.sizes (App. G); "
           f"set model.name='mlp', got {config.model.name!r}")
-  require(config.data.public_source != '', 'data.public_source',
+  require(public.public_source != '', 'data.upfl.public_source',
           "HeteroFedTTA distils on a public unlabelled set: set 'holdout' or 'uci_digits'")
   batch = config.hetero_fedtta.public_batch_size
-  require(config.data.public_examples % batch == 0, 'data.public_examples',
+  require(public.public_examples % batch == 0, 'data.upfl.public_examples',
           f'must be a multiple of hetero_fedtta.public_batch_size={batch}, got '
-          f'{config.data.public_examples}')
+          f'{public.public_examples}')
   require_distinct(config.hetero.kd_lambdas, 'hetero.kd_lambdas', 'one run per seed')
   # Fields of the federated pipeline that the grouped round does not implement: refused
   # rather than ignored.
@@ -169,7 +170,7 @@ def setup(config: ml_collections.ConfigDict, bench, seed: int) -> Setup:
                                          tuple(hp.sizes), rng)
   rows = lambda assigned, size: np.array([k for k, s in enumerate(assigned) if s == size],
                                          np.int32)
-  public_x, public_y = upfl.public_set(config.data, bench.info)
+  public_x, public_y = upfl.public_set(data_view(config.data), bench.info)
   c = config.client
   schedule = LocalSchedule(c.batch_size, c.local_epochs, c.local_steps, train.max_examples,
                            config.engine.unroll, tuple(c.augmentation))
@@ -338,8 +339,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   hp = config.hetero_fedtta
   preamble = (f"HeteroFedTTA (Ye et al., UPFL 2023 Sec. 3.4) on {config.data.benchmark}: "
               f"{config.data.source}, {config.data.num_clients} clients, architectures "
-              f"{tuple(hp.sizes)}, public set {config.data.public_examples} × "
-              f"{config.data.public_source}, "
+              f"{tuple(hp.sizes)}, public set {config.data.upfl.public_examples} × "
+              f"{config.data.upfl.public_source}, "
               f"{config.rounds} rounds; accuracy (%) mean ± std over seeds "
               f"{tuple(config.seeds)}; hardware: {info['device_kind']} ({info['backend']}).")
   files = (report.write_csv(table, os.path.join(workdir, 'results.csv')),

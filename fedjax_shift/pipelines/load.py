@@ -28,8 +28,7 @@ import ml_collections
 from flax import traverse_util
 
 from fedjax_shift import algorithms, checkpoint, models, report
-from fedjax_shift.benchmarks import Benchmark
-from fedjax_shift.benchmarks.atp_shift import atp_protocol
+from fedjax_shift.benchmarks import Benchmark, build_benchmark
 from fedjax_shift.core.algorithm import FederatedAlgorithm
 from fedjax_shift.core.groups import init_group_states
 from fedjax_shift.core.round import stack_client_states
@@ -183,7 +182,7 @@ def _load_atp(workdir, config, method, seed, round, shift) -> LoadedRun:
   seed = _chosen('seed', seed, list(config.seeds), f'{workdir} ({shift})')
   seed_dir = os.path.join(workdir, shift, f'seed_{seed}')
   shift_config = atp.for_shift(config, shift)
-  data = atp_protocol(shift_config.data, seed)
+  data = build_benchmark(shift_config.data, seed)
   module = models.create(config.model, data.source.num_classes)
   backbone = None
   if config.backbone.weights:

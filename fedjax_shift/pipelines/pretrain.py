@@ -40,6 +40,7 @@ from fedjax_shift.models import torchvision_resnet, vit
 from fedjax_shift.pipelines.base import PIPELINES, Results, hardware
 from fedjax_shift.pipelines.run_config import check_sections
 from fedjax_shift.pipelines.runs import build_data
+from fedjax_shift.benchmarks import data_view
 from fedjax_shift.benchmarks.digit_domains import DOMAIN
 from fedjax_shift.registry import (NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, TEXT, check_fields,
                                    interval, require, sequence_of)
@@ -73,15 +74,22 @@ def check_backbone(config: ml_collections.ConfigDict) -> None:
   PIPELINES.check_ranges('pretrain', config, 'config')
   b = config.backbone
   if b.weights == 'pretrain':
-    if config.data.get('backbone_reserve', 0.0) > 0:
+    if backbone_reserve(config) > 0:
       others = digit_domains.without_reserve(b.domains)
       require(not others, 'backbone.domains',
-              f'with data.backbone_reserve > 0 the backbone draws from the reserve of '
+              f'with data.{config.data.benchmark}.backbone_reserve > 0 the backbone draws '
+              f'from the reserve of '
               f'{list(digit_domains.RESERVABLE)} (or new synth images); {others} have none')
   elif b.weights:
     require(os.path.exists(b.weights), 'backbone.weights',
             f"{b.weights!r} does not exist (use '', 'pretrain', a .npz file or a directory "
             f"saved by the pretrain pipeline)")
+
+
+def backbone_reserve(config: ml_collections.ConfigDict) -> float:
+  """The share of each real digit domain the benchmark keeps for the backbone
+  (``data.<benchmark>.backbone_reserve``; 0 for a benchmark without one)."""
+  return data_view(config.data).get('backbone_reserve', 0.0)
 
 
 def image_size(config: ml_collections.ConfigDict) -> int:
@@ -94,7 +102,7 @@ def backbone_fields(config: ml_collections.ConfigDict) -> dict:
   """What determines pretrained weights: the model, the backbone section, the image side
   and the real domains' reserve (these two recorded only when they are not 28 and 0,
   the values of every earlier record)."""
-  size, reserve = image_size(config), config.data.get('backbone_reserve', 0.0)
+  size, reserve = image_size(config), backbone_reserve(config)
   return {'model': config.model.to_dict(), 'backbone': config.backbone.to_dict(),
           **({'image_size': size} if size != digit_domains.SIZE else {}),
           **({'backbone_reserve': reserve} if reserve else {})}
@@ -103,11 +111,11 @@ def backbone_fields(config: ml_collections.ConfigDict) -> dict:
 def source_data(config: ml_collections.ConfigDict):
   """(train, held-out) pairs of (x [N, S, S, 3], y [N]) from ``backbone.domains``, S =
   ``image_size(config)`` (the domains' 28-px images resized bilinearly); with
-  ``data.backbone_reserve`` > 0 the real domains' images come from their reserve, which
+  ``backbone_reserve(config)`` > 0 the real domains' images come from their reserve, which
   no client holds."""
   b = config.backbone
   rng = np.random.default_rng([b.seed, 91])
-  reserve = config.data.get('backbone_reserve', 0.0)
+  reserve = backbone_reserve(config)
   parts = [digit_domains.domain(name, b.examples, rng, config.data.data_dir or None, reserve,
                                 'backbone' if reserve > 0 and name != 'synth' else 'all')
            for name in b.domains]

@@ -15,7 +15,7 @@ import ml_collections
 
 from fedjax_shift import checkpoint, models, report
 from fedjax_shift.algorithms import ALGORITHMS, base
-from fedjax_shift.benchmarks import BENCHMARKS
+from fedjax_shift.benchmarks import BENCHMARKS, check_data
 from fedjax_shift.core.round import BACKENDS, SAMPLING, WEIGHTING
 from fedjax_shift.core.test_time import ADAPTERS, mode_problem
 from fedjax_shift.pipelines.base import PIPELINES
@@ -229,7 +229,7 @@ def check_run(config: ml_collections.ConfigDict) -> None:
   require(config.pipeline in feeds, 'data.benchmark',
           f'{benchmark!r} feeds the {list(feeds)} pipeline(s), not '
           f'config.pipeline={config.pipeline!r}')
-  BENCHMARKS.check(benchmark, config.data, 'config.data', known_fields_only=False)
+  check_data(config.data)
   require(config.sampling in SAMPLING, 'sampling',
           f'unknown {config.sampling!r}; choose from {list(SAMPLING)}')
   require(config.data.pad_to >= 0, 'data.pad_to',

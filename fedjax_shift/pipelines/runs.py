@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from fedjax_shift import distributed
-from fedjax_shift.benchmarks import BENCHMARKS, Benchmark
+from fedjax_shift.benchmarks import Benchmark, build_benchmark, data_view
 from fedjax_shift.core.algorithm import ClientData, FederatedAlgorithm
 from fedjax_shift.core.round import NO_STEP_LIMIT, client_mesh
 from fedjax_shift.data import federated, store
@@ -34,9 +34,9 @@ MAX_SHARED_DATA_BYTES = 512 * 2 ** 20
 
 
 def data_key(config: ml_collections.ConfigDict) -> str:
-  """``config.data`` as one string: runs whose data configs have equal keys build
-  equal data from equal seeds."""
-  return json.dumps(config.data.to_dict(), sort_keys=True, default=str)
+  """What the benchmark reads of ``config.data`` (``data_view``) as one string: runs
+  whose data configs have equal keys build equal data from equal seeds."""
+  return json.dumps(data_view(config.data).to_dict(), sort_keys=True, default=str)
 
 
 def shared_data(config: ml_collections.ConfigDict, seed: int, cache: Optional[Dict]
@@ -63,7 +63,7 @@ def build_data(config: ml_collections.ConfigDict, seed: int) -> Benchmark:
   ``data.store_dir``, read from or saved to its files: ``saved_benchmark``)."""
   if config.data.get('store_dir'):
     return saved_benchmark(config, seed)
-  bench = BENCHMARKS.get(config.data.benchmark, 'config.data.benchmark')(config.data, seed)
+  bench = build_benchmark(config.data, seed)
   validate_benchmark(bench)
   if not any(int(np.sum(s.num_examples)) for n, s in bench.splits.items() if n != 'train'):
     raise ValueError(f'config.data: benchmark {config.data.benchmark!r} builds no evaluation '
@@ -91,7 +91,8 @@ def saved_data_dir(config: ml_collections.ConfigDict, seed: int) -> str:
   fields) and ``seed`` as the library's data code builds them: a hash of the three."""
   import hashlib
   import pathlib
-  data = {k: v for k, v in config.data.to_dict().items() if k not in ('store', 'store_dir')}
+  data = {k: v for k, v in data_view(config.data).to_dict().items()
+          if k not in ('store', 'store_dir')}
   digest = hashlib.sha256(json.dumps([data, seed], sort_keys=True, default=str).encode())
   package = pathlib.Path(__file__).resolve().parents[1]
   for folder in ('data', 'benchmarks'):
@@ -149,7 +150,7 @@ def validate_benchmark(bench: Benchmark) -> None:
                        f'{bench.splits["train"].num_clients}')
   if int(np.sum(bench.splits['train'].num_examples)) == 0:
     raise ValueError('the train split holds no examples at any client (e.g. '
-                     'config.data.split_fractions.train=0): nothing would be trained')
+                     'a benchmark\'s split_fractions.train=0): nothing would be trained')
 
 
 def data_digest(bench: Benchmark) -> str:

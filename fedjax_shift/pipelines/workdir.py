@@ -30,7 +30,8 @@ from typing import Dict, Iterable, Optional, Tuple
 import ml_collections
 
 from fedjax_shift.metrics import changed_fields, read_json, record_changes
-from fedjax_shift.pipelines.fingerprints import fingerprint, other_benchmark_fields
+from fedjax_shift.pipelines.fingerprints import (DATA_FIELDS_ADDED_AT, fingerprint,
+                                                 other_benchmark_fields)
 
 log = logging.getLogger('fedjax_shift')
 
@@ -63,7 +64,8 @@ def check_run_dir(run_dir: str, fields: Dict[str, str], run_config: ml_collectio
   if os.path.exists(path):
     recorded = _read_json(path)
     changed = changed_fields(recorded['fields'], fields,
-                             other_benchmark_fields(run_config.data.benchmark))
+                             other_benchmark_fields(run_config.data.benchmark),
+                             DATA_FIELDS_ADDED_AT)
     if changed:
       raise RunMismatchError(
           f'{run_dir} holds a run of another configuration; changed fields:\n  ' +
@@ -96,7 +98,8 @@ def check_other_seeds(run_dir: str, fields: Dict[str, str],
       continue
     recorded = _read_json(path)
     changed = record_changes(recorded, fields, run_config.rounds,
-                             other_benchmark_fields(run_config.data.benchmark))
+                             other_benchmark_fields(run_config.data.benchmark),
+                             DATA_FIELDS_ADDED_AT)
     if changed:
       raise RunMismatchError(
           f'{other} holds another seed of this method trained with another configuration '

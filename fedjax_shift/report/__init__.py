@@ -22,6 +22,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_shift import events, metrics
+from fedjax_shift.benchmarks import nested_data
 from fedjax_shift.metrics import read_metrics
 from fedjax_shift.registry import Registry
 
@@ -363,8 +364,13 @@ def check_seeds_agree(paths: Sequence[str]) -> None:
 
 
 def run_config(workdir: str):
-  """The ConfigDict a finished workdir ran with (its config.json)."""
-  return ml_collections.ConfigDict(read_result(os.path.join(workdir, 'config.json')))
+  """The ConfigDict a finished workdir ran with (its config.json; one recorded before
+  the benchmarks' data sections with its benchmark's fields in that section:
+  ``benchmarks.nested_data``)."""
+  recorded = read_result(os.path.join(workdir, 'config.json'))
+  if isinstance(recorded.get('data'), dict):
+    recorded['data'] = nested_data(recorded['data'])
+  return ml_collections.ConfigDict(recorded)
 
 
 def cell_value(cell: str) -> Optional[float]:

@@ -24,7 +24,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from fedjax_shift import models
-from fedjax_shift.benchmarks.atp_shift import atp_protocol
+from fedjax_shift.benchmarks import build_benchmark
 from fedjax_shift.parts import atp_rates
 from fedjax_shift.pipelines import atp as atp_pipeline
 from fedjax_shift.pipelines.run_config import algorithm_names
@@ -66,7 +66,7 @@ def restore(config: ml_collections.ConfigDict, workdir: str, shift: str, seed: i
     raise FileNotFoundError(f'{alpha_path} is missing: run launch/train.py with this '
                             f'config and workdir first')
   shift_config = atp_pipeline.for_shift(config, shift)
-  data = atp_protocol(shift_config.data, seed)
+  data = build_benchmark(shift_config.data, seed)
   module = models.create(config.model, data.source.num_classes)
   pre = train_and_evaluate(shift_config, os.path.join(run_dir, 'pretrain'),
                            algorithm_names(config)[0], seed, RunInputs(bench=data.source))

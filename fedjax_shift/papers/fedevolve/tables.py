@@ -11,6 +11,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from fedjax_shift.benchmarks import data_view
 from fedjax_shift.papers.fedevolve import numbers
 from fedjax_shift.report import (PAPER_TABLES, PaperTable, cell_value, column_labels, load_runs,
                                  markdown, mean_std, paper_markdown, run_config, seeds_cell)
@@ -181,7 +182,7 @@ def domains_column(config) -> str:
   domains, e.g. 'Dir=inf 7' (the paper's blocks Dir -> inf / 1.0 / 0.1, columns 7 / 10
   / 12)."""
   alpha = float(config.data.dirichlet_alpha)
-  return f"Dir={'inf' if np.isinf(alpha) else alpha} {int(config.data.num_domains)}"
+  return f"Dir={'inf' if np.isinf(alpha) else alpha} {int(data_view(config.data).num_domains)}"
 
 
 def domains_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
@@ -224,7 +225,7 @@ def personalization_from_workdirs(workdirs: Sequence[str], labels: Sequence[str]
 
 def target_angle(config) -> float:
   """The target domain's rotation (degrees) of a rotated_digits config."""
-  data = config.data
+  data = data_view(config.data)
   return data.rotation_start + (data.num_domains - 1) * data.rotation_step + data.target_offset
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
+from fedjax_shift.benchmarks import data_view
 from fedjax_shift.papers.fedicon import numbers
 from fedjax_shift.report import (PAPER_TABLES, PaperTable, load_runs, markdown, mean_std,
-                                 paper_markdown, read_result, seeds_cell)
+                                 paper_markdown, run_config, seeds_cell)
 
 
 def paper_key(data_config) -> str:
@@ -51,7 +52,8 @@ FEDICON_COLUMNS = (('test', 'In-distribution'), ('test_corrupted', 'Corrupted'),
 def fedicon_columns(data_config) -> tuple:
   """(split, label) columns of FedICON's table for ``config.data``: FedTHE's five test
   sets (label_skew_corrupted); Table 1's corrupted test per domain and their average
-  (digit_domains, covariate shift); Table 2's held-out domain (leave-one-domain-out)."""
+  (digit_domains, covariate shift); Table 2's held-out domain (leave-one-domain-out).
+  ``data_config``: ``data_view(config.data)``."""
   if data_config.benchmark != 'digit_domains':
     return FEDICON_COLUMNS
   if data_config.held_out_domain:
@@ -139,7 +141,7 @@ def fedicon_tables(config, results: List[Dict]) -> str:
           'sets (all examples pooled), mean ± std over seeds; last round\n\n' +
           paper_markdown(*fedicon_rows(
               results, online='fedicon:online' in tuple(config.eval_adapters),
-              columns=fedicon_columns(config.data)),
+              columns=fedicon_columns(data_view(config.data))),
               numbers.PAPER_NUMBERS.get(paper_key(config.data)), numbers.CLAIMS,
               lambda label: label.replace(' (online)', '')))
   if any(r['algorithm'] in ABLATION_ONLY for r in results):
@@ -171,9 +173,7 @@ def fedicon_lodo_table(runs_by_domain: Dict[str, List[Dict]]) -> str:
 def lodo_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
   """Table 2: one column per leave-one-domain-out run (configs/fedicon.py:lodo_<d>)."""
   del labels
-  import os
-  domains = [read_result(os.path.join(w, 'config.json'))['data']['held_out_domain']
-             for w in workdirs]
+  domains = [data_view(run_config(w).data).held_out_domain for w in workdirs]
   if not all(domains):
     raise ValueError('--kind=fedicon_lodo reads leave-one-domain-out runs '
                      '(configs/fedicon.py:lodo_<domain>); a workdir has no held-out domain')

@@ -9,6 +9,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
+from fedjax_shift.benchmarks import data_view
 from fedjax_shift.benchmarks.mixed_domains import domain_label
 from fedjax_shift.papers.fedins import numbers
 from fedjax_shift.report import (PAPER_TABLES, PaperTable, load_runs, markdown, mean_std,
@@ -87,7 +88,7 @@ def fedins_rows(results: List[Dict], domains: Sequence[str] = ()):
 
 def fedins_tables(config, results: List[Dict]) -> str:
   """What launch/train.py prints for a configs/fedins.py run."""
-  domains = (tuple(domain_label(d) for d in config.data.domains)
+  domains = (tuple(domain_label(d) for d in data_view(config.data).domains)
              if config.data.benchmark == 'mixed_domains' else ())
   return ('Our protocol in FedIns Table 1\'s layout: accuracy (%) on the clients\' test sets '
           '(pooled; then per domain), mean ± std over seeds, last round, then the best round '
@@ -152,7 +153,7 @@ def backbones_from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ())
   points, mean ± std over the paired seeds; the figure of both against the coverage,
   written beside the first workdir as backbones.png."""
   runs = load_runs(workdirs, labels)
-  domains = [domain_label(d) for d in run_config(workdirs[0]).data.domains]
+  domains = [domain_label(d) for d in data_view(run_config(workdirs[0]).data).domains]
   splits = [('test', 'all')] + [(f'test_{d}', d) for d in domains]
   header = ['Backbone pretrained on', 'backbone domains'] + [
       f'{split_label}: FedIns − {name}' for _, split_label in splits
