@@ -66,6 +66,12 @@ B, FedAvg with SGD):
               B vs ATP's α-training round with one α step of batch B on the same
               cohort (entropy forward/backward for h, then CE forward/backward
               through θ − α⊙h) (opt-in)
+  images:<serial|threads|grain>  reading a folder of 2,000 64×64 PNGs in 10 class
+              folders (data.sources.image_folder): one file after another, the library's
+              thread pool (one thread per core), or grain's DataLoader in one worker
+              process per core (skipped when grain is not importable); seconds per
+              folder and images/s (opt-in; --cases=images:serial,images:threads
+              --populations=)
 
 then a population sweep (host store, cohort fixed) over K clients.
 
@@ -80,8 +86,8 @@ plan the cohort as the pipeline does (groups sorted by size, width fitted under
 its own subprocess so its peak RSS is its own. Prints a markdown table; --out writes it.
 
 The cases live in launch/benchmarks/, registered by name in a module per subject:
-engine.py (the rounds), test_time.py, sweeps.py (seeds, grids, processes, whole runs)
-and peers.py (PyTorch, fedjax); this script is the launcher and the tables.
+engine.py (the rounds), test_time.py, sweeps.py (seeds, grids, processes, whole runs),
+data.py (reading image folders) and peers.py (PyTorch, fedjax); this script is the launcher and the tables.
 
 --clients and --conv take lists: every case runs at each cohort size with each
 convolution (the PyTorch peers once per size), one table each, then a cohort-sweep
@@ -107,7 +113,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # noqa: E402
 
-from launch.benchmarks import engine, find, peers, sweeps, test_time  # noqa: E402,F401  (register)
+from launch.benchmarks import (data, engine, find, peers, sweeps,  # noqa: E402,F401  (register)
+                               test_time)
 from launch.benchmarks.common import (CONV_CHOICES, CONV_MODELS, FLAGS, SHAPES,  # noqa: E402
                                       SIZE_PROFILES, TORCH_CASES, client_sizes, define_flags,
                                       real_steps, run_case)
@@ -282,10 +289,15 @@ def case_table(results: dict) -> str:
            ('loop_backend', 'torch', "backend='loop' / (d)"),
            ('processes:2', 'processes:1', '2 processes × 2 devices / 1 process × 4'),
            ('experiment:events', 'experiment:no_events',
-            'default experiment with / without event files')]
+            'default experiment with / without event files'),
+           ('images:serial', 'images:threads', 'image folder read one file after another / '
+            'by the thread pool'),
+           ('images:grain', 'images:threads', 'image folder read by grain / by the thread pool')]
   for top, bottom, text in pairs:
     if seconds(results, top) and seconds(results, bottom):
       lines.append(f'\n{text} = {seconds(results, top) / seconds(results, bottom):.2f}')
+  lines += [f"\n{label(name)}: {result['images_per_second']:,.0f} images/s"
+            for name, result in results.items() if 'images_per_second' in result]
   flops = {name: result['flops'] for name, result in results.items() if 'flops' in result}
   if 'fedtta' in flops and 'round' in flops:   # inherent cost, against the seconds' ratio
     lines.append(f"\nFedTTA / FedAvg in XLA's FLOP counts = {flops['fedtta'] / flops['round']:.2f}")

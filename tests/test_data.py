@@ -258,3 +258,24 @@ def test_image_folders_read_images_as_users_store_them(tmp_path, monkeypatch):
                        images_per_class=3, num_clients=2)
   with pytest.raises(ValueError, match=r"class 0 \('cat'\) has only 2 examples"):
     BENCHMARKS.get('small_clients')(config, 0)
+
+
+def test_a_thread_pool_reads_an_image_folder_as_one_file_after_another(tmp_path):
+  """``read_images`` with several threads: the same array, in the same order, as one
+  file after another (each read is the same function); an unreadable file among them
+  is the error, naming it, whatever thread read it."""
+  from PIL import Image
+  rng = np.random.default_rng(3)
+  files = []
+  for i in range(23):
+    files.append(str(tmp_path / f'{i:02d}.png'))
+    Image.fromarray(rng.integers(0, 256, (5 + i % 4, 7, 3), dtype=np.uint8)).save(files[-1])
+  serial = sources.read_images(files, 6, 3, workers=1)
+  pooled = sources.read_images(files, 6, 3, workers=4)
+  assert serial.shape == (23, 6, 6, 3) and serial.dtype == np.float32
+  np.testing.assert_array_equal(pooled, serial)
+  np.testing.assert_array_equal(pooled[11], sources.read_image(files[11], 6, 3))
+  assert sources.read_workers(3) == 3 and sources.read_workers() >= 1
+  (tmp_path / '17.png').write_bytes(b'not a png')
+  with pytest.raises(ValueError, match=r'17\.png: cannot be read'):
+    sources.read_images(files, 6, 3, workers=4)

@@ -411,6 +411,14 @@ def test_pipeline_pretrains_once_starts_every_method_from_it_and_prints_table_1(
                                  '(12-20 per client, seed 0), 2 rounds'), out.preamble
   table = out.records['paper_tables']
   assert '# Com.cost' in table and '| FedIns |' in table and '| FedAvg (w.Full) |' in table
+  # The terminal gets the paper's layout alone; results.md every table.
+  printed = pipelines.format_results(out, workdir, width=1000)
+  assert table in printed and out.records['table']['markdown'] not in printed
+  assert f'every table of the run, the results of each method and split among them, is in ' \
+      f'{os.path.join(workdir, "results.md")}' in printed
+  with open(os.path.join(workdir, 'results.md')) as f:
+    written = f.read()
+  assert table in written and out.records['table']['markdown'] in written
   for domain in config.data.mixed_domains.domains:
     assert f'| {domain} ' in table.splitlines()[2] or domain in table
   # A second run reuses the backbone; another backbone config is refused, by the runs'

@@ -206,5 +206,5 @@ def folder_domain(name: str, count: int, rng: np.random.Generator,
     raise FileNotFoundError(f'config.data.domains: no images in the digit folders '
                             f'{root}/0 … {root}/9')
   order = rng.permutation(len(files))[:count]
-  images = [sources.read_image(files[index], SIZE, 3) for index in order]
-  return sources.Source(np.stack(images), np.asarray(labels, np.int32)[order], 10)
+  images = sources.read_images([files[index] for index in order], SIZE, 3)
+  return sources.Source(images, np.asarray(labels, np.int32)[order], 10)

@@ -456,16 +456,47 @@ def read_image(path: str, size: int, channels: int) -> np.ndarray:
     raise ValueError(f'{path}: cannot be read as an image ({err})') from err
 
 
-def timed_image_folder(data_dir: str, timestamp: str, size: int, channels: int) -> TimedImages:
+def read_workers(workers: int = 0) -> int:
+  """The threads ``read_images`` uses: ``workers``, or one per CPU core this process may
+  use (0)."""
+  if workers:
+    return workers
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:   # no sched_getaffinity (macOS)
+    return os.cpu_count() or 1
+
+
+def read_images(files: Sequence[str], size: int, channels: int, workers: int = 0
+                ) -> np.ndarray:
+  """[N, size, size, channels] float32: ``read_image`` of each of ``files``, in order,
+  by a pool of ``read_workers(workers)`` threads (PIL decodes and resizes without
+  holding the GIL, so the threads read on every core); the first unreadable file is
+  the error, naming it."""
+  import concurrent.futures
+  workers = min(read_workers(workers), max(len(files), 1))
+  if workers == 1:
+    return np.stack([read_image(f, size, channels) for f in files])
+  out = np.empty((len(files), size, size, channels), np.float32)
+
+  def read(index: int) -> None:
+    out[index] = read_image(files[index], size, channels)
+
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    for done in pool.map(read, range(len(files))):   # in order: the first error raised
+      del done
+  return out
+
+
+def timed_image_folder(data_dir: str, timestamp: str, size: int, channels: int,
+                       workers: int = 0) -> TimedImages:
   """Reads ``<data_dir>/<class>/<file>`` images, resized to size×size (bilinear)
   with ``channels`` 1 (grey) or 3 (RGB), and parses each file name with
   ``TIMESTAMP_FORMATS[timestamp]``. Raises FileNotFoundError when the folder is
   missing or holds no images, ValueError for an image whose name the format does not
   match or that sits outside a class folder; only files without an image extension
-  (.png, .jpg, .jpeg) are passed over."""
+  (.png, .jpg, .jpeg) are passed over. Read by ``read_images`` (``workers`` threads)."""
   import re
-
-  from PIL import Image
   if not data_dir or not os.path.isdir(data_dir):
     raise FileNotFoundError(
         f'image folder {data_dir!r} not found: pass --config.data.data_dir=<DIR> holding one '
@@ -477,7 +508,7 @@ def timed_image_folder(data_dir: str, timestamp: str, size: int, channels: int) 
     raise ValueError(f'{data_dir!r} holds images outside any class sub-folder (e.g. '
                      f'{loose[0]!r}): put each image in <data_dir>/<class name>/')
   class_names = tuple(d for d in entries if os.path.isdir(os.path.join(data_dir, d)))
-  images, labels, stamps = [], [], []
+  files, labels, stamps = [], [], []
   for label, name in enumerate(class_names):
     folder = os.path.join(data_dir, name)
     for file in sorted(os.listdir(folder)):
@@ -487,13 +518,14 @@ def timed_image_folder(data_dir: str, timestamp: str, size: int, channels: int) 
       if match is None:
         raise ValueError(f'{os.path.join(folder, file)}: file name does not match the '
                          f'{timestamp!r} format {pattern.pattern!r}')
-      images.append(read_image(os.path.join(folder, file), size, channels))
+      files.append(os.path.join(folder, file))
       labels.append(label)
       stamps.append({k: int(v) for k, v in match.groupdict().items()})
-  if not images:
+  if not files:
     raise FileNotFoundError(f'no {"/".join(IMAGE_EXTENSIONS)} images in the class '
                             f'sub-folders {list(class_names)} of {data_dir!r}')
-  return TimedImages(np.stack(images), np.asarray(labels, np.int32), stamps, class_names)
+  return TimedImages(read_images(files, size, channels, workers), np.asarray(labels, np.int32),
+                     stamps, class_names)
 
 
 GREY_MODES = ('1', 'L', 'LA', 'I', 'I;16', 'I;16B', 'I;16L', 'F')
@@ -513,12 +545,14 @@ def image_channels(files: Sequence[str]) -> int:
 
 
 def image_folder(root: str, size: int, max_examples: Optional[int] = None,
-                 class_names: Sequence[str] = (), channels: int = 0) -> Source:
+                 class_names: Sequence[str] = (), channels: int = 0, workers: int = 0
+                 ) -> Source:
   """Class-folder images ``<root>/<class>/**/<file>.{png,jpg,jpeg}`` (classes = the sorted
   sub-folder names; files found at any depth below them, so Tiny-ImageNet's
   ``train/<wnid>/images/`` reads as is), resized to size×size in [0, 1] with
   ``channels`` 1 (grey) or 3 (RGB); 0 keeps the folder's own: 1 when every image is
-  greyscale, else 3. The first ``max_examples`` of a fixed (sorted) order when given."""
+  greyscale, else 3. The first ``max_examples`` of a fixed (sorted) order when given.
+  Read by ``read_images`` (``workers`` threads; 0: one per core)."""
   if not os.path.isdir(root):
     raise FileNotFoundError(f'config.data.source: image folder {root!r} does not exist; set '
                             f'config.data.data_dir to the folder that holds it')
@@ -553,5 +587,5 @@ def image_folder(root: str, size: int, max_examples: Optional[int] = None,
     raise FileNotFoundError(f'config.data.source: no images under the class folders of {root!r}')
   files, labels = files[:max_examples or None], labels[:max_examples or None]
   channels = channels or image_channels(files)
-  images = np.stack([read_image(f, size, channels) for f in files])
+  images = read_images(files, size, channels, workers)
   return Source(images, np.asarray(labels, np.int32), len(classes), tuple(classes))

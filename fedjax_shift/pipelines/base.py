@@ -32,15 +32,18 @@ class Results(NamedTuple):
 
   Attributes:
     preamble: one paragraph: protocol, seeds, hardware.
-    tables: markdown tables in print order (results.md holds the preamble and these).
+    tables: markdown tables in order (results.md holds the preamble and these).
     files: paths the pipeline wrote besides results.md (csv, json, png).
     records: the per-run records, keyed by the pipeline ('results': one dict per
       method × seed for 'federated'; 'table1', 'table3' for 'atp').
+    terminal: the tables ``launch/train.py`` prints, a summary (the paper's rows and
+      columns where the run lays out a paper's table); () = every table.
   """
   preamble: str
   tables: Tuple[str, ...]
   files: Tuple[str, ...]
   records: Dict[str, Any]
+  terminal: Tuple[str, ...] = ()
 
 
 _COMPILE_EVENTS = ('/jax/core/compile/jaxpr_trace_duration',
@@ -102,15 +105,19 @@ def write_results(workdir: str, results: Results) -> str:
 
 
 def format_results(results: Results, workdir: str, width: Optional[int] = None) -> str:
-  """What ``launch/train.py`` prints for any pipeline: a table wider than the terminal
-  (``width`` characters; None: the terminal's, 120 off a terminal) in parts of its
-  columns that fit, the whole one in results.md."""
-  written = ', '.join([os.path.join(workdir, 'results.md')] +
-                      [os.path.relpath(p, workdir) for p in results.files if p])
+  """What ``launch/train.py`` prints for any pipeline: its ``terminal`` tables (else
+  every table), a table wider than the terminal (``width`` characters; None: the
+  terminal's, 120 off a terminal) in parts of its columns that fit; results.md has
+  every table whole."""
+  results_md = os.path.join(workdir, 'results.md')
+  written = ', '.join([results_md] + [os.path.relpath(p, workdir) for p in results.files if p])
   width = width or shutil.get_terminal_size((120, 24)).columns
-  tables = [report.fit_width(table, width) for table in results.tables]
-  note = ('\n\n(tables wider than the terminal are shown in parts of their columns; '
-          f'{os.path.join(workdir, "results.md")} has them whole)'
-          if tables != list(results.tables) else '')
+  shown = list(results.terminal or results.tables)
+  tables = [report.fit_width(table, width) for table in shown]
+  notes = ([f'every table of the run, the results of each method and split among them, is in '
+            f'{results_md}'] if len(shown) < len(results.tables) else []) + (
+      ['tables wider than the terminal are shown in parts of their columns; '
+       f'{results_md} has them whole'] if tables != shown else [])
+  note = ''.join(f'\n\n({text})' for text in notes)
   return ('\n' + '\n\n'.join([results.preamble] + tables) + note +
           f'\n\nwritten: {written}')

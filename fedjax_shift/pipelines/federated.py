@@ -192,6 +192,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   paper_tables = report.paper_table(config, {'results': results})
   tables = ((table['markdown'],) + ((grid,) if grid else ()) +
             ((paper_tables,) if paper_tables else ()))
+  # the terminal's summary: the paper's layout where the run has one (with the sweep's grid)
+  terminal = (((grid,) if grid else ()) + (paper_tables,)) if paper_tables else ()
   return Results(preamble, tables, files,
                  {'results': results, 'table': table, 'paper_tables': paper_tables,
-                  'all_results': all_results, 'sweep_grid': grid or ''})
+                  'all_results': all_results, 'sweep_grid': grid or ''}, terminal)

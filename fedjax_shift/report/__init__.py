@@ -247,27 +247,36 @@ def read_result(path: str):
 
 class ParsedTable(NamedTuple):
   """A markdown table of ours: row labels, our numeric columns with each cell's mean
-  and spread (NaN where the cell has none), and the paper's value beside each column."""
+  and spread (NaN where the cell has none), the paper's value beside each column, and
+  its title: the last line of text above it that is not one of ``TABLE_NOTES`` (a
+  heading or a caption; '' when none)."""
   rows: List[str]
   columns: List[str]
   means: np.ndarray        # [rows, columns]
   spreads: np.ndarray      # [rows, columns] (± part; 0 for one seed)
   paper: np.ndarray        # [rows, columns] the 'paper: <column>' cell, NaN if none
+  title: str = ''
 
 
 def parse_tables(markdown: str) -> List[ParsedTable]:
   """Every markdown table in ``markdown`` that has a numeric column of ours (a column
   not named 'paper: …', with '12.34' or '12.34 ± 0.56' cells)."""
-  blocks, current = [], []
+  blocks, current, titles, text = [], [], [], ''
   for line in markdown.splitlines() + ['']:
     if line.strip().startswith('|'):
+      if not current:
+        titles.append(text)
       current.append([cell.strip() for cell in line.strip().strip('|').split('|')])
-    elif current:
-      blocks.append(current)
-      current = []
+    else:
+      if current:
+        blocks.append(current)
+        current, text = [], ''
+      line = line.strip().lstrip('#').strip().strip('*').strip()
+      if line and not line.startswith(TABLE_NOTES):   # the table's caption: the last
+        text = line                                   # line of text above it, not a note
   out = []
   number = re.compile(r'^\**(-?\d+(?:\.\d+)?)\**(?:\s*±\s*(\d+(?:\.\d+)?))?')
-  for header, _, *body in (b for b in blocks if len(b) >= 3):
+  for (header, _, *body), title in ((b, t) for b, t in zip(blocks, titles) if len(b) >= 3):
     rows = [row[0] for row in body]
     columns, means, spreads, paper = [], [], [], []
     for j, name in enumerate(header[1:], start=1):
@@ -284,7 +293,7 @@ def parse_tables(markdown: str) -> List[ParsedTable]:
       paper.append([np.nan if value is None else value for value in values])
     if columns:
       out.append(ParsedTable(rows, columns, np.array(means).T, np.array(spreads).T,
-                             np.array(paper, dtype=float).T))
+                             np.array(paper, dtype=float).T, title))
   return out
 
 
@@ -525,14 +534,21 @@ def _column_parts(table: List[str], width: int) -> List[str]:
   return out[:-1]
 
 
+# The lines ``paper_markdown`` writes beside a table (where the paper's numbers come
+# from, the rows they have that a run lacks): notes, not the table's caption.
+PAPER_SOURCE, NO_PAPER_NUMBERS = "Paper's numbers:", 'The paper reports no numbers'
+UNFILLED_ROWS = 'Rows the paper reports that these runs do not fill:'
+TABLE_NOTES = (PAPER_SOURCE, NO_PAPER_NUMBERS, UNFILLED_ROWS)
+
+
 def paper_markdown(header, rows, numbers: Optional[Mapping[str, Any]], claims=(),
                    paper_column: Callable[[str], str] = lambda label: label) -> str:
   """``beside_paper``'s table as markdown, under a line naming where the paper's
   numbers come from."""
   unfilled = unfilled_note(numbers, rows)
   header, rows = beside_paper(header, rows, numbers, claims, paper_column)
-  source = (f"Paper's numbers: {numbers['source']}.\n\n" if numbers else
-            'The paper reports no numbers for this layout.\n\n')
+  source = (f"{PAPER_SOURCE} {numbers['source']}.\n\n" if numbers else
+            f'{NO_PAPER_NUMBERS} for this layout.\n\n')
   return source + markdown(header, rows) + unfilled
 
 
@@ -541,5 +557,4 @@ def unfilled_note(numbers: Optional[Mapping[str, Any]], rows: Sequence[Sequence[
   the label) do not fill, e.g. a method whose workdir was not passed ('' when none)."""
   ours = {row[0] for row in rows}
   missing = [label for label in (numbers or {}).get('rows', {}) if label not in ours]
-  return (f"\n\nRows the paper reports that these runs do not fill: {', '.join(missing)}."
-          if missing else '')
+  return f"\n\n{UNFILLED_ROWS} {', '.join(missing)}." if missing else ''

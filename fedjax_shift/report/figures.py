@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, List, Sequence, Tuple
+import re
+from typing import Dict, List, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -16,13 +17,16 @@ from fedjax_shift.report import ParsedTable, parse_tables
 log = logging.getLogger('fedjax_shift')
 
 
-def new_plot(figsize=(6, 4), panels: int = 1):
+def new_plot(figsize=(6, 4), panels: Union[int, Tuple[int, int]] = 1):
   """(fig, ax) of a fresh matplotlib figure drawn off-screen (the Agg backend), laid
   out by matplotlib's constrained layout (a legend placed outside the axes stays
-  inside the figure); ``panels`` > 1: ax is a list of that many side-by-side axes."""
+  inside the figure); ``panels`` > 1: ax is a list of that many side-by-side axes;
+  (rows, columns): an array of axes in that grid."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+  if isinstance(panels, tuple):
+    return plt.subplots(*panels, figsize=figsize, layout='constrained', squeeze=False)
   return plt.subplots(1, panels, figsize=figsize, layout='constrained')
 
 
@@ -40,16 +44,22 @@ def colours(count: int) -> List[Tuple[float, ...]]:
 
 def save_plot(fig, ax, path: str, xlabel: str, ylabel: str, legend_size: int = 6,
               legend_columns: int = 1, title: str = '') -> str:
-  """Labels the axes, puts the legend to the right of the axes (inside the figure),
-  adds a light grid and ``title``, writes ``path`` (120 dpi) and closes ``fig``;
-  returns ``path``."""
+  """Labels the first axes (where a label is given), puts the legend of every axes' labelled lines (each label
+  once) to the right of the axes (inside the figure), adds a light grid and ``title``,
+  writes ``path`` (120 dpi) and closes ``fig``; returns ``path``."""
   import matplotlib.pyplot as plt
   axes = list(ax) if isinstance(ax, (list, tuple, np.ndarray)) else [ax]
-  axes[0].set_xlabel(xlabel)
-  axes[0].set_ylabel(ylabel)
+  if xlabel:
+    axes[0].set_xlabel(xlabel)
+  if ylabel:
+    axes[0].set_ylabel(ylabel)
   for each in axes:
     each.grid(alpha=0.3)
-  handles, labels = axes[0].get_legend_handles_labels()
+  legend = {}
+  for each in axes:
+    for handle, label in zip(*each.get_legend_handles_labels()):
+      legend.setdefault(label, handle)
+  handles, labels = list(legend.values()), list(legend)
   if handles:
     fig.legend(handles, labels, loc='outside right upper', fontsize=legend_size,
                ncol=legend_columns)
@@ -60,49 +70,75 @@ def save_plot(fig, ax, path: str, xlabel: str, ylabel: str, legend_size: int = 6
   return path
 
 
+def round_ticks(axis, rounds: Sequence[int]) -> None:
+  """Integer round ticks on ``axis``: every evaluated round where there are at most
+  12 (one round: a point in the middle of its axis), else integer ticks that fit."""
+  from matplotlib.ticker import MaxNLocator
+  rounds = sorted(set(rounds))
+  if len(rounds) <= 12:
+    axis.set_xticks(rounds)
+    if len(rounds) == 1:
+      axis.set_xlim(rounds[0] - 1, rounds[0] + 1)
+  else:
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def draw_curves(run_dirs: Dict[str, List[str]], metric_suffix: str = 'accuracy',
                 title: str = ''):
-  """The figure of ``plot_curves`` (None when there is nothing to draw): accuracy and
-  loss against the round, a colour per method, a line style per model/split, the mean
+  """The figure of ``plot_curves`` (None when there is nothing to draw): small
+  multiples, one panel per evaluated split (test, test_corrupted, val, …) of accuracy
+  against the round and one of the training loss; a colour per method and model
+  ('fedavg global', 'fedavg global+tent', …: the rows of the results table), the mean
   over seeds with their spread (± std) as a band; integer round ticks."""
-  from matplotlib.ticker import MaxNLocator
   curves, losses = {}, {}
   for method, dirs in run_dirs.items():
     for d in dirs:
       for record in read_metrics(os.path.join(d, 'metrics.jsonl')):
         for key, value in record.items():
           if key.endswith('/' + metric_suffix) and value is not None:
-            curves.setdefault((method, key), {}).setdefault(record['round'], []).append(value)
+            model, _, split = key[:-len(metric_suffix) - 1].rpartition('/')
+            curves.setdefault(split, {}).setdefault(f'{method} {model}', {}).setdefault(
+                record['round'], []).append(value)
         if record.get('loss') is not None:
           losses.setdefault(method, {}).setdefault(record['round'], []).append(record['loss'])
   if not curves:
     return None
-  methods = list(dict.fromkeys(method for method, _ in curves))
-  splits = list(dict.fromkeys(key for _, key in curves))
-  colour = dict(zip(methods, colours(len(methods))))
-  styles = ['-', '--', ':', '-.']
-  fig, (ax, loss_ax) = new_plot((10, 4), panels=2)
-  for (method, key), points in curves.items():
-    rounds = sorted(points)
-    mean = np.array([100 * np.mean(points[r]) for r in rounds])
-    spread = np.array([100 * np.std(points[r]) for r in rounds])
-    style = styles[splits.index(key) % len(styles)]
-    ax.plot(rounds, mean, style, color=colour[method], marker='o' if len(rounds) <= 20 else None,
-            markersize=3, label=f'{method} {key[:-len(metric_suffix) - 1]}')
-    if spread.any():
-      ax.fill_between(rounds, mean - spread, mean + spread, color=colour[method], alpha=0.15,
-                      linewidth=0)
+  entries = list(dict.fromkeys(entry for lines in curves.values() for entry in lines))
+  colour = dict(zip(entries, colours(len(entries))))
+  method_colour = {}
+  for entry in entries:   # the loss panel: a method's colour is its first entry's
+    method_colour.setdefault(entry.split()[0], colour[entry])
+  panels = len(curves) + 1
+  columns = min(panels, 4)
+  rows = -(-panels // columns)
+  fig, axes = new_plot((3.2 * columns + 2.5, 2.8 * rows), panels=(rows, columns))
+  axes = list(np.ravel(axes))
+  for ax, (split, lines) in zip(axes, curves.items()):
+    for entry, points in lines.items():
+      rounds = sorted(points)
+      mean = np.array([100 * np.mean(points[r]) for r in rounds])
+      spread = np.array([100 * np.std(points[r]) for r in rounds])
+      ax.plot(rounds, mean, color=colour[entry], marker='o' if len(rounds) <= 20 else None,
+              markersize=3, label=entry)
+      if spread.any():
+        ax.fill_between(rounds, mean - spread, mean + spread, color=colour[entry],
+                        alpha=0.15, linewidth=0)
+    ax.set_title(split, fontsize=8)
+    ax.set_ylabel(f'{metric_suffix} (%)')
+    round_ticks(ax, [r for points in lines.values() for r in points])
+  loss_ax = axes[len(curves)]
   for method, points in losses.items():
     rounds = sorted(points)
-    loss_ax.plot(rounds, [np.mean(points[r]) for r in rounds], color=colour.get(method, 'k'),
-                 marker='o' if len(rounds) <= 20 else None, markersize=3)
-  loss_ax.set_xlabel('round')
-  loss_ax.set_ylabel('training loss')
-  for each in (ax, loss_ax):
-    each.xaxis.set_major_locator(MaxNLocator(integer=True))
-  ax.set_xlabel('round')
-  ax.set_ylabel(f'{metric_suffix} (%)')
-  return fig, (ax, loss_ax)
+    loss_ax.plot(rounds, [np.mean(points[r]) for r in rounds],
+                 color=method_colour.get(method, 'k'), marker='o' if len(rounds) <= 20 else None,
+                 markersize=3)
+  loss_ax.set_title('training loss', fontsize=8)
+  round_ticks(loss_ax, [r for points in losses.values() for r in points] or [1])
+  for ax in axes[len(curves) + 1:]:
+    ax.set_visible(False)
+  for ax in axes[-columns:]:
+    ax.set_xlabel('round')
+  return fig, axes[:len(curves) + 1]
 
 
 def plot_curves(run_dirs: Dict[str, List[str]], path: str, metric_suffix: str = 'accuracy',
@@ -116,9 +152,9 @@ def plot_curves(run_dirs: Dict[str, List[str]], path: str, metric_suffix: str = 
       os.remove(path)
     return ''
   fig, axes = drawn
-  legend_columns = 1 + sum(1 for _ in axes[0].get_lines()) // 16
-  return save_plot(fig, axes, path, 'round', f'{metric_suffix} (%)',
-                   legend_columns=legend_columns, title=title)
+  entries = {line.get_label() for ax in axes[:-1] for line in ax.get_lines()}
+  return save_plot(fig, axes, path, '', '', legend_columns=1 + len(entries) // 24,
+                   title=title)
 
 
 def plot_alpha(alpha_by_shift: Dict[str, np.ndarray], names: Sequence[str], path: str,
@@ -162,13 +198,34 @@ def table_figure(table: ParsedTable, path: str, ylabel: str = 'accuracy (%)') ->
                label='paper' if i == 0 and np.isfinite(table.paper).any() else None)
   ax.set_xticks(np.arange(columns))
   ax.set_xticklabels(table.columns, fontsize=7, rotation=20 if columns > 4 else 0)
+  title = table.title if len(table.title) <= 120 else table.title[:117] + '…'
   return save_plot(fig, ax, path, '', ylabel, legend_size=6,
-                   legend_columns=max(1, (rows + 1) // 8))
+                   legend_columns=max(1, (rows + 1) // 8), title=title)
+
+
+def slug(text: str, limit: int = 40) -> str:
+  """``text`` as a file-name part: lower-case words joined by '_', at most ``limit``
+  characters ('' for none)."""
+  words = re.findall(r'[a-z0-9]+', text.lower())
+  out = ''
+  for word in words:
+    if len(out) + len(word) + 1 > limit:
+      break
+    out = f'{out}_{word}' if out else word
+  return out
 
 
 def table_figures(markdown: str, path: str) -> List[str]:
-  """``table_figure`` of every table of ours in ``markdown``: ``path`` for the first,
-  ``<stem>_<k>.png`` for the k-th after it. Returns the paths written."""
+  """``table_figure`` of every table of ours in ``markdown``, titled by the text line
+  above it: one table at ``path``; several at ``<stem>_<its title's words>.png`` each
+  (``<stem>_<k>`` for a table without a title; a name two tables share gets ``_<k>``).
+  Returns the paths written."""
+  tables = parse_tables(markdown)
+  if len(tables) == 1:
+    return [table_figure(tables[0], path)]
   stem, ext = os.path.splitext(path)
-  return [table_figure(table, path if k == 0 else f'{stem}_{k + 1}{ext or ".png"}')
-          for k, table in enumerate(parse_tables(markdown))]
+  names = [slug(table.title) or str(k + 1) for k, table in enumerate(tables)]
+  names = [name if names.count(name) == 1 else f'{name}_{k + 1}'
+           for k, name in enumerate(names)]
+  return [table_figure(table, f'{stem}_{name}{ext or ".png"}')
+          for table, name in zip(tables, names)]

@@ -1,6 +1,7 @@
 """Benchmark cases by name. Each subject's module (``engine``, ``test_time``,
-``sweeps``, ``peers``) registers its cases with ``register``; launch/benchmark.py
-runs one case per subprocess by name (``find``) and prints the tables.
+``sweeps``, ``data``, ``peers``) registers its cases with ``register``;
+launch/benchmark.py runs one case per subprocess by name (``find``) and prints the
+tables.
 
 A name is a case's own ('round', 'tta_vmap') or a family's prefix ending in ':'
 ('algorithm:', 'sweep:'), whose cases carry their settings after it
