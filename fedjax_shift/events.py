@@ -155,11 +155,15 @@ class EventWriter:
     self.writer.flush()
 
   def _write_hparams(self, hparams: Mapping[str, str], records: List[Mapping]) -> None:
+    """The run's session (its hyperparameters) without an experiment summary: the
+    HParams view then lists as metrics every scalar the run writes, those of later
+    rounds too (an experiment summary written now would fix them to the records')."""
     from tensorboardX.summary import hparams as hparams_summary
     tags = sorted({'loss'} | {tag for record in records for tag in scalars(record)})
-    summaries = hparams_summary({path: _hparam_value(value) for path, value in hparams.items()},
-                                {tag: 0.0 for tag in tags})
-    for summary in summaries:
+    _, session_start, session_end = hparams_summary(
+        {path: _hparam_value(value) for path, value in hparams.items()},
+        {tag: 0.0 for tag in tags})
+    for summary in (session_start, session_end):
       self.writer.file_writer.add_summary(summary)
 
   def _add(self, record: Mapping[str, object]) -> None:

@@ -62,6 +62,36 @@ def test_event_files_hold_the_metrics_records_and_the_fingerprint(workdir):
   assert 'client.learning_rate' in hparams
 
 
+def hparams_view(logdir):
+  """(metric tags, hyperparameter names) that TensorBoard's HParams view shows for the
+  runs under ``logdir``, computed by its plugin's own backend."""
+  from tensorboard import context
+  from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+  from tensorboard.plugins import base_plugin
+  from tensorboard.plugins.hparams import backend_context
+  multiplexer = plugin_event_multiplexer.EventMultiplexer()
+  multiplexer.AddRunsFromDirectory(logdir)
+  multiplexer.Reload()
+  provider = data_provider.MultiplexerDataProvider(multiplexer, logdir)
+  backend = backend_context.Context(base_plugin.TBContext(
+      logdir=logdir, multiplexer=multiplexer, data_provider=provider))
+  ctx = context.RequestContext()
+  experiment = backend.experiment_from_metadata(
+      ctx, '', True, backend.hparams_metadata(ctx, ''),
+      backend.hparams_from_data_provider(ctx, '', None))
+  return ({m.name.tag for m in experiment.metric_infos},
+          {h.name for h in experiment.hparam_infos})
+
+
+def test_the_hparams_view_of_a_fresh_run_lists_every_evaluated_metric(workdir):
+  """Written as the run trains (its first record had no evaluation), the event files
+  still give the HParams view every metric the run evaluated, beside its fields."""
+  metrics, names = hparams_view(workdir)
+  assert {'loss', 'global/test/accuracy', 'global/val/accuracy',
+          'global/test_corrupted/accuracy'} <= metrics
+  assert {'method', 'seed', 'client.learning_rate'} <= names
+
+
 def test_a_run_is_named_by_its_directory():
   assert events.run_identity('/w/fedavg/client.learning_rate=0.1/seed_2') == {
       'method': '"fedavg"', 'point': '"client.learning_rate=0.1"', 'seed': '2'}
