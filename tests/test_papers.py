@@ -230,12 +230,17 @@ WORKDIR_KINDS = [name for name in PAPER_TABLES.names() if PAPER_TABLES.get(name)
 def fake_workdir(path, pipeline='federated', benchmark='label_skew_corrupted', methods=('fedavg',),
                  **fields):
   """A finished workdir as launch/report.py reads it: config.json naming the pipeline
-  and benchmark (``fields``: other dotted config fields), one run per method with
-  every accuracy column, and, for the atp pipeline, its top-level results.json."""
+  and benchmark (``fields``: other dotted config fields; a benchmark's own data field in
+  its section, as a config records it), one run per method with every accuracy column,
+  and, for the atp pipeline, its top-level results.json."""
+  from fedjax_shift.benchmarks import BENCHMARKS
   config = ml_collections.ConfigDict({'pipeline': pipeline, 'data': {'benchmark': benchmark}})
   for field, value in fields.items():
     section, name = field.split('.')
-    config[section][name] = value
+    if section == 'data' and name in BENCHMARKS.defaults(benchmark):
+      config.data[benchmark] = {**config.data.get(benchmark, {}), name: value}
+    else:
+      config[section][name] = value
   metrics = {f'{model}/{split}/{stat}': 0.5 for model in ('global', 'personalized')
              for split in ('val', 'test') for stat in ('accuracy', 'client_accuracy')}
   for i, method in enumerate(methods):

@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_shift import events, metrics
-from fedjax_shift.benchmarks import nested_data
+from fedjax_shift.benchmarks import data_view, nested_data
 from fedjax_shift.metrics import read_metrics
 from fedjax_shift.registry import Registry
 
@@ -196,7 +196,7 @@ def check_workdirs(kind: str, workdirs: Sequence[str]) -> None:
     if not os.path.exists(path):
       raise FileNotFoundError(f'{want}; {workdir} has no config.json: not a finished '
                               f'launch/train.py workdir')
-    config = read_result(path)
+    config = recorded_fields(workdir)
     pipeline = config.get('pipeline', 'federated')
     benchmark = config_field(config, 'data.benchmark')
     problem = ''
@@ -370,6 +370,16 @@ def check_seeds_agree(paths: Sequence[str]) -> None:
             f'configurations; their mean would mix them. Changed:\n  ' + '\n  '.join(changed) +
             '\nRe-run the seeds with one configuration (or report them from separate '
             'workdirs).')
+
+
+def recorded_fields(workdir: str) -> dict:
+  """The config a finished workdir ran with as a dict, its ``data`` as its benchmark
+  read it (``data_view``: the shared fields and its section's, flat: 'data.<field>', as
+  run.json records them and paper tables name them)."""
+  config = run_config(workdir).to_dict()
+  if isinstance(config.get('data'), dict) and 'benchmark' in config['data']:
+    config['data'] = data_view(ml_collections.ConfigDict(config['data'])).to_dict()
+  return config
 
 
 def run_config(workdir: str):
