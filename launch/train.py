@@ -44,6 +44,7 @@ from ml_collections import config_flags  # noqa: E402
 import ml_collections  # noqa: E402
 
 from fedjax_shift import checkpoint, distributed, metrics, pipelines  # noqa: E402
+from fedjax_shift.data import sources  # noqa: E402
 from fedjax_shift.algorithms import ALGORITHMS  # noqa: E402
 from fedjax_shift.core.test_time import ADAPTERS  # noqa: E402
 from fedjax_shift.pipelines import loop, sweep  # noqa: E402
@@ -77,16 +78,17 @@ _COMPILATION_CACHE = flags.DEFINE_string(
     "same shapes reuses compiled programs ('' turns it off).")
 flags.mark_flags_as_required(['config', 'workdir'])
 
-# Mistakes a user mends (a config value, a workdir, a file, the disk, the memory):
-# printed as the library's one-paragraph message, without a traceback, unless
-# FEDJAX_SHIFT_TRACEBACK=1.
-USER_ERRORS = (ValueError, OSError, MemoryError, WorkdirBusyError, pipelines.PrimaryRefused)
+# Mistakes a user mends (a config value, a workdir, a file, the disk, the memory, an
+# optional extra not installed): printed as the library's one-paragraph message, without
+# a traceback, unless FEDJAX_SHIFT_TRACEBACK=1.
+USER_ERRORS = (ValueError, OSError, MemoryError, WorkdirBusyError, pipelines.PrimaryRefused,
+               sources.MissingExtra)
 TRACEBACK_VARIABLE = 'FEDJAX_SHIFT_TRACEBACK'
 # Of those, the refusals (exit status USAGE_STATUS): a config value, a workdir another
-# run holds or that cannot be written, a full disk, a missing file or folder; the rest
-# (out of memory, other I/O failures) exit 1.
+# run holds or that cannot be written, a full disk, a missing file, folder or extra; the
+# rest (out of memory, other I/O failures) exit 1.
 REFUSED = (ValueError, WorkdirBusyError, checkpoint.DiskFullError, FileNotFoundError,
-           NotADirectoryError, PermissionError, pipelines.PrimaryRefused)
+           NotADirectoryError, PermissionError, pipelines.PrimaryRefused, sources.MissingExtra)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> pipelines.Results:

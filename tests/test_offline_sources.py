@@ -251,3 +251,28 @@ def test_debian_fashion_mnist_is_the_full_dataset():
   assert x.shape == (70000, 28, 28, 1) and x.dtype == np.uint8
   np.testing.assert_array_equal(np.bincount(y[:60000]), [6000] * 10)
   np.testing.assert_array_equal(np.bincount(y[60000:]), [1000] * 10)
+
+
+def test_a_tfds_source_without_tensorflow_datasets_names_the_extra(monkeypatch):
+  """tensorflow-datasets is the 'tfds' extra (pyproject.toml): not in the base install,
+  which the quick start needs alone; a TFDS source read without it is one message
+  naming the extra (launch/train.py: a refusal, exit 2, no traceback)."""
+  import re
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, 'pyproject.toml')) as f:
+    text = f.read()
+  base, extras = text.split('[project.optional-dependencies]')
+  assert 'tensorflow-datasets' not in base and 'array_record' not in base
+  assert re.search(r'^tfds = \["tensorflow-datasets>=[\d.]+", "array_record>=[\d.]+"\]', extras,
+                   re.M) and '"fedjax_shift[tfds]"' in extras    # dev: the TFDS path's tests
+  monkeypatch.setitem(sys.modules, 'tensorflow_datasets', None)   # import fails
+  with pytest.raises(sources.MissingExtra, match=r"the TFDS dataset 'cifar10' is read with "
+                                                 r"tensorflow-datasets, .*pip install -e '\.\[tfds\]'"):
+    sources.tfds_source('cifar10', 'train')
+  with pytest.raises(sources.MissingExtra, match='domainnet/real'):
+    sources.tfds_class_ids('domainnet/real', ('bird',))
+  from helpers import launch_module
+  train = launch_module('train')
+  assert issubclass(sources.MissingExtra, train.REFUSED) and sources.MissingExtra in \
+      train.USER_ERRORS

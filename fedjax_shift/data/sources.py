@@ -305,10 +305,26 @@ TFDS_DATASETS = {
 }
 
 
+class MissingExtra(ModuleNotFoundError):
+  """A source needs a package of an optional extra that is not installed."""
+
+
+def import_tfds(name: str):
+  """``tensorflow_datasets``, or MissingExtra naming the 'tfds' extra that installs it
+  (``name``: the TFDS dataset asked for)."""
+  try:
+    import tensorflow_datasets
+  except ImportError:
+    raise MissingExtra(f"the TFDS dataset {name!r} is read with tensorflow-datasets, which "
+                       f"this install lacks: pip install -e '.[tfds]' (tensorflow-datasets "
+                       f"and array_record)") from None
+  return tensorflow_datasets
+
+
 def tfds_class_ids(name: str, classes: Sequence[str]) -> List[int]:
   """The label ids of ``classes`` (names of TFDS dataset ``name``'s label feature, e.g.
   DomainNet's 'bird'); an unknown name is an error naming ``data.classes``."""
-  import tensorflow_datasets as tfds
+  tfds = import_tfds(name)
   names = list(tfds.builder(name).info.features['label'].names)
   unknown = [c for c in classes if c not in names]
   if unknown:
@@ -328,9 +344,9 @@ def tfds_source(name: str, split: str, data_dir: Optional[str] = None,
   only the examples of these label names, relabelled 0 … len(classes) − 1 in that order
   (e.g. FedBN's 10 DomainNet classes); ``max_examples`` then counts the kept ones.
   Raises FileNotFoundError with instructions when the prepared dataset is not in
-  ``data_dir``.
+  ``data_dir``, MissingExtra when tensorflow-datasets is not installed.
   """
-  import tensorflow_datasets as tfds
+  tfds = import_tfds(name)
   base = name.split('/')[0].split(':')[0]
   if base not in TFDS_DATASETS:
     raise ValueError(f'unknown TFDS dataset {name!r}; supported: {sorted(TFDS_DATASETS)}')
