@@ -257,6 +257,7 @@ def test_a_tfds_source_without_tensorflow_datasets_names_the_extra(monkeypatch):
   """tensorflow-datasets is the 'tfds' extra (pyproject.toml): not in the base install,
   which the quick start needs alone; a TFDS source read without it is one message
   naming the extra (launch/train.py: a refusal, exit 2, no traceback)."""
+  import importlib.util
   import re
   import sys
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -267,11 +268,19 @@ def test_a_tfds_source_without_tensorflow_datasets_names_the_extra(monkeypatch):
   assert re.search(r'^tfds = \["tensorflow-datasets>=[\d.]+", "array_record>=[\d.]+"\]', extras,
                    re.M) and '"fedjax_shift[tfds]"' in extras    # dev: the TFDS path's tests
   monkeypatch.setitem(sys.modules, 'tensorflow_datasets', None)   # import fails
+  find_spec = importlib.util.find_spec
   with pytest.raises(sources.MissingExtra, match=r"the TFDS dataset 'cifar10' is read with "
                                                  r"tensorflow-datasets, .*pip install -e '\.\[tfds\]'"):
     sources.tfds_source('cifar10', 'train')
   with pytest.raises(sources.MissingExtra, match='domainnet/real'):
     sources.tfds_class_ids('domainnet/real', ('bird',))
+  # a config naming a TFDS source is refused by its check, before any data is built
+  from fedjax_shift import config as config_lib
+  from helpers import tiny_config
+  monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name ==
+                      'tensorflow_datasets' else find_spec(name, *a))
+  with pytest.raises(sources.MissingExtra, match=r"'cifar10' is read with tensorflow-datasets"):
+    config_lib.validate(tiny_config(**{'data.source': 'tfds:cifar10'}))
   from helpers import launch_module
   train = launch_module('train')
   assert issubclass(sources.MissingExtra, train.REFUSED) and sources.MissingExtra in \

@@ -165,8 +165,8 @@ def build_benchmark(data_config: ml_collections.ConfigDict, seed: int):
 
 
 def check_source(data_config: ml_collections.ConfigDict) -> None:
-  """``data.source``: an embedded or IDX source, tfds:<name> of a known TFDS dataset or
-  folder:<path>; 'idx' needs ``data.data_dir``."""
+  """``data.source``: an embedded or IDX source, tfds:<name> of a known TFDS dataset (with
+  the 'tfds' extra installed) or folder:<path>; 'idx' needs ``data.data_dir``."""
   source = data_config.source
   require(source in EMBEDDED_SOURCES + IDX_SOURCES + GROUPED_SOURCES or
           (source.startswith('tfds:') and
@@ -176,6 +176,8 @@ def check_source(data_config: ml_collections.ConfigDict) -> None:
           f'{list(EMBEDDED_SOURCES + IDX_SOURCES + GROUPED_SOURCES)}, tfds:<name> with <name> in '
           f'{sorted(sources.TFDS_DATASETS)}, or folder:<path> (class folders under '
           f'data.data_dir, e.g. folder:tiny-imagenet-200/train)')
+  if source.startswith('tfds:'):   # before anything is built: the extra that reads it
+    sources.require_tfds(source[len('tfds:'):])
   require(source not in ('idx',) + GROUPED_SOURCES or bool(data_config.data_dir),
           'data.data_dir', f'data.source={source!r} reads the files of data.data_dir: set it '
           f'to their folder')

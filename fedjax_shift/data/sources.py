@@ -309,15 +309,27 @@ class MissingExtra(ModuleNotFoundError):
   """A source needs a package of an optional extra that is not installed."""
 
 
+def missing_tfds(name: str) -> MissingExtra:
+  return MissingExtra(f"the TFDS dataset {name!r} is read with tensorflow-datasets, which "
+                      f"this install lacks: pip install -e '.[tfds]' (tensorflow-datasets "
+                      f"and array_record)")
+
+
+def require_tfds(name: str) -> None:
+  """MissingExtra (see ``import_tfds``) unless tensorflow-datasets is installed; found
+  without importing it (a config check before anything is built)."""
+  import importlib.util
+  if importlib.util.find_spec('tensorflow_datasets') is None:
+    raise missing_tfds(name)
+
+
 def import_tfds(name: str):
   """``tensorflow_datasets``, or MissingExtra naming the 'tfds' extra that installs it
   (``name``: the TFDS dataset asked for)."""
   try:
     import tensorflow_datasets
   except ImportError:
-    raise MissingExtra(f"the TFDS dataset {name!r} is read with tensorflow-datasets, which "
-                       f"this install lacks: pip install -e '.[tfds]' (tensorflow-datasets "
-                       f"and array_record)") from None
+    raise missing_tfds(name) from None
   return tensorflow_datasets
 
 
