@@ -307,10 +307,9 @@ def moved_data_field(field: str, config: ml_collections.ConfigDict) -> str:
   """Where ``--config.data.<field>`` lives when it is a benchmark's own field
   (``config.data.<benchmark>.<field>``), the run's benchmark first; '' otherwise."""
   from fedjax_shift.benchmarks import sections_with
-  owners = sections_with(field)
+  owners = sections_with(field, config.data.benchmark)
   if not owners:
     return ''
-  owners.sort(key=lambda name: name != config.data.benchmark)
   return (f'--config.data.{field}: {field!r} is a benchmark\'s own field, in its section: '
           + ' or '.join(f'--config.data.{name}.{field}' for name in owners) +
           f' (the run\'s benchmark: {config.data.benchmark!r})')

@@ -80,9 +80,11 @@ def data_sections() -> Dict[str, dict]:
   return {name: BENCHMARKS.defaults(name).to_dict() for name in BENCHMARKS.names()}
 
 
-def sections_with(field: str) -> list:
-  """The benchmarks whose own section has ``field`` (sorted)."""
-  return [name for name, fields in data_sections().items() if field in fields]
+def sections_with(field: str, first: str = '') -> list:
+  """The benchmarks whose own section has ``field``, ``first`` (the run's) first, the
+  others sorted."""
+  names = [name for name, fields in data_sections().items() if field in fields]
+  return sorted(names, key=lambda name: name != first)
 
 
 def data_view(data_config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -144,9 +146,8 @@ def check_data(data_config: ml_collections.ConfigDict) -> None:
     # by no benchmark)
     for field in data_config.keys():
       if field not in DATA_DEFAULTS and field not in BENCHMARKS:
-        owners = sections_with(field)
-        where = (' or '.join(f'config.data.{name}.{field}' for name in owners) if owners
-                 else None)
+        owners = sections_with(field, benchmark)
+        where = ' or '.join(f'config.data.{name}.{field}' for name in owners)
         require(False, f'data.{field}', 'not a field every benchmark reads; ' + (
             f'a benchmark\'s own fields are in its section: {where}' if where else
             f'choose from {sorted(DATA_DEFAULTS)} or a benchmark\'s section '

@@ -511,8 +511,7 @@ def read_images(files: Sequence[str], size: int, channels: int, workers: int = 0
     out[index] = read_image(files[index], size, channels)
 
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    for done in pool.map(read, range(len(files))):   # in order: the first error raised
-      del done
+    list(pool.map(read, range(len(files))))   # in order: the first error is raised
   return out
 
 

@@ -44,9 +44,10 @@ def colours(count: int) -> List[Tuple[float, ...]]:
 
 def save_plot(fig, ax, path: str, xlabel: str, ylabel: str, legend_size: int = 6,
               legend_columns: int = 1, title: str = '') -> str:
-  """Labels the first axes (where a label is given), puts the legend of every axes' labelled lines (each label
-  once) to the right of the axes (inside the figure), adds a light grid and ``title``,
-  writes ``path`` (120 dpi) and closes ``fig``; returns ``path``."""
+  """Labels the first axes (where a label is given), puts the legend of every axes'
+  labelled lines (each label once) to the right of the axes (inside the figure), adds a
+  light grid and ``title``, writes ``path`` (120 dpi) and closes ``fig``; returns
+  ``path``."""
   import matplotlib.pyplot as plt
   axes = list(ax) if isinstance(ax, (list, tuple, np.ndarray)) else [ax]
   if xlabel:
@@ -136,7 +137,7 @@ def draw_curves(run_dirs: Dict[str, List[str]], metric_suffix: str = 'accuracy',
   round_ticks(loss_ax, [r for points in losses.values() for r in points] or [1])
   for ax in axes[len(curves) + 1:]:
     ax.set_visible(False)
-  for ax in axes[-columns:]:
+  for ax in axes[max(panels - columns, 0):panels]:   # the panels with none below them
     ax.set_xlabel('round')
   return fig, axes[:len(curves) + 1]
 
