@@ -218,8 +218,8 @@ def test_memo_marginal_entropy_and_augmentations():
 
 
 def test_surgical_changes_only_its_block_and_rejects_unknown_blocks():
-  module, variables, _ = setup()
-  adapter = surgical(module, 'head', learning_rate=0.1, predict='after')
+  module, variables, context = setup()
+  adapter = surgical(module, context, 'head', learning_rate=0.1, predict='after')
   state = adapter.init(variables, jax.random.key(0))
   x = jnp.asarray(np.random.default_rng(1).random((4, 4, 4, 1)), jnp.float32)
   new_state, _ = adapter.step(state, AdaptBatch(x, jnp.ones(4)))
@@ -227,8 +227,12 @@ def test_surgical_changes_only_its_block_and_rejects_unknown_blocks():
                               variables['params']['encoder'])
   assert not np.allclose(new_state.variables['params']['head']['kernel'],
                          variables['params']['head']['kernel'])
+  with pytest.raises(ValueError, match="surgical.block: 'encoder/Conv_9' names no layer of "
+                                       "this model; its layers, in order: "):
+    surgical(module, context, 'encoder/Conv_9')   # the context's input shape: the layers
   with pytest.raises(ValueError, match="surgical block 'encoder/Conv_9': selects no parameter"):
-    surgical(module, 'encoder/Conv_9').init(variables, jax.random.key(0))
+    surgical(module, SourceContext(None, NUM_CLASSES, 4), 'encoder/Conv_9').init(
+        variables, jax.random.key(0))            # no input shape: found at init
 
 
 def test_surgical_first_is_the_first_layer_the_model_defines_on_tree_mapped_variables():
@@ -250,19 +254,22 @@ def test_surgical_first_is_the_first_layer_the_model_defines_on_tree_mapped_vari
   chex.assert_trees_all_equal(moved['head'], variables['params']['head'])
   with pytest.raises(ValueError, match=r"surgical.block: 'first' is a position in the model's "
                                        r"layer order, which needs the input shape"):
-    surgical(module, 'first')
+    surgical(module, SourceContext(None, NUM_CLASSES, 4), 'first')   # no input shape
 
 
 def test_eata_without_reliable_examples_does_not_move():
-  module, variables, _ = setup()
+  module, variables, context = setup()
   from fedjax_shift.adapters.eata import eata
-  adapter = eata(module, NUM_CLASSES, fisher=None, learning_rate=1.0, entropy_margin=0.0)
+  # rate 1 at the test batch (lr_batch_size = B = 4), no Fisher regulariser
+  adapter = eata(module, context, learning_rate=1.0, lr_batch_size=4, entropy_margin=0.0,
+                 fisher_weight=0.0)
   state = adapter.init(variables, jax.random.key(0))
   x = jnp.asarray(np.random.default_rng(1).random((4, 4, 4, 1)), jnp.float32)
   new_state, _ = adapter.step(state, AdaptBatch(x, jnp.ones(4)))
   chex.assert_trees_all_equal(new_state.variables, variables)
   # ... and with every example reliable it does.
-  adapter = eata(module, NUM_CLASSES, fisher=None, learning_rate=1.0, entropy_margin=10.0)
+  adapter = eata(module, context, learning_rate=1.0, lr_batch_size=4, entropy_margin=10.0,
+                 fisher_weight=0.0)
   moved, _ = adapter.step(adapter.init(variables, jax.random.key(0)), AdaptBatch(x, jnp.ones(4)))
   assert not np.allclose(moved.variables['params']['encoder']['BatchNorm_0']['scale'],
                          variables['params']['encoder']['BatchNorm_0']['scale'])
@@ -274,10 +281,9 @@ def test_eata_batch_that_keeps_no_example_leaves_variables_and_momentum_bit_iden
   # batch keeps every example (margin 10·ln C) and steps; the same batch again is
   # redundant (its predictions' cosine to their running mean is 1 ≥ ε): nothing kept.
   module, variables, context = setup()
-  from fedjax_shift.adapters.eata import eata, fisher_information
-  fisher = fisher_information(module, variables, context.source_x)
-  adapter = eata(module, NUM_CLASSES, fisher, learning_rate=0.5, entropy_margin=10.0,
-                 fisher_weight=2000.0)
+  from fedjax_shift.adapters.eata import eata
+  adapter = eata(module, context, learning_rate=0.5, lr_batch_size=4, entropy_margin=10.0,
+                 fisher_weight=2000.0)   # the Fisher of the context's 16 source examples
   x = jnp.asarray(np.random.default_rng(1).random((4, 4, 4, 1)), jnp.float32)
   first, _ = adapter.step(adapter.init(variables, jax.random.key(0)),
                           AdaptBatch(x, jnp.ones(4)))
@@ -291,16 +297,25 @@ def test_eata_batch_that_keeps_no_example_leaves_variables_and_momentum_bit_iden
 
 
 def test_eata_rate_is_the_official_one_scaled_linearly_to_the_test_batch():
-  from fedjax_shift.adapters import eata as eata_lib
+  """The registered EATA at test batch 20 steps as SGD at 0.00025 · 20 / 64 (EATA's
+  code: 0.00025 at batch 64), not at 0.00025: one step equals the one of an EATA given
+  that rate for its own batch."""
+  from fedjax_shift.adapters.eata import eata
   module, variables, context = setup('bn_mlp')
-  built = []
-  original = eata_lib.eata
-  try:
-    eata_lib.eata = lambda *args, **kwargs: built.append(args) or original(*args, **kwargs)
-    ADAPTERS.get('eata')(module, ADAPTERS.defaults('eata'), context._replace(batch_size=20))
-  finally:
-    eata_lib.eata = original
-  assert built[0][3] == pytest.approx(0.00025 * 20 / 64)   # EATA's code: 0.00025 at 64
+  at_20 = context._replace(batch_size=20)
+  x = jnp.asarray(np.random.default_rng(1).random((20, 4, 4, 1)), jnp.float32)
+  def stepped(adapter):
+    return adapter.step(adapter.init(variables, jax.random.key(0)),
+                        AdaptBatch(x, jnp.ones(20)))[0].variables
+  keep_all = {'entropy_margin': 10.0}   # every example reliable, so the batch steps
+  section = ml_collections.ConfigDict({**ADAPTERS.defaults('eata').to_dict(), **keep_all})
+  registered = stepped(ADAPTERS.get('eata')(module, section, at_20))
+  scaled = stepped(eata(module, at_20, learning_rate=0.00025 * 20 / 64, lr_batch_size=20,
+                        **keep_all))
+  unscaled = stepped(eata(module, at_20, learning_rate=0.00025, lr_batch_size=20, **keep_all))
+  chex.assert_trees_all_equal(registered, scaled)
+  assert not np.allclose(registered['params']['encoder']['BatchNorm_0']['bias'],
+                         unscaled['params']['encoder']['BatchNorm_0']['bias'], rtol=0, atol=0)
   for field, value in (('learning_rate', 0.0), ('fisher_weight', -1.0), ('momentum', 1.0)):
     with pytest.raises(ValueError, match=f'config.adapters.eata.{field}'):
       ADAPTERS.check('eata', ml_collections.ConfigDict(
@@ -386,7 +401,8 @@ def test_surgical_source_accuracy_picks_the_block_a_loop_of_fixed_adapters_score
   ys = np.asarray(context.source_y).reshape(4, 4)
   scores, fixed = [], {}
   for block in candidates:
-    adapter = surgical(module, block, lr, 'after', optax.sgd(lr), input_shape=(4, 4, 1))
+    adapter = surgical(module, SourceContext(None, NUM_CLASSES, 4, input_shape=(4, 4, 1)),
+                       block, lr, 'after', optax.sgd(lr))
     fixed[block] = adapter
     correct = 0
     for x, y in zip(xs, ys):
@@ -453,7 +469,7 @@ def test_bn_adapt_layerwise_mixing_equals_a_hand_written_two_layer_forward():
                            if a.ndim else a, variables)
   variables['batch_stats'] = jax.tree.map(jnp.abs, variables['batch_stats'])  # var > 0
   x = rng.normal(size=(6, 3)).astype(np.float32)
-  prior = 0.4
+  prior = 0.4   # p = N / (N + B): N = 4 at B = 6
   p, s = variables['params'], variables['batch_stats']
 
   def mixed_norm(h, bn, stats):
@@ -468,12 +484,12 @@ def test_bn_adapt_layerwise_mixing_equals_a_hand_written_two_layer_forward():
   h = np.maximum(mixed_norm(dense(h, enc['Dense_1']), enc['BatchNorm_1'],
                             stats['BatchNorm_1']), 0)
   expected = dense(h, p['head'])
-  adapter = bn_adapt(module, prior, 'layerwise')
+  adapter = bn_adapt(module, 6, 4.0, 'layerwise')
   _, logits = adapter.step(adapter.init(variables, None),
                            AdaptBatch(jnp.asarray(x), jnp.ones(6)))
   np.testing.assert_allclose(logits, expected, **backend_tolerance(1e-4, 1e-5))
   # The default 'batch' mixing differs from the second layer on.
-  _, batch_logits = bn_adapt(module, prior).step(
+  _, batch_logits = bn_adapt(module, 6, 4.0).step(
       variables, AdaptBatch(jnp.asarray(x), jnp.ones(6)))
   assert not np.allclose(batch_logits, expected, atol=1e-3)
 

@@ -299,7 +299,7 @@ def trained(name, **fields):
 @pytest.mark.slow
 def test_online_contrastive_tta_with_empty_memory_equals_batch_variant_on_first_batch():
   config, module, variables, data = trained('fedicon')
-  adapter = fedicon_adapter.fedicon_tta(module, memory_size=8, batch_size=4)
+  adapter = fedicon_adapter.fedicon_tta(module, 4, fedicon_adapter.ContrastiveTTA(memory_size=8))
   online = build_test_time(adapter, 4, 'online')(variables, data, jax.random.key(1))
   episodic = build_test_time(adapter, 4, 'episodic')(variables, data, jax.random.key(1))
   np.testing.assert_array_equal(online['predictions'][:, :4], episodic['predictions'][:, :4])
@@ -324,7 +324,7 @@ def test_fedicon_adapter_contrasts_the_encoder_output_without_a_projection_and_b
   input width); bad memory and batch sizes are refused."""
   config, module, variables, data = trained('fedicon')
   assert 'projection' not in variables['params']
-  adapter = fedicon_adapter.fedicon_tta(module, memory_size=8, batch_size=4)
+  adapter = fedicon_adapter.fedicon_tta(module, 4, fedicon_adapter.ContrastiveTTA(memory_size=8))
   state, logits = adapter.step(adapter.init(variables, jax.random.key(0)),
                                AdaptBatch(jnp.asarray(data.x[0, :4]), jnp.ones(4)))
   assert state.memory.shape == (8, variables['params']['head']['kernel'].shape[0])
@@ -332,9 +332,9 @@ def test_fedicon_adapter_contrasts_the_encoder_output_without_a_projection_and_b
   assert int(state.memory_valid.sum()) == 4
   assert np.all(np.isfinite(logits))
   with pytest.raises(ValueError, match='memory_size'):
-    fedicon_adapter.fedicon_tta(module, memory_size=3, batch_size=4)
+    fedicon_adapter.fedicon_tta(module, 4, fedicon_adapter.ContrastiveTTA(memory_size=3))
   with pytest.raises(ValueError, match='eval_adapter_batch_size=1'):
-    fedicon_adapter.fedicon_tta(module, batch_size=1)
+    fedicon_adapter.fedicon_tta(module, 1)
 
 
 @pytest.mark.parametrize('weight,head', [(1.0, 'global'), (0.0, 'personal')])
@@ -368,7 +368,7 @@ def test_fedthe_official_history_over_three_batches_by_hand():
         jnp.asarray(f[2 * batch:2 * batch + 2]), jnp.ones(2), history, has, a)
     got.extend(np.asarray(per_row)[:, 0])
   np.testing.assert_allclose(got, h1 + h2 + h3, rtol=1e-6)
-  assert fedthe_adapter.DEFAULTS['beta'] == 0.1      # THE_beta's default in parameters.py
+  assert fedthe_adapter.ADAPTERS.defaults('fedthe').beta == 0.1   # THE_beta (parameters.py)
   with pytest.raises(ValueError, match='history: choose from'):
     fedthe_adapter.feature_history(jnp.asarray(f), jnp.ones(6), history, has, a, 'ema')
 
@@ -632,8 +632,8 @@ def test_transductive_mode_equals_a_hand_written_loop_over_shuffled_passes():
   batches of the same adapter's step; the order is a permutation of the real examples."""
   from fedjax_shift.core.test_time import client_batches, shuffled_order, transductive_adapt
   _, module, variables, data = trained('fedicon')
-  adapter = fedicon_adapter.fedicon_tta(module, memory_size=8, batch_size=4, epochs=2,
-                                        learning_rate=0.05)
+  adapter = fedicon_adapter.fedicon_tta(module, 4, fedicon_adapter.ContrastiveTTA(memory_size=8, epochs=2,
+                                                                        learning_rate=0.05))
   x, n, rng = jnp.asarray(data.x[1]), jnp.int32(data.num_examples[1]), jax.random.key(7)
   initial = adapter.init(variables, jax.random.key(0))
   scanned = jax.jit(lambda state: transductive_adapt(adapter, 4, state, x, n, rng))(initial)
@@ -656,7 +656,7 @@ def test_transductive_mode_equals_a_hand_written_loop_over_shuffled_passes():
 def test_transductive_mode_with_rate_zero_predicts_as_the_unadapted_model():
   from fedjax_shift.adapters.no_adapt import no_adapt
   _, module, variables, data = trained('fedicon')
-  adapter = fedicon_adapter.fedicon_tta(module, batch_size=4, epochs=3, learning_rate=0.0)
+  adapter = fedicon_adapter.fedicon_tta(module, 4, fedicon_adapter.ContrastiveTTA(epochs=3, learning_rate=0.0))
   adapted = build_test_time(adapter, 4, 'transductive')(variables, data, jax.random.key(1))
   plain = build_test_time(no_adapt(module), 4)(variables, data, jax.random.key(1))
   np.testing.assert_array_equal(adapted['predictions'], plain['predictions'])
@@ -670,8 +670,8 @@ def test_fedicon_test_batch_norm_option_moves_the_running_statistics_by_momentum
   batch = AdaptBatch(jnp.asarray(data.x[0, :4]), jnp.ones(4))
   stats = {}
   for mode in ('frozen', 'test'):
-    adapter = fedicon_adapter.fedicon_tta(module, batch_size=4, batch_norm=mode,
-                                          learning_rate=0.0)
+    adapter = fedicon_adapter.fedicon_tta(module, 4, fedicon_adapter.ContrastiveTTA(batch_norm=mode,
+                                                                          learning_rate=0.0))
     stats[mode] = adapter.step(adapter.init(variables, jax.random.key(0)), batch)[0] \
         .variables['batch_stats']
   chex.assert_trees_all_equal(stats['frozen'], variables['batch_stats'])
@@ -709,7 +709,7 @@ def test_raw_anchors_average_only_the_raw_samples_losses():
 def test_bad_fedicon_adapter_fields_are_refused_naming_them(fields, message):
   module = models.create(tiny_config(**{'model.name': 'bn_mlp'}).model, NUM_CLASSES)
   with pytest.raises(ValueError, match=message):
-    fedicon_adapter.fedicon_tta(module, batch_size=4, **fields)
+    fedicon_adapter.fedicon_tta(module, 4, fedicon_adapter.ContrastiveTTA(**fields))
 
 
 def test_transductive_mode_is_refused_for_an_adapter_that_cannot_run_it():

@@ -15,7 +15,7 @@ from fedjax_shift import config as config_lib
 from fedjax_shift import algorithms, models, pipelines
 from fedjax_shift.pipelines import atp as atp_pipeline
 from fedjax_shift.adapters import learned_rates
-from fedjax_shift.adapters.bn_adapt import bn_adapt, prior_weight
+from fedjax_shift.adapters.bn_adapt import bn_adapt
 from fedjax_shift.adapters.tent import tent
 from fedjax_shift.core.local import example_order
 from fedjax_shift.core.round import RoundConfig, build_round
@@ -67,7 +67,7 @@ def test_bn_adapt_prior_frozen_at_initialisation_gives_fixed_bn_adapt():
   module, variables, data = setup()
   rates = learned_rates.init_rates('bn_adapt', ('prior_strength',), hparams('bn_adapt'),
                                    variables)
-  fixed = build_test_time(bn_adapt(module, prior_weight(16.0, BATCH)), BATCH, 'episodic')(
+  fixed = build_test_time(bn_adapt(module, BATCH), BATCH, 'episodic')(
       variables, data, jax.random.key(1))
   learned = build_test_time(rated('bn_adapt', module, variables, rates), BATCH, 'episodic')(
       variables, data, jax.random.key(1))

@@ -354,34 +354,79 @@ def test_an_adapter_registered_from_its_constructor_takes_the_signature_defaults
   assert 'toy_bad' not in ADAPTERS
 
 
-@pytest.mark.parametrize('name, constructor', [
-    ('tent', 'fedjax_shift.adapters.tent:tent'), ('shot', 'fedjax_shift.adapters.shot:shot'),
-    ('t3a', 'fedjax_shift.adapters.t3a:t3a'), ('no_adapt', 'fedjax_shift.adapters.no_adapt:no_adapt'),
-    ('odpfl_hn', 'fedjax_shift.adapters.odpfl_hn:odpfl_hn_adapter'),
-    ('em', 'fedjax_shift.adapters.em:em'), ('bbse', 'fedjax_shift.adapters.bbse:bbse'),
-    ('memo', 'fedjax_shift.adapters.memo:memo')])
-def test_signature_registered_adapters_hold_their_papers_defaults(name, constructor):
-  """Each default is written once, in the constructor: its section equals the
-  signature's defaults (but the keyword-only ones, the Python API's), which are the
-  papers' values (Tent: Adam 1e-3 on BN affine parameters; SHOT: β = 0.3; T3A: K = 100;
-  the ATP code predicts before the update; Saerens et al.'s EM 100 iterations; Lipton
-  et al.'s clipped least squares; MEMO's 32 augmentations, lr 0.005, one step)."""
-  module_name, function = constructor.split(':')
-  signature = inspect.signature(getattr(importlib.import_module(module_name), function))
-  expected = {p.name: p.default for p in tuple(signature.parameters.values())[1:]
-              if p.default is not inspect.Parameter.empty and   # from the source context
-              p.kind is not inspect.Parameter.KEYWORD_ONLY}
-  assert config_lib.base_config().adapters[name].to_dict() == expected
-  papers_values = {
-      'tent': {'learning_rate': 1e-3, 'optimizer': 'adam', 'parameters': 'batch_norm',
-               'clip': 0.0, 'weight_decay': 0.0, 'entropy_units': 'nats', 'predict': 'before'},
-      'shot': {'learning_rate': 1e-3, 'optimizer': 'adam', 'pseudo_label_weight': 0.3,
-               'predict': 'before'},
-      't3a': {'filter_k': 100}, 'no_adapt': {}, 'odpfl_hn': {}, 'em': {'num_iterations': 100},
-      'bbse': {'projection': 'clip'},
-      'memo': {'num_augmentations': 32, 'learning_rate': 0.005, 'num_steps': 1,
-               'augmentation': 'translate_rotate_jitter'}}
-  assert expected == papers_values[name]
+PAPERS_ADAPTER_DEFAULTS = {
+    'tent': {'learning_rate': 1e-3, 'optimizer': 'adam', 'parameters': 'batch_norm',
+             'clip': 0.0, 'weight_decay': 0.0, 'entropy_units': 'nats', 'predict': 'before'},
+    'shot': {'learning_rate': 1e-3, 'optimizer': 'adam', 'pseudo_label_weight': 0.3,
+             'predict': 'before'},
+    't3a': {'filter_k': 100}, 'no_adapt': {}, 'odpfl_hn': {}, 'em': {'num_iterations': 100},
+    'bbse': {'projection': 'clip'},
+    'memo': {'num_augmentations': 32, 'learning_rate': 0.005, 'num_steps': 1,
+             'augmentation': 'translate_rotate_jitter'},
+    'bn_adapt': {'prior_strength': 16.0, 'mixing': 'batch'},
+    'atp': {},
+    'eata': {'learning_rate': 0.00025, 'lr_batch_size': 64, 'momentum': 0.9,
+             'entropy_margin': 0.4, 'redundancy_epsilon': 0.05, 'fisher_weight': 2000.0,
+             'fisher_samples': 2000, 'predict': 'before'},
+    'surgical': {'block': {'feature': 'first', 'label': 'head', 'hybrid': 'head'},
+                 'learning_rate': 1e-3, 'predict': 'before', 'optimizer': 'adam',
+                 'select': 'fixed', 'candidates': (), 'selection_examples': 1000},
+    'fedthe': {'learning_rate': 0.1, 'steps': 20, 'alpha': 0.1, 'beta': 0.1,
+               'initial_global_weight': 0.5, 'history': 'official', 'tune_steps': 0,
+               'tune_learning_rate': 0.0005, 'num_augmentations': 16},
+    'fedicon': {'temperature': 0.1, 'learning_rate': 0.005, 'steps': 1, 'memory_size': 128,
+                'augmentations': ('random_resized_crop', 'colour_jitter', 'grayscale',
+                                  'gaussian_blur'),
+                'predict': 'after', 'epochs': 1, 'anchors': 'raw', 'batch_norm': 'frozen',
+                'weight_decay': 5e-4},
+}
+
+
+def signature_defaults(constructor, from_context) -> dict:
+  """The section a constructor's signature gives: its parameters after the module with
+  their defaults, a NamedTuple default's fields in its place, but those the source
+  context gives and the keyword-only ones (the Python API's)."""
+  out = {}
+  for p in tuple(inspect.signature(constructor).parameters.values())[1:]:
+    if p.name in from_context or p.kind is inspect.Parameter.KEYWORD_ONLY:
+      continue
+    assert p.default is not inspect.Parameter.empty, p.name
+    out.update(p.default._asdict() if hasattr(p.default, '_fields') else {p.name: p.default})
+  return out
+
+
+@pytest.mark.parametrize('name', sorted(PAPERS_ADAPTER_DEFAULTS))
+def test_signature_registered_adapters_hold_their_papers_defaults(name):
+  """Each default is written once, in the constructor: the base config's section equals
+  the signature's defaults, which are the papers' values (Tent: Adam 1e-3 on BN affine
+  parameters; SHOT: β = 0.3; T3A: K = 100; the ATP code predicts before the update and
+  mixes BN statistics with N = 16; Saerens et al.'s EM 100 iterations; Lipton et al.'s
+  clipped least squares; MEMO's 32 augmentations, lr 0.005, one step; EATA's code: SGD
+  0.00025 at batch 64, momentum 0.9, E0 = 0.4 ln C, ε = 0.05, β = 2000 over 2000
+  samples; Lee et al.: the first block for input shifts, the last layer for label
+  shifts; FedTHE's code: 20 Adam steps of 0.1, α = β = 0.1; FedICON Sec. 5.1: τ = 0.1,
+  lr 0.005, weight decay 5e-4)."""
+  meta = ADAPTERS.meta(name)
+  section = config_lib.base_config().adapters[name].to_dict()
+  assert section == signature_defaults(meta['constructor'], meta['from_context'])
+  assert section == PAPERS_ADAPTER_DEFAULTS[name]
+
+
+def test_every_adapter_section_is_written_once():
+  """Every registered adapter's section comes from its constructor's signature, or is a
+  variant holding only what it changes (FedTHE+: the tuning's 3 steps), or is FedTTA's,
+  whose fields are its settings' defaults (``Adaptation``, ``InnerStep``) but those it
+  takes from the trained method."""
+  from fedjax_shift.adapters import fedtta
+  from fedjax_shift.parts.fedtta_step import InnerStep
+  variants = {name for name in ADAPTERS.names() if ADAPTERS.variant_of(name)}
+  assert variants == {'fedthe_plus', 'fedtta_pp'}
+  assert ADAPTERS.own_defaults('fedthe_plus').to_dict() == {'tune_steps': 3}
+  from_settings = {**InnerStep._field_defaults, **fedtta.Adaptation._field_defaults}
+  own = {field for field in ADAPTERS.defaults('fedtta')
+         if ADAPTERS.defaults('fedtta')[field] != from_settings.get(field, object())}
+  assert own == {'inner_learning_rate', 'norm_epsilon', 'override_training', 'fill_batch'}
+  assert set(ADAPTERS.names()) - variants - {'fedtta'} == set(PAPERS_ADAPTER_DEFAULTS)
 
 
 def test_a_variant_holds_what_it_changes_and_follows_its_method():

@@ -37,16 +37,17 @@ def test_no_adapt_equals_direct_evaluation():
 
 
 def test_bn_adapt_prior_one_equals_no_adapt_and_prior_zero_uses_batch_stats():
+  """N = inf gives p = 1 (the source statistics: no adaptation), N = 0 gives p = 0."""
   module, data, xs, _, variables = setup([8, 8])
   run = lambda adapter: build_test_time(adapter, batch_size=4)(variables, data,
                                                                jax.random.key(0))
-  base, prior_one = run(no_adapt(module)), run(bn_adapt(module, prior=1.0))
+  base, prior_one = run(no_adapt(module)), run(bn_adapt(module, 4, float('inf')))
   np.testing.assert_array_equal(prior_one['predictions'], base['predictions'])
   np.testing.assert_allclose(prior_one['loss'], base['loss'], rtol=1e-6)
   # p = 0: each batch of 4 normalised by its own statistics == the train-mode forward.
   batch = jnp.asarray(xs[0][:4])
   expected, _ = models.apply(module, variables, batch, 'batch_stats')
-  _, logits = bn_adapt(module, 0.0).step(variables, AdaptBatch(batch, jnp.ones(4)))
+  _, logits = bn_adapt(module, 4, 0.0).step(variables, AdaptBatch(batch, jnp.ones(4)))
   np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-5)
   assert prior_weight(16, 16) == 0.5 and prior_weight(float('inf'), 4) == 1.0
 
@@ -96,7 +97,7 @@ def test_empty_client_and_partial_batches_have_no_nan():
 def test_bn_adapters_reject_models_without_batch_norm():
   module = models.MODELS.get('mlp')(NUM_CLASSES, hidden=(8,))
   variables = models.init(module, jax.random.key(0), jnp.zeros((1, 4, 4, 1)))
-  for adapter in (bn_adapt(module, 0.5), tent(module)):
+  for adapter in (bn_adapt(module, 4), tent(module)):
     with pytest.raises(ValueError, match='needs a model with BatchNorm'):
       adapter.init(variables, jax.random.key(0))
 
@@ -109,8 +110,8 @@ def test_bad_adapter_arguments():
     build_test_time(no_adapt(module), 4, 'sometimes')
   with pytest.raises(ValueError, match='batch_size must be >= 1'):
     build_test_time(no_adapt(module), 0)
-  with pytest.raises(ValueError, match='prior must be in'):
-    bn_adapt(module, 1.5)
+  with pytest.raises(ValueError, match='prior_strength must be >= 0'):
+    bn_adapt(module, 4, -1.0)
   with pytest.raises(ValueError, match='predict'):
     tent(module, predict='during')
 

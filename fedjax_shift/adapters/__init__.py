@@ -1,14 +1,13 @@
 """Test-time methods (``Adapter(init, step)``), one file each, looked up by name.
 
-Each file exposes a constructor with explicit arguments (``tent(module, lr, …)``).
-Where those arguments are the method's config fields, or fields and what the source
-context gives (bbse, em, memo, no_adapt, odpfl_hn, shot, t3a, tent),
-``register_constructor`` registers it as it is: the section ``config.adapters.<name>``
-is the signature's defaults, the papers' values, written once (``from_context``: C,
-BBSE's confusion matrix). The others register ``build(module, hparams, context) ->
-Adapter`` in ``core.test_time.ADAPTERS`` with their paper's defaults, ``hparams``
-being the section and ``context`` a ``SourceContext`` (the global model, labelled
-source held-out examples for EATA's Fisher, ATP's learned α). A second setting of an
+Each file exposes a constructor with explicit arguments (``tent(module, lr, …)``),
+which ``register_constructor`` registers as it is: the section ``config.adapters.<name>``
+is the signature's defaults, the papers' values, written once; ``from_context`` gives
+the parameters a ``SourceContext`` holds (C, the test batch size, BBSE's confusion
+matrix, ATP's learned α, EATA's source data for its Fisher), and a NamedTuple default
+gives its fields (FedICON's ``ContrastiveTTA``). FedTTA's section, whose step size and
+ε follow the trained method, registers ``build(module, hparams, context)`` with its
+settings' defaults (``Adaptation``). A second setting of an
 adapter registers as its variant, holding what it changes (FedTHE+ of FedTHE,
 FedTTA++ of FedTTA). Adding an adapter: one file plus one import line here.
 """

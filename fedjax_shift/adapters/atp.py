@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_shift import models
-from fedjax_shift.core.test_time import ADAPTERS, AdaptBatch, Adapter, SourceContext
+from fedjax_shift.core.test_time import AdaptBatch, Adapter, SourceContext, register_constructor
 from fedjax_shift.parts.atp_rates import Alpha, adapted_variables, check_alpha, update_direction
 
 
@@ -31,6 +31,16 @@ class ATPState(NamedTuple):
   count: jax.Array     # [] batches seen
 
 
+def learned_alpha(module, context: SourceContext) -> Alpha:
+  """α from the source context, where the pipeline put it after α training."""
+  del module
+  if context.alpha is None:
+    raise ValueError('atp: no learned alpha; the pipeline trains it before test time')
+  return context.alpha
+
+
+@register_constructor('atp', from_context={'alpha': learned_alpha},
+                      learnable={'alpha': 'alpha'})
 def atp(module, alpha: Alpha) -> Adapter:
   """ATP at test time. Episodic mode is ATP-batch, online mode ATP-online; both
   predict with the adapted model on the batch that produced h (Algorithm 2)."""
@@ -50,11 +60,3 @@ def atp(module, alpha: Alpha) -> Adapter:
     return ATPState(state.variables, state.alpha, mean_h, count), logits
 
   return Adapter(init, step)
-
-
-@ADAPTERS.register('atp', defaults={}, learnable={'alpha': 'alpha'})
-def build_atp(module, hparams, context: SourceContext) -> Adapter:
-  """The registry's builder: this method from its ``config.adapters.atp``."""
-  if context.alpha is None:
-    raise ValueError('atp: no learned alpha; the pipeline trains it before test time')
-  return atp(module, context.alpha)

@@ -18,7 +18,7 @@ import jax
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
-from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.core.test_time import Adapter, register_constructor, test_batch_size
 from fedjax_shift.registry import NONNEGATIVE, one_of
 
 
@@ -32,14 +32,20 @@ def prior_weight(prior_strength, batch_size: int):
 MIXING = ('batch', 'layerwise')
 
 
-def bn_adapt(module, prior, mixing: str = 'batch') -> Adapter:
-  """``prior`` p: a float in [0, 1], or traced (a learned prior strength's weight);
-  ``mixing``: 'batch' or 'layerwise' (module docstring)."""
-  if isinstance(prior, (int, float)) and not 0.0 <= prior <= 1.0:
-    raise ValueError(f'bn_adapt prior must be in [0, 1], got {prior}')
+@register_constructor('bn_adapt', from_context={'batch_size': test_batch_size},
+                      ranges={'prior_strength': NONNEGATIVE,   # 0: the test batch alone
+                              'mixing': one_of(*MIXING)},
+                      learnable={'prior_strength': 'log'})
+def bn_adapt(module, batch_size: int, prior_strength: float = 16.0,
+             mixing: str = 'batch') -> Adapter:
+  """Prior p = N / (N + B) of ``prior_strength`` N (the ATP authors' code: N = 16) at
+  test batch ``batch_size`` B; N may be inf (p = 1, no adaptation) or traced (a learned
+  prior strength); ``mixing``: 'batch' or 'layerwise' (module docstring)."""
+  if isinstance(prior_strength, (int, float)) and not prior_strength >= 0.0:
+    raise ValueError(f'bn_adapt prior_strength must be >= 0, got {prior_strength}')
   if mixing not in MIXING:
     raise ValueError(f'bn_adapt mixing: unknown {mixing!r}; choose from {list(MIXING)}')
-
+  prior = prior_weight(prior_strength, batch_size)
   check = common.require_batch_norm('bn_adapt')
 
   def init(variables, rng):
@@ -57,15 +63,3 @@ def bn_adapt(module, prior, mixing: str = 'batch') -> Adapter:
     return variables, logits
 
   return Adapter(init, step)
-
-
-@ADAPTERS.register('bn_adapt', defaults={
-    'prior_strength': 16.0,           # ATP code: p = N/(N+B), N = 16
-    'mixing': 'batch'},
-    ranges={'prior_strength': NONNEGATIVE,   # 0: the test batch's statistics alone
-            'mixing': one_of(*MIXING)},
-    learnable={'prior_strength': 'log'})
-def build_bn_adapt(module, hparams, context: SourceContext) -> Adapter:
-  """The registry's builder: this method from its ``config.adapters.bn_adapt``."""
-  return bn_adapt(module, prior_weight(hparams.prior_strength, context.batch_size),
-                  hparams.mixing)

@@ -25,7 +25,7 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
-from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.core.test_time import Adapter, SourceContext, register_constructor, whole_context
 from fedjax_shift.parts import losses
 from fedjax_shift.registry import NONNEGATIVE, POSITIVE, POSITIVE_INT, interval
 
@@ -61,10 +61,33 @@ def fisher_information(module, variables, x, batch_size: int = 64):
   return jax.tree.map(lambda t: t / max(count, 1), total)
 
 
-def eata(module, num_classes: int, fisher=None, learning_rate: float = 0.005,
-         momentum: float = 0.9, entropy_margin: float = 0.4, redundancy_epsilon: float = 0.05,
-         fisher_weight: float = 2000.0, predict: str = 'before') -> Adapter:
-  """``fisher``: from ``fisher_information`` (None: no regulariser)."""
+@register_constructor(
+    'eata', from_context={'source': whole_context},
+    ranges={'learning_rate': POSITIVE, 'lr_batch_size': POSITIVE_INT,
+            'momentum': interval(0, 1, high_open=True), 'entropy_margin': POSITIVE,
+            # ε > 0: at 0 every example after the first kept batch counts as redundant
+            'redundancy_epsilon': POSITIVE,
+            'fisher_weight': NONNEGATIVE,   # 0: no regulariser (no source data needed)
+            'fisher_samples': POSITIVE_INT, 'predict': common.PREDICT_RANGE},
+    learnable={'learning_rate': 'log'})
+def eata(module, source: SourceContext, learning_rate: float = 0.00025,
+         lr_batch_size: int = 64, momentum: float = 0.9, entropy_margin: float = 0.4,
+         redundancy_epsilon: float = 0.05, fisher_weight: float = 2000.0,
+         fisher_samples: int = 2000, predict: str = 'before') -> Adapter:
+  """EATA on ``source``'s test batch size B and C classes, with the official code's
+  values: SGD at ``learning_rate`` 0.00025 for batch ``lr_batch_size`` 64, scaled
+  linearly to B, ``momentum`` 0.9; E0 = ``entropy_margin`` · ln C (0.4); ε =
+  ``redundancy_epsilon`` (0.05); β = ``fisher_weight`` (2000; 0: no regulariser), the
+  Fisher from the first ``fisher_samples`` (2000) of ``source``'s labelled examples."""
+  if fisher_weight and source.source_x is None:
+    raise ValueError('config.adapters.eata.fisher_weight: the Fisher regulariser needs '
+                     'labelled source data, which this pipeline does not give its adapters '
+                     '(the federated pipeline\'s eval_adapters); set it to 0 (EATA without '
+                     'the regulariser)')
+  fisher = fisher_information(module, source.variables, source.source_x[:fisher_samples]
+                              ) if fisher_weight else None
+  learning_rate = learning_rate * source.batch_size / lr_batch_size
+  num_classes = source.num_classes
   margin = entropy_margin * float(np.log(num_classes))
 
   def forward(variables, x):
@@ -102,36 +125,3 @@ def eata(module, num_classes: int, fisher=None, learning_rate: float = 0.005,
       forward, optax.sgd(learning_rate, momentum=momentum or None), predict,
       init_extra=init_extra, check=common.require_batch_norm('eata'),
       step_if=lambda extra: extra.kept)
-
-
-@ADAPTERS.register('eata', defaults={
-    'learning_rate': 0.00025,                  # EATA's code: SGD 0.00025 ...
-    'lr_batch_size': 64,                       # ... at batch 64, scaled linearly to B
-    'momentum': 0.9,                           # EATA's code: momentum 0.9
-    'entropy_margin': 0.4,                     # EATA: E0 = 0.4·ln C
-    'redundancy_epsilon': 0.05,                # EATA: ε = 0.05
-    'fisher_weight': 2000.0,                   # EATA: β = 2000
-    'fisher_samples': 2000,                    # EATA: 2000 source samples
-    'predict': 'before'},
-    ranges={'learning_rate': POSITIVE, 'lr_batch_size': POSITIVE_INT,
-            'momentum': interval(0, 1, high_open=True), 'entropy_margin': POSITIVE,
-            # ε > 0: at 0 every example after the first kept batch counts as redundant
-            'redundancy_epsilon': POSITIVE,
-            'fisher_weight': NONNEGATIVE,   # 0: no regulariser (no source data needed)
-            'fisher_samples': POSITIVE_INT, 'predict': common.PREDICT_RANGE},
-    learnable={'learning_rate': 'log'})
-def build_eata(module, hparams, context: SourceContext) -> Adapter:
-  """The registry's builder: this method from its ``config.adapters.eata``, SGD's rate
-  scaled linearly from ``lr_batch_size`` to the test batch."""
-  if hparams.fisher_weight and context.source_x is None:
-    raise ValueError('config.adapters.eata.fisher_weight: the Fisher regulariser needs '
-                     'labelled source data, which this pipeline does not give its adapters '
-                     '(the federated pipeline\'s eval_adapters); set it to 0 (EATA without '
-                     'the regulariser)')
-  fisher = fisher_information(module, context.variables,
-                              context.source_x[:hparams.fisher_samples]
-                              ) if hparams.fisher_weight else None
-  learning_rate = hparams.learning_rate * context.batch_size / hparams.lr_batch_size
-  return eata(module, context.num_classes, fisher, learning_rate, hparams.momentum,
-              hparams.entropy_margin, hparams.redundancy_epsilon, hparams.fisher_weight,
-              hparams.predict)

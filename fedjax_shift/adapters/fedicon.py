@@ -41,7 +41,7 @@ import optax
 from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.parts.contrastive import MIN_BATCH, projection_of, representation, supcon_loss
-from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.core.test_time import Adapter, register_constructor, test_batch_size
 from fedjax_shift.data import augment
 from fedjax_shift.registry import (NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, one_of,
                                    registered, sequence_of)
@@ -71,11 +71,40 @@ ANCHORS = ('raw', 'symmetric')
 BATCH_NORM = ('frozen', 'test')
 
 
-def fedicon_tta(module, temperature: float = 0.1,
-                learning_rate: float = 0.005, steps: int = 1, memory_size: int = 0,
-                augmentations=augment.VIEW_AUGMENTATIONS.names(), predict: str = 'after',
-                batch_size: int = 0, epochs: int = 1, anchors: str = 'raw',
-                batch_norm: str = 'frozen', weight_decay: float = 0.0) -> Adapter:
+class ContrastiveTTA(NamedTuple):
+  """The section ``config.adapters.fedicon``: Eq. 7's adaptation (module docstring)."""
+  temperature: float = 0.1          # Sec. 5.1: τ = 0.1 in Eq. 7
+  learning_rate: float = 0.005      # Sec. 5.1: lr 0.005 for the contrastive loss
+  steps: int = 1                    # SGD steps per test batch (our choice)
+  memory_size: int = 128            # online variant: test features kept as negatives
+  augmentations: tuple = ('random_resized_crop', 'colour_jitter', 'grayscale',
+                          'gaussian_blur')
+  predict: str = 'after'
+  epochs: int = 1                   # passes over the test split ('transductive' mode)
+  anchors: str = 'raw'              # Eq. 7: raw samples anchor; 'symmetric': views too
+  batch_norm: str = 'frozen'        # running statistics: training's, or 'test' (updated)
+  weight_decay: float = 5e-4        # Sec. 5.1: SGD weight decay 5e-4, as in training
+
+
+@register_constructor(
+    'fedicon', from_context={'batch_size': test_batch_size},
+    ranges={'temperature': POSITIVE, 'learning_rate': POSITIVE, 'steps': POSITIVE_INT,
+            # 0: no memory; else at least the test batch (fedicon_tta checks)
+            'memory_size': NONNEGATIVE_INT,
+            'augmentations': sequence_of(registered(augment.VIEW_AUGMENTATIONS)),
+            'predict': common.PREDICT_RANGE, 'epochs': POSITIVE_INT,
+            'anchors': one_of(*ANCHORS), 'batch_norm': one_of(*BATCH_NORM),
+            'weight_decay': NONNEGATIVE},
+    # FedICON's methods, and Local and FedAvg: Table 5's cells without local invariance
+    # extraction, adapted by Eq. 7 on their encoder output (they have no projection).
+    trained_by=('fedicon', 'fedicon_us', 'fedicon_no_sharing', 'fedicon_ce',
+                'fedicon_ce_no_sharing', 'local', 'fedavg'), transductive=True)
+def fedicon_tta(module, batch_size: int = 0,
+                settings: ContrastiveTTA = ContrastiveTTA()) -> Adapter:
+  """FedICON's Eq. 7 adaptation with ``settings`` at test batch ``batch_size`` (0: not
+  checked against the memory and the contrastive minimum)."""
+  (temperature, learning_rate, steps, memory_size, augmentations, predict, epochs, anchors,
+   batch_norm, weight_decay) = settings
   common.check_predict('fedicon', predict)
   common.check_fields('fedicon', {'anchors': (anchors, ANCHORS),
                                   'batch_norm': (batch_norm, BATCH_NORM)},
@@ -146,33 +175,3 @@ def fedicon_tta(module, temperature: float = 0.1,
 
   return Adapter(init, step, lambda state, batch: predict_logits(state.variables, batch.x),
                  epochs)
-
-
-@ADAPTERS.register('fedicon', defaults={
-    'temperature': 0.1,               # Sec. 5.1: τ = 0.1 in Eq. 7
-    'learning_rate': 0.005,           # Sec. 5.1: lr 0.005 for the contrastive loss
-    'steps': 1,                       # SGD steps per test batch (our choice)
-    'memory_size': 128,               # online variant: test features kept as negatives
-    'augmentations': ('random_resized_crop', 'colour_jitter', 'grayscale', 'gaussian_blur'),
-    'predict': 'after',
-    'epochs': 1,                      # passes over the test split ('transductive' mode)
-    'anchors': 'raw',                 # Eq. 7: raw samples anchor; 'symmetric': views too
-    'batch_norm': 'frozen',           # running statistics: training's, or 'test' (updated)
-    'weight_decay': 5e-4},            # Sec. 5.1: SGD weight decay 5e-4, as in training
-    ranges={'temperature': POSITIVE, 'learning_rate': POSITIVE, 'steps': POSITIVE_INT,
-            # 0: no memory; else at least the test batch (fedicon_tta checks)
-            'memory_size': NONNEGATIVE_INT,
-            'augmentations': sequence_of(registered(augment.VIEW_AUGMENTATIONS)),
-            'predict': common.PREDICT_RANGE, 'epochs': POSITIVE_INT,
-            'anchors': one_of(*ANCHORS), 'batch_norm': one_of(*BATCH_NORM),
-            'weight_decay': NONNEGATIVE},
-    # FedICON's methods, and Local and FedAvg: Table 5's cells without local invariance
-    # extraction, adapted by Eq. 7 on their encoder output (they have no projection).
-    trained_by=('fedicon', 'fedicon_us', 'fedicon_no_sharing', 'fedicon_ce',
-                'fedicon_ce_no_sharing', 'local', 'fedavg'), transductive=True)
-def build_fedicon(module, hparams, context: SourceContext) -> Adapter:
-  """The registry's builder: this method from its ``config.adapters.fedicon``."""
-  return fedicon_tta(module, hparams.temperature,
-                     hparams.learning_rate, hparams.steps, hparams.memory_size,
-                     tuple(hparams.augmentations), hparams.predict, context.batch_size,
-                     hparams.epochs, hparams.anchors, hparams.batch_norm, hparams.weight_decay)

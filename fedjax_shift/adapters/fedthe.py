@@ -39,7 +39,7 @@ from fedjax_shift.parts.losses import entropy
 from fedjax_shift.adapters.memo import marginal_entropy
 from fedjax_shift.parts.fedthe_extras import EXTRA
 from fedjax_shift.core.local import masked_mean
-from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.core.test_time import ADAPTERS, Adapter, register_constructor
 from fedjax_shift.data.augment import augment_many
 from fedjax_shift.registry import FRACTION, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, one_of
 
@@ -70,7 +70,7 @@ HISTORY_RULES = ('official', 'continuous')
 
 
 def check_history(rule: str, section: str = 'config.adapters.fedthe') -> None:
-  """A ValueError naming ``<section>.history`` unless ``rule`` is in HISTORY_RULES."""
+  """A ValueError naming ``<section>.history`` (or the function) unless ``rule`` is in HISTORY_RULES."""
   if rule not in HISTORY_RULES:
     raise ValueError(f'{section}.history: choose from {list(HISTORY_RULES)}, got {rule!r}')
 
@@ -97,38 +97,44 @@ def feature_history(features, weight, history, has_history, alpha: float,
   return per_row, last, has
 
 
-class Tuning(NamedTuple):
-  """FedTHE+'s test-time tuning of each sample after the ensemble: ``steps``
-  marginal-entropy SGD steps of ``learning_rate`` over ``num_augmentations`` views (0
-  steps: FedTHE, no tuning)."""
-  steps: int = 0
-  learning_rate: float = 0.0005
-  num_augmentations: int = 16
+RANGES = {
+    'learning_rate': POSITIVE,
+    'steps': NONNEGATIVE_INT,                # 0: the fixed initial_global_weight mixture
+    'alpha': FRACTION, 'beta': FRACTION,
+    'initial_global_weight': FRACTION,       # 1: the global head, 0: the personal head
+    'history': one_of(*HISTORY_RULES),
+    'tune_steps': NONNEGATIVE_INT,           # 0: no FedTHE+ tuning
+    'tune_learning_rate': POSITIVE, 'num_augmentations': POSITIVE_INT,
+}
 
 
+@register_constructor('fedthe', ranges=RANGES, trained_by=('fedthe',),
+                      adapts_models=('personalized',))
 def fedthe_adapter(module, learning_rate: float = 0.1, steps: int = 20, alpha: float = 0.1,
                    beta: float = 0.1, initial_global_weight: float = 0.5,
-                   history: str = 'official', tuning: Tuning = Tuning(),
-                   name: str = 'fedthe') -> Adapter:
-  """FedTHE's two-head ensemble (``steps`` Adam steps of ``learning_rate`` on the
-  per-sample head weights from ``initial_global_weight``; feature history EMA
-  ``alpha``, mixing ``beta``, rule ``history``), then FedTHE+'s ``tuning``; ``name``:
-  the section errors name (config.adapters.<name>)."""
-  tune_steps, tune_learning_rate, num_augmentations = tuning
-  field = f'config.adapters.{name}'
-  check_history(history, field)
+                   history: str = 'official', tune_steps: int = 0,
+                   tune_learning_rate: float = 0.0005, num_augmentations: int = 16) -> Adapter:
+  """FedTHE's two-head ensemble, the authors' code's values: ``steps`` (THE_steps = 20)
+  Adam steps of ``learning_rate`` (0.1: 10 × the round's 0.01) on the per-sample head
+  weights from ``initial_global_weight`` (0.5: softmax of (1, 1)); feature history EMA
+  ``alpha`` (THE_alpha 0.1), mixing ``beta`` (THE_beta 0.1, parameters.py), rule
+  ``history`` (HISTORY_RULES); then FedTHE+'s tuning of each sample, ``tune_steps``
+  marginal-entropy SGD steps (0: FedTHE, none) of ``tune_learning_rate`` (0.0005) over
+  ``num_augmentations`` (16) views."""
+  check_history(history, 'fedthe_adapter')
   if steps < 0 or tune_steps < 0:
-    raise ValueError(f'{field}.steps and .tune_steps must be >= 0, got {steps}, {tune_steps}')
+    raise ValueError(f'fedthe_adapter: steps and tune_steps must be >= 0, got {steps}, '
+                     f'{tune_steps}')
   if not 0.0 <= initial_global_weight <= 1.0:
-    raise ValueError(f'{field}.initial_global_weight must be in [0, 1], got '
+    raise ValueError(f'fedthe_adapter: initial_global_weight must be in [0, 1], got '
                      f'{initial_global_weight}')
   opt = optax.adam(learning_rate)
   initial = jnp.log(jnp.array([initial_global_weight, 1.0 - initial_global_weight]))
 
   def init(variables, rng):
     if EXTRA not in variables:
-      raise ValueError(f'the {name} adapter needs a model trained by fedthe (it has no '
-                       f'global head, client feature and global feature)')
+      raise ValueError('the fedthe adapter needs a model trained by fedthe (it has no '
+                       'global head, client feature and global feature)')
     width = variables[EXTRA]['local_feature'].shape[-1]
     return EnsembleState(variables, jnp.zeros((width,)), jnp.asarray(False), rng)
 
@@ -197,46 +203,8 @@ def fedthe_adapter(module, learning_rate: float = 0.1, steps: int = 20, alpha: f
   return Adapter(init, step)
 
 
-DEFAULTS = {
-    'learning_rate': 0.1,             # authors' code: Adam, 10 × lr (0.01)
-    'steps': 20,                      # authors' code: THE_steps = 20
-    'alpha': 0.1,                     # authors' code: THE_alpha (history EMA)
-    'beta': 0.1,                      # authors' code: THE_beta = 0.1 (parameters.py)
-    'initial_global_weight': 0.5,     # authors' code: softmax of (1, 1)
-    'history': 'official',            # HISTORY_RULES: the authors' code's test history
-}
-
-
-RANGES = {
-    'learning_rate': POSITIVE,
-    'steps': NONNEGATIVE_INT,                # 0: the fixed initial_global_weight mixture
-    'alpha': FRACTION, 'beta': FRACTION,
-    'initial_global_weight': FRACTION,       # 1: the global head, 0: the personal head
-    'history': one_of(*HISTORY_RULES),
-    'tune_steps': NONNEGATIVE_INT,           # 0: no FedTHE+ tuning
-}
-
-
-@ADAPTERS.register('fedthe', defaults={**DEFAULTS, 'tune_steps': 0}, ranges=RANGES,
-                   trained_by=('fedthe',), adapts_models=('personalized',))
-def build_fedthe(module, hparams, context: SourceContext) -> Adapter:
-  """FedTHE: the learned two-head ensemble, from ``config.adapters.fedthe``."""
-  del context
-  return fedthe_adapter(module, hparams.learning_rate, hparams.steps, hparams.alpha,
-                        hparams.beta, hparams.initial_global_weight, hparams.history,
-                        Tuning(hparams.tune_steps))
-
-
-@ADAPTERS.register('fedthe_plus', variant_of='fedthe', defaults={   # what FedTHE+ changes
-    'tune_steps': 3,                  # authors' code: _test_time_tune num_steps = 3
-    'tune_learning_rate': 0.0005,     # authors' code: SGD lr 0.0005
-    'num_augmentations': 16},
-    ranges={'tune_learning_rate': POSITIVE, 'num_augmentations': POSITIVE_INT},
-    trained_by=('fedthe',), adapts_models=('personalized',))
-def build_fedthe_plus(module, hparams, context: SourceContext) -> Adapter:
-  """FedTHE+: the ensemble, then per-sample marginal-entropy tuning."""
-  del context
-  return fedthe_adapter(module, hparams.learning_rate, hparams.steps, hparams.alpha,
-                        hparams.beta, hparams.initial_global_weight, hparams.history,
-                        Tuning(hparams.tune_steps, hparams.tune_learning_rate,
-                               hparams.num_augmentations), 'fedthe_plus')
+# FedTHE+ is FedTHE followed by the tuning: _test_time_tune's num_steps = 3 in the
+# authors' code.
+ADAPTERS.register('fedthe_plus', variant_of='fedthe', defaults={'tune_steps': 3},
+                  trained_by=('fedthe',), adapts_models=('personalized',))(
+                      ADAPTERS.get('fedthe'))

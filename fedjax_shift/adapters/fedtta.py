@@ -81,10 +81,13 @@ class Adaptation(NamedTuple):
   lower entropy (0: none)."""
   step: InnerStep
   max_steps: int = 1             # E (FedTTA: 1; FedTTA++: 50)
-  patience: int = 0
+  patience: int = 0              # 0: no early stopping
   loop: str = 'scan'             # 'scan' (masked, differentiable) | 'while' (stops)
   restore_best: bool = False     # the lowest-entropy model instead of the one at the stop
-  include_initial: bool = False  # ... with ψ_0 among the candidates
+  # ... with ψ_0 among the candidates (the authors' released code); Algorithm 1 selects
+  # among the steps e = 1 … E. A collapsed base is the most confident model, so with ψ_0
+  # the rule can keep it.
+  include_initial: bool = False
   fill_batch: int = 0            # ℓ_per's weights filled to this batch (0: as they are)
 
 
@@ -234,20 +237,15 @@ def build(module, hparams, context: SourceContext) -> Adapter:
   return fedtta_adapter(module, adaptation(hparams))
 
 
+# The section: the settings' defaults (``Adaptation``, ``InnerStep``), but η_inner, ε and
+# the batch ℓ_per's weights fill, which are the trained method's (FROM_TRAINING).
 ADAPTERS.register('fedtta', defaults={
     'inner_learning_rate': FROM_TRAINING,   # η_inner: the trained method's (Eq. 11 = Eq. 5)
-    'max_steps': 1,               # FedTTA: one step (Eq. 11)
-    'patience': 0,
     'norm_epsilon': FROM_TRAINING,          # ε: the trained method's
     'override_training': False,   # True: adapt with this section's η_inner / ε
-    'loop': 'scan',               # 'scan' (masked, differentiable) | 'while' (stops)
-    'restore_best': False,        # (only with patience > 0)
-    # ψ_0 among the candidates (the authors' released code); Algorithm 1 selects among
-    # the steps e = 1 … E. A collapsed base is the most confident model, so with ψ_0 the
-    # rule can keep it.
-    'include_initial': False,
-    'clip_norm': 0.0,             # Eq. 11 = Eq. 5: the step training differentiates
-    'weight_decay': 0.0,
+    **InnerStep._field_defaults,  # no clip, no decay: Eq. 11 = Eq. 5, the step trained through
+    **{field: default for field, default in Adaptation._field_defaults.items()
+       if field != 'fill_batch'},
     'fill_batch': int(FROM_TRAINING)},   # config.client.batch_size (module docstring)
     ranges=RANGES, trained_by=TRAINED_BY,
     for_method=functools.partial(for_method, 'fedtta'))(

@@ -21,7 +21,7 @@ from flax import traverse_util
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
-from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext
+from fedjax_shift.core.test_time import Adapter, SourceContext, register_constructor, whole_context
 from fedjax_shift.parts import losses
 from fedjax_shift.registry import POSITIVE_INT, Range, one_of, require, sequence_of
 
@@ -38,24 +38,6 @@ def block_selector(module, block, input_shape: tuple):
                      f'needs the input shape (SourceContext.input_shape); name the layer '
                      f'instead, e.g. \'encoder/Dense_0\'')
   return models.prefix_selector(block)
-
-
-def surgical(module, block='first', learning_rate: float = 1e-3,
-             predict: str = 'before', optimizer: optax.GradientTransformation | str = 'adam',
-             input_shape: tuple = ()) -> Adapter:
-  """``optimizer``: 'adam' | 'sgd' at ``learning_rate``, or a GradientTransformation."""
-  if isinstance(optimizer, str):
-    optimizer = common.make_optimizer(optimizer, learning_rate)
-  def forward(variables, x):
-    return models.apply(module, variables, x, 'eval')[0]
-
-  def loss_fn(variables, batch, extra):
-    logits = forward(variables, batch.x)
-    return losses.weighted_entropy(logits, batch.weight), (logits, extra)
-
-  return common.gradient_adapter('surgical', block_selector(module, block, input_shape),
-                                 f'surgical block {block!r}', loss_fn, forward,
-                                 optimizer, predict)
 
 
 def layer_of_paths(module, input_shape: tuple, params) -> Tuple[List[str], Dict[tuple, int]]:
@@ -177,30 +159,47 @@ def check(hparams) -> None:
           "select='source_accuracy' takes the authors' SGD step: set optimizer='sgd'")
 
 
-@ADAPTERS.register('surgical', defaults={
-    'learning_rate': 1e-3, 'predict': 'before', 'optimizer': 'adam',
-    # Lee et al.: input-level shift → first block, label (output-level) shift → last
-    # layer; one block name, or one per ATP shift (resolved by the 'atp' pipeline)
-    'block': {'feature': 'first', 'label': 'head', 'hybrid': 'head'},
-    # 'fixed': ``block``; 'source_accuracy': the ATP release's rule, the candidate whose
-    # one-step adaptation scores best on labelled source held-out data (``candidates``:
-    # block names, () = every layer of the model; the first ``selection_examples``)
-    'select': 'fixed', 'candidates': (), 'selection_examples': 1000},
-    ranges={**common.OPTIMIZER_RANGES, 'predict': common.PREDICT_RANGE,
-            'block': BLOCK,   # each shift's, or one for all
-            'select': one_of(*SELECT), 'candidates': sequence_of(CANDIDATE),
-            'selection_examples': POSITIVE_INT},
-    check=check)
-def build_surgical(module, hparams, context: SourceContext) -> Adapter:
-  """The registry's builder: this method from its ``config.adapters.surgical``."""
-  if hparams.select == 'source_accuracy':
-    return source_selected(module, context, hparams.learning_rate, hparams.predict,
-                           tuple(hparams.candidates), hparams.selection_examples)
-  block = hparams.block
+# Lee et al.: input-level shift → the first block, label (output-level) shift → the last
+# layer; one block name, or one per ATP shift (resolved by the 'atp' pipeline).
+BLOCK_PER_SHIFT = {'feature': 'first', 'label': 'head', 'hybrid': 'head'}
+
+
+@register_constructor('surgical', from_context={'source': whole_context},
+                      ranges={**common.OPTIMIZER_RANGES, 'predict': common.PREDICT_RANGE,
+                              'block': BLOCK,   # each shift's, or one for all
+                              'select': one_of(*SELECT),
+                              'candidates': sequence_of(CANDIDATE),
+                              'selection_examples': POSITIVE_INT},
+                      check=check)
+def surgical(module, source: SourceContext, block=BLOCK_PER_SHIFT,
+             learning_rate: float = 1e-3, predict: str = 'before',
+             optimizer: optax.GradientTransformation | str = 'adam', select: str = 'fixed',
+             candidates: Sequence = (), selection_examples: int = 1000) -> Adapter:
+  """Surgical fine-tuning of ``block`` (a name; a mapping per shift is resolved by the atp
+  pipeline) by ``optimizer`` ('adam' | 'sgd' at ``learning_rate``, or a
+  GradientTransformation), one step per test batch. ``select``: 'fixed' (``block``) or
+  'source_accuracy', the ATP release's rule: the candidate whose one-step adaptation
+  scores best on ``source``'s labelled held-out data (``candidates``: block names,
+  () = every layer of the model; the first ``selection_examples``). ``source``'s input
+  shape places 'first', 'last' and layer indices in the model's layer order."""
+  if select == 'source_accuracy':
+    return source_selected(module, source, learning_rate, predict, tuple(candidates),
+                           selection_examples)
   if not isinstance(block, str):
     raise ValueError(f'config.adapters.surgical.block: name one block here; a mapping per '
                      f'shift ({dict(block)}) is resolved by the atp pipeline')
-  input_shape = context.input_shape or (tuple(context.source_x.shape[1:])
-                                         if context.source_x is not None else ())
-  return surgical(module, block, hparams.learning_rate, hparams.predict, hparams.optimizer,
-                  input_shape=input_shape)
+  if isinstance(optimizer, str):
+    optimizer = common.make_optimizer(optimizer, learning_rate)
+  input_shape = source.input_shape or (tuple(source.source_x.shape[1:])
+                                       if source.source_x is not None else ())
+
+  def forward(variables, x):
+    return models.apply(module, variables, x, 'eval')[0]
+
+  def loss_fn(variables, batch, extra):
+    logits = forward(variables, batch.x)
+    return losses.weighted_entropy(logits, batch.weight), (logits, extra)
+
+  return common.gradient_adapter('surgical', block_selector(module, block, input_shape),
+                                 f'surgical block {block!r}', loss_fn, forward,
+                                 optimizer, predict)

@@ -92,16 +92,47 @@ def class_count(module, context: SourceContext) -> int:
   return context.num_classes
 
 
+def test_batch_size(module, context: SourceContext) -> int:
+  """B, for ``register_constructor(from_context={'batch_size': test_batch_size})``."""
+  del module
+  return context.batch_size
+
+
+def whole_context(module, context: SourceContext) -> SourceContext:
+  """The source context itself, for a constructor that reads several of its fields."""
+  del module
+  return context
+
+
+def settings_type(default) -> bool:
+  """Whether a constructor parameter's default is a NamedTuple of settings (its fields
+  are the section's, ``register_constructor``)."""
+  return isinstance(default, tuple) and hasattr(default, '_fields')
+
+
+def constructor_defaults(constructor: Callable, from_context=()) -> Dict[str, Any]:
+  """{field: default} of ``constructor(module, ...)``'s config section: its parameters
+  after ``module`` but those the source context gives (``from_context``) and the
+  keyword-only ones (the Python API's), a NamedTuple default's fields in its place."""
+  out = {}
+  for p in tuple(inspect.signature(constructor).parameters.values())[1:]:
+    if p.name in from_context or p.kind is inspect.Parameter.KEYWORD_ONLY:
+      continue
+    out.update(p.default._asdict() if settings_type(p.default) else {p.name: p.default})
+  return out
+
+
 def register_constructor(name: str, from_context: Optional[Dict[str, Callable]] = None,
                          **registration) -> Callable:
   """Decorator: registers the adapter constructor ``constructor(module, **fields)``
   under ``name``, its config fields (``config.adapters.<name>``) and their defaults
   read from its parameters after ``module``, so each default is written once, in the
-  signature. ``from_context``: {parameter: f(module, context)} for the parameters the
-  source context gives (C, a confusion matrix), not fields; keyword-only parameters
-  are the Python API's alone (left at their defaults). ``registration``: the rest of
-  ``ADAPTERS.register``'s arguments (ranges, check, meta). The constructor is returned
-  unchanged."""
+  signature; a parameter whose default is a NamedTuple of settings gives its fields
+  (built from the section's). ``from_context``: {parameter: f(module, context)} for the
+  parameters the source context gives (C, a confusion matrix), not fields;
+  keyword-only parameters are the Python API's alone (left at their defaults).
+  ``registration``: the rest of ``ADAPTERS.register``'s arguments (ranges, check,
+  meta). The constructor is returned unchanged."""
   from_context = dict(from_context or {})
 
   def decorator(constructor: Callable[..., Adapter]) -> Callable[..., Adapter]:
@@ -116,12 +147,19 @@ def register_constructor(name: str, from_context: Optional[Dict[str, Callable]] 
                        f'adapter {name!r}: constructor parameters {missing} have no default '
                        f'(each config field needs one)')
 
+    def argument(p, hparams):
+      if settings_type(p.default):
+        return type(p.default)(**{field: hparams[field] for field in p.default._fields})
+      return hparams[p.name]
+
     def build(module, hparams, context: SourceContext) -> Adapter:
       given = {parameter: f(module, context) for parameter, f in from_context.items()}
-      return constructor(module, **given, **{p.name: hparams[p.name] for p in fields})
+      return constructor(module, **given, **{p.name: argument(p, hparams) for p in fields})
 
     build.__doc__ = f'The registry\'s builder: {constructor.__name__} from config.adapters.{name}.'
-    ADAPTERS.register(name, defaults={p.name: p.default for p in fields}, **registration)(build)
+    ADAPTERS.register(name, defaults=constructor_defaults(constructor, from_context),
+                      constructor=constructor, from_context=tuple(from_context),
+                      **registration)(build)
     return constructor
   return decorator
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from fedjax_shift import models
 from fedjax_shift.adapters import atp as atp_lib
-from fedjax_shift.adapters.fedicon import fedicon_tta
+from fedjax_shift.adapters.fedicon import ContrastiveTTA, fedicon_tta
 from fedjax_shift.adapters.fedthe import fedthe_adapter
 from fedjax_shift.adapters.fedtta import Adaptation, adapt, fedtta_adapter
 from fedjax_shift.adapters.surgical import selection_scores, source_selected
@@ -50,8 +50,8 @@ def case_tta(vmapped: bool, mode: str = 'online'):
   elif FLAGS.tta_adapter == 'fedicon':   # a FedICON model: encoder, projection, head
     _, _, _, _, server = setup_algorithm(num_clients(), 'algorithm:fedicon')
     variables = server.variables
-    adapter = fedicon_tta(module, memory_size=8 * FLAGS.batch_size,
-                          batch_size=FLAGS.batch_size, epochs=FLAGS.tta_epochs)
+    adapter = fedicon_tta(module, FLAGS.batch_size, ContrastiveTTA(
+        memory_size=8 * FLAGS.batch_size, epochs=FLAGS.tta_epochs))
   else:                                  # a FedTHE model: two heads and the features
     _, _, _, _, server = setup_algorithm(num_clients(), 'algorithm:fedthe')
     state = PersonalState(server.variables['params']['head'], server.global_feature)
