@@ -25,7 +25,7 @@ from fedjax_shift.adapters import ADAPTERS
 from fedjax_shift.algorithms import ALGORITHMS
 from fedjax_shift.benchmarks import DATA_DEFAULTS, data_sections
 from fedjax_shift.core import plan
-from fedjax_shift.pipelines import PIPELINES
+from fedjax_shift.pipelines import PIPELINES, callbacks
 
 
 def engine_defaults() -> ml_collections.ConfigDict:
@@ -128,11 +128,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 5
   c.keep_checkpoints = 2            # >= 1: the final checkpoint is what a re-run resumes from
   c.resume = ''                     # '' | 'extend': continue finished runs to a larger rounds
+                                    # (and runs stopped early past their stop)
   c.on_divergence = 'stop'          # 'stop' | 'continue': a NaN run stops the pipeline, or is
                                     # recorded as diverged and the other runs go on
   c.progress = True                 # a bar on a terminal; in a log file, plain lines:
   c.log_every = 0                   # every log_every rounds (0: about a tenth of the run)
   c.tensorboard = True              # <run dir>/tensorboard/: metrics.jsonl as event files
+  c.early_stopping = callbacks.early_stopping_defaults()   # stop a run on a validation metric
+  c.log_to = ()                     # loggers of every record: ('wandb',), ('mlflow',) (extras)
+  c.log_project = 'fedjax_shift'    # ... their W&B project / MLflow experiment
   c.sweep = ml_collections.ConfigDict()   # a hyperparameter grid shaped as the config, e.g.
                                     # {'client': {'learning_rate': (0.01, 0.1)}}: each point
                                     # x seed a run (pipelines/sweep.py)

@@ -35,7 +35,8 @@ NON_STATE_FIELDS = ('progress', 'eval_every', 'checkpoint_every', 'keep_checkpoi
                     'eval_adapter_batch_size', 'eval_adapter_splits', 'paper_tables', 'paper_rounds',
                     'engine', 'adapters', 'tta',
                     'pipeline', 'data.store', 'data.store_dir', 'data.pad_to', 'on_divergence', 'log_every',
-                    'tensorboard', 'sweep', 'sweep_select', 'sweep_metric')
+                    'tensorboard', 'sweep', 'sweep_select', 'sweep_metric', 'early_stopping',
+                    'log_to', 'log_project')
 
 
 # Runs recorded before the benchmarks had data sections of their own recorded the

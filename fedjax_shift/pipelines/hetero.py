@@ -244,7 +244,8 @@ def _train_and_evaluate(config, run_dir: str, seed: int) -> Dict[str, object]:
           # a client sends f(D_p; ψ) and f(D_p; ψ̃): 2 · P · C numbers
           'uploaded_parameters': 2 * num_public * bench.num_classes,
           'group_sizes': {size: len(ids) for size, ids in zip(hp.sizes, group_ids)},
-          'cohort_sizes': dict(zip(hp.sizes, sizes))}
+          'cohort_sizes': dict(zip(hp.sizes, sizes)),
+          **({'stopped': outcome.stopped} if outcome.stopped is not None else {})}
 
 
 def build_evaluate(config, num_classes: int, parts: Setup, val: federated.FederatedData,

@@ -23,7 +23,7 @@ and leaves the other runs going.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ from fedjax_shift.core.algorithm import FederatedAlgorithm
 from fedjax_shift.core.round import round_key
 from fedjax_shift.core.runs import grid_round, stack_runs, take_run
 from fedjax_shift.data import store
-from fedjax_shift.pipelines import loop, sweep
+from fedjax_shift.pipelines import callbacks, loop, sweep
 from fedjax_shift.pipelines import workdir as workdir_lib
 from fedjax_shift.pipelines.base import CompileClock
 from fedjax_shift.pipelines.run_config import round_backend
@@ -167,10 +167,8 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
                for j in range(len(points))]     # per point
   live_points = [j for j in range(len(points)) if live_runs[j]]
   dropped = [i for i in sorted(settled) if not live_runs[i // num_seeds]]
-  # Points whose every run already reached config.rounds (a grid extended by new
-  # values) are evaluated apart, so that the new points do not rewind them.
-  finished = [j for j in live_points if common_checkpoint_round(
-      [run_dirs[i] for i in live_runs[j]], config.rounds) == config.rounds]
+  stopped = early_stopped(config, run_dirs, settled)
+  finished = finished_points(config, run_dirs, live_runs, stopped)
   groups = [g for g in (finished, [j for j in live_points if j not in finished]) if g]
   split = bool(dropped) or len(groups) > 1
   for i in dropped if split else sorted(settled):   # the calls below log the others
@@ -186,7 +184,8 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
             record(i, loop.Outcome({}, 0.0, None, settled[i]), None, None)
             for i in range(len(runs))]
   live = [i for i in range(len(runs)) if i not in settled]
-  common = common_checkpoint_round([run_dirs[i] for i in live], config.rounds)
+  common = common_checkpoint_round([run_dirs[i] for i in live if i not in stopped],
+                                   config.rounds)
   benches = {seed: build_data(config, seed) for seed in seeds}
   fixed = {p: v for p, v in points[0].items() if p not in fields}
   values = [tuple(float(point[f]) for f in fields) for point in points]
@@ -210,9 +209,11 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
           built = family.at(values[points.index(point)], algorithm, module)
         opened.append(setup_run(point_config, run_dir, name, seed,
                                 RunInputs(bench=benches[seed], programs=programs,
-                                          backbone=backbone), max_round=common, built=built))
+                                          backbone=backbone),
+                                max_round=None if i in stopped else common, built=built))
       first = opened[live[0]]
-      check_lockstep(config, name, [opened[i] for i in live], seeds)
+      check_lockstep(config, name, [opened[i] for i in live], seeds,
+                     [opened[i] for i in live if i not in stopped])
       if fields:
         round_fn = family.traced(lambda p: p.round_device)
       else:
@@ -232,6 +233,27 @@ def train_lockstep(config: ml_collections.ConfigDict, workdir: str, name: str,
           o.run.checkpointer.close()
   return [record(i, outcome, o and o.upload, clock)
           for i, (outcome, o) in enumerate(zip(outcomes, opened))]
+
+
+def finished_points(config: ml_collections.ConfigDict, run_dirs: Sequence[str],
+                    live_runs: Sequence[Sequence[int]], stopped: Set[int]) -> List[int]:
+  """The points (by index) with runs left whose every run already reached
+  ``config.rounds`` (a grid extended by new values) or stopped early: evaluated apart, so
+  that the new points do not rewind them (a stopped run resumes at its stop round, not at
+  the others' common round)."""
+  return [j for j, runs in enumerate(live_runs) if runs and common_checkpoint_round(
+      [run_dirs[i] for i in runs if i not in stopped], config.rounds, config.rounds)
+      == config.rounds]
+
+
+def early_stopped(config: ml_collections.ConfigDict, run_dirs: Sequence[str],
+                  settled: Dict[int, Any]) -> Set[int]:
+  """The runs (by index) a callback stopped before ``config.rounds`` (their
+  ``callbacks.STOPPED_FILE``), which stay there unless ``config.resume='extend'``."""
+  if config.resume == 'extend':
+    return set()
+  return {i for i, marker in callbacks.read_stops(run_dirs).items()
+          if i not in settled and marker['round'] < config.rounds}
 
 
 def grid_trainer(config: ml_collections.ConfigDict, name: str, round_fn: Callable,
@@ -268,8 +290,9 @@ def grid_trainer(config: ml_collections.ConfigDict, name: str, round_fn: Callabl
 
 
 def check_lockstep(config: ml_collections.ConfigDict, name: str, opened: Sequence[OpenedRun],
-                   seeds) -> None:
-  """Raises when the runs cannot share one program."""
+                   seeds, training: Sequence[OpenedRun]) -> None:
+  """Raises when the runs cannot share one program, or those of them ``training`` (not
+  stopped early) resumed at different rounds."""
   first = opened[0]
   shape = store.layout_key(first.bench.splits['train'])
   key = program_key(config, name, first.bench)
@@ -281,18 +304,19 @@ def check_lockstep(config: ml_collections.ConfigDict, name: str, opened: Sequenc
           f'{store.layout_key(other.bench.splits["train"])}); set '
           f'config.data.pad_to to a bound on every client of every seed so that they share '
           f'one shape')
-  rounds = {o.run.label: o.run.start_round for o in opened}
+  rounds = {o.run.label: o.run.start_round for o in training}
   if len(set(rounds.values())) > 1:   # common_checkpoint_round chose a round all have
     raise ValueError(f'config.engine.vmap_seeds: the runs resumed at different rounds '
                      f'{rounds}')
 
 
-def common_checkpoint_round(run_dirs: Sequence[str], rounds: int) -> int:
+def common_checkpoint_round(run_dirs: Sequence[str], rounds: int, none: int = 0) -> int:
   """The newest checkpointed round (<= ``rounds``) that every run of ``run_dirs`` has
-  (0: none), where runs trained in lockstep resume: after a kill between the per-run
-  saves, the runs ahead go back to it (training is deterministic, so they retrain the
-  same rounds). A run that diverged is not among ``run_dirs`` (``train_lockstep``)."""
+  (0: none; ``none`` when ``run_dirs`` is empty), where runs trained in lockstep resume:
+  after a kill between the per-run saves, the runs ahead go back to it (training is
+  deterministic, so they retrain the same rounds). A run that diverged or stopped early
+  is not among ``run_dirs`` (``train_lockstep``)."""
   def newest() -> int:
     kept = [set(r for r in workdir_lib.checkpoint_rounds(d) if r <= rounds) for d in run_dirs]
-    return max(set.intersection(*kept) if kept else set(), default=0)
+    return max(set.intersection(*kept), default=0) if kept else none
   return distributed.primary_decides(newest, f'the checkpoints of {len(run_dirs)} runs')

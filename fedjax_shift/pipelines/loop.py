@@ -36,6 +36,7 @@ from jax import monitoring
 from fedjax_shift import distributed
 from fedjax_shift.checkpoint import RunState
 from fedjax_shift.core.round import memory_error
+from fedjax_shift.pipelines import callbacks as callbacks_lib
 from fedjax_shift.pipelines.workdir import WorkdirLock
 
 log = logging.getLogger('fedjax_shift')
@@ -283,6 +284,7 @@ class Outcome(NamedTuple):
   elapsed: float                    # training seconds
   state: Any                        # the run's final state (``Trainer.take``)
   diverged: Optional[DivergenceError] = None
+  stopped: Optional[Dict[str, Any]] = None   # a callback's stop: {'round', 'reason'}
 
 
 def call_end(start: int, rounds: int, rounds_per_call: int, eval_every: int) -> int:
@@ -353,20 +355,26 @@ class Cadence(NamedTuple):
   ``eval_every`` rounds and at the last, a checkpoint every ``checkpoint_every``;
   ``keep_going``: a run whose loss turns non-finite is marked diverged (its Outcome
   carries the error) and the others go on, else the DivergenceError is raised;
-  ``progress``: show ``Progress`` (a line every ``log_every`` rounds off a terminal)."""
+  ``progress``: show ``Progress`` (a line every ``log_every`` rounds off a terminal);
+  ``callbacks``: ``callbacks.Callback``s; ``extend``: a run a callback stopped early
+  trains on (``config.resume='extend'``) instead of staying stopped."""
   rounds: int
   eval_every: int
   checkpoint_every: int
   keep_going: bool = False
   progress: bool = True
   log_every: int = 0
+  callbacks: Tuple[callbacks_lib.Callback, ...] = ()
+  extend: bool = False
 
   @classmethod
   def of(cls, config, keep_going: Optional[bool] = None) -> 'Cadence':
-    """The run config's (``keep_going`` None: ``config.on_divergence == 'continue'``)."""
+    """The run config's (``keep_going`` None: ``config.on_divergence == 'continue'``),
+    with its callbacks and those given from Python (``callbacks.for_config``)."""
     return cls(config.rounds, config.eval_every, config.checkpoint_every,
                config.on_divergence == 'continue' if keep_going is None else keep_going,
-               config.progress, config.log_every)
+               config.progress, config.log_every, callbacks_lib.for_config(config),
+               config.resume == 'extend')
 
 
 def _advance(trainer: Trainer, state, start: int, stop: int):
@@ -424,45 +432,167 @@ def _progress_fields(metrics: Dict[str, np.ndarray], live: List[int], trainer: T
   return fields
 
 
+class _Book:
+  """The loop's bookkeeping of each run: seconds, last checkpoint, last evaluation, and
+  whether it diverged or a callback stopped it (those are neither trained nor saved)."""
+
+  def __init__(self, runs: Sequence[Run], trainer: Trainer, cadence: Cadence,
+               settled: Optional[Dict[int, DivergenceError]], state):
+    self.runs, self.trainer, self.cadence = runs, trainer, cadence
+    self.diverged: Dict[int, DivergenceError] = dict(settled or {})
+    self.stopped = self._settled_stops(state)   # i -> (its stop record, its Outcome)
+    starts = {run.label: run.start_round for i, run in enumerate(runs) if self.is_live(i)}
+    if len(set(starts.values())) > 1:
+      raise ValueError(f'runs trained in lockstep must start at one round; their '
+                       f'checkpoints are at {starts}')
+    self.start = next(iter(starts.values()), cadence.rounds)
+    self.elapsed = [run.elapsed for run in runs]
+    self.summaries: List[Dict[str, float]] = [{} for _ in runs]
+    self.saved_at = [run.start_round for run in runs]   # each run's last checkpoint
+    self.started: List[int] = []                         # runs told on_start
+
+  def _settled_stops(self, state) -> Dict[int, Tuple[Dict[str, Any], Outcome]]:
+    """The runs a callback stopped before at the round they resume at (their
+    ``callbacks.STOPPED_FILE``), evaluated at it; with ``cadence.extend`` they train on."""
+    rounds = self.cadence.rounds
+    markers = callbacks_lib.read_stops([run.run_dir for run in self.runs])
+    out = {}
+    for i, marker in markers.items():
+      run = self.runs[i]
+      if i in self.diverged or run.start_round >= rounds:
+        continue
+      if self.cadence.extend or marker['round'] != run.start_round:
+        log.info('%s: stopped early at round %d (%s); %s', run.label, marker['round'],
+                 marker['reason'], 'config.resume=extend: trains on' if self.cadence.extend
+                 else f'its checkpoints are at round {run.start_round} now: trains on')
+        callbacks_lib.clear_stop(run.run_dir)
+        continue
+      log.info('%s: stopped early at round %d (%s); evaluated there, not trained (%s, or '
+               "config.resume='extend', trains it on)", run.label, marker['round'],
+               marker['reason'], os.path.join(run.run_dir, callbacks_lib.STOPPED_FILE))
+      own = self.trainer.take(state, i)
+      out[i] = (marker, Outcome(run.evaluate(own), run.elapsed, own, stopped=marker))
+    return out
+
+  def is_live(self, i: int) -> bool:
+    return i not in self.diverged and i not in self.stopped
+
+  def live(self) -> List[int]:
+    return [i for i in range(len(self.runs)) if self.is_live(i)]
+
+  def save(self, i: int, state, completed: int) -> None:
+    self.runs[i].checkpointer.save(completed, RunState(*self.trainer.take(state, i),
+                                                       jnp.float32(self.elapsed[i])),
+                                   force=True)
+    self.saved_at[i] = completed
+
+  def save_live(self, state, completed: int) -> List[str]:
+    """Checkpoints the live runs that trained rounds; their labels."""
+    saved = [i for i in self.live() if completed > self.runs[i].start_round]
+    for i in saved:
+      if self.saved_at[i] != completed:
+        self.save(i, state, completed)
+    mark_unsaved(False)
+    return [self.runs[i].label for i in saved]
+
+  def diverges(self, i: int, metrics: Dict[str, np.ndarray], first: int) -> bool:
+    """Whether run i's loss turned non-finite in the call (raised unless keep_going)."""
+    bad = np.flatnonzero(~np.isfinite(metrics['loss'][:, i]))
+    if not bad.size:
+      return False
+    run = self.runs[i]
+    error = _divergence(run, metrics['loss'][bad[0], i], first + bad[0] + 1)
+    if not self.cadence.keep_going:
+      raise error
+    log.warning('%s; config.on_divergence=continue: the other runs go on', error)
+    self.diverged[i] = error
+    record_divergence(run.run_dir, first + int(bad[0]) + 1, error)
+    return True
+
+  def on_start(self) -> None:
+    for i in self.live() if self.cadence.callbacks else ():
+      run = self.runs[i]
+      event = callbacks_lib.start_event(run.label, run.run_dir, self.start,
+                                        self.cadence.rounds)
+      self.started.append(i)
+      for callback in self.cadence.callbacks:
+        callback.on_start(event)
+
+  def ask(self, i: int, records: List[dict], own, evaluated: bool) -> Optional[str]:
+    """Every callback's ``on_round`` on run i's records of a call (the state with the
+    last); the first stop reason given, at a round before the last (None: go on)."""
+    run, rounds, reason = self.runs[i], self.cadence.rounds, None
+    for record in records:
+      last = record is records[-1]
+      event = callbacks_lib.RoundEnd(run.label, run.run_dir, record['round'], rounds,
+                                     record, evaluated and last, own if last else None)
+      for callback in self.cadence.callbacks:   # each is told, even after a stop
+        asked = callbacks_lib.stop_reason(callback, callback.on_round(event))
+        reason = reason or asked
+    return reason if records[-1]['round'] < rounds else None
+
+  def stop(self, i: int, state, completed: int, own, reason: str) -> None:
+    """Run i stops after round ``completed``: checkpointed there with its record."""
+    run = self.runs[i]
+    if not self.summaries[i]:
+      self.summaries[i] = run.evaluate(own)
+    self.save(i, state, completed)
+    marker = {'round': completed, 'reason': reason}
+    callbacks_lib.record_stop(run.run_dir, completed, reason)
+    log.info('%s: stopped early after round %d of %d: %s', run.label, completed,
+             self.cadence.rounds, reason)
+    self.stopped[i] = (marker, Outcome(self.summaries[i], self.elapsed[i], own,
+                                       stopped=marker))
+
+  def on_end(self, completed: int, error: Optional[str]) -> None:
+    for i in self.started:
+      run, marker = self.runs[i], self.stopped.get(i, (None,))[0]
+      failed = str(self.diverged[i]) if i in self.diverged else error
+      event = callbacks_lib.RunEnd(run.label, run.run_dir,
+                                   marker['round'] if marker else completed,
+                                   self.summaries[i], marker and marker['reason'], failed)
+      for callback in self.cadence.callbacks:
+        callback.on_end(event)
+
+  def outcomes(self, state) -> List[Outcome]:
+    out = []
+    for i, run in enumerate(self.runs):
+      if i in self.diverged:
+        out.append(Outcome({}, self.elapsed[i], None, self.diverged[i]))
+      elif i in self.stopped:
+        out.append(self.stopped[i][1])
+      else:
+        own = self.trainer.take(state, i)   # a run resumed after its final round: evaluated
+        out.append(Outcome(self.summaries[i] or run.evaluate(own), self.elapsed[i], own))
+    return out
+
+
 def train(runs: Sequence[Run], state, trainer: Trainer, cadence: Cadence,
           description: str = '', settled: Optional[Dict[int, DivergenceError]] = None
           ) -> List[Outcome]:
-  """Trains every run of ``runs`` from their common start round to ``cadence.rounds``.
+  """Trains every run of ``runs`` from their common start round to ``cadence.rounds``,
+  telling ``cadence.callbacks`` of each start, round and end.
 
   ``settled``: runs (by index) that diverged before, within the rounds (their
   ``DIVERGED_FILE``): they hold a place in ``state`` but are neither trained on nor
-  saved, and their Outcome carries that error. Returns one Outcome per run, in order.
+  saved, and their Outcome carries that error. A run a callback stopped (now, or before
+  at the round it resumes at: its ``callbacks.STOPPED_FILE``) holds its place the same
+  way; its Outcome is its evaluation at the stop round. Returns one Outcome per run, in
+  order.
   """
-  rounds = cadence.rounds
-  diverged: Dict[int, DivergenceError] = dict(settled or {})
-  starts = {run.label: run.start_round for i, run in enumerate(runs) if i not in diverged}
-  if len(set(starts.values())) > 1:
-    raise ValueError(f'runs trained in lockstep must start at one round; their checkpoints '
-                     f'are at {starts}')
-  count = len(runs)
-  completed = next(iter(starts.values()), rounds)
-  elapsed = [run.elapsed for run in runs]
-  summaries: List[Dict[str, float]] = [{} for _ in runs]
+  rounds, count = cadence.rounds, len(runs)
+  book = _Book(runs, trainer, cadence, settled, state)
+  completed = book.start
   bar = Progress(rounds, completed, description, cadence.log_every) if cadence.progress else None
-  saved_at = [run.start_round for run in runs]   # each run's last checkpoint
-
-  def save(i: int) -> None:
-    runs[i].checkpointer.save(
-        completed, RunState(*trainer.take(state, i), jnp.float32(elapsed[i])), force=True)
-    saved_at[i] = completed
-
-  def save_live() -> None:
-    for i, run in enumerate(runs):
-      if i not in diverged and completed > run.start_round:
-        save(i)
-    mark_unsaved(False)
-
   signals = contextlib.ExitStack()
   requests = signals.enter_context(stop_requests())
   compiling = CompileSeconds()
   signals.callback(compiling.close)
+  error = None   # what ended the loop early, for the callbacks' on_end
   try:
-    while completed < rounds:
+    if completed < rounds:
+      book.on_start()
+    while completed < rounds and book.live():
       compiling.take()
       tick = time.perf_counter()
       stop = call_end(completed, rounds, trainer.rounds_per_call, cadence.eval_every)
@@ -471,47 +601,43 @@ def train(runs: Sequence[Run], state, trainer: Trainer, cadence: Cadence,
       seconds = time.perf_counter() - tick
       compile_seconds = compiling.take()
       first, completed = completed, stop
-      for i, run in enumerate(runs):
-        if i in diverged:
+      evaluate_now = completed % cadence.eval_every == 0 or completed == rounds
+      for i in book.live():
+        if book.diverges(i, metrics, first):
           continue
-        bad = np.flatnonzero(~np.isfinite(metrics['loss'][:, i]))
-        if bad.size:
-          error = _divergence(run, metrics['loss'][bad[0], i], first + bad[0] + 1)
-          if not cadence.keep_going:
-            raise error
-          log.warning('%s; config.on_divergence=continue: the other runs go on', error)
-          diverged[i] = error
-          record_divergence(run.run_dir, first + int(bad[0]) + 1, error)
-          continue
-        elapsed[i] += seconds / count
-        records, summary = _call_records(
-            run, i, trainer.take(state, i), metrics, first, seconds / count, compile_seconds,
-            trainer, completed % cadence.eval_every == 0 or completed == rounds)
-        if summary is not None:
-          summaries[i] = summary
+        run, own = runs[i], trainer.take(state, i)
+        book.elapsed[i] += seconds / count
+        records, summary = _call_records(run, i, own, metrics, first, seconds / count,
+                                         compile_seconds, trainer, evaluate_now)
+        book.summaries[i] = summary or book.summaries[i]
+        reason = book.ask(i, records, own, evaluate_now)
+        if reason is not None and not evaluate_now:   # its results: evaluated at the stop
+          book.summaries[i] = run.evaluate(own)
+          records[-1].update(book.summaries[i])
         for record in records:
           run.writer.write(record)
-        if completed == rounds or any(r % cadence.checkpoint_every == 0
-                                      for r in range(first + 1, completed + 1)):
-          save(i)
-      mark_unsaved(any(saved_at[i] != completed for i in range(count) if i not in diverged))
-      if len(diverged) == count:   # nothing left to train
-        break
+        if reason is not None:
+          book.stop(i, state, completed, own, reason)
+        elif completed == rounds or any(r % cadence.checkpoint_every == 0
+                                        for r in range(first + 1, completed + 1)):
+          book.save(i, state, completed)
+      mark_unsaved(any(book.saved_at[i] != completed for i in book.live()))
       if bar is not None:
-        live = [i for i in range(count) if i not in diverged]
-        bar.update(stop - first, _progress_fields(metrics, live, trainer, seconds),
+        bar.update(stop - first, _progress_fields(metrics, book.live(), trainer, seconds),
                    compile_seconds)
-      if requests and completed < rounds:
-        save_live()
+      if requests and completed < rounds and book.live():
+        book.save_live(state, completed)
         raise Preempted(f'{requests[0]} received: stopped after round {completed} of '
                         f'{rounds} with checkpoints saved ({", ".join(r.label for r in runs)}); '
                         f'run the same command again to resume')
   except KeyboardInterrupt:
-    saved = [run.label for i, run in enumerate(runs)
-             if i not in diverged and completed > run.start_round]
-    save_live()
+    saved = book.save_live(state, completed)
+    error = 'interrupted'
     raise Interrupted(f'interrupted: saved round {completed} of {", ".join(saved)}' if saved
                       else 'interrupted before a round was trained: nothing to save') from None
+  except BaseException as err:
+    error = f'{type(err).__name__}: {err}'
+    raise
   finally:
     mark_unsaved(False)   # what is not saved now is lost with the error that ends the loop
     signals.close()
@@ -520,12 +646,5 @@ def train(runs: Sequence[Run], state, trainer: Trainer, cadence: Cadence,
     for run in runs:
       if run.writer is not None:
         run.writer.close()
-  return [Outcome({}, elapsed[i], None, diverged[i]) if i in diverged else
-          _outcome(run, trainer.take(state, i), summaries[i], elapsed[i])
-          for i, run in enumerate(runs)]
-
-
-def _outcome(run: Run, own, summary: Dict[str, float], elapsed: float) -> Outcome:
-  """A trained run's Outcome: its last evaluation (a run resumed after its final round,
-  with none: the restored state's)."""
-  return Outcome(summary or run.evaluate(own), elapsed, own)
+    book.on_end(completed, error)
+  return book.outcomes(state)

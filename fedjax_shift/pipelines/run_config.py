@@ -18,6 +18,7 @@ from fedjax_shift.algorithms import ALGORITHMS, base
 from fedjax_shift.benchmarks import BENCHMARKS, check_data
 from fedjax_shift.core.round import BACKENDS, SAMPLING, WEIGHTING
 from fedjax_shift.core.test_time import ADAPTERS, mode_problem
+from fedjax_shift.pipelines import callbacks
 from fedjax_shift.pipelines.base import PIPELINES
 from fedjax_shift.pipelines.workdir import RESUME_CHOICES
 from fedjax_shift.registry import require, require_distinct
@@ -163,7 +164,8 @@ def check_run_loop(config: ml_collections.ConfigDict) -> None:
   checkpoint.check_keep(config.keep_checkpoints)
   require(config.resume in RESUME_CHOICES, 'resume',
           f'unknown {config.resume!r}; choose from {list(RESUME_CHOICES)} '
-          f"('extend': continue finished runs to a larger config.rounds)")
+          f"('extend': continue finished runs to a larger config.rounds, and runs "
+          f"stopped early past their stop)")
   require(config.rounds >= 1, 'rounds', f'must be >= 1, got {config.rounds}')
   require(config.data.num_clients >= 1, 'data.num_clients',
           f'must be >= 1, got {config.data.num_clients}')
@@ -183,6 +185,7 @@ def check_run_loop(config: ml_collections.ConfigDict) -> None:
   require(config.on_divergence in ('stop', 'continue'), 'on_divergence',
           f"unknown {config.on_divergence!r}; choose from ['stop', 'continue']")
   check_paper_tables(config)
+  callbacks.check_config(config)
   base.check_training(config)
 
 

@@ -321,6 +321,8 @@ def finish_run(config: ml_collections.ConfigDict, workdir: str, algorithm_name: 
             'uploaded_parameters': sum(upload.values()), 'uploaded_by_part': upload,
             'compile_seconds': round(clock.seconds, 3),
             'compilations': clock.compilations, **extra}
+  if outcome.stopped is not None:   # a callback's early stop: {'round', 'reason'}
+    result['stopped'] = outcome.stopped
   adapters = applied_adapters(config, algorithm_name)
   if adapters:   # the test-time settings each adapted column used
     result['adapters'] = adapters
