@@ -46,6 +46,8 @@ ADAPTER_CONFIGS = {
     'fedicon': {'memory_size': 8},
     'fedthe': {'steps': 3},
     'fedthe_plus': {'steps': 3, 'tune_steps': 1, 'num_augmentations': 2},
+    'cotta': {'num_augmentations': 2},
+    'rotta': {'memory_size': 6, 'update_frequency': 3},   # learns inside each batch of 4
 }
 
 
@@ -59,7 +61,7 @@ def setup(model='bn_mlp', seed=0):
   source_x = rng.random((16, 4, 4, 1)).astype(np.float32)
   source_y = rng.integers(0, NUM_CLASSES, 16).astype(np.int32)
   alpha = jax.tree.map(lambda a: a + 0.3, atp_rates.init_alpha(variables))
-  context = SourceContext(variables, NUM_CLASSES, 4, source_x, source_y, alpha)
+  context = SourceContext(variables, NUM_CLASSES, 4, source_x, source_y, alpha, (4, 4, 1))
   return module, variables, context
 
 

@@ -379,6 +379,24 @@ PAPERS_ADAPTER_DEFAULTS = {
                                   'gaussian_blur'),
                 'predict': 'after', 'epochs': 1, 'anchors': 'raw', 'batch_norm': 'frozen',
                 'weight_decay': 5e-4},
+    # SAR's code: SGD 0.00025 (ResNets, batch >= 32), momentum 0.9, E0 = 0.4 ln C, ρ 0.05,
+    # recovery under 0.2, moving average 0.9
+    'sar': {'learning_rate': 0.00025, 'momentum': 0.9, 'entropy_margin': 0.4, 'rho': 0.05,
+            'reset_threshold': 0.2, 'average_rate': 0.9, 'scale_with_batch': True},
+    # CoTTA's CIFAR-10-C config: Adam 1e-3, α 0.999, restore 0.01, p_th 0.92, 32 copies
+    'cotta': {'learning_rate': 1e-3, 'optimizer': 'adam', 'teacher_rate': 0.999,
+              'restore_probability': 0.01, 'confidence_threshold': 0.92,
+              'num_augmentations': 32, 'augmentation': 'translate_rotate_jitter'},
+    # RoTTA's config: Adam 1e-3, memory 64 learnt every 64, ν 0.001, α 0.05, λ_t = λ_u = 1
+    'rotta': {'learning_rate': 1e-3, 'optimizer': 'adam', 'memory_size': 64,
+              'update_frequency': 64, 'teacher_rate': 0.001, 'bn_momentum': 0.05,
+              'lambda_t': 1.0, 'lambda_u': 1.0, 'augmentation': 'translate_rotate_jitter'},
+    # LAME's code: kNN affinity over 5 neighbours, symmetrised, λ 1, at most 100 steps
+    'lame': {'affinity_kind': 'knn', 'knn': 5, 'strength': 1.0, 'max_steps': 100,
+             'symmetric': True},
+    'pl': {'learning_rate': 0.00025, 'optimizer': 'sgd', 'momentum': 0.9, 'threshold': 0.9},
+    'conjugate_pl': {'learning_rate': 1e-3, 'optimizer': 'adam', 'temperature': 1.0,
+                     'predict': 'before'},
 }
 
 

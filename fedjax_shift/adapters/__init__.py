@@ -11,6 +11,7 @@ settings' defaults (``Adaptation``). A second setting of an
 adapter registers as its variant, holding what it changes (FedTHE+ of FedTHE,
 FedTTA++ of FedTTA). Adding an adapter: one file plus one import line here.
 """
-from fedjax_shift.adapters import (atp, bbse, bn_adapt, eata, em, fedicon, fedthe, fedtta, memo,  # noqa: F401
-                                   no_adapt, odpfl_hn, shot, surgical, t3a, tent)
+from fedjax_shift.adapters import (atp, bbse, bn_adapt, conjugate_pl, cotta, eata, em,  # noqa: F401
+                                   fedicon, fedthe, fedtta, lame, memo, no_adapt, odpfl_hn,
+                                   pseudo_label, rotta, sar, shot, surgical, t3a, tent)
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext  # noqa: F401

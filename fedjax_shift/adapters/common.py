@@ -110,7 +110,8 @@ def gradient_adapter(name: str, is_selected: Callable, select_field: str,
                      opt: optax.GradientTransformation, predict: str,
                      init_extra: Callable = lambda variables: (),
                      check: Callable = lambda variables: None,
-                     step_if: Optional[Callable[[Any], jax.Array]] = None):
+                     step_if: Optional[Callable[[Any], jax.Array]] = None,
+                     took_step: Optional[Callable[[Any], jax.Array]] = None):
   """An ``Adapter`` taking one optimizer step per batch on a parameter subset.
 
   Args:
@@ -123,6 +124,8 @@ def gradient_adapter(name: str, is_selected: Callable, select_field: str,
     step_if: (the new extra) -> [] bool: whether this batch takes its step; when
       False the parameters and the optimizer state stay bit-identical (EATA on a batch
       that keeps no example). None: every batch steps.
+    took_step: (extra) -> [] bool reported as ``Adapter.took_step`` (the batches that
+      stepped are counted in the metrics); None: not reported.
   """
   check_predict(name, predict)
   def init(variables, rng):
@@ -152,4 +155,5 @@ def gradient_adapter(name: str, is_selected: Callable, select_field: str,
       logits = predict_fn(variables, batch.x)
     return GradientState(variables, opt_state, extra), logits
 
-  return Adapter(init, step)
+  return Adapter(init, step, took_step=None if took_step is None else
+                 lambda state: took_step(state.extra))

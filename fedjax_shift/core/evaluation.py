@@ -312,7 +312,9 @@ def client_accuracy(sums: Dict[str, np.ndarray]) -> np.ndarray:
 def summarize(per_client: Dict[str, Dict[str, Dict[str, np.ndarray]]],
               client_groups: Dict[str, Sequence[int]] | None = None) -> Dict[str, float]:
   """Flat metrics '<model>/<split>/accuracy' (over all examples),
-  '<model>/<split>/client_accuracy' (mean over clients with data) and '/loss'; with
+  '<model>/<split>/client_accuracy' (mean over clients with data) and '/loss' (and
+  '/adapted_batches', the fraction of batches that changed the model, for an adapter
+  that says: ``Adapter.took_step``); with
   ``client_groups`` ({name: client indices}, e.g. the clients of one domain) the same
   over each group's clients as '<model>/<split>_<name>/…'."""
   flat = {}
@@ -330,7 +332,11 @@ def _pooled(prefix: str, sums: Dict[str, np.ndarray]) -> Dict[str, float]:
   count = sums['count']
   total = max(float(count.sum()), 1e-12)
   has = count > 0
-  return {f'{prefix}/accuracy': float(sums['correct'].sum() / total),
-          f'{prefix}/loss': float(sums['loss'].sum() / total),
-          f'{prefix}/client_accuracy': (float(np.mean(sums['correct'][has] / count[has]))
-                                        if has.any() else float('nan'))}
+  pooled = {f'{prefix}/accuracy': float(sums['correct'].sum() / total),
+            f'{prefix}/loss': float(sums['loss'].sum() / total),
+            f'{prefix}/client_accuracy': (float(np.mean(sums['correct'][has] / count[has]))
+                                          if has.any() else float('nan'))}
+  if 'adapted_batches' in sums:   # an adapter that skips batches it cannot use (SAR)
+    pooled[f'{prefix}/adapted_batches'] = float(
+        np.sum(sums['adapted_batches']) / max(float(np.sum(sums['batches'])), 1.0))
+  return pooled

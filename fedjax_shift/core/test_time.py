@@ -50,11 +50,15 @@ class Adapter(NamedTuple):
     predict: (AdaptState, AdaptBatch) -> logits [B, C] without an update; None for an
       adapter that cannot run the 'transductive' mode.
     epochs: passes over the test split in the 'transductive' mode.
+    took_step: (AdaptState after a step) -> [] bool, whether that batch changed the
+      model (SAR on a batch whose filter keeps no example: False); the runner then counts
+      'adapted_batches' of its 'batches'. None: the adapter does not say.
   """
   init: Callable[[Variables, jax.Array], AdaptState]
   step: Callable[[AdaptState, AdaptBatch], Tuple[AdaptState, jax.Array]]
   predict: Optional[Callable[[AdaptState, AdaptBatch], jax.Array]] = None
   epochs: int = 1
+  took_step: Optional[Callable[[AdaptState], jax.Array]] = None
 
 
 class SourceContext(NamedTuple):
@@ -96,6 +100,16 @@ def test_batch_size(module, context: SourceContext) -> int:
   """B, for ``register_constructor(from_context={'batch_size': test_batch_size})``."""
   del module
   return context.batch_size
+
+
+def example_shape(module, context: SourceContext) -> tuple:
+  """One example's shape, for an adapter that stores test examples (RoTTA's and NOTE's
+  memories): ``register_constructor(from_context={'example_shape': example_shape})``."""
+  del module
+  if not context.input_shape:
+    raise ValueError('this adapter keeps test examples in a memory and needs their shape: '
+                     'give SourceContext(input_shape=...)')
+  return tuple(context.input_shape)
 
 
 def whole_context(module, context: SourceContext) -> SourceContext:
@@ -234,7 +248,8 @@ def mode_problem(name: str, mode: str) -> Optional[str]:
 def client_runner(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
   """``run_one(variables, x [N, ...], y [N], num_examples [], rng)`` -> the sums
   {'correct', 'loss', 'count'} and 'predictions' [N] of ONE client (unjitted, for
-  vmapping with shared or per-client variables)."""
+  vmapping with shared or per-client variables); with ``adapter.took_step``, also
+  'adapted_batches' of its 'batches' (those holding an example to score)."""
   check_mode(adapter, mode)
   if batch_size < 1:
     raise ValueError(f'test-time batch_size must be >= 1, got {batch_size}')
@@ -250,17 +265,25 @@ def client_runner(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
       initial = adapter.init(variables, rng)
 
       def body(state, batch):
-        return weighted_step(adapter, state, initial if mode == 'episodic' else state, batch)
+        new_state, logits = weighted_step(adapter, state,
+                                          initial if mode == 'episodic' else state, batch)
+        stepped = (jnp.sum(batch.weight) > 0) & (adapter.took_step(new_state) if
+                                                 adapter.took_step else True)
+        return new_state, (logits, stepped)
 
-      _, logits = jax.lax.scan(body, initial, batches)
+      _, (logits, stepped) = jax.lax.scan(body, initial, batches)
     labels = y[idx]
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
     weight = batches.weight
     flat_pred = jnp.argmax(logits, -1).reshape(-1)[:x.shape[0]]
     predictions = jnp.where(jnp.arange(x.shape[0]) < num_examples, flat_pred, -1)
-    return {'correct': jnp.sum(correct * weight), 'loss': jnp.sum(loss * weight),
+    sums = {'correct': jnp.sum(correct * weight), 'loss': jnp.sum(loss * weight),
             'count': jnp.sum(weight), 'predictions': predictions}
+    if adapter.took_step is not None and mode != 'transductive':
+      sums.update(adapted_batches=jnp.sum(stepped.astype(jnp.float32)),
+                  batches=jnp.sum((jnp.sum(weight, -1) > 0).astype(jnp.float32)))
+    return sums
 
   return one_client
 

@@ -426,7 +426,7 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
     json.dump(dict(zip(names, map(float, jax.tree.leaves(alpha)))), f, indent=1)
   source_x, source_y = source_examples(val)
   context = SourceContext(variables, data.source.num_classes, config.tta.batch_size, source_x,
-                          source_y, None)
+                          source_y, None, tuple(data.source.example_shape))
   learned = {key: train_learned_rates(config, shift_config, workdir, key, module, context, val,
                                       data, seed, shift) for key in config.learned.rows}
   learned_values = {key: learned_rates.flat_values(learned_row(config, key)[0], rates)

@@ -1,0 +1,410 @@
+"""The TTA benchmarks' baselines (SAR, CoTTA, LAME, PL, conjugate PL): one step of each
+against a reference written from its equations (float64 where it is a computation of
+its own), and what each does with a batch it cannot use."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import traverse_util
+
+from fedjax_shift import models
+from fedjax_shift.adapters import SourceContext
+from fedjax_shift.adapters import lame as lame_lib
+from fedjax_shift.adapters.conjugate_pl import conjugate_loss, conjugate_pl
+from fedjax_shift.adapters.cotta import cotta
+from fedjax_shift.adapters.pseudo_label import pl
+from fedjax_shift.adapters.sar import is_norm_path, sar
+from fedjax_shift.adapters.tent import tent
+from fedjax_shift.core.test_time import AdaptBatch, build_test_time
+from fedjax_shift.core import evaluation
+from fedjax_shift.parts import losses
+from helpers import toy_clients
+
+NUM_CLASSES = 3
+
+
+def setup(batch=6, seed=0):
+  module = models.MODELS.get('bn_mlp')(NUM_CLASSES, hidden=(8,))
+  variables = models.init(module, jax.random.key(seed), jnp.zeros((1, 4, 4, 1)))
+  x = jnp.asarray(np.random.default_rng(seed + 1).random((batch, 4, 4, 1)), jnp.float32)
+  return module, variables, AdaptBatch(x, jnp.ones(batch))
+
+
+def norm_params(variables):
+  return {p: v for p, v in traverse_util.flatten_dict(variables['params']).items()
+          if is_norm_path(p)}
+
+
+def with_norm_params(variables, flat):
+  params = traverse_util.flatten_dict(variables['params'])
+  return {**variables, 'params': traverse_util.unflatten_dict({**params, **flat})}
+
+
+def forward(module, variables, x):
+  return models.apply(module, variables, x, 'batch_stats')[0]
+
+
+def to64(tree):
+  return jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), tree)
+
+
+# --- SAR -------------------------------------------------------------------------------
+
+def sar_reference(module, variables, x, margin, rho, lr):
+  """SAR's Eq. 2–5 in float64, step by step as the authors' forward_and_adapt_sar: the
+  filtered entropy's gradient, the SAM perturbation ε = ρ g / (‖g‖ + 1e-12), the second
+  filter and gradient at θ + ε, SGD's first step (momentum buffer = that gradient)."""
+  with jax.enable_x64(True):
+    variables, x = to64(variables), jnp.asarray(x, jnp.float64)
+    theta = norm_params(variables)
+
+    def filtered(theta, first=None):
+      ents = losses.entropy(forward(module, with_norm_params(variables, theta), x))
+      keep = ents < margin if first is None else first & (ents < margin)
+      return jnp.sum(jnp.where(keep, ents, 0.0)) / jnp.sum(keep), keep
+
+    (_, first), g1 = jax.value_and_grad(filtered, has_aux=True)(theta)
+    norm = jnp.sqrt(sum(jnp.sum(g ** 2) for g in g1.values()))
+    perturbed = {p: theta[p] + rho * g1[p] / (norm + 1e-12) for p in theta}
+    (second_loss, second), g2 = jax.value_and_grad(filtered, has_aux=True)(perturbed, first)
+    stepped = {p: theta[p] - lr * g2[p] for p in theta}
+    return stepped, float(second_loss), np.asarray(first), np.asarray(second)
+
+
+def test_sar_one_step_is_the_filtered_sharpness_aware_update_of_its_equations():
+  module, variables, batch = setup()
+  ents = np.asarray(losses.entropy(forward(module, variables, batch.x)))
+  # E0 between the entropies, so that each filter keeps some examples and drops others
+  entropy_margin = float(np.median(ents)) / np.log(NUM_CLASSES) + 1e-4
+  context = SourceContext(variables, NUM_CLASSES, 64)
+  adapter = sar(module, context, learning_rate=0.5, rho=0.5, entropy_margin=entropy_margin,
+                reset_threshold=0.0)
+  state, logits = adapter.step(adapter.init(variables, jax.random.key(0)), batch)
+  expected, second_loss, first, second = sar_reference(
+      module, variables, batch.x, entropy_margin * np.log(NUM_CLASSES), 0.5, 0.5)
+  assert 0 < first.sum() < len(first) and second.sum() > 0
+  for path, value in norm_params(state.variables).items():
+    np.testing.assert_allclose(value, expected[path], rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(float(state.loss_average), second_loss, rtol=1e-5)
+  # the prediction is the model's before the update
+  np.testing.assert_allclose(logits, forward(module, variables, batch.x), rtol=1e-6)
+  assert bool(adapter.took_step(state))
+
+
+def test_sar_moving_average_and_recovery_to_the_source_model():
+  module, variables, batch = setup()
+  context = SourceContext(variables, NUM_CLASSES, 64)
+  keep_all = dict(learning_rate=0.5, entropy_margin=1.0)     # E0 = ln C: every example
+  adapter = sar(module, context, reset_threshold=0.0, **keep_all)
+  first, _ = adapter.step(adapter.init(variables, jax.random.key(0)), batch)
+  second, _ = adapter.step(first, batch)
+  # e_m = 0.9 · e_m + 0.1 · (the batch's second filtered entropy); recompute that entropy
+  third = adapter.step(first._replace(loss_average=jnp.float32(jnp.nan)), batch)[0]
+  np.testing.assert_allclose(float(second.loss_average),
+                             0.9 * float(first.loss_average) + 0.1 * float(third.loss_average),
+                             rtol=1e-6)
+  # a moving average under the threshold returns the parameters and momentum to the source
+  recovering = sar(module, context, reset_threshold=100.0, **keep_all)
+  start = recovering.init(variables, jax.random.key(0))
+  recovered, _ = recovering.step(recovering.step(start, batch)[0], batch)
+  chex.assert_trees_all_equal(recovered.variables, variables)
+  chex.assert_trees_all_equal(recovered.opt_state, start.opt_state)
+  assert float(recovered.loss_average) < 100.0     # the average is kept across a recovery
+
+
+def test_sar_batch_whose_filter_keeps_nothing_adapts_nothing_and_the_metrics_say_so():
+  module, variables, batch = setup()
+  context = SourceContext(variables, NUM_CLASSES, 4)
+  adapter = sar(module, context, learning_rate=0.5, entropy_margin=1e-6)   # E0 ≈ 0
+  start = adapter.init(variables, jax.random.key(0))
+  state, logits = adapter.step(start, batch)
+  chex.assert_trees_all_equal(state.variables, start.variables)
+  chex.assert_trees_all_equal(state.opt_state, start.opt_state)
+  assert np.isnan(float(state.loss_average)) and not bool(adapter.took_step(state))
+  chex.assert_tree_all_finite(logits)
+  data, _, _ = toy_clients([8, 0, 6], num_classes=NUM_CLASSES, pad_to=8)
+  sums = build_test_time(adapter, 4, 'online')(variables, data, jax.random.key(1))
+  np.testing.assert_array_equal(sums['adapted_batches'], [0, 0, 0])
+  np.testing.assert_array_equal(sums['batches'], [2, 0, 2])
+  flat = evaluation.summarize({'global+sar': {'test': jax.tree.map(np.asarray, sums)}})
+  assert flat['global+sar/test/adapted_batches'] == 0.0
+  assert np.isfinite(flat['global+sar/test/loss'])
+  every = sar(module, context, learning_rate=0.5, entropy_margin=1.0)
+  sums = build_test_time(every, 4, 'online')(variables, data, jax.random.key(1))
+  np.testing.assert_array_equal(sums['adapted_batches'], [2, 0, 2])
+
+
+def test_sar_rate_is_the_authors_resnet_rate_at_the_test_batch():
+  # 0.00025 from batch 32 up, 0.00025 · 2B / 64 below (their main.py)
+  from fedjax_shift.adapters.sar import learning_rate_for
+  assert learning_rate_for(0.00025, 64) == 0.00025
+  assert learning_rate_for(0.00025, 32) == 0.00025
+  assert learning_rate_for(0.00025, 16) == pytest.approx(0.00025 * 2 * 16 / 64)
+
+
+# --- CoTTA -----------------------------------------------------------------------------
+
+def test_cotta_step_is_the_soft_pseudo_label_step_the_teacher_average_and_the_restore():
+  module, variables, batch = setup()
+  # p_th = 0: the source model is always confident enough, so the pseudo-label is the
+  # teacher's logits on the batch itself (Eq. 2); no restore (p = 0).
+  adapter = cotta(module, learning_rate=0.1, restore_probability=0.0,
+                  confidence_threshold=0.0, num_augmentations=2)
+  state, prediction = adapter.step(adapter.init(variables, jax.random.key(0)), batch)
+  teacher_logits = forward(module, variables, batch.x)
+  np.testing.assert_allclose(prediction, teacher_logits, rtol=1e-6)
+
+  def loss(params):   # Eq. 4: −Σ softmax(teacher) log softmax(student), mean over the batch
+    logits = forward(module, {**variables, 'params': params}, batch.x)
+    return jnp.mean(-jnp.sum(jax.nn.softmax(teacher_logits) * jax.nn.log_softmax(logits), -1))
+
+  grads = jax.grad(loss)(variables['params'])
+  opt = optax.adam(0.1)
+  updates, _ = opt.update(grads, opt.init(variables['params']), variables['params'])
+  student = optax.apply_updates(variables['params'], updates)
+  chex.assert_trees_all_close(state.student['params'], student, rtol=1e-5, atol=1e-7)
+  # Eq. 1: θ' = 0.999 θ' + 0.001 θ, from θ' = θ_0
+  expected_teacher = jax.tree.map(lambda t, s: 0.999 * t + 0.001 * s, variables['params'], student)
+  chex.assert_trees_all_close(state.teacher['params'], expected_teacher, rtol=1e-6, atol=1e-8)
+  # p = 1: every weight returns to the source value after the step; the teacher keeps
+  # its average of the stepped student
+  restoring = cotta(module, learning_rate=0.1, restore_probability=1.0,
+                    confidence_threshold=0.0, num_augmentations=2)
+  restored, _ = restoring.step(restoring.init(variables, jax.random.key(0)), batch)
+  chex.assert_trees_all_equal(restored.student['params'], variables['params'])
+  chex.assert_trees_all_close(restored.teacher['params'], expected_teacher, rtol=1e-6, atol=1e-8)
+
+
+def test_cotta_restores_about_p_of_the_weights_and_averages_views_when_unsure():
+  module, variables, batch = setup()
+  adapter = cotta(module, learning_rate=0.1, restore_probability=0.3,
+                  confidence_threshold=1.0, num_augmentations=3)
+  state, prediction = adapter.step(adapter.init(variables, jax.random.key(0)), batch)
+  source = np.concatenate([np.ravel(a) for a in jax.tree.leaves(variables['params'])])
+  after = np.concatenate([np.ravel(a) for a in jax.tree.leaves(state.student['params'])])
+  fraction = np.mean(after == source)
+  assert 0.25 < fraction < 0.35, fraction          # of 1,000+ weights, Bernoulli(0.3)
+  # p_th = 1: unsure on every batch, so the prediction averages the teacher's logits
+  # over the augmented copies (not its logits on the batch)
+  assert not np.allclose(prediction, forward(module, variables, batch.x), atol=1e-4)
+
+
+# --- LAME ------------------------------------------------------------------------------
+
+def lame_reference(probs, features, knn, max_steps=100):
+  """The authors' LAME in float64 numpy: kNN affinity of the L2-normalised features
+  (each example's k nearest others), symmetrised, then z ← softmax(log p + W z) from
+  z = p until the entropy energy changes by ≤ 1e-8 of itself (from the third step)."""
+  features = features / np.linalg.norm(features, axis=1, keepdims=True)
+  distance = np.linalg.norm(features[None] - features[:, None], axis=-1)
+  np.fill_diagonal(distance, np.inf)
+  kernel = np.zeros_like(distance)
+  for i, row in enumerate(distance):
+    kernel[i, np.argsort(row)[:knn]] = 1.0
+  kernel = 0.5 * (kernel + kernel.T)
+  unary = -np.log(probs)
+  z, old = probs.copy(), np.inf
+  for i in range(max_steps):
+    pairwise = kernel @ z
+    exponent = -unary + pairwise
+    z = np.exp(exponent - exponent.max(1, keepdims=True))
+    z /= z.sum(1, keepdims=True)
+    energy = np.sum(unary * z - pairwise * z + z * np.log(np.clip(z, 1e-20, None)))
+    if i > 1 and abs(energy - old) <= 1e-8 * abs(old):
+      break
+    old = energy
+  return z, kernel
+
+
+def test_lame_is_the_laplacian_fixed_point_of_the_authors_loop():
+  module, variables, batch = setup(batch=12)
+  adapter = lame_lib.lame(module, knn=3)
+  _, log_z = adapter.step(adapter.init(variables, None), batch)
+  features = np.asarray(models.head_hidden(variables, models.features(module, variables,
+                                                                      batch.x)), np.float64)
+  probs = np.asarray(jax.nn.softmax(forward_eval(module, variables, batch.x)), np.float64)
+  expected, kernel = lame_reference(probs, features, 3)
+  np.testing.assert_allclose(np.exp(log_z), expected, atol=1e-5)
+  # the answer is a fixed point of Eq. 7: z = softmax(log p + W z)
+  z = np.exp(np.asarray(log_z, np.float64))
+  again = np.log(probs) + kernel @ z
+  again = np.exp(again - again.max(1, keepdims=True))
+  np.testing.assert_allclose(z, again / again.sum(1, keepdims=True), atol=1e-4)
+  assert not np.allclose(z, probs, atol=1e-3)        # and the outputs did move
+
+
+def forward_eval(module, variables, x):
+  return models.apply(module, variables, x)[0]
+
+
+def test_lame_wrapped_repeats_take_no_part_in_the_affinity_and_a_lone_example_keeps_p():
+  module, variables, batch = setup(batch=6)
+  feats = jnp.asarray(np.random.default_rng(3).normal(size=(6, 5)), jnp.float32)
+  valid = jnp.array([True, True, True, True, False, False])
+  kernel = np.asarray(lame_lib.affinity(lame_lib.normalize(feats), valid, 'knn', 2))
+  assert kernel[4:].sum() == 0 and kernel[:, 4:].sum() == 0
+  np.testing.assert_array_equal(kernel[:4].sum(1), [2, 2, 2, 2])
+  adapter = lame_lib.lame(module)
+  one = AdaptBatch(batch.x, jnp.array([1.0, 0, 0, 0, 0, 0]))
+  _, log_z = adapter.step(adapter.init(variables, None), one)
+  np.testing.assert_allclose(log_z[0], jax.nn.log_softmax(forward_eval(module, variables,
+                                                                        batch.x))[0], atol=1e-6)
+
+
+# --- PL and conjugate PL ------------------------------------------------------------------
+
+def test_pl_steps_on_the_confident_examples_hard_labels_only():
+  module, variables, batch = setup()
+  logits = forward(module, variables, batch.x)
+  confidence = np.asarray(jnp.max(jax.nn.softmax(logits), -1))
+  threshold = float(np.median(confidence))
+  adapter = pl(module, learning_rate=0.5, momentum=0.0, threshold=threshold)
+  state, prediction = adapter.step(adapter.init(variables, None), batch)
+  keep = confidence >= threshold
+  labels = jnp.argmax(logits, -1)
+  theta = norm_params(variables)
+
+  def loss(theta):     # Lee's Eq. 1 on the confident examples
+    out = forward(module, with_norm_params(variables, theta), batch.x)
+    ce = optax.softmax_cross_entropy_with_integer_labels(out, labels)
+    return jnp.sum(jnp.where(keep, ce, 0.0)) / keep.sum()
+
+  grads = jax.grad(loss)(theta)
+  for path, value in norm_params(state.variables).items():
+    np.testing.assert_allclose(value, theta[path] - 0.5 * grads[path], rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(prediction, logits, rtol=1e-6)
+  # a batch with no confident example: no step, counted out of adapted_batches
+  timid = pl(module, learning_rate=0.5, threshold=0.999)
+  start = timid.init(variables, None)
+  unchanged, _ = timid.step(start, batch)
+  chex.assert_trees_all_equal(unchanged.variables, start.variables)
+  assert not bool(timid.took_step(unchanged)) and bool(adapter.took_step(state))
+
+
+def test_conjugate_pl_of_the_cross_entropy_is_the_entropy_of_tempered_logits():
+  logits = jnp.array([[2.0, -1.0, 0.5], [0.1, 0.1, 3.0]])
+  for temperature in (1.0, 2.5):
+    np.testing.assert_allclose(conjugate_loss(logits, temperature),
+                               losses.entropy(logits / temperature), rtol=1e-6)
+  # at T = 1 it is Tent (Adam 1e-3 on the BN affine parameters, predicting before)
+  module, variables, _ = setup()
+  data, _, _ = toy_clients([8, 5], num_classes=NUM_CLASSES, pad_to=8)
+  run = lambda adapter: build_test_time(adapter, 4, 'online')(variables, data,
+                                                              jax.random.key(0))
+  ours, theirs = run(conjugate_pl(module)), run(tent(module))
+  np.testing.assert_array_equal(ours['predictions'], theirs['predictions'])
+  np.testing.assert_allclose(ours['loss'], theirs['loss'], rtol=1e-5)
+
+
+# --- RoTTA ------------------------------------------------------------------------------
+
+class ReferenceCSTU:
+  """The authors' CSTU memory (RoTTA's core/utils/memory.py), transcribed: lists per
+  class of [x, uncertainty, age]."""
+
+  def __init__(self, capacity, num_class, lambda_t=1.0, lambda_u=1.0):
+    self.capacity, self.num_class = capacity, num_class
+    self.per_class = capacity / num_class
+    self.lambda_t, self.lambda_u = lambda_t, lambda_u
+    self.data = [[] for _ in range(num_class)]
+
+  def occupancy(self):
+    return sum(len(items) for items in self.data)
+
+  def score(self, age, uncertainty):
+    return (self.lambda_t * 1 / (1 + np.exp(-age / self.capacity)) +
+            self.lambda_u * uncertainty / np.log(self.num_class))
+
+  def add_instance(self, x, prediction, uncertainty):
+    if self.remove_instance(prediction, self.score(0, uncertainty)):
+      self.data[prediction].append([x, uncertainty, 0])
+    for items in self.data:
+      for item in items:
+        item[2] += 1
+
+  def remove_instance(self, cls, score):
+    if len(self.data[cls]) < self.per_class:
+      if self.occupancy() < self.capacity:
+        return True
+      counts = [len(items) for items in self.data]
+      return self.remove_from_classes([c for c, n in enumerate(counts) if n == max(counts)],
+                                      score)
+    return self.remove_from_classes([cls], score)
+
+  def remove_from_classes(self, classes, score_base):
+    best = None
+    for cls in classes:
+      for index, (_, uncertainty, age) in enumerate(self.data[cls]):
+        score = self.score(age, uncertainty)
+        if best is None or score >= best[0]:
+          best = (score, cls, index)
+    if best is None:
+      return True
+    if best[0] > score_base:
+      self.data[best[1]].pop(best[2])
+      return True
+    return False
+
+
+def test_rotta_memory_holds_what_the_authors_cstu_holds_over_a_stream():
+  from fedjax_shift.adapters.rotta import add_instance, empty_memory
+  rng = np.random.default_rng(0)
+  capacity, num_classes = 6, 3
+  reference = ReferenceCSTU(capacity, num_classes)
+  memory = empty_memory(capacity, (2,))
+  add = jax.jit(lambda m, x, label, u: add_instance(m, x, label, u, num_classes, 1.0, 1.0))
+  # a label-shifted stream: mostly class 0 first, then classes 1 and 2
+  labels = np.concatenate([rng.choice(3, 20, p=[0.8, 0.1, 0.1]), rng.choice(3, 20, p=[0.1, 0.45, 0.45])])
+  for i, label in enumerate(labels):
+    x = np.array([i, label], np.float32)
+    uncertainty = float(rng.random())
+    reference.add_instance(x, int(label), uncertainty)
+    memory = add(memory, jnp.asarray(x), jnp.int32(label), jnp.float32(uncertainty))
+    ours = sorted((int(x[0]), float(a)) for x, a, used in
+                  zip(np.asarray(memory.x), np.asarray(memory.age), np.asarray(memory.used)) if used)
+    theirs = sorted((int(x[0]), float(age)) for items in reference.data for x, _, age in items)
+    assert ours == theirs, (i, ours, theirs)
+  assert reference.occupancy() == capacity
+
+
+def test_rotta_robust_batch_norm_mixes_the_kept_statistics_with_the_batchs():
+  from fedjax_shift.adapters.rotta import robust_forward
+  module, variables, batch = setup()
+  variables = {**variables, 'batch_stats': jax.tree.map(lambda s: s + 0.3, variables['batch_stats'])}
+  logits, kept = robust_forward(module, variables, batch.x, batch.weight, 0.05)
+  # Eq. 3–4 layer by layer: the mixed statistics with prior 1 − α, the biased variance
+  np.testing.assert_allclose(logits, models.eval_with_mixed_statistics(
+      module, variables, batch.x, 0.95, unbiased=False), rtol=1e-5, atol=1e-6)
+  first = variables['batch_stats']['encoder']['BatchNorm_0']
+  inputs = batch.x.reshape(len(batch.x), -1) @ variables['params']['encoder']['Dense_0']['kernel'] + \
+      variables['params']['encoder']['Dense_0']['bias']
+  np.testing.assert_allclose(kept['encoder']['BatchNorm_0']['mean'],
+                             0.95 * first['mean'] + 0.05 * inputs.mean(0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(kept['encoder']['BatchNorm_0']['var'],
+                             0.95 * first['var'] + 0.05 * inputs.var(0), rtol=1e-5, atol=1e-6)
+  # weight 0 examples (wrapped repeats, empty memory slots) are not in the statistics
+  half = robust_forward(module, variables, batch.x, jnp.array([1.0, 1, 1, 0, 0, 0]), 0.05)[1]
+  only = robust_forward(module, variables, batch.x[:3], jnp.ones(3), 0.05)[1]
+  chex.assert_trees_all_close(half, only, rtol=1e-5, atol=1e-6)
+
+
+def test_rotta_learns_every_update_frequency_examples_and_predicts_with_the_teacher():
+  from fedjax_shift.adapters.rotta import rotta
+  module, variables, batch = setup(batch=6)
+  variables = {**variables, 'batch_stats': jax.tree.map(lambda s: s + 0.3, variables['batch_stats'])}
+  adapter = rotta(module, NUM_CLASSES, (4, 4, 1), memory_size=6, update_frequency=4)
+  start = adapter.init(variables, jax.random.key(0))
+  state, logits = adapter.step(start, batch)
+  np.testing.assert_allclose(logits, forward_eval(module, variables, batch.x), rtol=1e-6)
+  assert int(state.seen) == 6 and int(jnp.sum(state.memory.used)) >= NUM_CLASSES
+  assert int(state.opt_state[0].count) == 1          # one update: after example 4 of 6
+  state, _ = adapter.step(state, batch)
+  assert int(state.opt_state[0].count) == 3          # after examples 8 and 12
+  assert not np.allclose(state.teacher['batch_stats']['encoder']['BatchNorm_0']['mean'],
+                         variables['batch_stats']['encoder']['BatchNorm_0']['mean'])
+  # F = 64: six examples reach no update; the model stays the source model
+  waiting = rotta(module, NUM_CLASSES, (4, 4, 1))
+  kept, _ = waiting.step(waiting.init(variables, jax.random.key(0)), batch)
+  chex.assert_trees_all_equal(kept.student, variables)
