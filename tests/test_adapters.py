@@ -48,6 +48,7 @@ ADAPTER_CONFIGS = {
     'fedthe_plus': {'steps': 3, 'tune_steps': 1, 'num_augmentations': 2},
     'cotta': {'num_augmentations': 2},
     'rotta': {'memory_size': 6, 'update_frequency': 3},   # learns inside each batch of 4
+    'note': {'memory_size': 6, 'update_frequency': 3},
 }
 
 

@@ -36,7 +36,7 @@ def setup(dtype=jnp.float32):
 
 
 def context(variables):
-  return SourceContext(variables, NUM_CLASSES, BATCH)
+  return SourceContext(variables, NUM_CLASSES, BATCH, input_shape=(4, 4, 1))
 
 
 def hparams(adapter, **fields):
@@ -248,7 +248,14 @@ LEARNABLE = [(name, rate) for name in learned_rates.ADAPTERS.names()
              for rate in learned_rates.learnable(name)]
 # EATA: margin ln C, so the toy model's near-uniform predictions count as reliable and
 # adapt (with 0.4 ln C none would, and its rate could not matter).
-SMALL = {'eata': {'fisher_weight': 0.0, 'entropy_margin': 1.0}, 'memo': {'num_augmentations': 2}}
+SMALL = {'eata': {'fisher_weight': 0.0, 'entropy_margin': 1.0}, 'memo': {'num_augmentations': 2},
+         # the same for SAR's filter and PL's confidence; RoTTA and NOTE learn within K·B
+         'sar': {'entropy_margin': 1.0}, 'pl': {'threshold': 0.34},
+         'cotta': {'num_augmentations': 2}, 'rotta': {'memory_size': 6, 'update_frequency': 4},
+         'note': {'memory_size': 6, 'update_frequency': 4}}
+# Adapters that predict with the model before their step and have no ``predict`` field:
+# only a later batch of an online stream sees their rate.
+PREDICT_BEFORE = {'sar', 'cotta', 'rotta', 'note', 'pl'}
 
 
 def test_every_learnable_rate_is_a_number_its_adapter_reads():
@@ -280,7 +287,8 @@ def test_every_learnable_rate_frozen_gives_the_fixed_adapter_and_has_a_gradient(
     rates = jax.tree.map(lambda a: a + 0.3, rates)
   ctx = context(variables)._replace(alpha=rates.get('alpha'))
   fixed = learned_rates.ADAPTERS.get(adapter)(module, fields, ctx)
-  mode = 'online' if fields.get('predict', 'after') == 'before' or adapter == 'atp' else 'episodic'
+  predict = fields.get('predict', 'before' if adapter in PREDICT_BEFORE else 'after')
+  mode = 'online' if predict == 'before' or adapter == 'atp' else 'episodic'
   run = lambda a: build_test_time(a, BATCH, mode)(variables, data, jax.random.key(1))
   learned = learned_rates.rated_adapter(adapter, module, fields, context(variables), rates)
   np.testing.assert_array_equal(run(learned)['predictions'], run(fixed)['predictions'])

@@ -394,6 +394,9 @@ PAPERS_ADAPTER_DEFAULTS = {
     # LAME's code: kNN affinity over 5 neighbours, symmetrised, λ 1, at most 100 steps
     'lame': {'affinity_kind': 'knn', 'knn': 5, 'strength': 1.0, 'max_steps': 100,
              'symmetric': True},
+    # NOTE's code: Adam 1e-4, PBRS memory 64 learnt every 64, BN momentum 0.01, IABN k 4
+    'note': {'learning_rate': 1e-4, 'optimizer': 'adam', 'memory_size': 64,
+             'update_frequency': 64, 'bn_momentum': 0.01, 'iabn_k': 4.0},
     'pl': {'learning_rate': 0.00025, 'optimizer': 'sgd', 'momentum': 0.9, 'threshold': 0.9},
     'conjugate_pl': {'learning_rate': 1e-3, 'optimizer': 'adam', 'temperature': 1.0,
                      'predict': 'before'},

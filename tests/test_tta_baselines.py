@@ -408,3 +408,102 @@ def test_rotta_learns_every_update_frequency_examples_and_predicts_with_the_teac
   waiting = rotta(module, NUM_CLASSES, (4, 4, 1))
   kept, _ = waiting.step(waiting.init(variables, jax.random.key(0)), batch)
   chex.assert_trees_all_equal(kept.student, variables)
+
+
+# --- NOTE -------------------------------------------------------------------------------
+
+def conv_bn_model():
+  import flax.linen as nn
+
+  class Encoder(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+      x = nn.Conv(3, (3, 3))(x)
+      x = nn.BatchNorm(use_running_average=not train)(x)
+      return jnp.mean(nn.relu(x), (1, 2))
+
+  module = models.Classifier(Encoder(), num_classes=NUM_CLASSES)
+  variables = models.init(module, jax.random.key(0), jnp.zeros((1, 4, 4, 1)))
+  variables = {**variables, 'batch_stats': jax.tree.map(lambda s: s + 0.2, variables['batch_stats'])}
+  return module, variables
+
+
+def test_note_iabn_corrects_the_statistics_only_beyond_k_standard_errors():
+  from fedjax_shift.adapters.note import iabn_forward
+  module, variables = conv_bn_model()
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(5, 4, 4, 1)) * [[[[1.0]]], [[[4.0]]],
+                                                                          [[[1.0]]], [[[0.2]]],
+                                                                          [[[1.0]]]], jnp.float32)
+  captured = {}
+
+  def spy(next_fun, args, kwargs, context):
+    import flax.linen as nn
+    if isinstance(context.module, nn.BatchNorm):
+      captured['input'] = args[0]
+    return next_fun(*args, **kwargs)
+
+  import flax.linen as nn
+  with nn.intercept_methods(spy):
+    module.apply(variables, x, train=False)
+  h = np.asarray(captured['input'], np.float64)          # [5, 4, 4, 3], L = 16
+  stats = variables['batch_stats']['encoder']['BatchNorm_0']
+  mean, var = np.asarray(stats['mean'], np.float64), np.asarray(stats['var'], np.float64)
+  eps, k, length = 1e-5, 4.0, 16
+  mu_i = h.mean((1, 2), keepdims=True)
+  var_i = h.var((1, 2), keepdims=True, ddof=1)
+  shrink = lambda d, t: np.sign(d) * np.maximum(np.abs(d) - t, 0)
+  mu = mean + shrink(mu_i - mean, k * np.sqrt((var + eps) / length))
+  sigma2 = np.maximum(var + shrink(var_i - var, k * (var + eps) * np.sqrt(2 / (length - 1))), 0)
+  params = variables['params']['encoder']['BatchNorm_0']
+  normalised = (h - mu) / np.sqrt(sigma2 + eps) * np.asarray(params['scale']) + np.asarray(params['bias'])
+  logits = np.maximum(normalised, 0).mean((1, 2)) @ np.asarray(variables['params']['head']['kernel']) + \
+      np.asarray(variables['params']['head']['bias'])
+  ours, kept = iabn_forward(module, variables, x, jnp.ones(5), k, 0.01, train=False)
+  np.testing.assert_allclose(ours, logits, rtol=1e-4, atol=1e-5)
+  chex.assert_trees_all_equal(kept, variables['batch_stats'])
+  # with k = ∞ nothing is corrected: BatchNorm on the running statistics
+  plain, _ = iabn_forward(module, variables, x, jnp.ones(5), float('inf'), 0.01, train=False)
+  np.testing.assert_allclose(plain, forward_eval(module, variables, x), rtol=1e-5, atol=1e-6)
+  # in training the layer statistics are the batch's (unbiased), the running ones move 1 %
+  _, moved = iabn_forward(module, variables, x, jnp.ones(5), k, 0.01, train=True)
+  np.testing.assert_allclose(moved['encoder']['BatchNorm_0']['var'],
+                             0.99 * var + 0.01 * h.reshape(-1, 3).var(0, ddof=1), rtol=1e-5)
+
+
+def test_note_pbrs_keeps_classes_balanced_and_each_of_a_class_with_probability_m_over_n():
+  from fedjax_shift.adapters.note import add_instance, empty_reservoir
+  add = jax.jit(lambda r, x, label, key: add_instance(r, x, label, key, NUM_CLASSES))
+  # a stream of one class: a reservoir sample, each of n examples kept with probability M/n
+  def keep_single_class(seed, capacity=4, n=12):
+    reservoir = empty_reservoir(capacity, (1,), NUM_CLASSES)
+    for i in range(n):
+      reservoir = add(reservoir, jnp.array([float(i)]), jnp.int32(0),
+                      jax.random.fold_in(jax.random.key(seed), i))
+    return np.asarray(reservoir.x[:, 0]).astype(int)
+  kept = np.zeros(12)
+  for seed in range(600):
+    kept[keep_single_class(seed)] += 1
+  np.testing.assert_allclose(kept / 600, 4 / 12, atol=0.07)
+  # a label-shifted stream: class 0 first fills the memory, then the others take places
+  # from the largest class until the classes hold 2, 2, 2
+  reservoir = empty_reservoir(6, (1,), NUM_CLASSES)
+  stream = [0] * 10 + [1, 2] * 6
+  for i, label in enumerate(stream):
+    reservoir = add(reservoir, jnp.array([float(i)]), jnp.int32(label), jax.random.key(i))
+  counts = np.bincount(np.asarray(reservoir.label)[np.asarray(reservoir.used)], minlength=3)
+  np.testing.assert_array_equal(counts, [2, 2, 2])
+
+
+def test_note_learns_on_its_memory_every_update_frequency_examples():
+  from fedjax_shift.adapters.note import note
+  module, variables, batch = setup(batch=6)
+  adapter = note(module, NUM_CLASSES, (4, 4, 1), memory_size=6, update_frequency=4,
+                 learning_rate=0.1)
+  state, logits = adapter.step(adapter.init(variables, jax.random.key(0)), batch)
+  # a dense model: IABN is BatchNorm, the batch predicted with the running statistics
+  np.testing.assert_allclose(logits, forward_eval(module, variables, batch.x), rtol=1e-6)
+  assert int(state.opt_state[0].count) == 1 and int(jnp.sum(state.reservoir.used)) == 6
+  assert not np.allclose(state.variables['batch_stats']['encoder']['BatchNorm_0']['mean'],
+                         variables['batch_stats']['encoder']['BatchNorm_0']['mean'])
+  state, _ = adapter.step(state, batch)
+  assert int(state.opt_state[0].count) == 3

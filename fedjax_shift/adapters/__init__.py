@@ -9,9 +9,12 @@ gives its fields (FedICON's ``ContrastiveTTA``). FedTTA's section, whose step si
 ε follow the trained method, registers ``build(module, hparams, context)`` with its
 settings' defaults (``Adaptation``). A second setting of an
 adapter registers as its variant, holding what it changes (FedTHE+ of FedTHE,
-FedTTA++ of FedTTA). Adding an adapter: one file plus one import line here.
+FedTTA++ of FedTTA). Adapters that keep test examples (RoTTA's and NOTE's memories)
+take their shape from the context, and learn every F examples inside a batch
+(``common.learn_every``); an adapter that skips batches says which (``took_step``:
+SAR, PL). Adding an adapter: one file plus one import line here.
 """
 from fedjax_shift.adapters import (atp, bbse, bn_adapt, conjugate_pl, cotta, eata, em,  # noqa: F401
-                                   fedicon, fedthe, fedtta, lame, memo, no_adapt, odpfl_hn,
+                                   fedicon, fedthe, fedtta, lame, memo, no_adapt, note, odpfl_hn,
                                    pseudo_label, rotta, sar, shot, surgical, t3a, tent)
 from fedjax_shift.core.test_time import ADAPTERS, Adapter, SourceContext  # noqa: F401

@@ -11,6 +11,7 @@ import optax
 from flax import traverse_util
 
 from fedjax_shift import models
+from fedjax_shift.core.local import select
 from fedjax_shift.core.test_time import Adapter
 from fedjax_shift.registry import POSITIVE, one_of
 
@@ -63,9 +64,12 @@ def per_layer_rates(direction: optax.GradientTransformation, rates: Dict[str, ja
 
 def make_optimizer(name: str, learning_rate) -> optax.GradientTransformation:
   """``name`` ('adam' | 'sgd') at ``learning_rate``: a float, or per-layer rates
-  {layer: rate} (``per_layer_rates``, the form ``learned_rates`` trains)."""
+  {layer: rate} (``per_layer_rates``, the form ``learned_rates`` trains); a traced rate
+  (a learned one) takes Adam's ε_root (``ADAM_EPS_ROOT``)."""
   if isinstance(learning_rate, dict):
     return per_layer_rates(DIRECTIONS[name](), learning_rate)
+  if name == 'adam' and not isinstance(learning_rate, (int, float)):   # a learned rate
+    return optax.adam(learning_rate, eps_root=ADAM_EPS_ROOT)
   return optax.adam(learning_rate) if name == 'adam' else optax.sgd(learning_rate)
 
 
@@ -157,3 +161,29 @@ def gradient_adapter(name: str, is_selected: Callable, select_field: str,
 
   return Adapter(init, step, took_step=None if took_step is None else
                  lambda state: took_step(state.extra))
+
+
+def learn_every(state, seen, count, batch_size: int, frequency: int, enter: Callable,
+                learn: Callable):
+  """A memory-based adapter's batch (RoTTA, NOTE): its ``count`` examples enter the
+  memory one by one, and after each one that makes the stream's total a multiple of
+  ``frequency`` the model learns. ``seen``: examples before this batch;
+  ``enter(state, start, stop)`` adds the batch's examples start … stop − 1;
+  ``learn(state, go)`` learns where ``go``. A batch of B reaches at most ⌈B/F⌉ updates,
+  each computed and kept where it is reached."""
+  done = 0
+  for update in range(-(-batch_size // frequency)):
+    point = frequency * (seen // frequency + update + 1) - seen
+    state = learn(enter(state, done, jnp.minimum(point, count)), point <= count)
+    done = jnp.minimum(point, count)
+  return enter(state, done, count)
+
+
+def scan_entering(add: Callable, memory, items: tuple, start, stop):
+  """The memory after ``add(memory, *item)`` for the items (arrays with a leading B
+  axis, the weight last) whose index is in [start, stop) and whose weight is > 0."""
+  def one(memory, indexed):
+    index, item = indexed
+    go = (index >= start) & (index < stop) & (item[-1] > 0)
+    return select(go, add(memory, *item), memory), None
+  return jax.lax.scan(one, memory, (jnp.arange(items[0].shape[0]), items))[0]

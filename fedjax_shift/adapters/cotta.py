@@ -95,12 +95,12 @@ def cotta(module, learning_rate: float = 1e-3, optimizer: str = 'adam',
     teacher_logits = forward(state.teacher, batch.x)
     views = batch_views(view_key, batch.x, num_augmentations, augmentation)
     averaged = jnp.mean(jax.vmap(lambda v: forward(state.teacher, v))(views), 0)
-    pseudo = jax.lax.stop_gradient(jnp.where(masked_mean(confidence, weight) <
-                                             confidence_threshold, averaged, teacher_logits))
+    pseudo = jnp.where(masked_mean(confidence, weight) < confidence_threshold, averaged,
+                       teacher_logits)
 
     def loss(params):
       logits = forward({**state.student, 'params': params}, batch.x)
-      return masked_mean(soft_cross_entropy(logits, pseudo), weight)
+      return masked_mean(soft_cross_entropy(logits, jax.lax.stop_gradient(pseudo)), weight)
 
     params = state.student['params']
     grads = jax.grad(loss)(params)

@@ -32,6 +32,7 @@ import optax
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
+from fedjax_shift.core.local import select
 from fedjax_shift.adapters.cotta import batch_views, soft_cross_entropy
 from fedjax_shift.core.test_time import Adapter, class_count, example_shape, register_constructor
 from fedjax_shift.data.augment import MARGINAL_AUGMENTATIONS
@@ -176,18 +177,13 @@ def rotta(module, num_classes: int, example_shape: tuple, learning_rate: float =
                'params': jax.tree.map(lambda t, s: (1 - teacher_rate) * t + teacher_rate * s,
                                       state.teacher['params'], student['params'])}
     learned = state._replace(student=student, teacher=teacher, opt_state=opt_state)
-    return jax.tree.map(lambda new, old: jnp.where(go, new, old), learned, state)._replace(
-        rng=rng)
+    return select(go, learned, state)._replace(rng=rng)
 
-  def enter(memory, batch, labels, entropies, start, stop):
-    """The batch's examples start … stop − 1 (of those with weight) enter the memory."""
-    def one(memory, item):
-      index, x, label, uncertainty, weight = item
-      entered = add_instance(memory, x, label, uncertainty, num_classes, lambda_t, lambda_u)
-      go = (index >= start) & (index < stop) & (weight > 0)
-      return jax.tree.map(lambda new, old: jnp.where(go, new, old), entered, memory), None
-    items = (jnp.arange(batch.x.shape[0]), batch.x, labels, entropies, batch.weight)
-    return jax.lax.scan(one, memory, items)[0]
+  def enter(state: RoTTAState, batch, labels, entropies, start, stop) -> RoTTAState:
+    add = lambda memory, x, label, uncertainty, weight: add_instance(
+        memory, x, label, uncertainty, num_classes, lambda_t, lambda_u)
+    return state._replace(memory=common.scan_entering(
+        add, state.memory, (batch.x, labels, entropies, batch.weight), start, stop))
 
   def init(variables, rng):
     check(variables)
@@ -201,15 +197,10 @@ def rotta(module, num_classes: int, example_shape: tuple, learning_rate: float =
     labels = jnp.argmax(probs, -1)
     entropies = -jnp.sum(probs * jnp.log(probs + 1e-6), -1)
     count = jnp.sum(batch.weight > 0).astype(jnp.int32)
-    # the updates this batch reaches: after its j-th example where seen + j ≡ 0 (mod F)
-    done = 0
-    for u in range(-(-batch.x.shape[0] // update_frequency)):
-      point = update_frequency * (state.seen // update_frequency + u + 1) - state.seen
-      memory = enter(state.memory, batch, labels, entropies, done, jnp.minimum(point, count))
-      state = learn(state._replace(memory=memory), point <= count)
-      done = jnp.minimum(point, count)
-    state = state._replace(memory=enter(state.memory, batch, labels, entropies, done, count),
-                           seen=state.seen + count)
+    state = common.learn_every(
+        state, state.seen, count, batch.x.shape[0], update_frequency,
+        lambda state, start, stop: enter(state, batch, labels, entropies, start, stop), learn)
+    state = state._replace(seen=state.seen + count)
     return state, logits
 
   return Adapter(init, step)
