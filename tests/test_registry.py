@@ -391,9 +391,10 @@ PAPERS_ADAPTER_DEFAULTS = {
     'rotta': {'learning_rate': 1e-3, 'optimizer': 'adam', 'memory_size': 64,
               'update_frequency': 64, 'teacher_rate': 0.001, 'bn_momentum': 0.05,
               'lambda_t': 1.0, 'lambda_u': 1.0, 'augmentation': 'translate_rotate_jitter'},
-    # LAME's code: kNN affinity over 5 neighbours, symmetrised, λ 1, at most 100 steps
-    'lame': {'affinity_kind': 'knn', 'knn': 5, 'strength': 1.0, 'max_steps': 100,
-             'symmetric': True},
+    # LAME's best configuration: RBF affinity, σ from 5 neighbours, not symmetrised, λ 1,
+    # at most 100 steps
+    'lame': {'affinity_kind': 'rbf', 'knn': 5, 'strength': 1.0, 'max_steps': 100,
+             'symmetric': False},
     # NOTE's code: Adam 1e-4, PBRS memory 64 learnt every 64, BN momentum 0.01, IABN k 4
     'note': {'learning_rate': 1e-4, 'optimizer': 'adam', 'memory_size': 64,
              'update_frequency': 64, 'bn_momentum': 0.01, 'iabn_k': 4.0},

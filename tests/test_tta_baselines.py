@@ -105,12 +105,13 @@ def test_sar_moving_average_and_recovery_to_the_source_model():
   np.testing.assert_allclose(float(second.loss_average),
                              0.9 * float(first.loss_average) + 0.1 * float(third.loss_average),
                              rtol=1e-6)
-  # a moving average under the threshold returns the parameters and momentum to the source
+  # a moving average under the threshold returns the parameters to the source; the
+  # momentum stays (the authors' reset does not reach their base SGD's buffers)
   recovering = sar(module, context, reset_threshold=100.0, **keep_all)
   start = recovering.init(variables, jax.random.key(0))
   recovered, _ = recovering.step(recovering.step(start, batch)[0], batch)
   chex.assert_trees_all_equal(recovered.variables, variables)
-  chex.assert_trees_all_equal(recovered.opt_state, start.opt_state)
+  assert any(np.any(np.asarray(leaf) != 0) for leaf in jax.tree.leaves(recovered.opt_state))
   assert float(recovered.loss_average) < 100.0     # the average is kept across a recovery
 
 
@@ -193,18 +194,22 @@ def test_cotta_restores_about_p_of_the_weights_and_averages_views_when_unsure():
 
 # --- LAME ------------------------------------------------------------------------------
 
-def lame_reference(probs, features, knn, max_steps=100):
-  """The authors' LAME in float64 numpy: kNN affinity of the L2-normalised features
-  (each example's k nearest others), symmetrised, then z ← softmax(log p + W z) from
+def lame_reference(probs, features, knn, kind, max_steps=100):
+  """The authors' LAME in float64 numpy: the affinity of the L2-normalised features
+  ('knn': each example's k nearest others; 'rbf': exp(−d² / 2σ²), σ the mean k-th
+  smallest distance counting the example itself), then z ← softmax(log p + W z) from
   z = p until the entropy energy changes by ≤ 1e-8 of itself (from the third step)."""
   features = features / np.linalg.norm(features, axis=1, keepdims=True)
   distance = np.linalg.norm(features[None] - features[:, None], axis=-1)
-  np.fill_diagonal(distance, np.inf)
-  kernel = np.zeros_like(distance)
-  for i, row in enumerate(distance):
-    kernel[i, np.argsort(row)[:knn]] = 1.0
-  kernel = 0.5 * (kernel + kernel.T)
-  unary = -np.log(probs)
+  if kind == 'rbf':
+    sigma = np.sort(distance, axis=1)[:, knn - 1].mean()
+    kernel = np.exp(-distance ** 2 / (2 * sigma ** 2))
+  else:
+    np.fill_diagonal(distance, np.inf)
+    kernel = np.zeros_like(distance)
+    for i, row in enumerate(distance):
+      kernel[i, np.argsort(row)[:knn]] = 1.0
+  unary = -np.log(probs + 1e-10)
   z, old = probs.copy(), np.inf
   for i in range(max_steps):
     pairwise = kernel @ z
@@ -218,14 +223,15 @@ def lame_reference(probs, features, knn, max_steps=100):
   return z, kernel
 
 
-def test_lame_is_the_laplacian_fixed_point_of_the_authors_loop():
+@pytest.mark.parametrize('kind', ['rbf', 'knn'])
+def test_lame_is_the_laplacian_fixed_point_of_the_authors_loop(kind):
   module, variables, batch = setup(batch=12)
-  adapter = lame_lib.lame(module, knn=3)
+  adapter = lame_lib.lame(module, affinity_kind=kind, knn=3)
   _, log_z = adapter.step(adapter.init(variables, None), batch)
   features = np.asarray(models.head_hidden(variables, models.features(module, variables,
                                                                       batch.x)), np.float64)
   probs = np.asarray(jax.nn.softmax(forward_eval(module, variables, batch.x)), np.float64)
-  expected, kernel = lame_reference(probs, features, 3)
+  expected, kernel = lame_reference(probs, features, 3, kind)
   np.testing.assert_allclose(np.exp(log_z), expected, atol=1e-5)
   # the answer is a fixed point of Eq. 7: z = softmax(log p + W z)
   z = np.exp(np.asarray(log_z, np.float64))
@@ -246,7 +252,7 @@ def test_lame_wrapped_repeats_take_no_part_in_the_affinity_and_a_lone_example_ke
   kernel = np.asarray(lame_lib.affinity(lame_lib.normalize(feats), valid, 'knn', 2))
   assert kernel[4:].sum() == 0 and kernel[:, 4:].sum() == 0
   np.testing.assert_array_equal(kernel[:4].sum(1), [2, 2, 2, 2])
-  adapter = lame_lib.lame(module)
+  adapter = lame_lib.lame(module, affinity_kind='knn')
   one = AdaptBatch(batch.x, jnp.array([1.0, 0, 0, 0, 0, 0]))
   _, log_z = adapter.step(adapter.init(variables, None), one)
   np.testing.assert_allclose(log_z[0], jax.nn.log_softmax(forward_eval(module, variables,

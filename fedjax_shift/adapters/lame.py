@@ -8,11 +8,12 @@ the penultimate features, LAME minimises the Laplacian-regularised likelihood
 
 by the bound optimisation's fixed point  z_i ∝ p_i ⊙ exp(λ Σ_j w_ij z_j)  (Eq. 7), from
 z_i = p_i, until the energy changes by at most 1e-8 of itself or 100 iterations (the
-authors' code: github.com/fiveai/LAME). The affinity is theirs: features L2-normalised,
-'knn' (w_ij = 1 when j is one of i's k nearest other examples, k = 5; symmetrised as
-½(W + Wᵀ) by default), 'rbf' (exp(−‖f_i − f_j‖² / 2σ²), σ the mean distance to the k-th
-neighbour) or 'linear' (max(f_iᵀ f_j, 0)). The prediction is log z. Wrapped repeats in a
-batch (weight 0) take no part in the affinity. Episodic by nature: nothing is kept.
+authors' code: github.com/fiveai/LAME, unary −log(p + 1e-10)). The affinity is theirs,
+of the L2-normalised penultimate features: 'rbf' by default (their best configuration,
+exp(−‖f_i − f_j‖² / 2σ²), σ the mean distance to the 5th nearest counting the example
+itself), 'knn' (w_ij = 1 when j is one of i's k = 5 nearest others) or 'linear'
+(f_iᵀ f_j); ½(W + Wᵀ) with ``symmetric`` (their option, off). The prediction is log z.
+Wrapped repeats in a batch (weight 0) take no part in the affinity. Episodic by nature: nothing is kept.
 """
 from __future__ import annotations
 
@@ -35,20 +36,26 @@ def normalize(features: jax.Array) -> jax.Array:
 
 
 def affinity(features: jax.Array, valid: jax.Array, kind: str, knn: int) -> jax.Array:
-  """W [B, B] of L2-normalised features [B, F]; rows and columns of examples with
-  ``valid`` [B] False are 0, and no example is its own neighbour."""
-  pair = valid[:, None] & valid[None, :] & ~jnp.eye(features.shape[0], dtype=bool)
+  """W [B, B] of L2-normalised features [B, F] as the authors' code builds it: 'knn' 1 for
+  each example's ``knn`` nearest others (not symmetric, diagonal 0); 'rbf'
+  exp(−‖f_i − f_j‖² / 2σ²) with σ the mean over examples of the ``knn``-th smallest
+  distance counting the example itself (diagonal 1); 'linear' f_iᵀ f_j. Rows and columns
+  of examples with ``valid`` [B] False are 0."""
+  pair = valid[:, None] & valid[None, :]
   if kind == 'linear':
-    return jnp.where(pair, jnp.maximum(features @ features.T, 0.0), 0.0)
-  squared = jnp.sum((features[:, None] - features[None, :]) ** 2, -1)
-  distance = jnp.where(pair, jnp.sqrt(jnp.maximum(squared, 0.0)), jnp.inf)
-  k = min(knn, features.shape[0] - 1)
-  nearest = -jax.lax.top_k(-distance, k)[0] if k > 0 else jnp.zeros((features.shape[0], 0))
+    return jnp.where(pair, features @ features.T, 0.0)
+  squared = jnp.maximum(jnp.sum((features[:, None] - features[None, :]) ** 2, -1), 0.0)
+  distance = jnp.where(pair, jnp.sqrt(squared), jnp.inf)
+  size = features.shape[0]
   if kind == 'knn':
-    return (pair & (distance <= nearest[:, -1:])).astype(jnp.float32) if k > 0 else \
-        jnp.zeros_like(squared)
-  kth = jnp.where(jnp.isfinite(nearest[:, -1]), nearest[:, -1], 0.0) if k > 0 else \
-      jnp.zeros(features.shape[:1])
+    others = jnp.where(jnp.eye(size, dtype=bool), jnp.inf, distance)
+    k = min(knn, size - 1)
+    if k == 0:
+      return jnp.zeros_like(squared)
+    kth = -jax.lax.top_k(-others, k)[0][:, -1:]
+    return (pair & jnp.isfinite(others) & (others <= kth)).astype(jnp.float32)
+  kth = -jax.lax.top_k(-distance, min(knn, size))[0][:, -1]
+  kth = jnp.where(jnp.isfinite(kth), kth, 0.0)
   sigma = jnp.sum(kth * valid) / jnp.maximum(jnp.sum(valid), 1)
   return jnp.where(pair, jnp.exp(-squared / jnp.maximum(2.0 * sigma ** 2, 1e-12)), 0.0)
 
@@ -88,11 +95,11 @@ def laplacian_optimization(log_probs: jax.Array, kernel: jax.Array, strength: fl
 @register_constructor('lame', ranges={'affinity_kind': one_of(*AFFINITIES), 'knn': POSITIVE_INT,
                                       'strength': POSITIVE, 'max_steps': POSITIVE_INT,
                                       'symmetric': BOOL})
-def lame(module, affinity_kind: str = 'knn', knn: int = 5, strength: float = 1.0,
-         max_steps: int = 100, symmetric: bool = True) -> Adapter:
-  """LAME with the authors' defaults: ``affinity_kind`` 'knn' over ``knn`` 5 neighbours,
-  symmetrised (``symmetric``), λ = ``strength`` 1, at most ``max_steps`` 100
-  iterations."""
+def lame(module, affinity_kind: str = 'rbf', knn: int = 5, strength: float = 1.0,
+         max_steps: int = 100, symmetric: bool = False) -> Adapter:
+  """LAME with the authors' benchmark setting: ``affinity_kind`` 'rbf' with σ from the
+  ``knn`` = 5 nearest (their best configuration), not symmetrised (``symmetric``: ½(W + Wᵀ)),
+  λ = ``strength`` 1, at most ``max_steps`` 100 iterations."""
   if affinity_kind not in AFFINITIES:
     raise ValueError(f'config.adapters.lame.affinity_kind: unknown {affinity_kind!r}; '
                      f'choose from {list(AFFINITIES)}')
@@ -103,7 +110,7 @@ def lame(module, affinity_kind: str = 'knn', knn: int = 5, strength: float = 1.0
 
   def step(variables, batch):
     penultimate = models.head_hidden(variables, models.features(module, variables, batch.x))
-    log_probs = jax.nn.log_softmax(models.linear_head(variables, penultimate))
+    log_probs = jnp.log(jax.nn.softmax(models.linear_head(variables, penultimate)) + 1e-10)
     kernel = affinity(normalize(penultimate), batch.weight > 0, affinity_kind, knn)
     if symmetric:
       kernel = 0.5 * (kernel + kernel.T)

@@ -9,10 +9,13 @@ test batch's statistics, as Tent; GroupNorm and LayerNorm too), made stable by
     again (the first filter's examples with E < E0) and its gradient steps the
     parameters from θ with SGD (Eq. 5)
   * model recovery: e_m ← 0.9·e_m + 0.1·(the second filtered entropy), and when
-    e_m < 0.2 the parameters and the optimizer's momentum return to the source model's.
+    e_m < 0.2 the parameters return to the source model's.
 As the authors' code (github.com/mr-eggplant/SAR): SGD with momentum 0.9 at 0.00025 for
 ResNets at batch 64 (their lr for batches under 32 is 0.00025·2B/64), predictions the
-logits before the batch's update, the moving average kept across a recovery.
+logits before the batch's update, the moving average and the SGD momentum kept across a
+recovery (their reset reloads the model and SAM's own state, not its base SGD's
+momentum buffers), every normalisation layer adapted (theirs leaves out a ResNet's
+layer4 and a ViT's last blocks, which this library's models do not have by those names).
 A batch whose filters keep no example takes no step (the parameters and the momentum
 stay as they were; the authors' SGD would still move by its momentum there) and is
 counted out of ``adapted_batches``; the moving average is not updated by it.
@@ -28,7 +31,7 @@ import optax
 
 from fedjax_shift import models
 from fedjax_shift.adapters import common
-from fedjax_shift.core.local import masked_mean
+from fedjax_shift.core.local import masked_mean, select
 from fedjax_shift.core.test_time import Adapter, SourceContext, register_constructor, whole_context
 from fedjax_shift.parts import losses
 from fedjax_shift.registry import BOOL, OPEN_FRACTION, POSITIVE, interval
@@ -45,7 +48,7 @@ class SARState(NamedTuple):
   opt_state: optax.OptState
   loss_average: jax.Array   # [] e_m, NaN before the first adapted batch
   stepped: jax.Array        # [] bool: the last batch changed the model
-  source: tuple             # (the source variables, their fresh optimizer state)
+  source: dict              # the source variables, for recovery
 
 
 def sharpness_step(objective, selected, rho: float):
@@ -93,8 +96,7 @@ def sar(module, source: SourceContext, learning_rate: float = 0.00025, momentum:
     del rng
     selected, _ = common.split_params(variables['params'], is_norm_path, field)
     opt_state = optimizer.init(selected)
-    return SARState(variables, opt_state, jnp.float32(jnp.nan), jnp.bool_(False),
-                    (variables, opt_state))
+    return SARState(variables, opt_state, jnp.float32(jnp.nan), jnp.bool_(False), variables)
 
   def step(state: SARState, batch):
     selected, rest = common.split_params(state.variables['params'], is_norm_path, field)
@@ -119,10 +121,7 @@ def sar(module, source: SourceContext, learning_rate: float = 0.00025, momentum:
                         average_rate * state.loss_average + (1 - average_rate) * second_loss)
     average = jax.lax.stop_gradient(jnp.where(go, average, state.loss_average))
     variables = {**state.variables, 'params': common.join_params(selected, rest)}
-    recover = average < reset_threshold
-    source_variables, source_opt = state.source
-    variables, opt_state = jax.tree.map(lambda s, v: jnp.where(recover, s, v),
-                                        (source_variables, source_opt), (variables, opt_state))
+    variables = select(average < reset_threshold, state.source, variables)
     del first
     return SARState(variables, opt_state, average, go, state.source), logits
 

@@ -175,9 +175,15 @@ def define_flags() -> None:
   flags.DEFINE_list('cases', ['round', 'loop', 'fused', 'torch', 'torch_vmap', 'loop_backend'],
                     'Cases to run (loop_backend: the engine round with backend=loop; '
                     'tta_vmap / tta_loop: test-time Tent over the clients as target clients).')
-  flags.DEFINE_enum('tta_adapter', 'atp', ['atp', 'tent', 'fedicon', 'fedthe', 'surgical'],
-                    'Adapter of the tta_* cases (fedicon: its online variant with a memory '
-                    'of 8 batches, on a FedICON model; fedthe: 20 ensemble steps).')
+  flags.DEFINE_string('tta_adapter', 'atp',
+                      'Adapter of the tta_* cases: atp, tent, fedicon (its online variant '
+                      'with a memory of 8 batches, on a FedICON model), fedthe (20 ensemble '
+                      'steps), surgical, or any other registered adapter (its registered '
+                      'defaults).')
+  flags.DEFINE_list('tta_compare', ['tent', 'sar', 'cotta', 'rotta', 'note', 'lame', 'pl',
+                                    'conjugate_pl'],
+                    'Adapters of the tta_compare case, timed in turn (interleaved) on the '
+                    'same batches; the first is the reference.')
   flags.DEFINE_integer('tta_epochs', 5, "Passes over the test split of the 'transductive' "
                        'test-time case (tta_transductive).')
   flags.DEFINE_list('populations', ['240', '1000', '10000'],

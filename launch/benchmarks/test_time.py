@@ -1,6 +1,7 @@
 """Test-time cases: an adapter's vmapped scan over target clients against a Python
 loop of jitted steps, its episodic and transductive modes, FedTTA++'s early stop.
 """
+import functools
 import time
 
 import jax
@@ -15,6 +16,7 @@ from fedjax_shift.adapters.fedtta import Adaptation, adapt, fedtta_adapter
 from fedjax_shift.adapters.surgical import selection_scores, source_selected
 from fedjax_shift.adapters.tent import tent
 from fedjax_shift.algorithms.fedthe import PersonalState, personal_model
+from fedjax_shift.adapters import ADAPTERS
 from fedjax_shift.core.test_time import AdaptBatch, SourceContext, build_test_time
 from fedjax_shift.parts import atp_rates
 from fedjax_shift.parts.fedtta_step import InnerStep
@@ -52,6 +54,8 @@ def case_tta(vmapped: bool, mode: str = 'online'):
     variables = server.variables
     adapter = fedicon_tta(module, FLAGS.batch_size, ContrastiveTTA(
         memory_size=8 * FLAGS.batch_size, epochs=FLAGS.tta_epochs))
+  elif FLAGS.tta_adapter != 'fedthe':    # any registered adapter, its defaults
+    adapter = registered_adapter(FLAGS.tta_adapter, module, variables, data)
   else:                                  # a FedTHE model: two heads and the features
     _, _, _, _, server = setup_algorithm(num_clients(), 'algorithm:fedthe')
     state = PersonalState(server.variables['params']['head'], server.global_feature)
@@ -85,6 +89,63 @@ def case_tta(vmapped: bool, mode: str = 'online'):
   if FLAGS.tta_adapter == 'surgical':
     result['select_s'] = select_s
   return result
+
+
+def registered_adapter(name: str, module, variables, data):
+  """Adapter ``name`` with its registered defaults, on a context of C = 10 classes, the
+  test batch --batch_size and the data's example shape."""
+  if name not in ADAPTERS:
+    raise ValueError(f'--tta_adapter / --tta_compare: unknown adapter {name!r}; registered: '
+                     f'{ADAPTERS.names()}')
+  context = SourceContext(variables, 10, FLAGS.batch_size, input_shape=tuple(data.x.shape[2:]))
+  return ADAPTERS.get(name)(module, ADAPTERS.defaults(name), context)
+
+
+# Gradient evaluations per batch at the registered defaults and batch B: SAR two (SAM),
+# RoTTA's and NOTE's one every 64 examples, LAME none; CoTTA's 32 augmented teacher
+# forwards (and MEMO's per-example views) come on top of theirs.
+GRADIENTS_PER_BATCH = {'sar': lambda b: 2.0, 'rotta': lambda b: b / 64, 'note': lambda b: b / 64,
+                       'lame': lambda b: 0.0, 'no_adapt': lambda b: 0.0,
+                       'bn_adapt': lambda b: 0.0, 'em': lambda b: 0.0, 't3a': lambda b: 0.0}
+
+
+def case_tta_compare():
+  """The adapters of --tta_compare online over the same C clients × N examples in batches
+  of B (vmapped scans), each timed in turn within every repeat (interleaved), with the
+  seconds per batch, the ratio to the first one's and that ratio per gradient
+  evaluation."""
+  config = make_config()
+  module = models.create(config.model, 10)
+  data = jax.device_put(cohort_data(num_clients()))
+  variables = models.init(module, jax.random.key(0), jnp.asarray(data.x[0, :1]))
+  key = jax.random.key(0)
+  runs, compile_s = {}, {}
+  for name in FLAGS.tta_compare:
+    run_all = build_test_time(registered_adapter(name, module, variables, data),
+                              FLAGS.batch_size, 'online')
+    runs[name] = functools.partial(lambda run_all: jax.block_until_ready(
+        run_all(variables, data, key)), run_all)
+    tick = time.perf_counter()
+    runs[name]()
+    compile_s[name] = time.perf_counter() - tick
+  times = {name: [] for name in runs}
+  for _ in range(FLAGS.repeats):
+    for name, run in runs.items():
+      tick = time.perf_counter()
+      run()
+      times[name].append(time.perf_counter() - tick)
+  batches = -(-data.x.shape[1] // FLAGS.batch_size)
+  reference = FLAGS.tta_compare[0]
+  median = {name: float(np.median(t)) for name, t in times.items()}
+  rows = {}
+  for name in runs:
+    grads = GRADIENTS_PER_BATCH.get(name, lambda b: 1.0)(FLAGS.batch_size)
+    ratio = median[name] / median[reference]
+    rows[name] = {'seconds': median[name], 'times': times[name], 'compile_s': compile_s[name],
+                  'seconds_per_batch': median[name] / batches, 'ratio': ratio,
+                  'gradients_per_batch': grads,
+                  'ratio_per_gradient': ratio / grads if grads else None}
+  return {'seconds': median[reference], 'compile_s': compile_s[reference], 'adapters': rows}
 
 
 def case_fedtta_test_time(loop: str, patience: int):
@@ -124,6 +185,8 @@ register('tta_transductive',
          lambda name: f'{FLAGS.tta_adapter} transductive, {FLAGS.tta_epochs} passes then '
                       f'prediction: vmapped lax.scan over clients',
          lambda name: case_tta(True, 'transductive'))
+register('tta_compare', lambda name: f'online scans of {",".join(FLAGS.tta_compare)}, '
+                                     'interleaved', lambda name: case_tta_compare())
 register('fedtta_e50', 'FedTTA test time, fixed E = 50 steps (scan)',
          lambda name: case_fedtta_test_time('scan', 0))
 register('fedtta_pp_scan', 'FedTTA++ test time, E ≤ 50, patience 1, masked scan',
