@@ -175,7 +175,7 @@ def spawn(name, clients: int, conv: str, sizes: str = ''):
           f'--conv={conv}', f'--sizes={sizes}', f'--sizes_list={listed}']
   argv += [f'--{f}={FLAGS[f].serialize().split("=", 1)[1]}' for f in
            ('model', 'examples', 'batch_size', 'repeats', 'unroll', 'client_chunk',
-            'sweep_repeats', 'tta_adapter', 'tta_epochs', 'rounds_per_call', 'seeds', 'trace',
+            'sweep_repeats', 'tta_adapter', 'tta_compare', 'tta_epochs', 'rounds_per_call', 'seeds', 'trace',
             'grid_rates', 'max_scanned', 'torch_threads')
            if FLAGS[f].value is not None]   # unset: the case's own default
   load = os.getloadavg()[0]

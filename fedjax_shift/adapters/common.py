@@ -180,10 +180,22 @@ def learn_every(state, seen, count, batch_size: int, frequency: int, enter: Call
 
 
 def scan_entering(add: Callable, memory, items: tuple, start, stop):
-  """The memory after ``add(memory, *item)`` for the items (arrays with a leading B
-  axis, the weight last) whose index is in [start, stop) and whose weight is > 0."""
+  """The memory (a NamedTuple whose field ``x`` holds the stored examples) after
+  ``add(memory, *item)`` for the items (arrays with a leading B axis: the examples x
+  first, the weight last) whose index is in [start, stop) and whose weight is > 0.
+
+  The scan moves slot indices, not examples: inside it ``memory.x`` is each slot's origin
+  (−1: as it was, i: the batch's example i) and an item's x is its index, so an example
+  is copied once, after the scan, not once per step."""
+  batch_x = items[0]
+  origins = jnp.full(memory.x.shape[:1], -1, jnp.int32)
+
   def one(memory, indexed):
     index, item = indexed
     go = (index >= start) & (index < stop) & (item[-1] > 0)
-    return select(go, add(memory, *item), memory), None
-  return jax.lax.scan(one, memory, (jnp.arange(items[0].shape[0]), items))[0]
+    return select(go, add(memory, index, *item[1:]), memory), None
+
+  indices = jnp.arange(batch_x.shape[0], dtype=jnp.int32)
+  entered = jax.lax.scan(one, memory._replace(x=origins), (indices, items))[0]
+  moved = (entered.x >= 0).reshape((-1,) + (1,) * (batch_x.ndim - 1))
+  return entered._replace(x=jnp.where(moved, batch_x[jnp.maximum(entered.x, 0)], memory.x))
