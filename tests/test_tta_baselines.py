@@ -513,3 +513,51 @@ def test_note_learns_on_its_memory_every_update_frequency_examples():
                          variables['batch_stats']['encoder']['BatchNorm_0']['mean'])
   state, _ = adapter.step(state, batch)
   assert int(state.opt_state[0].count) == 3
+
+
+# --- the time-limited stream -------------------------------------------------------------
+
+@pytest.mark.parametrize('name', ['tent', 'sar', 'cotta', 'rotta', 'note', 'lame', 'pl'])
+def test_time_limited_stream_adapts_every_kth_batch_and_predicts_the_rest_with_the_current_model(name):
+  """With stream rate C = 2.5 an adapter adapts on batches 0, 3, 6, … (⌈C⌉ = 3) and
+  predicts the two between with its current model: a hand-run loop of step / predict."""
+  from fedjax_shift.adapters import ADAPTERS
+  import ml_collections
+  module, variables, _ = setup()
+  variables = {**variables, 'batch_stats': jax.tree.map(lambda s: s + 0.3, variables['batch_stats'])}
+  section = ml_collections.ConfigDict({**ADAPTERS.defaults(name).to_dict(),
+                                       **{'cotta': {'num_augmentations': 2},
+                                          'rotta': {'memory_size': 6, 'update_frequency': 4},
+                                          'note': {'memory_size': 6, 'update_frequency': 4},
+                                          'sar': {'entropy_margin': 1.0},
+                                          'pl': {'threshold': 0.34}}.get(name, {})})
+  context = SourceContext(variables, NUM_CLASSES, 4, input_shape=(4, 4, 1))
+  adapter = ADAPTERS.get(name)(module, section, context)
+  data, xs, _ = toy_clients([24], num_classes=NUM_CLASSES)          # 6 batches of 4
+  sums = build_test_time(adapter, 4, 'online', stream_rate=2.5)(variables, data,
+                                                                  jax.random.key(0))
+  state = adapter.init(variables, jax.random.fold_in(jax.random.key(0), 0))
+  expected = []
+  for t in range(6):
+    batch = AdaptBatch(jnp.asarray(xs[0][4 * t:4 * t + 4]), jnp.ones(4))
+    if t % 3 == 0:
+      state, logits = adapter.step(state, batch)
+    else:
+      logits = adapter.predict(state, batch)
+    expected.append(np.argmax(logits, -1))
+  np.testing.assert_array_equal(sums['predictions'][0], np.concatenate(expected))
+  plain = build_test_time(adapter, 4, 'online')(variables, data, jax.random.key(0))
+  every = build_test_time(adapter, 4, 'online', stream_rate=1.0)(variables, data,
+                                                                  jax.random.key(0))
+  np.testing.assert_array_equal(every['predictions'], plain['predictions'])
+
+
+def test_time_limited_stream_refuses_what_it_cannot_run():
+  from fedjax_shift.adapters.no_adapt import no_adapt
+  module, variables, _ = setup()
+  with pytest.raises(ValueError, match='stream_rate must be 0'):
+    build_test_time(tent(module), 4, 'online', stream_rate=0.5)
+  with pytest.raises(ValueError, match="mode 'episodic' cannot run it"):
+    build_test_time(tent(module), 4, 'episodic', stream_rate=2.0)
+  with pytest.raises(ValueError, match='cannot predict without adapting'):
+    build_test_time(no_adapt(module), 4, 'online', stream_rate=2.0)

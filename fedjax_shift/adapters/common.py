@@ -123,7 +123,8 @@ def gradient_adapter(name: str, is_selected: Callable, select_field: str,
     select_field: the config field named in the error when nothing is selected.
     loss_fn: (variables, batch, extra) -> (loss, (logits, new_extra)); logits are
       the ones computed before the update.
-    predict_fn: (variables, x) -> logits, used when ``predict == 'after'``.
+    predict_fn: (variables, x) -> logits, used when ``predict == 'after'`` and as the
+      adapter's ``predict`` (the current model, no step).
     predict: 'before' | 'after' (which logits the method predicts with).
     step_if: (the new extra) -> [] bool: whether this batch takes its step; when
       False the parameters and the optimizer state stay bit-identical (EATA on a batch
@@ -159,7 +160,10 @@ def gradient_adapter(name: str, is_selected: Callable, select_field: str,
       logits = predict_fn(variables, batch.x)
     return GradientState(variables, opt_state, extra), logits
 
-  return Adapter(init, step, took_step=None if took_step is None else
+  def predict_current(state, batch):
+    return predict_fn(state.variables, batch.x)
+
+  return Adapter(init, step, predict_current, took_step=None if took_step is None else
                  lambda state: took_step(state.extra))
 
 

@@ -115,4 +115,7 @@ def cotta(module, learning_rate: float = 1e-3, optimizer: str = 'adam',
     student = {**student, 'params': jax.tree.unflatten(tree, restored)}
     return CoTTAState(student, teacher, opt_state, state.source, rng), pseudo
 
-  return Adapter(init, step)
+  def predict(state: CoTTAState, batch):   # the teacher on the batch, no augmentation
+    return forward(state.teacher, batch.x)
+
+  return Adapter(init, step, predict)

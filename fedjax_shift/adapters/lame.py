@@ -117,4 +117,7 @@ def lame(module, affinity_kind: str = 'rbf', knn: int = 5, strength: float = 1.0
     z = laplacian_optimization(log_probs, kernel, strength, max_steps).assignments
     return variables, jnp.log(jnp.maximum(z, 1e-20))
 
-  return Adapter(init, step)
+  def predict(variables, batch):   # the model's own outputs, uncorrected
+    return models.apply(module, variables, batch.x)[0]
+
+  return Adapter(init, step, predict)

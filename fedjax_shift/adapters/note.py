@@ -198,4 +198,8 @@ def note(module, num_classes: int, example_shape: tuple, learning_rate: float = 
                                learn)
     return state._replace(seen=state.seen + count), logits
 
-  return Adapter(init, step)
+  def predict(state: NOTEState, batch):
+    return iabn_forward(module, state.variables, batch.x, batch.weight, iabn_k, bn_momentum,
+                        False)[0]
+
+  return Adapter(init, step, predict)

@@ -203,4 +203,4 @@ def rotta(module, num_classes: int, example_shape: tuple, learning_rate: float =
     state = state._replace(seen=state.seen + count)
     return state, logits
 
-  return Adapter(init, step)
+  return Adapter(init, step, lambda state, batch: models.apply(module, state.teacher, batch.x)[0])

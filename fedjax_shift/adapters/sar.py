@@ -125,4 +125,5 @@ def sar(module, source: SourceContext, learning_rate: float = 0.00025, momentum:
     del first
     return SARState(variables, opt_state, average, go, state.source), logits
 
-  return Adapter(init, step, took_step=lambda state: state.stepped)
+  return Adapter(init, step, lambda state, batch: forward(state.variables, batch.x),
+                 took_step=lambda state: state.stepped)

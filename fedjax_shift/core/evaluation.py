@@ -284,7 +284,8 @@ def evaluate_models(evaluate_chunk, server_state, client_states, train: Federate
                              train.num_clients, key, chunk_size)
 
 
-def build_adapter_evaluate(make_adapter: Callable[[Any], Any], batch_size: int, mode: str):
+def build_adapter_evaluate(make_adapter: Callable[[Any], Any], batch_size: int, mode: str,
+                           stream_rate: float = 0.0):
   """One adapter on clients that share the model variables (a pipeline's target
   clients). Returns jitted ``evaluate_chunk(rates, variables, data [C, N, ...],
   client_ids [C], key)`` -> {'correct', 'loss', 'count'} [C] and 'predictions' [C, N].
@@ -292,10 +293,11 @@ def build_adapter_evaluate(make_adapter: Callable[[Any], Any], batch_size: int, 
   ``make_adapter(rates)`` builds the Adapter inside the compiled function, so the
   rates it learns (ATP's α) are an argument, not constants: one compilation per
   adapter, mode and shape serves every α. Client k's key is ``fold_in(key, k)``.
+  ``stream_rate``: the time-limited online stream of ``test_time.client_runner``.
   """
 
   def evaluate_chunk(rates, variables, data: FederatedData, client_ids, key):
-    run_one = client_runner(make_adapter(rates), batch_size, mode)
+    run_one = client_runner(make_adapter(rates), batch_size, mode, stream_rate)
     keys = jax.vmap(jax.random.fold_in, (None, 0))(key, client_ids)
     return jax.vmap(run_one, (None, 0, 0, 0, 0))(variables, data.x, data.y, data.num_examples,
                                                  keys)

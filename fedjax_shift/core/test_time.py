@@ -12,6 +12,8 @@ Modes: 'episodic' resets the state to ``init`` before every batch; 'online' carr
 passes (each pass over a fresh shuffle of its n examples, the state carried), then
 predicts every batch with the adapted state (``adapter.predict``, no update): FedICON's
 Eq. 2, which minimises Eq. 7 over the local test set before predicting.
+An online run may be time-limited (``stream_rate``, Alfarra et al., ICML 2024): the
+adapter adapts on every ⌈C⌉-th batch and predicts the others with its current model.
 """
 from __future__ import annotations
 
@@ -245,12 +247,37 @@ def mode_problem(name: str, mode: str) -> Optional[str]:
   return None
 
 
-def client_runner(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
+def stream_period(adapter: Adapter, mode: str, stream_rate: float) -> int:
+  """How many batches the stream reveals per adapted batch: ⌈``stream_rate``⌉ (0: every
+  batch adapts). Raises for a mode other than 'online' or an adapter without
+  ``predict``."""
+  if not stream_rate:
+    return 1
+  if not stream_rate >= 1.0:
+    raise ValueError(f'stream_rate must be 0 (off) or >= 1 (batches the stream reveals '
+                     f'during one adapted batch), got {stream_rate}')
+  if mode != 'online':
+    raise ValueError(f"stream_rate: a time-limited stream is an online evaluation; mode "
+                     f"{mode!r} cannot run it")
+  if adapter.predict is None:
+    raise ValueError('stream_rate: this adapter cannot predict without adapting, which the '
+                     'batches it has no time for need')
+  return int(np.ceil(stream_rate))
+
+
+def client_runner(adapter: Adapter, batch_size: int, mode: str = 'episodic',
+                  stream_rate: float = 0.0):
   """``run_one(variables, x [N, ...], y [N], num_examples [], rng)`` -> the sums
   {'correct', 'loss', 'count'} and 'predictions' [N] of ONE client (unjitted, for
   vmapping with shared or per-client variables); with ``adapter.took_step``, also
-  'adapted_batches' of its 'batches' (those holding an example to score)."""
+  'adapted_batches' of its 'batches' (those holding an example to score).
+
+  ``stream_rate`` C (online only; 0: off): the time-limited evaluation of Alfarra et al.
+  (ICML 2024): the stream reveals a batch per forward pass of the model, and an adapter
+  whose step costs C of them adapts on every ⌈C⌉-th batch (the first of each group); the
+  batches it has no time for are predicted by its current model (``adapter.predict``)."""
   check_mode(adapter, mode)
+  period = stream_period(adapter, mode, stream_rate)
   if batch_size < 1:
     raise ValueError(f'test-time batch_size must be >= 1, got {batch_size}')
 
@@ -264,14 +291,24 @@ def client_runner(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
     else:
       initial = adapter.init(variables, rng)
 
-      def body(state, batch):
+      def adapt(state, batch):
         new_state, logits = weighted_step(adapter, state,
                                           initial if mode == 'episodic' else state, batch)
         stepped = (jnp.sum(batch.weight) > 0) & (adapter.took_step(new_state) if
                                                  adapter.took_step else True)
         return new_state, (logits, stepped)
 
-      _, (logits, stepped) = jax.lax.scan(body, initial, batches)
+      def body(state, indexed):
+        index, batch = indexed
+        if period == 1:
+          return adapt(state, batch)
+        # the batch index is shared by every client, so under vmap this stays a branch
+        return jax.lax.cond(index % period == 0, adapt,
+                            lambda state, batch: (state, (adapter.predict(state, batch),
+                                                          jnp.bool_(False))), state, batch)
+
+      _, (logits, stepped) = jax.lax.scan(body, initial,
+                                          (jnp.arange(batches.weight.shape[0]), batches))
     labels = y[idx]
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
@@ -288,7 +325,8 @@ def client_runner(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
   return one_client
 
 
-def build_test_time(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
+def build_test_time(adapter: Adapter, batch_size: int, mode: str = 'episodic',
+                    stream_rate: float = 0.0):
   """Returns jitted ``run(variables, data: FederatedData [K, N, ...], rng)`` ->
   {'correct', 'loss', 'count'} each [K] (sums over each client's scored examples)
   and 'predictions' [K, N] (argmax, −1 where padded).
@@ -297,10 +335,12 @@ def build_test_time(adapter: Adapter, batch_size: int, mode: str = 'episodic'):
   key is ``fold_in(rng, client_ids[k])`` (``client_ids`` defaults to 0..K−1; pass the
   population ids when running a subset so every client keeps its key).
 
+  ``stream_rate``: the time-limited online stream of ``client_runner``.
+
   Each ``data`` is checked the first time it is seen (``store.FirstUseCheck``): inputs
   that are not finite and labels outside [0, C) of the adapter's logits are a ValueError.
   """
-  one_client = client_runner(adapter, batch_size, mode)
+  one_client = client_runner(adapter, batch_size, mode, stream_rate)
 
   def run(variables, data: FederatedData, rng, client_ids=None) -> Dict[str, jax.Array]:
     if client_ids is None:
