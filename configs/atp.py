@@ -22,6 +22,12 @@ Variants (``--config=configs/atp.py:<variant>[,<more>]``):
   learned    adds the learned-rates rows: Tent with one learned rate per BN
              layer, BN-Adapt with a learned prior strength, ATP-online with α trained
              through K online batches (config.learned; adapters/learned_rates.py)
+  tta_baselines  adds the rows of the TTA benchmarks' baselines: SAR, CoTTA, RoTTA,
+             NOTE, LAME, PL, conjugate PL (each at its own paper's defaults)
+  time_limited   every online row that can also runs on the time-limited stream of
+             Alfarra et al. (ICML 2024), C = 2 batches revealed per adapted one
+             (config.tta.stream_rows, stream_rate): a table beside Table 1; name it
+             after the row variants (tta_baselines,time_limited)
   quick      one seed, 40 pretraining / 40 α rounds
   tiny       seconds: 12 source / 4 target clients, 2 rounds each (tests)
 
@@ -37,6 +43,7 @@ paper's ATP CNN (23 modules) at 28×28.
 import ml_collections
 
 from fedjax_shift.benchmarks.atp_shift import SHIFTS
+from fedjax_shift.adapters import ADAPTERS
 from fedjax_shift.config import apply_variant, base_config
 
 # ATP Table 1's rows in order: (key, label, adapter, test-time mode). Each adapter's
@@ -55,6 +62,18 @@ TABLE1_ROWS = (('no_adapt', 'No adaptation', 'no_adapt', 'episodic'),
                ('surgical', 'Surgical', 'surgical', 'online'),
                ('atp_batch', 'ATP-batch', 'atp', 'episodic'),
                ('atp_online', 'ATP-online', 'atp', 'online'))
+# Further rows (variant tta_baselines): the baselines of the TTA benchmarks (TTAB, Zhao
+# et al., ICML 2023; Alfarra et al., ICML 2024), each at its own paper's defaults.
+TTA_BASELINE_ROWS = (('sar', 'SAR', 'sar', 'online'),
+                     ('cotta', 'CoTTA', 'cotta', 'online'),
+                     ('rotta', 'RoTTA', 'rotta', 'online'),
+                     ('note', 'NOTE', 'note', 'online'),
+                     ('lame', 'LAME', 'lame', 'episodic'),
+                     ('pl', 'PL', 'pl', 'online'),
+                     ('conjugate_pl', 'Conjugate PL', 'conjugate_pl', 'online'))
+# time_limited: the online rows that can also run on the time-limited stream
+# (config.tta.stream_rows), at C batches revealed per adapted batch.
+STREAM_RATE = 2.0
 
 
 def get_config(arg: str = 'digits_hybrid') -> ml_collections.ConfigDict:
@@ -62,9 +81,10 @@ def get_config(arg: str = 'digits_hybrid') -> ml_collections.ConfigDict:
   c.pipeline = 'atp'
   c.paper_tables = 'atp'             # launch/train.py prints Tables 1 and 3 beside the paper's
   c.tta.rows = tuple(key for key, _, _, _ in TABLE1_ROWS)   # drop keys to skip methods
-  c.tta.label = {key: label for key, label, _, _ in TABLE1_ROWS}
-  c.tta.adapter = {key: adapter for key, _, adapter, _ in TABLE1_ROWS}
-  c.tta.mode = {key: mode for key, _, _, mode in TABLE1_ROWS}
+  every_row = TABLE1_ROWS + TTA_BASELINE_ROWS
+  c.tta.label = {key: label for key, label, _, _ in every_row}
+  c.tta.adapter = {key: adapter for key, _, adapter, _ in every_row}
+  c.tta.mode = {key: mode for key, _, _, mode in every_row}
   c.algorithms = ('fedavg',)          # the global model's training (ATP Table 7: fedprox, qffl)
   c.rounds = 200                      # ATP: FedAvg 200 rounds (CNN)
   c.cohort_size = 240                 # ATP release: FedAvg with every source client a round
@@ -147,6 +167,16 @@ def _learned(c: ml_collections.ConfigDict, match) -> None:
   c.learned.rows = ('tent_learned', 'bn_adapt_learned', 'atp_online_k')
 
 
+def _tta_baselines(c: ml_collections.ConfigDict, match) -> None:
+  c.tta.rows = tuple(c.tta.rows) + tuple(key for key, _, _, _ in TTA_BASELINE_ROWS)
+
+
+def _time_limited(c: ml_collections.ConfigDict, match) -> None:
+  c.tta.stream_rows = tuple(key for key in c.tta.rows if c.tta.mode[key] == 'online' and
+                            ADAPTERS.meta(c.tta.adapter[key]).get('streams'))
+  c.tta.stream_rate = STREAM_RATE
+
+
 def _quick(c: ml_collections.ConfigDict, match) -> None:
   c.rounds = 40
   c.atp.rounds = 40
@@ -169,12 +199,17 @@ def _tiny(c: ml_collections.ConfigDict, match) -> None:
   c.model.hidden = (16,)
   c.adapters.memo.num_augmentations = 2
   c.adapters.eata.fisher_samples = 16
+  c.adapters.cotta.num_augmentations = 2
+  c.adapters.rotta.memory_size = 10     # one place per class at least
+  c.adapters.note.memory_size = 6
+  c.adapters.rotta.update_frequency = c.adapters.note.update_frequency = 6
   c.eval_every = 2
 
 
 VARIANTS = ((r'(?P<name>digits|fmnist|cifar10c)(_(?P<shift>feature|label|hybrid))?', _shift),
-            ('cnn', _cnn), ('resnet18', _resnet18), ('fedprox|qffl', _pretrain), ('learned', _learned), ('quick', _quick),
+            ('cnn', _cnn), ('resnet18', _resnet18), ('fedprox|qffl', _pretrain), ('learned', _learned),
+            ('tta_baselines', _tta_baselines), ('time_limited', _time_limited), ('quick', _quick),
             ('tiny', _tiny))
 USAGE = ('digits[_<shift>], fmnist[_<shift>], cifar10c[_<shift>] (shift in feature, label, '
          'hybrid), cnn, resnet18, '
-         'fedprox, qffl, learned, quick, tiny')
+         'fedprox, qffl, learned, tta_baselines, time_limited, quick, tiny')

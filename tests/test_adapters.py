@@ -18,7 +18,7 @@ from fedjax_shift.adapters.no_adapt import no_adapt
 from fedjax_shift.adapters.shot import cluster_pseudo_labels
 from fedjax_shift.adapters.surgical import surgical
 from fedjax_shift.adapters.t3a import Supports, merge, t3a
-from fedjax_shift.core.test_time import AdaptBatch, build_test_time
+from fedjax_shift.core.test_time import AdaptBatch, build_test_time, stream_problem
 from fedjax_shift.data.augment import augment_many
 from fedjax_shift.parts import atp_rates
 from fedjax_shift.parts import losses
@@ -127,6 +127,25 @@ def test_vmapped_clients_equal_python_loop_and_no_nan(name, mode):
       np.testing.assert_allclose(together[field][k], one[field][0],
                                  **backend_tolerance(2e-5, 1e-5))
     np.testing.assert_array_equal(together['predictions'][k], one['predictions'][0])
+
+
+@pytest.mark.parametrize('name', ADAPTERS.names())
+def test_adapters_registered_for_time_limited_streams_predict_without_a_step(name):
+  """``streams=True`` promises the config checks a ``predict``: such an adapter runs a
+  stream of rate 2 (finite, every example scored); any other is refused by name."""
+  problem = stream_problem(name, 'online', 2.0)
+  if not ADAPTERS.meta(name).get('streams'):
+    assert problem is not None and name in problem
+    return
+  assert problem is None
+  module, variables, context = setup('mlp' if name == 'odpfl_hn' else 'bn_mlp')
+  adapter = build(name, module, context)
+  assert adapter.predict is not None
+  data, _, _ = toy_clients([8, 6], num_classes=NUM_CLASSES, pad_to=8)
+  sums = build_test_time(adapter, 4, 'online', stream_rate=2.0)(
+      variables_for(name, variables), data, jax.random.key(3))
+  chex.assert_tree_all_finite({k: v for k, v in sums.items() if k != 'predictions'})
+  np.testing.assert_array_equal(sums['count'], [8, 6])
 
 
 def test_em_one_iteration_is_mean_posterior_and_converges_to_a_fixed_point():

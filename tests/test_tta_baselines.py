@@ -555,9 +555,66 @@ def test_time_limited_stream_adapts_every_kth_batch_and_predicts_the_rest_with_t
 def test_time_limited_stream_refuses_what_it_cannot_run():
   from fedjax_shift.adapters.no_adapt import no_adapt
   module, variables, _ = setup()
-  with pytest.raises(ValueError, match='stream_rate must be 0'):
+  with pytest.raises(ValueError, match='stream_rate: must be 0'):
     build_test_time(tent(module), 4, 'online', stream_rate=0.5)
   with pytest.raises(ValueError, match="mode 'episodic' cannot run it"):
     build_test_time(tent(module), 4, 'episodic', stream_rate=2.0)
   with pytest.raises(ValueError, match='cannot predict without adapting'):
     build_test_time(no_adapt(module), 4, 'online', stream_rate=2.0)
+
+
+def atp_stream_config():
+  from configs import atp as atp_configs
+  config = atp_configs.get_config('digits_hybrid,tiny')
+  config.tta.rows = ('no_adapt', 'tent', 'memo')
+  config.tta.stream_rows = ('tent',)
+  config.tta.stream_rate = 2.0
+  return config
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('stream_rate', 0.0, 'config.tta.stream_rate'),
+    ('stream_rate', 0.5, 'config.tta.stream_rate'),
+    ('stream_rows', ('tent', 'tent'), 'config.tta.stream_rows'),
+    ('stream_rows', ('sar',), "'sar' is not a row"),
+    ('stream_rows', ('memo',), "mode 'episodic' cannot run it"),
+    ('stream_rows', ('no_adapt',), 'no_adapt cannot predict without adapting'),
+])
+def test_atp_time_limited_rows_are_refused_before_anything_trains(field, value, message,
+                                                                   tmp_path):
+  from fedjax_shift import config as config_lib
+  config = atp_stream_config()
+  if field == 'stream_rows' and value == ('no_adapt',):
+    config.tta.mode.no_adapt = 'online'
+  config.tta[field] = value
+  with pytest.raises(ValueError, match=message):
+    config_lib.validate(config, str(tmp_path))
+
+
+def test_atp_time_limited_rows_give_a_table_beside_table_1(tmp_path):
+  import json
+  import os
+  from fedjax_shift import pipelines
+  config = atp_stream_config()
+  config.tta.rows = ('no_adapt', 'tent')
+  out = pipelines.run(config, str(tmp_path))
+  assert list(out.records['table1']) == ['no_adapt', 'tent']
+  assert 'Tent, time-limited' in out.records['markdown']
+  with open(os.path.join(tmp_path, 'results.json')) as f:
+    stream = json.load(f)['stream']
+  assert list(stream) == ['tent', 'tent@stream']
+  assert stream['tent']['hybrid']['0'] == out.records['table1']['tent']['hybrid'][0]
+  with open(os.path.join(tmp_path, 'hybrid', 'seed_0', 'test_time.json')) as f:
+    rows = json.load(f)['rows']
+  assert 0 <= rows['tent@stream']['accuracy'] <= 1 and rows['tent@stream']['seconds'] > 0
+
+
+def test_atp_variants_add_the_baselines_rows_and_their_time_limited_runs(tmp_path):
+  from configs import atp as atp_configs
+  from fedjax_shift import config as config_lib
+  config = atp_configs.get_config('digits_hybrid,tiny,tta_baselines,time_limited')
+  assert config.tta.rows[-7:] == ('sar', 'cotta', 'rotta', 'note', 'lame', 'pl', 'conjugate_pl')
+  # every online row whose adapter predicts without a step; LAME (episodic), ATP, T3A not
+  assert config.tta.stream_rows == ('shot', 'tent', 'eata', 'sar', 'cotta', 'rotta', 'note',
+                                    'pl', 'conjugate_pl')
+  config_lib.validate(config, str(tmp_path))

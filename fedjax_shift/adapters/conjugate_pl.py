@@ -34,7 +34,7 @@ def conjugate_loss(logits: jax.Array, temperature) -> jax.Array:
 @register_constructor(
     'conjugate_pl', ranges={**common.OPTIMIZER_RANGES, 'temperature': POSITIVE,
                             'predict': common.PREDICT_RANGE},
-    learnable={'learning_rate': 'log'})
+    learnable={'learning_rate': 'log'}, streams=True)
 def conjugate_pl(module, learning_rate: Union[float, Dict[str, Any]] = 1e-3,
                  optimizer: str = 'adam', temperature: float = 1.0,
                  predict: str = 'before') -> Adapter:

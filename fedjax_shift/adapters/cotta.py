@@ -64,7 +64,7 @@ def moving_average(teacher: dict, student: dict, rate) -> dict:
                      'restore_probability': FRACTION, 'confidence_threshold': FRACTION,
                      'num_augmentations': POSITIVE_INT,
                      'augmentation': one_of(*MARGINAL_AUGMENTATIONS)},
-    learnable={'learning_rate': 'log'})
+    learnable={'learning_rate': 'log'}, streams=True)
 def cotta(module, learning_rate: float = 1e-3, optimizer: str = 'adam',
           teacher_rate: float = 0.999, restore_probability: float = 0.01,
           confidence_threshold: float = 0.92, num_augmentations: int = 32,

@@ -69,7 +69,7 @@ def fisher_information(module, variables, x, batch_size: int = 64):
             'redundancy_epsilon': POSITIVE,
             'fisher_weight': NONNEGATIVE,   # 0: no regulariser (no source data needed)
             'fisher_samples': POSITIVE_INT, 'predict': common.PREDICT_RANGE},
-    learnable={'learning_rate': 'log'})
+    learnable={'learning_rate': 'log'}, streams=True)
 def eata(module, source: SourceContext, learning_rate: float = 0.00025,
          lr_batch_size: int = 64, momentum: float = 0.9, entropy_margin: float = 0.4,
          redundancy_epsilon: float = 0.05, fisher_weight: float = 2000.0,

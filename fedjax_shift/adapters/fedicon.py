@@ -98,7 +98,7 @@ class ContrastiveTTA(NamedTuple):
     # FedICON's methods, and Local and FedAvg: Table 5's cells without local invariance
     # extraction, adapted by Eq. 7 on their encoder output (they have no projection).
     trained_by=('fedicon', 'fedicon_us', 'fedicon_no_sharing', 'fedicon_ce',
-                'fedicon_ce_no_sharing', 'local', 'fedavg'), transductive=True)
+                'fedicon_ce_no_sharing', 'local', 'fedavg'), transductive=True, streams=True)
 def fedicon_tta(module, batch_size: int = 0,
                 settings: ContrastiveTTA = ContrastiveTTA()) -> Adapter:
   """FedICON's Eq. 7 adaptation with ``settings`` at test batch ``batch_size`` (0: not

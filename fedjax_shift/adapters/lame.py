@@ -94,7 +94,7 @@ def laplacian_optimization(log_probs: jax.Array, kernel: jax.Array, strength: fl
 
 @register_constructor('lame', ranges={'affinity_kind': one_of(*AFFINITIES), 'knn': POSITIVE_INT,
                                       'strength': POSITIVE, 'max_steps': POSITIVE_INT,
-                                      'symmetric': BOOL})
+                                      'symmetric': BOOL}, streams=True)
 def lame(module, affinity_kind: str = 'rbf', knn: int = 5, strength: float = 1.0,
          max_steps: int = 100, symmetric: bool = False) -> Adapter:
   """LAME with the authors' benchmark setting: ``affinity_kind`` 'rbf' with σ from the

@@ -144,7 +144,7 @@ class NOTEState(NamedTuple):
     ranges={**common.OPTIMIZER_RANGES, 'memory_size': POSITIVE_INT,
             'update_frequency': POSITIVE_INT, 'bn_momentum': interval(0, 1),
             'iabn_k': NONNEGATIVE},
-    learnable={'learning_rate': 'log'})
+    learnable={'learning_rate': 'log'}, streams=True)
 def note(module, num_classes: int, example_shape: tuple, learning_rate: float = 1e-4,
          optimizer: str = 'adam', memory_size: int = 64, update_frequency: int = 64,
          bn_momentum: float = 0.01, iabn_k: float = 4.0) -> Adapter:

@@ -34,7 +34,7 @@ def confident_labels(logits: jax.Array, weight: jax.Array, threshold) -> tuple:
     'pl', ranges={**common.OPTIMIZER_RANGES, 'threshold': interval(0, 1, low_open=True,
                                                                     high_open=True),
                   'momentum': interval(0, 1, high_open=True)},
-    learnable={'learning_rate': 'log'})
+    learnable={'learning_rate': 'log'}, streams=True)
 def pl(module, learning_rate: Union[float, Dict[str, Any]] = 0.00025, optimizer: str = 'sgd',
        momentum: float = 0.9, threshold: float = 0.9) -> Adapter:
   """PL: ``optimizer`` at ``learning_rate`` (``momentum`` for SGD) on the BatchNorm affine

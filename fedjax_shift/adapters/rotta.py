@@ -133,7 +133,7 @@ class RoTTAState(NamedTuple):
             'update_frequency': POSITIVE_INT, 'teacher_rate': interval(0, 1),
             'bn_momentum': interval(0, 1), 'lambda_t': NONNEGATIVE, 'lambda_u': NONNEGATIVE,
             'augmentation': one_of(*MARGINAL_AUGMENTATIONS)},
-    learnable={'learning_rate': 'log'})
+    learnable={'learning_rate': 'log'}, streams=True)
 def rotta(module, num_classes: int, example_shape: tuple, learning_rate: float = 1e-3, optimizer: str = 'adam',
           memory_size: int = 64, update_frequency: int = 64, teacher_rate: float = 0.001,
           bn_momentum: float = 0.05, lambda_t: float = 1.0, lambda_u: float = 1.0,

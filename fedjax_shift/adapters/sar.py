@@ -74,7 +74,7 @@ def learning_rate_for(base: float, batch_size: int) -> float:
             'entropy_margin': OPEN_FRACTION, 'rho': POSITIVE,
             'reset_threshold': interval(0), 'average_rate': interval(0, 1, high_open=True),
             'scale_with_batch': BOOL},
-    learnable={'learning_rate': 'log'})
+    learnable={'learning_rate': 'log'}, streams=True)
 def sar(module, source: SourceContext, learning_rate: float = 0.00025, momentum: float = 0.9,
         entropy_margin: float = 0.4, rho: float = 0.05, reset_threshold: float = 0.2,
         average_rate: float = 0.9, scale_with_batch: bool = True) -> Adapter:

@@ -49,7 +49,7 @@ def cluster_pseudo_labels(features: jax.Array, probs: jax.Array, weight: jax.Arr
     'shot', ranges={**common.OPTIMIZER_RANGES,
                     'pseudo_label_weight': NONNEGATIVE,   # 0: information maximisation only (ATP)
                     'predict': common.PREDICT_RANGE},
-    learnable={'learning_rate': 'log'})
+    learnable={'learning_rate': 'log'}, streams=True)
 def shot(module, learning_rate: float = 1e-3, pseudo_label_weight: float = 0.3,
          predict: str = 'before', optimizer: optax.GradientTransformation | str = 'adam'
          ) -> Adapter:

@@ -140,7 +140,7 @@ def source_selected(module, context: SourceContext, learning_rate: float, predic
     return adapted, (forward(adapted, batch_data.x) if predict == 'after' else before)
 
   common.check_predict('surgical', predict)
-  return Adapter(init, step)
+  return Adapter(init, step, forward)
 
 
 SELECT = ('fixed', 'source_accuracy')
@@ -170,7 +170,7 @@ BLOCK_PER_SHIFT = {'feature': 'first', 'label': 'head', 'hybrid': 'head'}
                               'select': one_of(*SELECT),
                               'candidates': sequence_of(CANDIDATE),
                               'selection_examples': POSITIVE_INT},
-                      check=check)
+                      check=check, streams=True)
 def surgical(module, source: SourceContext, block=BLOCK_PER_SHIFT,
              learning_rate: float = 1e-3, predict: str = 'before',
              optimizer: optax.GradientTransformation | str = 'adam', select: str = 'fixed',

@@ -39,7 +39,7 @@ ENTROPY_UNITS = {'nats': 1.0, 'bits': 1.0 / math.log(2.0)}
     'tent', ranges={**common.OPTIMIZER_RANGES, 'parameters': one_of(*PARAMETERS),
                     'clip': NONNEGATIVE, 'weight_decay': NONNEGATIVE,
                     'entropy_units': one_of(*ENTROPY_UNITS), 'predict': common.PREDICT_RANGE},
-    learnable={'learning_rate': 'log_per_bn_layer'})
+    learnable={'learning_rate': 'log_per_bn_layer'}, streams=True)
 def tent(module, learning_rate: Union[float, Dict[str, Any]] = 1e-3, predict: str = 'before',
          optimizer: optax.GradientTransformation | str = 'adam', parameters: str = 'batch_norm',
          clip: float = 0.0, weight_decay: float = 0.0, entropy_units: str = 'nats') -> Adapter:

@@ -247,18 +247,41 @@ def mode_problem(name: str, mode: str) -> Optional[str]:
   return None
 
 
+def rate_problem(mode: str, stream_rate: float) -> Optional[str]:
+  """Why ``stream_rate`` is no time-limited stream in ``mode`` (None: 0, off, or a
+  rate >= 1 in the 'online' mode)."""
+  if not stream_rate:
+    return None
+  if not stream_rate >= 1.0:
+    return (f'must be 0 (off) or >= 1 (batches the stream reveals during one adapted '
+            f'batch), got {stream_rate}')
+  if mode != 'online':
+    return f"a time-limited stream is an online evaluation; mode {mode!r} cannot run it"
+  return None
+
+
+def stream_problem(name: str, mode: str, stream_rate: float) -> Optional[str]:
+  """Why registered adapter ``name`` cannot run a time-limited stream of
+  ``stream_rate`` in ``mode`` (None if it can: no stream, or an adapter registered
+  ``streams=True``, whose ``predict`` serves the batches it has no time for). Config
+  checks call this before anything compiles."""
+  problem = rate_problem(mode, stream_rate)
+  if problem is None and stream_rate and not ADAPTERS.meta(name).get('streams'):
+    runs = [a for a in ADAPTERS.names() if ADAPTERS.meta(a).get('streams')]
+    problem = (f'{name} cannot predict without adapting, which the batches it has no '
+               f'time for need (adapters that can: {runs})')
+  return problem
+
+
 def stream_period(adapter: Adapter, mode: str, stream_rate: float) -> int:
   """How many batches the stream reveals per adapted batch: ⌈``stream_rate``⌉ (0: every
-  batch adapts). Raises for a mode other than 'online' or an adapter without
+  batch adapts). Raises for a rate ``rate_problem`` refuses or an adapter without
   ``predict``."""
+  problem = rate_problem(mode, stream_rate)
+  if problem is not None:
+    raise ValueError(f'stream_rate: {problem}')
   if not stream_rate:
     return 1
-  if not stream_rate >= 1.0:
-    raise ValueError(f'stream_rate must be 0 (off) or >= 1 (batches the stream reveals '
-                     f'during one adapted batch), got {stream_rate}')
-  if mode != 'online':
-    raise ValueError(f"stream_rate: a time-limited stream is an online evaluation; mode "
-                     f"{mode!r} cannot run it")
   if adapter.predict is None:
     raise ValueError('stream_rate: this adapter cannot predict without adapting, which the '
                      'batches it has no time for need')

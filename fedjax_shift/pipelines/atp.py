@@ -46,12 +46,13 @@ from fedjax_shift.parts import atp_rates
 from fedjax_shift.benchmarks import Benchmark, build_benchmark
 from fedjax_shift.benchmarks.atp_shift import SHIFTS, ShiftData
 from fedjax_shift.core import evaluation
-from fedjax_shift.core.test_time import ADAPTERS, MODES, Adapter, SourceContext, mode_problem
+from fedjax_shift.core.test_time import (ADAPTERS, MODES, Adapter, SourceContext, mode_problem,
+                                         stream_problem)
 from fedjax_shift.data import federated
 from fedjax_shift.pipelines.base import PIPELINES, Results, hardware
 from fedjax_shift.pipelines.run_config import algorithm_names, check_run
 from fedjax_shift.pipelines.fingerprints import fingerprint, run_fields
-from fedjax_shift.registry import (BOOL, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, TEXT, one_of,
+from fedjax_shift.registry import (BOOL, NONNEGATIVE, NONNEGATIVE_INT, POSITIVE, POSITIVE_INT, TEXT, one_of,
                                    registered, require, require_distinct, sequence_of)
 from fedjax_shift.pipelines import pretrain
 from fedjax_shift.pipelines.single_run import RunInputs, train_and_evaluate
@@ -68,6 +69,11 @@ SECTIONS = {
         'adapter': {'no_adapt': 'no_adapt'},
         'mode': {'no_adapt': 'episodic'},
         'client_chunk': 0,            # target clients per compiled call (0 = all)
+        # The time-limited online stream (Alfarra et al., ICML 2024): these online rows
+        # also run on a stream revealing stream_rate batches per adapted one, the
+        # others predicted by the current model (a table beside Table 1's).
+        'stream_rows': (),
+        'stream_rate': 0.0,           # C >= 1 when stream_rows name rows
     },
     # Learned-rates rows (adapters/learned_rates.py): a Table 1 row (``base``) whose
     # adapter's ``rates`` are trained through K = ``num_batches`` test batches of
@@ -98,6 +104,8 @@ RANGES = {
     'tta.adapter': registered(ADAPTERS),
     'tta.mode': one_of(*MODES),             # one the row's adapter runs (check)
     'tta.client_chunk': NONNEGATIVE_INT,    # 0: every target client in one call
+    'tta.stream_rows': sequence_of(TEXT),   # keys of tta.rows (check)
+    'tta.stream_rate': NONNEGATIVE,
     'learned.rows': sequence_of(TEXT),
     'learned.base': TEXT,                   # a Table 1 row (validate_learned)
     'learned.rates': sequence_of(TEXT, 1),  # learnable rates of its adapter (check_learned)
@@ -131,6 +139,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     require(adapter in config.adapters, 'adapters', f'has no section for {adapter!r}')
     ADAPTERS.check(adapter, ADAPTERS.section(adapter, config.adapters),
                    f'config.adapters.{adapter}')
+  validate_streams(config)
   validate_learned(config)
   pretrain.check_backbone(config)
   require(config.backbone.weights != 'pretrain', 'backbone.weights',
@@ -143,6 +152,25 @@ def check(config: ml_collections.ConfigDict) -> None:
   require(1 <= config.atp.cohort_size <= config.data.num_clients, 'atp.cohort_size',
           f'must be in [1, data.num_clients={config.data.num_clients}], got '
           f'{config.atp.cohort_size}')
+
+
+def validate_streams(config: ml_collections.ConfigDict) -> None:
+  """The time-limited rows: rows of Table 1 whose adapter predicts without a step, in
+  the online mode, at a rate >= 1 (errors name the field)."""
+  tta = config.tta
+  require_distinct(tta.stream_rows, 'tta.stream_rows', 'one time-limited run per row')
+  require(not tta.stream_rows or tta.stream_rate >= 1, 'tta.stream_rate',
+          f'must be >= 1 (batches the stream reveals during one adapted batch) for the '
+          f'time-limited rows {tuple(tta.stream_rows)}, got {tta.stream_rate}')
+  for key in tta.stream_rows:
+    require(key in tta.rows, 'tta.stream_rows', f'{key!r} is not a row of tta.rows')
+    problem = stream_problem(tta.adapter[key], tta.mode[key], tta.stream_rate)
+    require(problem is None, 'tta.stream_rows', f'row {key!r}: {problem}')
+
+
+def stream_key(key: str) -> str:
+  """The results key of row ``key`` on the time-limited stream."""
+  return f'{key}@stream'
 
 
 def validate_learned(config: ml_collections.ConfigDict) -> None:
@@ -244,11 +272,13 @@ class AdapterInputs(NamedTuple):
 
 
 def adapter_evaluator(name: str, module, hparams: ml_collections.ConfigDict,
-                      num_classes: int, batch_size: int, mode: str, learned: bool = False):
+                      num_classes: int, batch_size: int, mode: str, learned: bool = False,
+                      stream_rate: float = 0.0):
   """The compiled ``evaluation.build_adapter_evaluate`` of a registered adapter: its
   first argument is an ``AdapterInputs``, so one compilation serves every α, learned
   rates, model and source set of the same shapes. ``learned``: the adapter is built
-  from ``inputs.rates`` (``learned_rates.rated_adapter``)."""
+  from ``inputs.rates`` (``learned_rates.rated_adapter``); ``stream_rate``: the
+  time-limited online stream (``test_time.client_runner``)."""
   def make_adapter(inputs: AdapterInputs) -> Adapter:
     context = SourceContext(inputs.variables, num_classes, batch_size, inputs.source_x,
                             inputs.source_y, inputs.alpha,
@@ -256,7 +286,7 @@ def adapter_evaluator(name: str, module, hparams: ml_collections.ConfigDict,
     if learned:
       return learned_rates.rated_adapter(name, module, hparams, context, inputs.rates)
     return ADAPTERS.get(name)(module, hparams, context)
-  return evaluation.build_adapter_evaluate(make_adapter, batch_size, mode)
+  return evaluation.build_adapter_evaluate(make_adapter, batch_size, mode, stream_rate)
 
 
 def adapter_accuracy(evaluate_chunk, inputs, variables, target: federated.FederatedData, rng,
@@ -284,11 +314,12 @@ class Evaluators:
     self.compiled: Dict[Tuple[str, str, str], Any] = {}
 
   def get(self, name: str, mode: str, hparams: ml_collections.ConfigDict,
-          learned: Tuple[str, ...] = ()):
-    key = (name, mode, hparams.to_json(sort_keys=True), learned)
+          learned: Tuple[str, ...] = (), stream_rate: float = 0.0):
+    key = (name, mode, hparams.to_json(sort_keys=True), learned, stream_rate)
     if key not in self.compiled:
       self.compiled[key] = adapter_evaluator(name, self.module, hparams, self.num_classes,
-                                             self.config.tta.batch_size, mode, bool(learned))
+                                             self.config.tta.batch_size, mode, bool(learned),
+                                             stream_rate)
     return self.compiled[key]
 
 
@@ -304,21 +335,27 @@ def shift_adapter_section(config: ml_collections.ConfigDict, name: str, shift: s
 def test_time(config, evaluators: Evaluators, inputs: AdapterInputs, data: ShiftData, rows,
               seed: int, shift: str, learned: Dict[str, Any] = None) -> Dict[str, Dict]:
   """Every row's adapter on the target clients: {row: {'accuracy', 'per_client',
-  'seconds'}}; ``learned``: {learned row: its trained rates}, run after ``rows``."""
+  'seconds'}}; ``learned``: {learned row: its trained rates}, run after ``rows``; then
+  the time-limited rows (``tta.stream_rows``, keys ``stream_key(row)``)."""
   rng = jax.random.fold_in(jax.random.key(seed), 7)
   out = {}
   learned = learned or {}
-  for key in (*rows, *learned):
+  streams = [key for key in config.tta.stream_rows if key in rows]
+  for key, stream_rate in ((*((k, 0.0) for k in (*rows, *learned)),
+                            *((k, config.tta.stream_rate) for k in streams))):
     name, mode, names = (learned_row(config, key) if key in learned else
                          (config.tta.adapter[key], config.tta.mode[key], ()))
     tick = time.perf_counter()
-    evaluate_chunk = evaluators.get(name, mode, shift_adapter_section(config, name, shift), names)
+    evaluate_chunk = evaluators.get(name, mode, shift_adapter_section(config, name, shift), names,
+                                    stream_rate)
     row_inputs = inputs._replace(rates=learned[key]) if key in learned else inputs
     per_client = adapter_accuracy(evaluate_chunk, row_inputs, inputs.variables, data.target,
                                   rng, config.tta.client_chunk)
+    label = learned_label(config, key) if key in learned else config.tta.label[key]
+    if stream_rate:
+      key, label = stream_key(key), f'{label} (time-limited)'
     out[key] = {'accuracy': float(np.nanmean(per_client)), 'per_client': per_client.tolist(),
                 'seconds': time.perf_counter() - tick}
-    label = learned_label(config, key) if key in learned else config.tta.label[key]
     log.info('%s seed %d  %-14s %.2f%%  (%.1f s)', shift, seed, label,
              100 * out[key]['accuracy'], out[key]['seconds'])
   return out
@@ -477,11 +514,21 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   seconds = time.perf_counter() - tick
   labels = {key: config.tta.label[key] for key in config.tta.rows}
   labels.update({key: learned_label(config, key) for key in config.learned.rows})
+  stream = {k: table1[k] for key in config.tta.stream_rows for k in (key, stream_key(key))}
   table1 = {key: table1[key] for key in table_order(config) if key in table1}
   records = {'table1': table1, 'table3': table3, 'labels': labels}
   markdown = report.paper_table(config, records) or (
       'Accuracy (%) on the target clients, mean ± std over seeds\n\n' +
       report.grid_table(table1, labels, tuple(config.tta.shifts), tuple(config.seeds)))
+  if stream:
+    labels.update({stream_key(key): f'{labels[key]}, time-limited'
+                   for key in config.tta.stream_rows})
+    markdown += (f'\n\nTime-limited online stream (Alfarra et al., ICML 2024): one batch in '
+                 f'every ⌈C⌉ = {int(np.ceil(config.tta.stream_rate))} adapted (C = '
+                 f'{config.tta.stream_rate:g}), the others predicted by the current model; '
+                 f'accuracy (%) on the target clients, mean ± std over seeds\n\n' +
+                 report.grid_table(stream, labels, tuple(config.tta.shifts),
+                                   tuple(config.seeds)))
   preamble = (f"ATP protocol on {config.data.source}: {config.data.num_clients} source + "
               f"{config.data.atp_shift.num_target_clients} target clients, "
               f"model {config.model.name}, "
@@ -507,6 +554,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   results_json = os.path.join(workdir, 'results.json')
   with open(results_json, 'w') as f:
     json.dump({'table1': table1, 'table3': {f'{a}->{b}': v for (a, b), v in table3.items()},
+               'stream': stream,
                'labels': labels,
                'alpha': {s: dict(zip(names, v.tolist())) for s, v in alpha_means.items()},
                'learned_rates': rates_means,
