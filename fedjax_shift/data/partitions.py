@@ -155,6 +155,31 @@ def natural(groups: np.ndarray, num_clients: int, rng: np.random.Generator
   return [np.sort(order[a:b]) for a, b in zip(starts, ends)]
 
 
+def label_shifted_order(labels: np.ndarray, concentration: float, rng: np.random.Generator,
+                        num_slots: int = 0) -> np.ndarray:
+  """A non-i.i.d. test stream in time: a permutation [M] of the examples (RoTTA's
+  temporally correlated stream, Yuan et al., CVPR 2023, Sec. 5.1; the authors'
+  ``LabelDirichletDomainSequence``). Time is cut into ``num_slots`` slots (0: one per
+  class); each class's examples, in their given order, are shared over the slots with
+  proportions drawn from Dir(``concentration`` · 1), and a slot lists its classes'
+  shares one class after another, in an order drawn for that slot. RoTTA's γ = 0.1
+  gives slots of nearly one class each; a large concentration, balanced slots."""
+  if not concentration > 0:
+    raise ValueError(f'the stream\'s Dirichlet concentration must be > 0, got {concentration}')
+  labels = np.asarray(labels)
+  classes = np.unique(labels)
+  num_slots = num_slots or len(classes)
+  slots: List[List[np.ndarray]] = [[] for _ in range(num_slots)]
+  for c, shares in zip(classes, rng.dirichlet(np.full(num_slots, concentration),
+                                              len(classes))):
+    members = np.nonzero(labels == c)[0]
+    cuts = (np.cumsum(shares)[:-1] * len(members)).astype(int)
+    for slot, part in zip(slots, np.split(members, cuts)):
+      slot.append(part)
+  return np.concatenate([np.concatenate([slot[i] for i in rng.permutation(len(slot))])
+                         for slot in slots]).astype(np.int64)
+
+
 def check_disjoint(parts: List[np.ndarray]) -> None:
   """Raises if any example is assigned to two clients."""
   allidx = np.concatenate(parts) if parts else np.zeros(0, int)

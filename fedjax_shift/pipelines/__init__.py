@@ -26,7 +26,7 @@ from typing import Sequence
 import ml_collections
 
 from fedjax_shift import distributed
-from fedjax_shift.pipelines import atp, federated, hetero, pretrain  # noqa: F401
+from fedjax_shift.pipelines import atp, federated, hetero, pretrain, tta_bench  # noqa: F401
 from fedjax_shift.pipelines import callbacks as callbacks_lib
 from fedjax_shift.pipelines.base import (PIPELINES, Results, format_results,  # noqa: F401
                                          write_results)

@@ -136,6 +136,24 @@ def restore(config: ml_collections.ConfigDict, run_dir: str, round: Optional[int
   return round, state, results
 
 
+def _load_tta_bench(workdir, config, method, seed, round) -> LoadedRun:
+  """The test-time benchmark's source model of one seed; extras: 'tests' (its
+  corrupted test sets, ``benchmarks.tta_corruptions.CorruptedTests``) and, once its
+  rows ran, 'test_time' (test_time.json: accuracy per row, stream and corruption)."""
+  source = algorithm_names(config)[0]
+  _chosen('method', method, [source], f'{workdir} (the test-time benchmark)')
+  seed = _chosen('seed', seed, list(config.seeds), workdir)
+  seed_dir = os.path.join(workdir, f'seed_{seed}')
+  data = build_benchmark(config.data, seed)
+  extras = {'tests': data}
+  record = _read_json_or_none(os.path.join(seed_dir, 'test_time.json'))
+  if record is not None:
+    extras['test_time'] = record
+  return federated_run(config, os.path.join(seed_dir, 'pretrain'), source, seed, round,
+                       data.source, models.create(config.model, data.source.num_classes),
+                       extras=extras)
+
+
 def federated_run(config: ml_collections.ConfigDict, run_dir: str, method: str, seed: int,
                   round: Optional[int], bench: Benchmark, module, algorithm=None,
                   backbone: Optional[dict] = None, extras: Optional[dict] = None) -> LoadedRun:
@@ -238,6 +256,8 @@ def load_run(workdir: str, method: str, seed: int, round: Optional[int] = None,
     return _load_atp(workdir, config, method, seed, round, shift)
   if config.pipeline == 'hetero':
     return _load_hetero(workdir, config, method, seed, round)
+  if config.pipeline == 'tta_bench':
+    return _load_tta_bench(workdir, config, method, seed, round)
   if config.pipeline == 'pretrain':
     raise ValueError(f'{workdir} is a run of the pretrain pipeline, a backbone alone: '
                      f'load_backbone({workdir!r}) reads it')

@@ -155,6 +155,9 @@ class PaperTable(NamedTuple):
 # (absent: any); ``fields``, {dotted config field: what it must be set to, in words}, each
 # set (non-empty, non-zero).
 PAPER_TABLES: Registry = Registry('paper table')
+# The pipelines whose workdir's results.json holds the records a layout reads (the
+# others: one results.json per run).
+RECORDS_PIPELINES = ('atp', 'tta_bench')
 
 
 def missing_columns(table: PaperTable, records: Dict[str, Any]) -> List[str]:
@@ -208,7 +211,8 @@ def check_workdirs(kind: str, workdirs: Sequence[str]) -> None:
       unset = [field for field in fields if not config_field(config, field)]
       problem = f'it leaves {", ".join(unset)} unset' if unset else ''
     if not problem:
-      records = (read_result(os.path.join(workdir, 'results.json')) if pipeline == 'atp' else
+      records = (read_result(os.path.join(workdir, 'results.json'))
+                 if pipeline in RECORDS_PIPELINES else
                  {'results': next(iter(load_runs([workdir]).values()))})
       ran = sorted({run.get('algorithm') for run in records.get('results', ())})
       lacking = missing_columns(table, records)

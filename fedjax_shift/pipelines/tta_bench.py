@@ -1,0 +1,278 @@
+"""The test-time adaptation benchmark as a pipeline (``config.pipeline = 'tta_bench'``):
+every test-time adapter × the corruption set at one severity (benchmarks/
+tta_corruptions.py), episodic and online, on an i.i.d. test stream at several batch
+sizes and on a label-shifted, non-i.i.d. one, the two stresses under which TTAB (Zhao
+et al., ICML 2023) shows methods break. For every seed: train the source model
+(``config.algorithms``, a resumable federated run), then run each row's adapter as one
+compiled scan over the test batches, vmapped over the corruptions (one target client
+each), and time it.
+
+Workdir layout::
+
+    <workdir>/seed_<s>/pretrain/        the source model's run (checkpoints, metrics.jsonl)
+    <workdir>/seed_<s>/test_time.json   accuracy per row × stream × corruption, timings
+    <workdir>/results.md, results.json  the table (mean and worst corruption, ms per batch)
+
+A cell's time is the compiled scan's wall-clock seconds (compilation apart, measured
+ahead of time) over all corruptions, divided by the test batches it ran: the cost of
+one test batch of one target client.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from typing import Dict, List, Tuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from fedjax_shift import models
+from fedjax_shift.benchmarks import build_benchmark
+from fedjax_shift.benchmarks.tta_corruptions import CorruptedTests
+from fedjax_shift.core import evaluation
+from fedjax_shift.core.test_time import ADAPTERS, SourceContext, mode_problem
+from fedjax_shift.data import federated, partitions
+from fedjax_shift.pipelines.atp import AdapterInputs, adapter_evaluator
+from fedjax_shift.pipelines.base import PIPELINES, Results, hardware
+from fedjax_shift.pipelines.run_config import algorithm_names, check_run
+from fedjax_shift.pipelines.single_run import RunInputs, train_and_evaluate
+from fedjax_shift.registry import (POSITIVE, POSITIVE_INT, TEXT, require, require_distinct,
+                                   sequence_of)
+from fedjax_shift.report import tta_bench as table
+
+log = logging.getLogger('fedjax_shift')
+# The adapters of TTAB's and Alfarra et al.'s sets that this library has, each at its
+# own paper's defaults (config.adapters); (adapter, label, modes). A row is an
+# (adapter, mode): the two modes agree for a method without state (no adaptation, LAME).
+ADAPTER_ROWS = (('no_adapt', 'No adaptation', ('episodic',)),
+                ('bn_adapt', 'BN-Adapt', ('episodic', 'online')),
+                ('tent', 'Tent', ('episodic', 'online')),
+                ('eata', 'EATA', ('episodic', 'online')),
+                ('shot', 'SHOT-IM', ('episodic', 'online')),
+                ('t3a', 'T3A', ('episodic', 'online')),
+                ('memo', 'MEMO', ('episodic',)),
+                ('lame', 'LAME', ('episodic',)),
+                ('pl', 'PL', ('episodic', 'online')),
+                ('conjugate_pl', 'Conjugate PL', ('episodic', 'online')),
+                ('sar', 'SAR', ('episodic', 'online')),
+                ('cotta', 'CoTTA', ('episodic', 'online')),
+                ('rotta', 'RoTTA', ('online',)),
+                ('note', 'NOTE', ('online',)))
+STREAM_ORDERS = ('iid', 'label_shift')
+
+
+def row_key(adapter: str, mode: str) -> str:
+  return f'{adapter}@{mode}'
+
+
+SECTIONS = {'tta_bench': {
+    'rows': tuple(row_key(a, m) for a, _, modes in ADAPTER_ROWS for m in modes),
+    'label': {row_key(a, m): label for a, label, modes in ADAPTER_ROWS for m in modes},
+    # The i.i.d. stream at each of these batch sizes (TTAB and Alfarra et al.: 64; TTAB's
+    # small-batch stress: down to 1), and the label-shifted stream at each of
+    # label_shift_batch_sizes: classes in time order by Dirichlet(label_shift_concentration)
+    # over as many time slots as classes (RoTTA, Yuan et al., CVPR 2023: γ = 0.1).
+    'iid_batch_sizes': (64, 16, 4, 1),
+    'label_shift_batch_sizes': (64,),
+    'label_shift_concentration': 0.1,
+    'source_examples': 2000,     # labelled source examples the adapters may read (EATA's
+                                 # Fisher: 2,000, Niu et al., ICML 2022; BBSE, SAR)
+}}
+RANGES = {
+    'tta_bench.rows': sequence_of(TEXT, 1),    # '<adapter>@<mode>' (check)
+    'tta_bench.label': TEXT,
+    'tta_bench.iid_batch_sizes': sequence_of(POSITIVE_INT),
+    'tta_bench.label_shift_batch_sizes': sequence_of(POSITIVE_INT),
+    'tta_bench.label_shift_concentration': POSITIVE,
+    'tta_bench.source_examples': POSITIVE_INT,
+}
+
+
+def row_parts(key: str) -> Tuple[str, str]:
+  """(adapter, mode) of row ``key`` = '<adapter>@<mode>'."""
+  adapter, _, mode = key.partition('@')
+  return adapter, mode
+
+
+def streams(config: ml_collections.ConfigDict) -> List[Tuple[str, int]]:
+  """The table's columns: (order, batch size)."""
+  bench = config.tta_bench
+  return ([('iid', b) for b in bench.iid_batch_sizes] +
+          [('label_shift', b) for b in bench.label_shift_batch_sizes])
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+  """The federated checks of the source model's run plus the rows and streams, before
+  any data or compilation."""
+  check_run(config)
+  require(len(algorithm_names(config)) == 1, 'algorithms',
+          f'the tta_bench pipeline trains one source model, got {algorithm_names(config)}')
+  require(not config.data.pad_to, 'data.pad_to',
+          'the test-time benchmark builds its own splits; leave pad_to at 0')
+  bench = config.tta_bench
+  require_distinct(bench.rows, 'tta_bench.rows', 'one row per (adapter, mode)')
+  for key in bench.rows:
+    adapter, mode = row_parts(key)
+    require(adapter in ADAPTERS, 'tta_bench.rows',
+            f'{key!r}: no adapter {adapter!r}; choose from {ADAPTERS.names()}')
+    require(mode in ('episodic', 'online'), 'tta_bench.rows',
+            f'{key!r}: a row is <adapter>@<mode>, mode episodic or online')
+    problem = mode_problem(adapter, mode)
+    require(problem is None, 'tta_bench.rows', f'{key!r}: {problem}')
+    require(not ADAPTERS.meta(adapter).get('trained_by') and
+            'alpha' not in ADAPTERS.meta(adapter).get('from_context', ()),
+            'tta_bench.rows', f'{key!r}: {adapter} adapts what a federated method trains '
+            f'(its pipeline runs it); this benchmark adapts a source model')
+    require(key in bench.label, 'tta_bench.label', f'has no entry for row {key!r}')
+    ADAPTERS.check(adapter, ADAPTERS.section(adapter, config.adapters),
+                   f'config.adapters.{adapter}')
+  require(bool(streams(config)), 'tta_bench.iid_batch_sizes',
+          'name at least one stream (or tta_bench.label_shift_batch_sizes)')
+  for field in ('iid_batch_sizes', 'label_shift_batch_sizes'):
+    require_distinct(bench[field], f'tta_bench.{field}', 'one column per batch size')
+
+
+def run_dirs(config: ml_collections.ConfigDict, workdir: str):
+  return [(os.path.join(workdir, f'seed_{seed}', 'pretrain'), config, algorithm_names(config)[0])
+          for seed in config.seeds]
+
+
+def stream_data(data: CorruptedTests, order: np.ndarray) -> federated.FederatedData:
+  """The corruptions as target clients [K = corruptions, M, ...], examples in ``order``."""
+  x = np.stack([data.corrupted[name][order] for name in data.info['corruptions']])
+  k, m = x.shape[:2]
+  return federated.FederatedData(x, np.broadcast_to(data.y[order], (k, m)).copy(),
+                                 np.ones((k, m), bool), np.full(k, m, np.int32))
+
+
+def stream_order(config: ml_collections.ConfigDict, data: CorruptedTests, kind: str,
+                 seed: int) -> np.ndarray:
+  """The test examples' order in time: as drawn (i.i.d.) or label-shifted."""
+  if kind == 'iid':
+    return np.arange(len(data.y))
+  return partitions.label_shifted_order(data.y, config.tta_bench.label_shift_concentration,
+                                        np.random.default_rng([seed, 13]))
+
+
+def build_rows(config, module, context: SourceContext) -> None:
+  """Builds every row's adapter around an abstract model of the source's shapes
+  (``jax.eval_shape``: nothing computed or compiled), so that a setting the data makes
+  impossible (RoTTA's memory under one place per class) is refused before the source
+  model trains."""
+  example = jax.ShapeDtypeStruct((1, *context.input_shape), jnp.float32)
+  shapes = jax.eval_shape(lambda x: models.init(module, jax.random.key(0), x), example)
+  for key in config.tta_bench.rows:
+    adapter = row_parts(key)[0]
+    build = lambda variables, a=adapter: ADAPTERS.get(a)(
+        module, ADAPTERS.section(a, config.adapters), context._replace(variables=variables)
+    ) and 0
+    try:
+      jax.eval_shape(build, shapes)
+    except ValueError as err:
+      raise ValueError(f'tta_bench.rows ({key!r}): {err}') from None
+
+
+def timed_rows(config, module, inputs: AdapterInputs, target: federated.FederatedData,
+               batch_size: int, num_classes: int, seed: int, log_prefix: str) -> Dict[str, Dict]:
+  """Every row on one stream: {row: {'per_corruption' [K], 'compile_seconds',
+  'ms_per_batch', 'adapted_batches' (where the adapter says)}}."""
+  target = jax.device_put(target)
+  ids = jnp.arange(target.num_clients, dtype=jnp.int32)
+  key = jax.random.fold_in(jax.random.key(seed), 7)
+  batches = target.num_clients * math.ceil(target.x.shape[1] / batch_size)
+  out = {}
+  for row in config.tta_bench.rows:
+    adapter, mode = row_parts(row)
+    evaluate = adapter_evaluator(adapter, module, ADAPTERS.section(adapter, config.adapters),
+                                 num_classes, batch_size, mode)
+    args = (inputs, inputs.variables, target, ids, key)
+    tick = time.perf_counter()
+    compiled = evaluate.lower(*args).compile()
+    compile_seconds = time.perf_counter() - tick
+    tick = time.perf_counter()
+    sums = jax.tree.map(np.asarray, jax.block_until_ready(compiled(*args)))
+    seconds = time.perf_counter() - tick
+    accuracy = evaluation.client_accuracy(sums)
+    out[row] = {'per_corruption': accuracy.tolist(), 'compile_seconds': compile_seconds,
+                'ms_per_batch': 1e3 * seconds / batches}
+    if 'adapted_batches' in sums:
+      out[row]['adapted_batches'] = float(sums['adapted_batches'].sum() /
+                                          max(sums['batches'].sum(), 1))
+    log.info('%s %-24s mean %.2f%%  worst %.2f%%  %.3f ms/batch (compiled in %.1f s)',
+             log_prefix, config.tta_bench.label[row], 100 * np.mean(accuracy),
+             100 * np.min(accuracy), out[row]['ms_per_batch'], compile_seconds)
+  return out
+
+
+def run_seed(config, workdir: str, seed: int) -> Dict:
+  """Source model → every row × stream for one seed; writes test_time.json."""
+  data = build_benchmark(config.data, seed)
+  train = data.source.splits['train']
+  federated.validate(train, data.source.num_classes, 'train')
+  module = models.create(config.model, data.source.num_classes)
+  bench = config.tta_bench
+  source_x, source_y = evaluation_source(train, bench.source_examples)
+  batch_sizes = sorted({b for _, b in streams(config)})
+  for batch_size in batch_sizes:   # each stream's batch size, before anything trains
+    build_rows(config, module, SourceContext(None, data.source.num_classes, batch_size,
+                                             source_x, source_y, None,
+                                             tuple(data.source.example_shape)))
+  pre = train_and_evaluate(config, os.path.join(workdir, 'pretrain'), algorithm_names(config)[0],
+                           seed, RunInputs(bench=data.source))
+  variables = pre['server_state'].variables
+  inputs = jax.device_put(AdapterInputs(variables, source_x, source_y, None))
+  clean = evaluation.split_metrics(module, variables, jnp.asarray(data.clean_x),
+                                   jnp.asarray(data.y), jnp.ones(len(data.y), bool), 256)
+  record = {'clean_accuracy': float(clean['correct'] / clean['count']),
+            'streams': {}, 'pretrain_seconds': pre['train_seconds'], 'info': data.info}
+  for order_kind, batch_size in streams(config):
+    column = table.column_key(order_kind, batch_size)
+    order = stream_order(config, data, order_kind, seed)
+    record['streams'][column] = timed_rows(
+        config, module, inputs, stream_data(data, order), batch_size,
+        data.source.num_classes, seed, f'seed {seed} {column}')
+  with open(os.path.join(workdir, 'test_time.json'), 'w') as f:
+    json.dump(record, f, indent=1)
+  return record
+
+
+def evaluation_source(train: federated.FederatedData, limit: int) -> Tuple[np.ndarray, np.ndarray]:
+  """The first ``limit`` real training examples (clients in order)."""
+  mask = np.asarray(train.mask)
+  return np.asarray(train.x)[mask][:limit], np.asarray(train.y)[mask][:limit]
+
+
+@PIPELINES.register('tta_bench', defaults=SECTIONS, ranges=RANGES, check=check,
+                    run_dirs=run_dirs)
+def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
+  """Every seed (validated by ``pipelines.run``); writes results.json and the table."""
+  info = hardware()
+  tick = time.perf_counter()
+  per_seed = {}
+  for seed in config.seeds:
+    run_dir = os.path.join(workdir, f'seed_{seed}')
+    os.makedirs(run_dir, exist_ok=True)
+    per_seed[seed] = run_seed(config, run_dir, seed)
+  seconds = time.perf_counter() - tick
+  records = table.records(per_seed, config.tta_bench.label, tuple(config.tta_bench.rows))
+  first = per_seed[config.seeds[0]]['info']
+  preamble = (f"Test-time adaptation benchmark on {config.data.source}: "
+              f"{first['train_examples']} training examples over {first['clients']} "
+              f"client(s) ({algorithm_names(config)[0]}, {config.rounds} rounds, model "
+              f"{config.model.name}); {first['test_examples']} test images under "
+              f"{len(first['corruptions'])} corruptions at severity {first['severity']}; "
+              f"seeds {tuple(config.seeds)}; {seconds:.0f} s on {info['device_kind']} "
+              f"({info['backend']}).")
+  markdown = table.tables(records)
+  results_json = os.path.join(workdir, 'results.json')
+  with open(results_json, 'w') as f:
+    json.dump({**records, 'seconds': seconds, 'hardware': info,
+               'config': {'source': config.data.source, 'model': config.model.name,
+                          'algorithm': algorithm_names(config)[0], 'rounds': config.rounds}},
+              f, indent=1)
+  return Results(preamble, (markdown,), (results_json,), {**records, 'markdown': markdown})
