@@ -13,7 +13,6 @@ from fedjax_shift import models, pipelines
 from fedjax_shift.benchmarks import build_benchmark
 from fedjax_shift.core import evaluation
 from fedjax_shift.data import corruptions, partitions
-from fedjax_shift.pipelines import tta_bench
 from fedjax_shift.report import tta_bench as table
 
 ROWS = ('no_adapt@episodic', 'tent@online', 'sar@online')

@@ -173,6 +173,16 @@ def stream_key(key: str) -> str:
   return f'{key}@stream'
 
 
+def stream_table(stream: Dict[str, Dict[str, Dict[int, float]]], labels: Dict[str, str],
+                 shifts, seeds, stream_rate: float) -> str:
+  """The time-limited table beside Table 1: each time-limited row after its plain one
+  ({row: {shift: {seed: accuracy}}}, rows keyed ``key`` and ``stream_key(key)``)."""
+  return (f'Time-limited online stream (Alfarra et al., ICML 2024): one batch in every '
+          f'⌈C⌉ = {int(np.ceil(stream_rate))} adapted (C = {stream_rate:g}), the others '
+          f'predicted by the current model; accuracy (%) on the target clients, mean ± std '
+          f'over seeds\n\n' + report.grid_table(stream, labels, tuple(shifts), tuple(seeds)))
+
+
 def validate_learned(config: ml_collections.ConfigDict) -> None:
   """The learned-rates rows: each names a Table 1 row and learnable rates of its
   adapter (errors name the field)."""
@@ -523,12 +533,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> Results:
   if stream:
     labels.update({stream_key(key): f'{labels[key]}, time-limited'
                    for key in config.tta.stream_rows})
-    markdown += (f'\n\nTime-limited online stream (Alfarra et al., ICML 2024): one batch in '
-                 f'every ⌈C⌉ = {int(np.ceil(config.tta.stream_rate))} adapted (C = '
-                 f'{config.tta.stream_rate:g}), the others predicted by the current model; '
-                 f'accuracy (%) on the target clients, mean ± std over seeds\n\n' +
-                 report.grid_table(stream, labels, tuple(config.tta.shifts),
-                                   tuple(config.seeds)))
+    markdown += '\n\n' + stream_table(stream, labels, tuple(config.tta.shifts),
+                                      tuple(config.seeds), config.tta.stream_rate)
   preamble = (f"ATP protocol on {config.data.source}: {config.data.num_clients} source + "
               f"{config.data.atp_shift.num_target_clients} target clients, "
               f"model {config.model.name}, "

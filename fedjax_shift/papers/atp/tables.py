@@ -11,6 +11,7 @@ from typing import Dict, Sequence
 import numpy as np
 
 from fedjax_shift.papers.atp import numbers
+from fedjax_shift.pipelines.atp import stream_table
 from fedjax_shift.report import (PAPER_TABLES, PaperTable, beside_paper, check_accuracy,
                                  markdown, mean_std, paper_markdown, read_result,
                                  unfilled_note)
@@ -103,8 +104,25 @@ def from_run(config, records) -> str:
 
 
 def from_workdirs(workdirs: Sequence[str], labels: Sequence[str] = ()) -> str:
+  """Tables 1 and 3 beside the paper's and, where the runs have time-limited rows
+  (``config.tta.stream_rows``), their table beside Table 1."""
   del labels
-  return tta_tables(*load(workdirs), paper=True)
+  table1, table3, row_labels, shifts, seeds = load(workdirs)
+  text = tta_tables(table1, table3, row_labels, shifts, seeds, paper=True)
+  stream, rates = {}, set()
+  for workdir in workdirs:
+    results = read_result(os.path.join(workdir, 'results.json'))
+    if results.get('stream'):
+      rates.add(read_result(os.path.join(workdir, 'config.json'))['tta']['stream_rate'])
+    for key, columns in results.get('stream', {}).items():
+      for shift, per_seed in columns.items():
+        stream.setdefault(key, {})[shift] = {int(s): v for s, v in per_seed.items()}
+  if len(rates) > 1:
+    raise ValueError(f'the workdirs ran the time-limited stream at several rates '
+                     f'{sorted(rates)} (config.tta.stream_rate); pass runs of one rate')
+  if stream:
+    text += '\n\n' + stream_table(stream, row_labels, shifts, seeds, rates.pop())
+  return text
 
 
 # Table 7's columns: the pretraining method (config.algorithms) of each workdir.
