@@ -607,8 +607,8 @@ def test_atp_time_limited_rows_give_a_table_beside_table_1(tmp_path):
   with open(os.path.join(tmp_path, 'hybrid', 'seed_0', 'test_time.json')) as f:
     rows = json.load(f)['rows']
   assert 0 <= rows['tent@stream']['accuracy'] <= 1 and rows['tent@stream']['seconds'] > 0
-  import launch.report as report_cli   # the table rebuilt from the workdir has it too
-  rebuilt = report_cli.build([str(tmp_path)], 'atp')
+  from tests.helpers import launch_module   # the table rebuilt from the workdir has it too
+  rebuilt = launch_module('report').build([str(tmp_path)], 'atp')
   assert rebuilt.split('Time-limited online stream')[1] == \
       out.records['markdown'].split('Time-limited online stream')[1]
 

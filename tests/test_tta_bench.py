@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import launch.report as report_cli
 from configs import tta_bench as configs
 from fedjax_shift import models, pipelines
 from fedjax_shift.benchmarks import build_benchmark
 from fedjax_shift.core import evaluation
 from fedjax_shift.data import corruptions, partitions
 from fedjax_shift.report import tta_bench as table
+from tests.helpers import launch_module
 
 ROWS = ('no_adapt@episodic', 'tent@online', 'sar@online')
 
@@ -112,6 +112,7 @@ def test_pipeline_cells_are_the_corruptions_mean_and_minimum_and_no_adaptation_i
 
 def test_report_rebuilds_the_table_and_merges_the_seeds_of_several_workdirs(finished, tmp_path):
   workdir, out = finished
+  report_cli = launch_module('report')
   assert report_cli.build([workdir], 'tta_bench') == out.records['markdown']
   with pytest.raises(ValueError, match='seeds \\[0\\] are also in an earlier workdir'):
     table.load([workdir, workdir])
