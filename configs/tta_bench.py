@@ -4,7 +4,8 @@ paper's defaults, config.adapters) on a source model, under the 15 corruptions o
 CIFAR-10-C at severity 5, episodic and online, on an i.i.d. test stream at batch 64,
 16, 4 and 1 and on a label-shifted one (classes in time order, Dirichlet γ = 0.1) at
 batch 64: TTAB's stresses (Zhao et al., ICML 2023) and Alfarra et al.'s method set
-(ICML 2024). Each cell: accuracy averaged over the corruptions and on the worst one,
+(ICML 2024); and Alfarra et al.'s time-limited i.i.d. stream at batch 64, where a method
+of cost C (its time per batch over a forward pass) adapts on every ⌈C⌉-th batch. Each cell: accuracy averaged over the corruptions and on the worst one,
 over seeds, and the milliseconds per test batch.
 
     python launch/train.py --config=configs/tta_bench.py --workdir=/tmp/tta_bench
@@ -91,6 +92,7 @@ def _tiny(c: ml_collections.ConfigDict, match) -> None:
   bench.corruptions = ('gaussian_noise', 'fog', 'contrast')
   c.tta_bench.iid_batch_sizes = (8, 1)
   c.tta_bench.label_shift_batch_sizes = (8,)
+  c.tta_bench.time_limited_batch_sizes = (8,)
   c.tta_bench.source_examples = 32
   c.adapters.memo.num_augmentations = 2
   c.adapters.eata.fisher_samples = 16

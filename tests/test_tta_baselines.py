@@ -178,6 +178,19 @@ def test_cotta_step_is_the_soft_pseudo_label_step_the_teacher_average_and_the_re
   chex.assert_trees_all_close(restored.teacher['params'], expected_teacher, rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize('kind', ['translate_rotate_jitter', 'crop_flip'])
+def test_cotta_views_are_one_draw_per_copy_shared_by_the_batch(kind):
+  """Copy i is the augmentation of split(key, N)[i] applied to every example alike."""
+  from fedjax_shift.adapters.cotta import batch_views
+  from fedjax_shift.data.augment import MARGINAL_AUGMENTATIONS
+  x = jax.random.uniform(jax.random.key(0), (5, 12, 12, 1))
+  views = batch_views(jax.random.key(1), x, 3, kind)
+  for i, key in enumerate(jax.random.split(jax.random.key(1), 3)):
+    expected = jnp.stack([MARGINAL_AUGMENTATIONS[kind](key, image) for image in x])
+    np.testing.assert_allclose(views[i], expected, atol=1e-6)
+  assert not np.allclose(views[0], views[1])
+
+
 def test_cotta_restores_about_p_of_the_weights_and_averages_views_when_unsure():
   module, variables, batch = setup()
   adapter = cotta(module, learning_rate=0.1, restore_probability=0.3,
@@ -515,6 +528,46 @@ def test_note_learns_on_its_memory_every_update_frequency_examples():
   assert int(state.opt_state[0].count) == 3
 
 
+@pytest.mark.parametrize('name', ['rotta', 'note'])
+def test_memory_adapters_count_the_batches_that_reach_an_update(name):
+  """Batches of 4 with an update every 6 examples: the stream's totals 4, 8, 12, 16, 20,
+  24 cross a multiple of 6 on batches 1, 2, 4 and 5 (0-based), so 4 of the 6 batches
+  adapt; a client of 8 examples (its batches 2 … 5 wrap, weight 0) adapts on batch 1."""
+  from fedjax_shift.adapters import ADAPTERS
+  import ml_collections
+  module, variables, _ = setup()
+  section = ml_collections.ConfigDict({**ADAPTERS.defaults(name).to_dict(),
+                                       'memory_size': 6, 'update_frequency': 6})
+  adapter = ADAPTERS.get(name)(module, section, SourceContext(variables, NUM_CLASSES, 4,
+                                                              input_shape=(4, 4, 1)))
+  data, _, _ = toy_clients([24, 8], num_classes=NUM_CLASSES, pad_to=24)
+  sums = build_test_time(adapter, 4, 'online')(variables, data, jax.random.key(0))
+  np.testing.assert_array_equal(sums['adapted_batches'], [4, 1])
+  np.testing.assert_array_equal(sums['batches'], [6, 2])
+
+
+@pytest.mark.parametrize('name, field, value, mode', [
+    ('note', 'memory_size', 32, 'online'), ('note', 'update_frequency', 32, 'online'),
+    ('rotta', 'update_frequency', 32, 'online'), ('note', 'update_frequency', 8, 'episodic')])
+def test_a_memory_or_update_longer_than_the_stream_is_refused_before_compiling(name, field,
+                                                                               value, mode):
+  """24 test examples online (one batch of 4 episodic): a memory or update period longer
+  than that would never adapt, and is refused naming the field."""
+  from fedjax_shift.adapters import ADAPTERS
+  import ml_collections
+  module, variables, _ = setup()
+  section = ml_collections.ConfigDict({**ADAPTERS.defaults(name).to_dict(),
+                                       'memory_size': 4, 'update_frequency': 4})
+  section[field] = value
+  adapter = ADAPTERS.get(name)(module, section, SourceContext(variables, NUM_CLASSES, 4,
+                                                              input_shape=(4, 4, 1)))
+  data, _, _ = toy_clients([24], num_classes=NUM_CLASSES)
+  with pytest.raises(ValueError, match=f'config.adapters.{name}.{field} = {value} is longer '
+                                       'than the test stream'):
+    jax.eval_shape(lambda: build_test_time(adapter, 4, mode)(variables, data,
+                                                             jax.random.key(0)))
+
+
 # --- the time-limited stream -------------------------------------------------------------
 
 @pytest.mark.parametrize('name', ['tent', 'sar', 'cotta', 'rotta', 'note', 'lame', 'pl'])
@@ -589,6 +642,22 @@ def test_atp_time_limited_rows_are_refused_before_anything_trains(field, value, 
   config.tta[field] = value
   with pytest.raises(ValueError, match=message):
     config_lib.validate(config, str(tmp_path))
+
+
+@pytest.mark.parametrize('name, field, value, message', [
+    ('rotta', 'memory_size', 4, 'less than one example of each'),
+    ('note', 'memory_size', 100000, 'longer than the test stream')])
+def test_atp_adapter_rows_the_data_cannot_hold_are_refused_before_pretraining(
+    name, field, value, message, tmp_path):
+  import os
+  from fedjax_shift import pipelines
+  config = atp_stream_config()
+  config.tta.rows = ('no_adapt', name)
+  config.tta.stream_rows = ()
+  config.adapters[name][field] = value
+  with pytest.raises(ValueError, match=f"tta.rows \\('{name}'\\).*{field}.*{message}"):
+    pipelines.run(config, str(tmp_path))
+  assert not any('pretrain' in dirs for _, dirs, _ in os.walk(tmp_path))
 
 
 def test_atp_time_limited_rows_give_a_table_beside_table_1(tmp_path):

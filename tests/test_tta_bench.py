@@ -83,7 +83,7 @@ def test_pipeline_cells_are_the_corruptions_mean_and_minimum_and_no_adaptation_i
   workdir, out = finished
   cells = out.records['cells']
   assert list(cells) == list(ROWS)
-  assert out.records['columns'] == ['iid@8', 'label_shift@8']
+  assert out.records['columns'] == ['iid@8', 'label_shift@8', 'time_limited@8']
   record = json.load(open(os.path.join(workdir, 'seed_0', 'test_time.json')))
   config = tiny()
   data = build_benchmark(config.data, 0)
@@ -101,13 +101,31 @@ def test_pipeline_cells_are_the_corruptions_mean_and_minimum_and_no_adaptation_i
     np.testing.assert_allclose(record['streams'][column]['no_adapt@episodic']['per_corruption'],
                                direct, atol=1e-6)
   for row in ROWS:
-    for column in out.records['columns']:
-      cell = cells[row][column]
+    for column, cell in cells[row].items():
       per = np.asarray(cell['per_corruption'][0])
       assert cell['mean'][0] == pytest.approx(per.mean()) and cell['worst'][0] == per.min()
       assert cell['ms_per_batch'][0] > 0
   assert 'adapted_batches' in cells['sar@online']['iid@8']     # SAR says what it skipped
+  # time-limited: the online rows that can predict without adapting, each at its C, its
+  # time per batch on the i.i.d. stream over no adaptation's (at least 1)
+  timed = record['streams']['iid@8']
+  limited = record['streams']['time_limited@8']
+  assert sorted(limited) == ['sar@online', 'tent@online']
+  for row, result in limited.items():
+    expected = max(1.0, timed[row]['ms_per_batch'] / timed['no_adapt@episodic']['ms_per_batch'])
+    assert result['stream_cost'] == pytest.approx(expected)
   assert 'Online (state carried over the stream)' in out.records['markdown']
+
+
+def test_a_pinned_cost_of_one_adapts_every_batch_as_the_plain_online_row(tmp_path):
+  """C = 1 pinned: the stream is as fast as the method, so the time-limited Tent is the
+  online Tent of the i.i.d. column; without a no_adapt row, pinned costs need no
+  forward-pass time."""
+  config = tiny(tta_bench__rows=('tent@online',))
+  config.tta_bench.stream_costs.tent = 1.0
+  record = pipelines.run(config, str(tmp_path)).records['cells']['tent@online']
+  assert record['time_limited@8']['stream_cost'] == {0: 1.0}
+  assert record['time_limited@8']['per_corruption'] == record['iid@8']['per_corruption']
 
 
 def test_report_rebuilds_the_table_and_merges_the_seeds_of_several_workdirs(finished, tmp_path):
@@ -145,6 +163,11 @@ def test_table_cell_reads_mean_worst_and_time():
     ({'tta_bench__iid_batch_sizes': (), 'tta_bench__label_shift_batch_sizes': ()},
      'at least one stream'),
     ({'tta_bench__label_shift_concentration': 0.0}, 'label_shift_concentration'),
+    ({'tta_bench__time_limited_batch_sizes': (4,)}, 'is not one of iid_batch_sizes'),
+    ({'tta_bench__rows': ('tent@online',)}, 'add a no_adapt row or pin their costs'),
+    ({'tta_bench__rows': ('no_adapt@episodic', 'tent@episodic')},
+     'no online row can predict without adapting'),
+    ({'tta_bench__stream_costs': {'tent': 0.5}}, 'stream_costs.tent: must be 0'),
 ])
 def test_bad_rows_and_streams_are_refused_before_anything_runs(fields, message, tmp_path):
   config = tiny(**fields)
@@ -153,9 +176,13 @@ def test_bad_rows_and_streams_are_refused_before_anything_runs(fields, message, 
   assert not os.path.exists(tmp_path / 'seed_0')
 
 
-def test_an_adapter_the_data_cannot_hold_is_refused_before_the_source_model_trains(tmp_path):
-  config = tiny(tta_bench__rows=('rotta@online',))
-  config.adapters.rotta.memory_size = 4        # < 10 classes
-  with pytest.raises(ValueError, match='rotta.*memory_size'):
+@pytest.mark.parametrize('name, field, value, message', [
+    ('rotta', 'memory_size', 4, 'less than one example of each'),     # < 10 classes
+    ('note', 'memory_size', 32, 'longer than the test stream')])      # > 24 test images
+def test_an_adapter_the_data_cannot_hold_is_refused_before_the_source_model_trains(
+    name, field, value, message, tmp_path):
+  config = tiny(tta_bench__rows=('no_adapt@episodic', f'{name}@online'))
+  config.adapters[name][field] = value
+  with pytest.raises(ValueError, match=f'{name}.*{field}.*{message}'):
     pipelines.run(config, str(tmp_path))
   assert not os.path.exists(tmp_path / 'seed_0' / 'pretrain')

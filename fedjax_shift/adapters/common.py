@@ -183,6 +183,12 @@ def learn_every(state, seen, count, batch_size: int, frequency: int, enter: Call
   return enter(state, done, count)
 
 
+def reaches_update(seen, count, frequency: int) -> jax.Array:
+  """[] bool: whether a batch of ``count`` examples after ``seen`` crosses a multiple of
+  ``frequency`` (``learn_every`` then learns on it)."""
+  return (seen + count) // frequency > seen // frequency
+
+
 def scan_entering(add: Callable, memory, items: tuple, start, stop):
   """The memory (a NamedTuple whose field ``x`` holds the stored examples) after
   ``add(memory, *item)`` for the items (arrays with a leading B axis: the examples x

@@ -170,7 +170,7 @@ def k_step_loss(adapter: Adapter, batch_size: int, variables, x: jax.Array, y: j
   x [N, ...] (K = ceil(N / B) batches in ``mode``), differentiable in whatever the
   adapter was built from. ``remat``: recompute each step in the backward pass."""
   if remat:
-    adapter = Adapter(adapter.init, jax.checkpoint(adapter.step))
+    adapter = adapter._replace(step=jax.checkpoint(adapter.step))
   sums = client_runner(adapter, batch_size, mode)(variables, x, y, num_examples, rng)
   return sums['loss'] / jnp.maximum(sums['count'], 1.0)
 

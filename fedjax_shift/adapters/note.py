@@ -136,6 +136,7 @@ class NOTEState(NamedTuple):
   opt_state: optax.OptState
   reservoir: Reservoir
   seen: jax.Array     # [] examples of the stream so far
+  updated: jax.Array  # [] bool: the last batch reached an update
   rng: jax.Array
 
 
@@ -186,7 +187,8 @@ def note(module, num_classes: int, example_shape: tuple, learning_rate: float = 
     check(variables)
     selected, _ = common.split_params(variables['params'], models.is_batch_norm_path, field)
     return NOTEState(variables, opt.init(selected),
-                     empty_reservoir(memory_size, example_shape, num_classes), jnp.int32(0), rng)
+                     empty_reservoir(memory_size, example_shape, num_classes), jnp.int32(0),
+                     jnp.bool_(False), rng)
 
   def step(state: NOTEState, batch):
     logits, _ = iabn_forward(module, state.variables, batch.x, batch.weight, iabn_k,
@@ -196,10 +198,13 @@ def note(module, num_classes: int, example_shape: tuple, learning_rate: float = 
     state = common.learn_every(state, state.seen, count, batch.x.shape[0], update_frequency,
                                lambda state, start, stop: enter(state, batch, labels, start, stop),
                                learn)
-    return state._replace(seen=state.seen + count), logits
+    return state._replace(seen=state.seen + count,
+                          updated=common.reaches_update(state.seen, count, update_frequency)), logits
 
   def predict(state: NOTEState, batch):
     return iabn_forward(module, state.variables, batch.x, batch.weight, iabn_k, bn_momentum,
                         False)[0]
 
-  return Adapter(init, step, predict)
+  return Adapter(init, step, predict, took_step=lambda state: state.updated,
+                 stream_floor=(('config.adapters.note.memory_size', memory_size),
+                               ('config.adapters.note.update_frequency', update_frequency)))

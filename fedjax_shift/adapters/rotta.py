@@ -124,6 +124,7 @@ class RoTTAState(NamedTuple):
   opt_state: optax.OptState
   memory: Memory
   seen: jax.Array        # [] examples that entered the stream so far
+  updated: jax.Array     # [] bool: the last batch reached an update
   rng: jax.Array
 
 
@@ -189,7 +190,8 @@ def rotta(module, num_classes: int, example_shape: tuple, learning_rate: float =
     check(variables)
     selected, _ = common.split_params(variables['params'], models.is_batch_norm_path, field)
     return RoTTAState(variables, variables, opt.init(selected),
-                      empty_memory(memory_size, example_shape), jnp.int32(0), rng)
+                      empty_memory(memory_size, example_shape), jnp.int32(0), jnp.bool_(False),
+                      rng)
 
   def step(state: RoTTAState, batch):
     logits = models.apply(module, state.teacher, batch.x)[0]
@@ -200,7 +202,10 @@ def rotta(module, num_classes: int, example_shape: tuple, learning_rate: float =
     state = common.learn_every(
         state, state.seen, count, batch.x.shape[0], update_frequency,
         lambda state, start, stop: enter(state, batch, labels, entropies, start, stop), learn)
-    state = state._replace(seen=state.seen + count)
+    state = state._replace(seen=state.seen + count,
+                           updated=common.reaches_update(state.seen, count, update_frequency))
     return state, logits
 
-  return Adapter(init, step, lambda state, batch: models.apply(module, state.teacher, batch.x)[0])
+  return Adapter(init, step, lambda state, batch: models.apply(module, state.teacher, batch.x)[0],
+                 took_step=lambda state: state.updated,
+                 stream_floor=(('config.adapters.rotta.update_frequency', update_frequency),))

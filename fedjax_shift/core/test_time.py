@@ -55,12 +55,16 @@ class Adapter(NamedTuple):
     took_step: (AdaptState after a step) -> [] bool, whether that batch changed the
       model (SAR on a batch whose filter keeps no example: False); the runner then counts
       'adapted_batches' of its 'batches'. None: the adapter does not say.
+    stream_floor: (config field, examples) pairs: a test stream (a client's examples
+      online; one batch episodic) shorter than that many examples is refused before
+      compiling (NOTE's memory, a memory adapter's first update).
   """
   init: Callable[[Variables, jax.Array], AdaptState]
   step: Callable[[AdaptState, AdaptBatch], Tuple[AdaptState, jax.Array]]
   predict: Optional[Callable[[AdaptState, AdaptBatch], jax.Array]] = None
   epochs: int = 1
   took_step: Optional[Callable[[AdaptState], jax.Array]] = None
+  stream_floor: Tuple[Tuple[str, int], ...] = ()
 
 
 class SourceContext(NamedTuple):
@@ -288,6 +292,20 @@ def stream_period(adapter: Adapter, mode: str, stream_rate: float) -> int:
   return int(np.ceil(stream_rate))
 
 
+def check_stream(adapter: Adapter, mode: str, batch_size: int, num_examples: int) -> None:
+  """Refuses a stream shorter than ``adapter.stream_floor`` asks: a client's (padded)
+  ``num_examples`` online, one batch of ``batch_size`` episodic (the state is reset)."""
+  if mode == 'transductive':
+    return
+  length, what = ((batch_size, f'an episodic stream is one batch of {batch_size}')
+                  if mode == 'episodic' else
+                  (num_examples, f'the largest target client holds {num_examples} test examples'))
+  for field, examples in adapter.stream_floor:
+    if length < examples:
+      raise ValueError(f'{field} = {examples} is longer than the test stream ({what}): the '
+                       f'method would never adapt; lower it or lengthen the stream')
+
+
 def client_runner(adapter: Adapter, batch_size: int, mode: str = 'episodic',
                   stream_rate: float = 0.0):
   """``run_one(variables, x [N, ...], y [N], num_examples [], rng)`` -> the sums
@@ -305,6 +323,7 @@ def client_runner(adapter: Adapter, batch_size: int, mode: str = 'episodic',
     raise ValueError(f'test-time batch_size must be >= 1, got {batch_size}')
 
   def one_client(variables, x, y, num_examples, rng):
+    check_stream(adapter, mode, batch_size, x.shape[0])
     batches, idx = client_batches(x, num_examples, batch_size)
     if mode == 'transductive':
       init_rng, order_rng = jax.random.split(rng)

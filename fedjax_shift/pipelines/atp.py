@@ -46,8 +46,8 @@ from fedjax_shift.parts import atp_rates
 from fedjax_shift.benchmarks import Benchmark, build_benchmark
 from fedjax_shift.benchmarks.atp_shift import SHIFTS, ShiftData
 from fedjax_shift.core import evaluation
-from fedjax_shift.core.test_time import (ADAPTERS, MODES, Adapter, SourceContext, mode_problem,
-                                         stream_problem)
+from fedjax_shift.core.test_time import (ADAPTERS, MODES, Adapter, SourceContext, check_stream,
+                                         mode_problem, stream_problem)
 from fedjax_shift.data import federated
 from fedjax_shift.pipelines.base import PIPELINES, Results, hardware
 from fedjax_shift.pipelines.run_config import algorithm_names, check_run
@@ -281,6 +281,32 @@ class AdapterInputs(NamedTuple):
   rates: Any = None
 
 
+def check_adapters(module, rows: List[Tuple[str, str, str]],
+                   section: Callable[[str], ml_collections.ConfigDict], context: SourceContext,
+                   stream_length: int, field: str) -> None:
+  """Builds each row's adapter, ``rows`` [(row key, adapter, mode)] with
+  ``section(adapter)``, around an abstract model of the source's shapes
+  (``jax.eval_shape``: nothing computed or compiled), and checks it against a stream of
+  ``stream_length`` test examples in batches of ``context.batch_size``: a setting the
+  data makes impossible (RoTTA's memory under one place per class, NOTE's memory longer
+  than the stream) is refused, naming ``field`` and the row, before anything trains."""
+  example = jax.ShapeDtypeStruct((1, *context.input_shape), jnp.float32)
+  shapes = jax.eval_shape(lambda x: models.init(module, jax.random.key(0), x), example)
+  for key, name, mode in rows:
+
+    def build(variables, name=name, mode=mode):
+      row_context = context._replace(variables=variables,
+                                     alpha=atp_rates.init_alpha(variables))
+      adapter = ADAPTERS.get(name)(module, section(name), row_context)
+      check_stream(adapter, mode, context.batch_size, stream_length)
+      return 0
+
+    try:
+      jax.eval_shape(build, shapes)
+    except ValueError as err:
+      raise ValueError(f'{field} ({key!r}): {err}') from None
+
+
 def adapter_evaluator(name: str, module, hparams: ml_collections.ConfigDict,
                       num_classes: int, batch_size: int, mode: str, learned: bool = False,
                       stream_rate: float = 0.0):
@@ -447,6 +473,14 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
     json.dump(data.info, f, default=int)
   module = models.create(config.model, data.source.num_classes)
   evaluators = evaluators_for(module, data.source.num_classes)
+  val = data.source.splits['val']
+  source_x, source_y = source_examples(val)
+  context = SourceContext(None, data.source.num_classes, config.tta.batch_size, source_x,
+                          source_y, None, tuple(data.source.example_shape))
+  check_adapters(module, [(key, config.tta.adapter[key], config.tta.mode[key])
+                          for key in config.tta.rows],
+                 lambda name: shift_adapter_section(config, name, shift), context,
+                 data.target.x.shape[1], 'tta.rows')
   algorithm_name = algorithm_names(config)[0]
   backbone = None
   if config.backbone.weights:   # e.g. ImageNet weights (ATP's Table 1 ResNet-18)
@@ -458,7 +492,6 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
   global_model = pretrained_identity(shift_config)
 
   a_config = alpha_config(shift_config)
-  val = data.source.splits['val']
   algorithm = algorithms.build('atp', a_config, module, val.max_examples,
                                global_variables=variables)
   names = atp_rates.module_names(atp_rates.init_alpha(variables))
@@ -471,9 +504,7 @@ def run_one(config, workdir: str, shift: str, seed: int, evaluators_for: Callabl
   alpha = trained['server_state'].alpha
   with open(os.path.join(workdir, 'alpha.json'), 'w') as f:
     json.dump(dict(zip(names, map(float, jax.tree.leaves(alpha)))), f, indent=1)
-  source_x, source_y = source_examples(val)
-  context = SourceContext(variables, data.source.num_classes, config.tta.batch_size, source_x,
-                          source_y, None, tuple(data.source.example_shape))
+  context = context._replace(variables=variables)
   learned = {key: train_learned_rates(config, shift_config, workdir, key, module, context, val,
                                       data, seed, shift) for key in config.learned.rows}
   learned_values = {key: learned_rates.flat_values(learned_row(config, key)[0], rates)

@@ -16,6 +16,12 @@ Workdir layout::
 A cell's time is the compiled scan's wall-clock seconds (compilation apart, measured
 ahead of time) over all corruptions, divided by the test batches it ran: the cost of
 one test batch of one target client.
+
+The time-limited columns (Alfarra et al., ICML 2024) replay an i.i.d. stream that
+reveals a batch per forward pass of the source model: each online row that can predict
+without adapting gets its cost C, its milliseconds per batch on that stream divided by
+no adaptation's, measured in the same seed (or pinned, ``tta_bench.stream_costs``), and
+adapts on every ⌈C⌉-th batch, predicting the others with its current model.
 """
 from __future__ import annotations
 
@@ -35,13 +41,15 @@ from fedjax_shift import models
 from fedjax_shift.benchmarks import build_benchmark
 from fedjax_shift.benchmarks.tta_corruptions import CorruptedTests
 from fedjax_shift.core import evaluation
-from fedjax_shift.core.test_time import ADAPTERS, SourceContext, mode_problem
+from fedjax_shift.core.test_time import ADAPTERS, SourceContext, mode_problem, stream_problem
 from fedjax_shift.data import federated, partitions
-from fedjax_shift.pipelines.atp import AdapterInputs, adapter_evaluator, source_examples
+from fedjax_shift.pipelines.atp import (AdapterInputs, adapter_evaluator, check_adapters,
+                                        source_examples)
 from fedjax_shift.pipelines.base import PIPELINES, Results, hardware
 from fedjax_shift.pipelines.run_config import algorithm_names, check_run
 from fedjax_shift.pipelines.single_run import RunInputs, train_and_evaluate
-from fedjax_shift.registry import (POSITIVE, POSITIVE_INT, TEXT, require, require_distinct,
+from fedjax_shift.registry import (NONNEGATIVE, POSITIVE, POSITIVE_INT, TEXT, require,
+                                   require_distinct,
                                    sequence_of)
 from fedjax_shift.report import tta_bench as table
 
@@ -79,6 +87,11 @@ SECTIONS = {'tta_bench': {
     'iid_batch_sizes': (64, 16, 4, 1),
     'label_shift_batch_sizes': (64,),
     'label_shift_concentration': 0.1,
+    # The time-limited i.i.d. stream at each of these batch sizes (each one of
+    # iid_batch_sizes, where C is measured; Alfarra et al.: 64); () for none.
+    'time_limited_batch_sizes': (64,),
+    # C per adapter: 0 measures it (needs a no_adapt row); >= 1 pins it.
+    'stream_costs': {a: 0.0 for a, _, modes in ADAPTER_ROWS if 'online' in modes},
     'source_examples': 2000,     # labelled source examples the adapters may read (EATA's
                                  # Fisher: 2,000, Niu et al., ICML 2022; BBSE, SAR)
 }}
@@ -88,6 +101,8 @@ RANGES = {
     'tta_bench.iid_batch_sizes': sequence_of(POSITIVE_INT),
     'tta_bench.label_shift_batch_sizes': sequence_of(POSITIVE_INT),
     'tta_bench.label_shift_concentration': POSITIVE,
+    'tta_bench.time_limited_batch_sizes': sequence_of(POSITIVE_INT),
+    'tta_bench.stream_costs': NONNEGATIVE,
     'tta_bench.source_examples': POSITIVE_INT,
 }
 
@@ -99,10 +114,32 @@ def row_parts(key: str) -> Tuple[str, str]:
 
 
 def streams(config: ml_collections.ConfigDict) -> List[Tuple[str, int]]:
-  """The table's columns: (order, batch size)."""
+  """The table's columns but the time-limited ones: (order, batch size)."""
   bench = config.tta_bench
   return ([('iid', b) for b in bench.iid_batch_sizes] +
           [('label_shift', b) for b in bench.label_shift_batch_sizes])
+
+
+def time_limited_rows(config: ml_collections.ConfigDict) -> List[str]:
+  """The rows of the time-limited columns: the online ones whose adapter predicts the
+  batches it has no time for."""
+  return [key for key in config.tta_bench.rows if row_parts(key)[1] == 'online'
+          and stream_problem(row_parts(key)[0], 'online', 2.0) is None]
+
+
+def stream_costs(config: ml_collections.ConfigDict, timed: Dict[str, Dict]) -> Dict[str, float]:
+  """C of every time-limited row: pinned (``tta_bench.stream_costs``) or its ms per
+  batch on the same i.i.d. stream, ``timed`` ({row: timed_rows' result}), over no
+  adaptation's; at least 1 (a row as fast as the stream adapts on every batch)."""
+  pinned = config.tta_bench.stream_costs
+  forward = next((timed[key]['ms_per_batch'] for key in timed
+                  if row_parts(key)[0] == 'no_adapt'), None)
+  costs = {}
+  for key in time_limited_rows(config):
+    adapter = row_parts(key)[0]
+    cost = pinned.get(adapter, 0.0) or timed[key]['ms_per_batch'] / forward
+    costs[key] = max(float(cost), 1.0)
+  return costs
 
 
 def check(config: ml_collections.ConfigDict) -> None:
@@ -132,8 +169,25 @@ def check(config: ml_collections.ConfigDict) -> None:
                    f'config.adapters.{adapter}')
   require(bool(streams(config)), 'tta_bench.iid_batch_sizes',
           'name at least one stream (or tta_bench.label_shift_batch_sizes)')
-  for field in ('iid_batch_sizes', 'label_shift_batch_sizes'):
+  for field in ('iid_batch_sizes', 'label_shift_batch_sizes', 'time_limited_batch_sizes'):
     require_distinct(bench[field], f'tta_bench.{field}', 'one column per batch size')
+  for batch_size in bench.time_limited_batch_sizes:
+    require(batch_size in bench.iid_batch_sizes, 'tta_bench.time_limited_batch_sizes',
+            f'{batch_size} is not one of iid_batch_sizes {tuple(bench.iid_batch_sizes)}, '
+            f'where each row\'s cost C is measured')
+  if bench.time_limited_batch_sizes:
+    rows = time_limited_rows(config)
+    require(bool(rows), 'tta_bench.time_limited_batch_sizes',
+            'no online row can predict without adapting; set it to ()')
+    unpinned = [key for key in rows if not bench.stream_costs.get(row_parts(key)[0], 0.0)]
+    require(not unpinned or any(row_parts(key)[0] == 'no_adapt' for key in bench.rows),
+            'tta_bench.stream_costs', f'rows {unpinned} measure their cost C against no '
+            f"adaptation's forward pass: add a no_adapt row or pin their costs")
+    for adapter, cost in bench.stream_costs.items():
+      require(adapter in ADAPTERS, 'tta_bench.stream_costs',
+              f'no adapter {adapter!r}; choose from {ADAPTERS.names()}')
+      require(not cost or cost >= 1.0, f'tta_bench.stream_costs.{adapter}',
+              f'must be 0 (measured) or >= 1 (forward passes per adapted batch), got {cost}')
 
 
 def run_dirs(config: ml_collections.ConfigDict, workdir: str):
@@ -158,36 +212,21 @@ def stream_order(config: ml_collections.ConfigDict, data: CorruptedTests, kind: 
                                         np.random.default_rng([seed, 13]))
 
 
-def build_rows(config, module, context: SourceContext) -> None:
-  """Builds every row's adapter around an abstract model of the source's shapes
-  (``jax.eval_shape``: nothing computed or compiled), so that a setting the data makes
-  impossible (RoTTA's memory under one place per class) is refused before the source
-  model trains."""
-  example = jax.ShapeDtypeStruct((1, *context.input_shape), jnp.float32)
-  shapes = jax.eval_shape(lambda x: models.init(module, jax.random.key(0), x), example)
-  for key in config.tta_bench.rows:
-    adapter = row_parts(key)[0]
-    build = lambda variables, a=adapter: ADAPTERS.get(a)(
-        module, ADAPTERS.section(a, config.adapters), context._replace(variables=variables)
-    ) and 0
-    try:
-      jax.eval_shape(build, shapes)
-    except ValueError as err:
-      raise ValueError(f'tta_bench.rows ({key!r}): {err}') from None
-
-
 def timed_rows(config, module, inputs: AdapterInputs, target: federated.FederatedData,
-               batch_size: int, num_classes: int, seed: int, log_prefix: str) -> Dict[str, Dict]:
+               batch_size: int, num_classes: int, seed: int, log_prefix: str,
+               costs: Dict[str, float] = None) -> Dict[str, Dict]:
   """Every row on one stream: {row: {'per_corruption' [K], 'compile_seconds',
-  'ms_per_batch', 'adapted_batches' (where the adapter says)}}; ``target`` on the device."""
+  'ms_per_batch', 'adapted_batches' (where the adapter says)}}; ``target`` on the device.
+  ``costs``: the time-limited stream, only these rows, each at its C ('stream_cost')."""
   ids = jnp.arange(target.num_clients, dtype=jnp.int32)
   key = jax.random.fold_in(jax.random.key(seed), 7)
   batches = target.num_clients * math.ceil(target.x.shape[1] / batch_size)
   out = {}
-  for row in config.tta_bench.rows:
+  for row in config.tta_bench.rows if costs is None else costs:
     adapter, mode = row_parts(row)
+    cost = 0.0 if costs is None else costs[row]
     evaluate = adapter_evaluator(adapter, module, ADAPTERS.section(adapter, config.adapters),
-                                 num_classes, batch_size, mode)
+                                 num_classes, batch_size, mode, stream_rate=cost)
     args = (inputs, inputs.variables, target, ids, key)
     tick = time.perf_counter()
     compiled = evaluate.lower(*args).compile()
@@ -198,6 +237,8 @@ def timed_rows(config, module, inputs: AdapterInputs, target: federated.Federate
     accuracy = evaluation.client_accuracy(sums)
     out[row] = {'per_corruption': accuracy.tolist(), 'compile_seconds': compile_seconds,
                 'ms_per_batch': 1e3 * seconds / batches}
+    if costs is not None:
+      out[row]['stream_cost'] = cost
     if 'adapted_batches' in sums:
       out[row]['adapted_batches'] = float(sums['adapted_batches'].sum() /
                                           max(sums['batches'].sum(), 1))
@@ -216,10 +257,12 @@ def run_seed(config, workdir: str, seed: int) -> Dict:
   bench = config.tta_bench
   source_x, source_y = (a[:bench.source_examples] for a in source_examples(train))
   batch_sizes = sorted({b for _, b in streams(config)})
+  rows = [(key, *row_parts(key)) for key in bench.rows]
   for batch_size in batch_sizes:   # each stream's batch size, before anything trains
-    build_rows(config, module, SourceContext(None, data.source.num_classes, batch_size,
-                                             source_x, source_y, None,
-                                             tuple(data.source.example_shape)))
+    check_adapters(module, rows, lambda name: ADAPTERS.section(name, config.adapters),
+                   SourceContext(None, data.source.num_classes, batch_size, source_x, source_y,
+                                 None, tuple(data.source.example_shape)),
+                   len(data.y), 'tta_bench.rows')
   pre = train_and_evaluate(config, os.path.join(workdir, 'pretrain'), algorithm_names(config)[0],
                            seed, RunInputs(bench=data.source))
   variables = pre['server_state'].variables
@@ -237,6 +280,12 @@ def run_seed(config, workdir: str, seed: int) -> Dict:
     record['streams'][column] = timed_rows(
         config, module, inputs, targets[order_kind], batch_size, data.source.num_classes,
         seed, f'seed {seed} {column}')
+  for batch_size in bench.time_limited_batch_sizes:   # C measured on the i.i.d. stream
+    costs = stream_costs(config, record['streams'][table.column_key('iid', batch_size)])
+    column = table.column_key('time_limited', batch_size)
+    record['streams'][column] = timed_rows(
+        config, module, inputs, targets['iid'], batch_size, data.source.num_classes, seed,
+        f'seed {seed} {column}', costs)
   with open(os.path.join(workdir, 'test_time.json'), 'w') as f:
     json.dump(record, f, indent=1)
   return record

@@ -1,7 +1,7 @@
 """The test-time adaptation benchmark's table (records of the ``tta_bench`` pipeline;
 ``launch/report.py --kind=tta_bench`` merges the seeds of several workdirs): one
 table per test-time mode, a row per adapter, a column per test stream (i.i.d. at each
-batch size, label-shifted); each cell the accuracy (%) averaged over the corruptions
+batch size, label-shifted, time-limited); each cell the accuracy (%) averaged over the corruptions
 and on the worst one, mean ± std over seeds, and the milliseconds one test batch of
 one target client took.
 """
@@ -15,7 +15,8 @@ import numpy as np
 from fedjax_shift.report import (PAPER_TABLES, PaperTable, check_accuracy, markdown, mean_std,
                                  read_result)
 
-ORDER_LABELS = {'iid': 'i.i.d.', 'label_shift': 'label-shifted'}
+ORDER_LABELS = {'iid': 'i.i.d.', 'label_shift': 'label-shifted',
+                'time_limited': 'time-limited i.i.d.'}
 MODE_LABELS = {'episodic': 'Episodic (state reset before each batch)',
                'online': 'Online (state carried over the stream)'}
 
@@ -48,7 +49,8 @@ def records(per_seed: Mapping[int, Dict], labels: Mapping[str, str], rows: Seque
                              ('ms_per_batch', result['ms_per_batch']),
                              ('compile_seconds', result['compile_seconds']),
                              ('per_corruption', result['per_corruption']),
-                             ('adapted_batches', result.get('adapted_batches'))):
+                             ('adapted_batches', result.get('adapted_batches')),
+                             ('stream_cost', result.get('stream_cost'))):
           if value is not None:
             cell.setdefault(field, {})[int(seed)] = value
   return {'cells': {row: cells[row] for row in rows if row in cells},
@@ -72,6 +74,11 @@ def tables(records: Mapping[str, object]) -> str:
           f'of one test batch of one target client. The source model without '
           f'adaptation on the clean test images: '
           f'{mean_std([records["clean"].get(s) for s in seeds])} %.']
+  if any(column.startswith('time_limited') for column in columns):
+    text.append('Time-limited (Alfarra et al., ICML 2024): the stream reveals a batch per '
+                'forward pass; a method of cost C (its time per batch over no '
+                "adaptation's, mean over seeds) adapts on every ⌈C⌉-th batch and "
+                'predicts the others with its current model.')
   for mode, title in MODE_LABELS.items():
     rows = [row for row in cells if row.partition('@')[2] == mode]
     if not rows:
@@ -86,7 +93,9 @@ def tables(records: Mapping[str, object]) -> str:
           continue
         line.append(f"{mean_std([cell['mean'].get(s) for s in seeds])} "
                     f"({mean_std([cell['worst'].get(s) for s in seeds])}) · "
-                    f"{time_cell(list(cell['ms_per_batch'].values()))}")
+                    f"{time_cell(list(cell['ms_per_batch'].values()))}"
+                    + (f" · C = {np.mean(list(cell['stream_cost'].values())):.3g}"
+                       if 'stream_cost' in cell else ''))
       body.append(line)
     text.append(f'{title}\n\n' + markdown(['Method'] + [column_label(c) for c in columns],
                                           body))
