@@ -181,8 +181,9 @@ def spawn(name, clients: int, conv: str, sizes: str = ''):
   load = os.getloadavg()[0]
   proc = subprocess.run(argv, capture_output=True, text=True)
   if proc.returncode:
-    return {'error': proc.stderr.strip().splitlines()[-1] if proc.stderr else 'failed',
-            'load': load}
+    lines = proc.stderr.strip().splitlines()
+    errors = [line for line in lines if 'Error' in line.split(':', 1)[0]]
+    return {'error': (errors or lines or ['failed'])[-1], 'load': load}
   return {**json.loads(proc.stdout.strip().splitlines()[-1]), 'load': load}
 
 
@@ -270,6 +271,15 @@ def case_table(results: dict) -> str:
     gflop = f"{result['flops'] / 1e9:.4g}" if 'flops' in result else ''
     lines.append(f"| {label(name)} | {result['seconds']:.4g} | {result['compile_s']:.1f} | "
                  f"{result['peak_rss_gb']:.2f} | {ratio} | {sent} | {gflop} |")
+  for name, result in results.items():   # tta_compare: one row per adapter
+    if 'adapters' in result:
+      first = next(iter(result['adapters']))
+      lines += [f'\n{label(name)}:\n', f'| adapter | ms per batch (all clients) | '
+                f'compile s | ÷ {first} | model passes per batch | ÷ {first} per pass |',
+                '|---|---|---|---|---|---|']
+      lines += [f"| `{adapter}` | {1e3 * row['seconds_per_batch']:.2f} | "
+                f"{row['compile_s']:.1f} | {row['ratio']:.2f} | {row['passes_per_batch']:.3g} | "
+                f"{row['ratio_per_pass']:.2f} |" for adapter, row in result['adapters'].items()]
   kernels = results.get('round', {}).get('kernels')
   if kernels:
     lines += [f"\nDevice kernels of one traced round of (a) ({kernels['kernel_seconds']:.4g} s "

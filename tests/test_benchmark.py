@@ -127,6 +127,33 @@ def test_surgical_test_time_case_times_its_block_selection_on_its_own():
   assert result['select_s'] > 0 and result['seconds'] > 0
 
 
+def test_tta_compare_case_prints_each_adapter_per_model_pass_against_the_first():
+  """Tent's batch is one gradient step (3 forward-pass units), SAR's two (6), NOTE's a
+  forward and, every 64 examples, a step on its memory (1 + 3·16/64 at batch 16): each
+  row's ratio to Tent divided by its work relative to Tent's."""
+  proc = _run('--model=bn_mlp', '--clients=2', '--examples=64', '--batch_size=16',
+              '--repeats=1', '--cases=tta_compare', '--tta_compare=tent,sar,note',
+              '--populations=')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  line = next(line for line in proc.stdout.splitlines() if line.startswith('tta_compare {'))
+  rows = json.loads(line.split(' ', 1)[1])['adapters']
+  passes = {'tent': 3.0, 'sar': 6.0, 'note': 1 + 3 * 16 / 64}
+  for name, row in rows.items():
+    assert row['passes_per_batch'] == pytest.approx(passes[name])
+    assert row['ratio_per_pass'] == pytest.approx(row['ratio'] * 3.0 / passes[name])
+  assert rows['tent']['ratio'] == 1.0
+  assert re.search(r'\| `sar` \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| 6 \| [0-9.]+ \|', proc.stdout)
+
+
+def test_a_failed_case_reports_its_error_line_not_jaxs_traceback_note():
+  """NOTE's memory of 64 is longer than a stream of 16 examples: refused, and the
+  table names the refusal."""
+  proc = _run('--model=bn_mlp', '--clients=2', '--examples=16', '--batch_size=8',
+              '--repeats=1', '--cases=tta_compare', '--tta_compare=tent,note', '--populations=')
+  line = next(line for line in proc.stdout.splitlines() if line.startswith('tta_compare {'))
+  assert 'memory_size = 64 is longer than the test stream' in line
+
+
 def test_kernel_summary_sums_device_kernels_by_name_and_leaves_out_the_host():
   from helpers import launch_module
   launch_module('benchmark')   # puts the repository root on sys.path for launch.benchmarks

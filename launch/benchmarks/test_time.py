@@ -101,19 +101,24 @@ def registered_adapter(name: str, module, variables, data):
   return ADAPTERS.get(name)(module, ADAPTERS.defaults(name), context)
 
 
-# Gradient evaluations per batch at the registered defaults and batch B: SAR two (SAM),
-# RoTTA's and NOTE's one every 64 examples, LAME none; CoTTA's 32 augmented teacher
-# forwards (and MEMO's per-example views) come on top of theirs.
-GRADIENTS_PER_BATCH = {'sar': lambda b: 2.0, 'rotta': lambda b: b / 64, 'note': lambda b: b / 64,
-                       'lame': lambda b: 0.0, 'no_adapt': lambda b: 0.0,
-                       'bn_adapt': lambda b: 0.0, 'em': lambda b: 0.0, 't3a': lambda b: 0.0}
+# Model passes per test batch of B at the registered defaults, in forward-pass units (a
+# backward pass costs two): a gradient step is 3. Tent, EATA, SHOT-IM, PL and
+# conjugate PL: one step (their prediction is its forward); SAR: two steps (SAM); CoTTA:
+# the source and the teacher on the batch, the teacher on 32 augmented copies and the
+# student's step; RoTTA: the teacher on the batch, and every 64 examples the teacher on
+# the memory and the student's step on its augmented copy; NOTE: the batch, and every 64
+# examples a step on the memory; LAME, BN-Adapt and no adaptation: one forward.
+PASSES_PER_BATCH = {'sar': lambda b: 6.0, 'cotta': lambda b: 37.0,
+                    'rotta': lambda b: 1 + 4 * b / 64, 'note': lambda b: 1 + 3 * b / 64,
+                    'lame': lambda b: 1.0, 'no_adapt': lambda b: 1.0,
+                    'bn_adapt': lambda b: 1.0, 't3a': lambda b: 1.0}
 
 
 def case_tta_compare():
   """The adapters of --tta_compare online over the same C clients × N examples in batches
   of B (vmapped scans), each timed in turn within every repeat (interleaved), with the
-  seconds per batch, the ratio to the first one's and that ratio per gradient
-  evaluation."""
+  seconds per batch, the ratio to the first one's and that ratio per model pass
+  (``PASSES_PER_BATCH``: the work each batch holds, relative to the first adapter's)."""
   config = make_config()
   module = models.create(config.model, 10)
   data = jax.device_put(cohort_data(num_clients()))
@@ -138,13 +143,13 @@ def case_tta_compare():
   reference = FLAGS.tta_compare[0]
   median = {name: float(np.median(t)) for name, t in times.items()}
   rows = {}
+  passes = {name: PASSES_PER_BATCH.get(name, lambda b: 3.0)(FLAGS.batch_size) for name in runs}
   for name in runs:
-    grads = GRADIENTS_PER_BATCH.get(name, lambda b: 1.0)(FLAGS.batch_size)
     ratio = median[name] / median[reference]
     rows[name] = {'seconds': median[name], 'times': times[name], 'compile_s': compile_s[name],
                   'seconds_per_batch': median[name] / batches, 'ratio': ratio,
-                  'gradients_per_batch': grads,
-                  'ratio_per_gradient': ratio / grads if grads else None}
+                  'passes_per_batch': passes[name],
+                  'ratio_per_pass': ratio * passes[reference] / passes[name]}
   return {'seconds': median[reference], 'compile_s': compile_s[reference], 'adapters': rows}
 
 
