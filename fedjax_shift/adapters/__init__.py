@@ -12,7 +12,10 @@ adapter registers as its variant, holding what it changes (FedTHE+ of FedTHE,
 FedTTA++ of FedTTA). Adapters that keep test examples (RoTTA's and NOTE's memories)
 take their shape from the context, and learn every F examples inside a batch
 (``common.learn_every``); an adapter that skips batches says which (``took_step``:
-SAR, PL). Adding an adapter: one file plus one import line here.
+SAR, PL, RoTTA, NOTE), and one that needs a stream of some length names the fields
+that set it (``stream_floor``: NOTE's memory, a memory's update period), so a shorter
+stream is refused before compiling. Adding an adapter: one file plus one import line
+here.
 """
 from fedjax_shift.adapters import (atp, bbse, bn_adapt, conjugate_pl, cotta, eata, em,  # noqa: F401
                                    fedicon, fedthe, fedtta, lame, memo, no_adapt, note, odpfl_hn,
