@@ -274,12 +274,17 @@ def case_table(results: dict) -> str:
   for name, result in results.items():   # tta_compare: one row per adapter
     if 'adapters' in result:
       first = next(iter(result['adapters']))
+      measured = all('ratio_to_work' in row for row in result['adapters'].values())
       lines += [f'\n{label(name)}:\n', f'| adapter | ms per batch (all clients) | '
-                f'compile s | ÷ {first} | model passes per batch | ÷ {first} per pass |',
-                '|---|---|---|---|---|---|']
+                f'compile s | ÷ {first} | model passes per batch | ÷ {first} per pass |' +
+                (' steps + forwards per batch | ÷ measured work |' if measured else ''),
+                '|---|---|---|---|---|---|' + ('---|---|' if measured else '')]
       lines += [f"| `{adapter}` | {1e3 * row['seconds_per_batch']:.2f} | "
                 f"{row['compile_s']:.1f} | {row['ratio']:.2f} | {row['passes_per_batch']:.3g} | "
-                f"{row['ratio_per_pass']:.2f} |" for adapter, row in result['adapters'].items()]
+                f"{row['ratio_per_pass']:.2f} |" +
+                (f" {row['work_per_batch'][0]:.3g} + {row['work_per_batch'][1]:.3g} | "
+                 f"{row['ratio_to_work']:.2f} |" if measured else '')
+                for adapter, row in result['adapters'].items()]
   kernels = results.get('round', {}).get('kernels')
   if kernels:
     lines += [f"\nDevice kernels of one traced round of (a) ({kernels['kernel_seconds']:.4g} s "

@@ -191,6 +191,49 @@ def test_cotta_views_are_one_draw_per_copy_shared_by_the_batch(kind):
   assert not np.allclose(views[0], views[1])
 
 
+@pytest.mark.parametrize('shape', [(4, 10, 10, 3), (4, 7)])
+def test_a_batch_augmentation_is_the_one_image_augmentation_of_its_key_on_each_image(shape):
+  """augment_shared folds the shift into the rotation and takes each image's mean from the
+  padded image: the same images as ``augment`` (colour images; vectors get one jitter)."""
+  from fedjax_shift.data.augment import augment, augment_shared
+  x = jax.random.uniform(jax.random.key(0), shape)
+  key = jax.random.key(5)
+  np.testing.assert_allclose(augment_shared(key, x), jnp.stack([augment(key, i) for i in x]),
+                             atol=1e-6)
+
+
+@pytest.mark.parametrize('size', [100_000, 300])
+def test_stochastic_restore_puts_back_about_p_of_the_elements_and_leaves_the_rest(size):
+  """100,000 elements at p = 0.01 take the gap draw (restore_gaps), 300 one Bernoulli
+  draw each: about n·p elements (± 6 binomial standard deviations over 20 keys) hold the
+  source's value, the others the weights', and the gaps reach the tensor's end."""
+  from fedjax_shift.adapters.cotta import restore_gaps, stochastic_restore
+  assert (restore_gaps(size, 0.01) is None) == (size == 300)
+  weights, source = jnp.ones(size), -jnp.arange(1, size + 1, dtype=jnp.float32)
+  restored = [np.asarray(stochastic_restore(jax.random.key(i), weights, source, 0.01))
+              for i in range(20)]
+  assert all(np.all((r == 1) | (r == np.asarray(source))) for r in restored)
+  count = sum(np.sum(r != 1) for r in restored)
+  mean, sd = 20 * size * 0.01, np.sqrt(20 * size * 0.01 * 0.99)
+  assert abs(count - mean) < 6 * sd, (count, mean)
+  if size == 100_000:   # the last restored position: within the last 2,000 but for 1e-8
+    assert all(np.flatnonzero(r != 1).max() > size - 2000 for r in restored)
+  chex.assert_trees_all_equal(stochastic_restore(jax.random.key(0), weights, source, 0.0),
+                              weights)
+
+
+def test_restore_gaps_falls_back_where_the_gaps_would_not_cover_the_tensor():
+  """The gap draw needs a bounded count and an int32 sum: a dense p, a traced p and a
+  tensor so large that the capped gaps could stop short take the Bernoulli draw."""
+  from fedjax_shift.adapters.cotta import restore_gaps
+  draws, cap = restore_gaps(156_800, 0.01)
+  assert 1568 < draws < 1568 + 600 and cap == 156_801     # n·p + the Chernoff margin
+  assert restore_gaps(156_800, 0.3) is None
+  assert restore_gaps(156_800, jnp.float32(0.01)) is None
+  assert restore_gaps(10 ** 8, 1e-6) is None      # cap 8.8e6: (1 − p)^cap = e^−8.8
+  assert restore_gaps(2_359_296, 0.01)[1] < 2_359_296     # capped, its tail e^−849
+
+
 def test_cotta_restores_about_p_of_the_weights_and_averages_views_when_unsure():
   module, variables, batch = setup()
   adapter = cotta(module, learning_rate=0.1, restore_probability=0.3,

@@ -18,6 +18,7 @@ the geometric and photometric part of theirs, or 'crop_flip').
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -28,7 +29,7 @@ from fedjax_shift import models
 from fedjax_shift.adapters import common
 from fedjax_shift.core.local import masked_mean
 from fedjax_shift.core.test_time import Adapter, register_constructor
-from fedjax_shift.data.augment import MARGINAL_AUGMENTATIONS
+from fedjax_shift.data.augment import MARGINAL_AUGMENTATIONS, SHARED_AUGMENTATIONS
 from fedjax_shift.registry import FRACTION, POSITIVE_INT, interval, one_of
 
 
@@ -42,19 +43,60 @@ class CoTTAState(NamedTuple):
 
 def batch_views(key: jax.Array, x: jax.Array, count: int, kind: str) -> jax.Array:
   """[count, B, ...] augmented copies of the batch x [B, ...], one random draw per copy
-  shared by its examples (a torchvision transform applied to a batch tensor).
-
-  Each example is given its own copy of the copy's key rather than one shared key:
-  the same draw, but every example computes its own pixel map, which XLA:CPU gathers
-  2.8x faster than one map broadcast over the batch (a gather of strided slices)."""
-  one = jax.vmap(MARGINAL_AUGMENTATIONS[kind])
-  return jax.vmap(lambda k: one(jnp.broadcast_to(k, x.shape[:1]), x))(
-      jax.random.split(key, count))
+  shared by its examples (a torchvision transform applied to a batch tensor): copy i
+  is ``SHARED_AUGMENTATIONS[kind]`` of ``split(key, count)[i]``."""
+  return jax.vmap(lambda k: SHARED_AUGMENTATIONS[kind](k, x))(jax.random.split(key, count))
 
 
 def soft_cross_entropy(logits: jax.Array, teacher_logits: jax.Array) -> jax.Array:
   """Per-example −Σ_c softmax(teacher)_c log softmax(logits)_c. [B, C] -> [B]."""
   return -jnp.sum(jax.nn.softmax(teacher_logits) * jax.nn.log_softmax(logits), -1)
+
+
+# Where ``stochastic_restore`` draws the restored elements by their gaps, the
+# probability it leaves some of them undrawn: exp(−RESTORE_TAIL) ≈ 4e-31.
+RESTORE_TAIL = 70.0
+
+
+def restore_gaps(size: int, probability) -> tuple:
+  """(draws, cap) for ``stochastic_restore`` on a tensor of ``size``, or None where one
+  Bernoulli draw per element is as cheap. ``draws``: n·p + t gaps, t from the Chernoff
+  bound exp(−t² / 2(n·p + t/3)) = exp(−RESTORE_TAIL) on Binomial(n, p) > n·p + t;
+  ``cap``: the largest gap kept, so that their int32 sum cannot overflow, and one beyond
+  the tensor or with a tail (1 − p)^cap under exp(−RESTORE_TAIL)."""
+  if not isinstance(probability, (int, float)) or not 0 < probability < 1:
+    return None
+  mean, third = size * probability, RESTORE_TAIL / 3
+  draws = math.ceil(mean + third + math.sqrt(third ** 2 + 2 * RESTORE_TAIL * mean))
+  cap = min(size + 1, (2 ** 31 - 1) // draws)
+  if draws * 8 > size or (cap <= size and -cap * math.log1p(-probability) < RESTORE_TAIL):
+    return None
+  return draws, cap
+
+
+def stochastic_restore(key: jax.Array, weights: jax.Array, source: jax.Array,
+                       probability) -> jax.Array:
+  """Eq. 5–6: each element of ``weights`` independently back to ``source``'s value with
+  ``probability`` p (Bernoulli). [...] -> [...].
+
+  Where n·p is small against the tensor's n elements, the restored ones are drawn as a
+  Bernoulli process is, by its gaps: i.i.d. Geometric(p), 1 + ⌊log U / log(1 − p)⌋ with
+  U from 32 random bits, their cumulative sums the positions (``restore_gaps``: about
+  n·p of them, covering the tensor but with probability under 1e-30). That is about n·p
+  random numbers instead of n, and a scatter of those elements instead of a select over
+  all. Otherwise one Bernoulli draw per element."""
+  if isinstance(probability, (int, float)) and probability == 0:
+    return weights
+  gaps = restore_gaps(weights.size, probability)
+  if gaps is None:
+    return jnp.where(jax.random.bernoulli(key, probability, weights.shape), source, weights)
+  draws, cap = gaps
+  bits = jax.random.bits(key, (draws,), jnp.uint32)
+  uniform = (bits.astype(jnp.float32) + 0.5) * 2.0 ** -32           # in (0, 1]
+  steps = jnp.minimum(1 + jnp.floor(jnp.log(uniform) / math.log1p(-probability)), cap)
+  positions = jnp.cumsum(steps.astype(jnp.int32)) - 1              # increasing, >= 0
+  taken = jnp.take(source.reshape(-1), positions, mode='fill', fill_value=0)
+  return weights.reshape(-1).at[positions].set(taken, mode='drop').reshape(weights.shape)
 
 
 def moving_average(teacher: dict, student: dict, rate) -> dict:
@@ -115,7 +157,7 @@ def cotta(module, learning_rate: float = 1e-3, optimizer: str = 'adam',
     leaves, tree = jax.tree.flatten(student['params'])
     keys = jax.random.split(restore_key, len(leaves))
     source_leaves = jax.tree.leaves(state.source['params'])
-    restored = [jnp.where(jax.random.bernoulli(k, restore_probability, leaf.shape), s, leaf)
+    restored = [stochastic_restore(k, leaf, s, restore_probability)
                 for k, leaf, s in zip(keys, leaves, source_leaves)]
     student = {**student, 'params': jax.tree.unflatten(tree, restored)}
     return CoTTAState(student, teacher, opt_state, state.source, rng), pseudo

@@ -172,11 +172,16 @@ def rotta(module, num_classes: int, example_shape: tuple, learning_rate: float =
 
     (_, student_stats), grads = jax.value_and_grad(loss, has_aux=True)(selected)
     updates, opt_state = opt.update(grads, state.opt_state, selected)
+    stepped = optax.apply_updates(selected, updates)
     student = {**state.student, 'batch_stats': student_stats,
-               'params': common.join_params(optax.apply_updates(selected, updates), rest)}
+               'params': common.join_params(stepped, rest)}
+    # Eq. 9 on the parameters that move; the others are the source's in both models
+    teacher_selected, teacher_rest = common.split_params(
+        state.teacher['params'], models.is_batch_norm_path, field)
     teacher = {**state.teacher, 'batch_stats': teacher_stats,
-               'params': jax.tree.map(lambda t, s: (1 - teacher_rate) * t + teacher_rate * s,
-                                      state.teacher['params'], student['params'])}
+               'params': common.join_params(jax.tree.map(
+                   lambda t, s: (1 - teacher_rate) * t + teacher_rate * s, teacher_selected,
+                   stepped), teacher_rest)}
     learned = state._replace(student=student, teacher=teacher, opt_state=opt_state)
     return select(go, learned, state)._replace(rng=rng)
 

@@ -16,33 +16,75 @@ import jax.numpy as jnp
 from fedjax_shift.registry import Registry
 
 
-def rotate(image: jax.Array, degrees: jax.Array) -> jax.Array:
-  """Bilinear rotation about the centre, edges extended. [H, W, C] -> [H, W, C]."""
-  height, width = image.shape[:2]
+def rotation_sources(degrees: jax.Array, height: int, width: int):
+  """Where each pixel of an image [H, W] rotated about its centre by ``degrees`` comes
+  from: source rows and columns, each [H, W] (float, maybe outside the image)."""
   theta = jnp.deg2rad(degrees)
   rows, cols = jnp.meshgrid(jnp.arange(height, dtype=jnp.float32),
                             jnp.arange(width, dtype=jnp.float32), indexing='ij')
   cy, cx = (height - 1) / 2.0, (width - 1) / 2.0
   src_r = cy + (rows - cy) * jnp.cos(theta) - (cols - cx) * jnp.sin(theta)
   src_c = cx + (rows - cy) * jnp.sin(theta) + (cols - cx) * jnp.cos(theta)
-  channel = lambda ch: jax.scipy.ndimage.map_coordinates(ch, [src_r, src_c], order=1,
+  return src_r, src_c
+
+
+def _bilinear(image: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
+  channel = lambda ch: jax.scipy.ndimage.map_coordinates(ch, [rows, cols], order=1,
                                                          mode='nearest')
   return jax.vmap(channel, in_axes=2, out_axes=2)(image)
 
 
+def rotate(image: jax.Array, degrees: jax.Array) -> jax.Array:
+  """Bilinear rotation about the centre, edges extended. [H, W, C] -> [H, W, C]."""
+  return _bilinear(image, *rotation_sources(degrees, *image.shape[:2]))
+
+
+def bilinear_corners(src_r: jax.Array, src_c: jax.Array, height: int, width: int):
+  """The four (rows, cols, weight) terms, each [H', W'], of bilinear sampling at
+  (src_r, src_c) with edges extended (``map_coordinates``' order 1, mode 'nearest')."""
+  r0, c0 = jnp.floor(src_r), jnp.floor(src_c)
+  fr, fc = src_r - r0, src_c - c0
+  r0, c0 = r0.astype(jnp.int32), c0.astype(jnp.int32)
+  return [(jnp.clip(r0 + dr, 0, height - 1), jnp.clip(c0 + dc, 0, width - 1), wr * wc)
+          for dr, wr in ((0, 1 - fr), (1, fr)) for dc, wc in ((0, 1 - fc), (1, fc))]
+
+
 VECTOR_NOISE = 0.1
+
+
+def translation_pad(height: int) -> int:
+  """The reflect padding of the random translation: 4 px at 32 px, scaled to the image."""
+  return max(1, round(4 * height / 32))
+
+
+def translation_offset(shift_key: jax.Array, pad: int) -> jax.Array:
+  """[2] int: the crop's corner in the padded image, uniform in [0, 2·pad]."""
+  return jax.random.randint(shift_key, (2,), 0, 2 * pad + 1)
+
+
+def rotation_angle(rotation_key: jax.Array) -> jax.Array:
+  """[] degrees, U(−15°, 15°)."""
+  return jax.random.uniform(rotation_key, (), minval=-15.0, maxval=15.0)
 
 
 def translate_and_rotate(shift_key: jax.Array, rotation_key: jax.Array,
                          image: jax.Array) -> jax.Array:
   """A random translation (reflect-pad 4 px at 32 px, scaled to the image, then crop)
   and a rotation by U(−15°, 15°). [H, W, C] -> [H, W, C]."""
-  height = image.shape[0]
-  pad = max(1, round(4 * height / 32))
+  pad = translation_pad(image.shape[0])
   padded = jnp.pad(image, ((pad, pad), (pad, pad), (0, 0)), mode='reflect')
-  offset = jax.random.randint(shift_key, (2,), 0, 2 * pad + 1)
+  offset = translation_offset(shift_key, pad)
   image = jax.lax.dynamic_slice(padded, (offset[0], offset[1], 0), image.shape)
-  return rotate(image, jax.random.uniform(rotation_key, (), minval=-15.0, maxval=15.0))
+  return rotate(image, rotation_angle(rotation_key))
+
+
+def jitter(contrast_key: jax.Array, brightness_key: jax.Array, image: jax.Array,
+           mean: jax.Array) -> jax.Array:
+  """Contrast U(0.7, 1.3) about the image's ``mean`` and brightness U(−0.1, 0.1), then
+  clipping to [0, 1]."""
+  image = (image - mean) * jax.random.uniform(contrast_key, (), minval=0.7, maxval=1.3) + mean
+  image = image + jax.random.uniform(brightness_key, (), minval=-0.1, maxval=0.1)
+  return jnp.clip(image, 0.0, 1.0)
 
 
 def augment(key: jax.Array, image: jax.Array) -> jax.Array:
@@ -52,10 +94,35 @@ def augment(key: jax.Array, image: jax.Array) -> jax.Array:
     return image + VECTOR_NOISE * jax.random.normal(key, image.shape)
   shift_key, rot_key, con_key, bri_key = jax.random.split(key, 4)
   image = translate_and_rotate(shift_key, rot_key, image)
-  mean = jnp.mean(image)
-  image = (image - mean) * jax.random.uniform(con_key, (), minval=0.7, maxval=1.3) + mean
-  image = image + jax.random.uniform(bri_key, (), minval=-0.1, maxval=0.1)
-  return jnp.clip(image, 0.0, 1.0)
+  return jitter(con_key, bri_key, image, jnp.mean(image))
+
+
+def augment_shared(key: jax.Array, images: jax.Array) -> jax.Array:
+  """``augment``'s draw for ``key`` applied to every image of ``images`` [B, H, W, C]
+  (a transform of a batch tensor): equal to ``augment(key, image)`` for each image.
+
+  The translation is folded into the rotation's sampling (one bilinear gather from the
+  padded batch) and each image's mean is the padded image weighted by how much of each
+  pixel the gather takes, so the batch is read once; vector inputs [B, D] all get the
+  same jitter."""
+  if images.ndim == 2:
+    return images + VECTOR_NOISE * jax.random.normal(key, images.shape[1:])
+  shift_key, rot_key, con_key, bri_key = jax.random.split(key, 4)
+  height, width = images.shape[1:3]
+  pad = translation_pad(height)
+  padded = jnp.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)), mode='reflect')
+  offset = translation_offset(shift_key, pad)
+  corners = [(rows + offset[0], cols + offset[1], weight) for rows, cols, weight in
+             bilinear_corners(*rotation_sources(rotation_angle(rot_key), height, width),
+                              height, width)]
+  taken = jnp.zeros(padded.shape[1:3])
+  for rows, cols, weight in corners:
+    taken = taken.at[rows, cols].add(weight)
+  means = jnp.einsum('bhwc,hw->b', padded, taken) / (height * width * images.shape[-1])
+  sample = lambda image: sum(image[rows, cols] * weight[..., None]
+                             for rows, cols, weight in corners)
+  rotated = jax.vmap(sample)(padded)
+  return jitter(con_key, bri_key, rotated, means.reshape(-1, 1, 1, 1))
 
 
 def crop_flip(key: jax.Array, image: jax.Array) -> jax.Array:
@@ -78,6 +145,19 @@ def crop_flip(key: jax.Array, image: jax.Array) -> jax.Array:
 MARGINAL_AUGMENTATIONS = {'translate_rotate_jitter': augment, 'crop_flip': crop_flip}
 
 
+def shared_draw(augmentation):
+  """A transform of a batch [B, ...] from a one-image ``augmentation``: every image
+  gets the draw of the same key."""
+  one = jax.vmap(augmentation)
+  return lambda key, images: one(jnp.broadcast_to(key, images.shape[:1]), images)
+
+
+# The same families as transforms of a batch tensor, one draw for the whole batch
+# (CoTTA's and RoTTA's augmented copies).
+SHARED_AUGMENTATIONS = {'translate_rotate_jitter': augment_shared,
+                       'crop_flip': shared_draw(crop_flip)}
+
+
 def augment_many(key: jax.Array, image: jax.Array, count: int,
                  kind: str = 'translate_rotate_jitter') -> jax.Array:
   """[count, H, W, C] independent augmentations of one image, of the family ``kind``
@@ -98,12 +178,6 @@ CROP_RATIO = (3 / 4, 4 / 3)
 JITTER_PROB, JITTER_STRENGTH = 0.8, 0.4
 GRAYSCALE_PROB = 0.2
 BLUR_PROB, BLUR_SIGMA = 0.5, (0.1, 2.0)
-
-
-def _bilinear(image: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
-  channel = lambda ch: jax.scipy.ndimage.map_coordinates(ch, [rows, cols], order=1,
-                                                         mode='nearest')
-  return jax.vmap(channel, in_axes=2, out_axes=2)(image)
 
 
 def resized_crop(key: jax.Array, image: jax.Array, scale) -> jax.Array:

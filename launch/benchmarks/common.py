@@ -180,8 +180,8 @@ def define_flags() -> None:
                       'with a memory of 8 batches, on a FedICON model), fedthe (20 ensemble '
                       'steps), surgical, or any other registered adapter (its registered '
                       'defaults).')
-  flags.DEFINE_list('tta_compare', ['tent', 'sar', 'cotta', 'rotta', 'note', 'lame', 'pl',
-                                    'conjugate_pl'],
+  flags.DEFINE_list('tta_compare', ['tent', 'no_adapt', 'sar', 'cotta', 'rotta', 'note',
+                                    'lame', 'pl', 'conjugate_pl'],
                     'Adapters of the tta_compare case, timed in turn (interleaved) on the '
                     'same batches; the first is the reference.')
   flags.DEFINE_integer('tta_epochs', 5, "Passes over the test split of the 'transductive' "

@@ -101,24 +101,39 @@ def registered_adapter(name: str, module, variables, data):
   return ADAPTERS.get(name)(module, ADAPTERS.defaults(name), context)
 
 
-# Model passes per test batch of B at the registered defaults, in forward-pass units (a
-# backward pass costs two): a gradient step is 3. Tent, EATA, SHOT-IM, PL and
-# conjugate PL: one step (their prediction is its forward); SAR: two steps (SAM); CoTTA:
-# the source and the teacher on the batch, the teacher on 32 augmented copies and the
-# student's step; RoTTA: the teacher on the batch, and every 64 examples the teacher on
-# the memory and the student's step on its augmented copy; NOTE: the batch, and every 64
-# examples a step on the memory; LAME, BN-Adapt and no adaptation: one forward.
-PASSES_PER_BATCH = {'sar': lambda b: 6.0, 'cotta': lambda b: 37.0,
-                    'rotta': lambda b: 1 + 4 * b / 64, 'note': lambda b: 1 + 3 * b / 64,
-                    'lame': lambda b: 1.0, 'no_adapt': lambda b: 1.0,
-                    'bn_adapt': lambda b: 1.0, 't3a': lambda b: 1.0}
+# The model work in a test batch of B at the registered defaults: (gradient steps,
+# forward passes besides them). Tent, EATA, SHOT-IM, PL and conjugate PL: one step (their
+# prediction is its forward); SAR: two steps (SAM); CoTTA: a step and the source and the
+# teacher on the batch and the teacher on 32 augmented copies; RoTTA: the teacher on the
+# batch, and every 64 examples the teacher on the memory and the student's step on its
+# augmented copy; NOTE: the batch, and every 64 examples a step on the memory; LAME,
+# BN-Adapt, T3A and no adaptation: one forward.
+WORK_PER_BATCH = {'sar': lambda b: (2.0, 0.0), 'cotta': lambda b: (1.0, 34.0),
+                  'rotta': lambda b: (b / 64, 1 + b / 64), 'note': lambda b: (b / 64, 1.0),
+                  'lame': lambda b: (0.0, 1.0), 'no_adapt': lambda b: (0.0, 1.0),
+                  'bn_adapt': lambda b: (0.0, 1.0), 't3a': lambda b: (0.0, 1.0)}
+
+
+def model_work(name: str, batch_size: int) -> tuple:
+  """(gradient steps, forward passes) of adapter ``name`` per batch (one step if unlisted)."""
+  return WORK_PER_BATCH.get(name, lambda b: (1.0, 0.0))(batch_size)
+
+
+def model_passes(name: str, batch_size: int) -> float:
+  """The work of a batch in forward-pass units, a gradient step counted as three (its
+  forward and a backward of two)."""
+  steps, forwards = model_work(name, batch_size)
+  return 3 * steps + forwards
 
 
 def case_tta_compare():
   """The adapters of --tta_compare online over the same C clients × N examples in batches
   of B (vmapped scans), each timed in turn within every repeat (interleaved), with the
-  seconds per batch, the ratio to the first one's and that ratio per model pass
-  (``PASSES_PER_BATCH``: the work each batch holds, relative to the first adapter's)."""
+  seconds per batch, the ratio to the first one's, that ratio per model pass
+  (``model_passes``: the work each batch holds, relative to the first adapter's) and,
+  where 'tent' and 'no_adapt' are among them, the ratio to the measured cost of the
+  batch's work (``model_work``): Tent's batch per gradient step and no adaptation's per
+  forward pass."""
   config = make_config()
   module = models.create(config.model, 10)
   data = jax.device_put(cohort_data(num_clients()))
@@ -143,13 +158,18 @@ def case_tta_compare():
   reference = FLAGS.tta_compare[0]
   median = {name: float(np.median(t)) for name, t in times.items()}
   rows = {}
-  passes = {name: PASSES_PER_BATCH.get(name, lambda b: 3.0)(FLAGS.batch_size) for name in runs}
+  passes = {name: model_passes(name, FLAGS.batch_size) for name in runs}
   for name in runs:
     ratio = median[name] / median[reference]
     rows[name] = {'seconds': median[name], 'times': times[name], 'compile_s': compile_s[name],
                   'seconds_per_batch': median[name] / batches, 'ratio': ratio,
                   'passes_per_batch': passes[name],
                   'ratio_per_pass': ratio * passes[reference] / passes[name]}
+    if 'tent' in runs and 'no_adapt' in runs:
+      steps, forwards = model_work(name, FLAGS.batch_size)
+      rows[name]['work_per_batch'] = [steps, forwards]
+      rows[name]['ratio_to_work'] = median[name] / (steps * median['tent'] +
+                                                    forwards * median['no_adapt'])
   return {'seconds': median[reference], 'compile_s': compile_s[reference], 'adapters': rows}
 
 
