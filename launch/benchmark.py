@@ -275,7 +275,9 @@ def case_table(results: dict) -> str:
     if 'adapters' in result:
       first = next(iter(result['adapters']))
       measured = all('ratio_to_work' in row for row in result['adapters'].values())
-      lines += [f'\n{label(name)}:\n', f'| adapter | ms per batch (all clients) | '
+      forward = (f"\nA forward pass (every client's copy of the model on its batch): "
+                 f"{1e3 * result['forward_seconds_per_batch']:.2f} ms.\n" if measured else '')
+      lines += [f'\n{label(name)}:\n{forward}', f'| adapter | ms per batch (all clients) | '
                 f'compile s | ÷ {first} | model passes per batch | ÷ {first} per pass |' +
                 (' steps + forwards per batch | ÷ measured work |' if measured else ''),
                 '|---|---|---|---|---|---|' + ('---|---|' if measured else '')]

@@ -194,18 +194,19 @@ def scan_entering(add: Callable, memory, items: tuple, start, stop):
   ``add(memory, *item)`` for the items (arrays with a leading B axis: the examples x
   first, the weight last) whose index is in [start, stop) and whose weight is > 0.
 
-  The scan moves slot indices, not examples: inside it ``memory.x`` is each slot's origin
-  (−1: as it was, i: the batch's example i) and an item's x is its index, so an example
-  is copied once, after the scan, not once per step."""
+  The loop runs over [start, stop) alone (a ``fori_loop``; under vmap, to the clients'
+  longest range) and moves slot indices, not examples: inside it ``memory.x`` is each
+  slot's origin (−1: as it was, i: the batch's example i) and an item's x is its index,
+  so an example is copied once, after the loop, not once per step. What enters decides
+  which examples are kept, so no gradient flows through it."""
   batch_x = items[0]
+  items, memory = jax.lax.stop_gradient((items, memory))
   origins = jnp.full(memory.x.shape[:1], -1, jnp.int32)
 
-  def one(memory, indexed):
-    index, item = indexed
-    go = (index >= start) & (index < stop) & (item[-1] > 0)
-    return select(go, add(memory, index, *item[1:]), memory), None
+  def one(index, memory):
+    item = [a[index] for a in items[1:]]
+    return select(item[-1] > 0, add(memory, index, *item), memory)
 
-  indices = jnp.arange(batch_x.shape[0], dtype=jnp.int32)
-  entered = jax.lax.scan(one, memory._replace(x=origins), (indices, items))[0]
+  entered = jax.lax.fori_loop(start, stop, one, memory._replace(x=origins))
   moved = (entered.x >= 0).reshape((-1,) + (1,) * (batch_x.ndim - 1))
   return entered._replace(x=jnp.where(moved, batch_x[jnp.maximum(entered.x, 0)], memory.x))

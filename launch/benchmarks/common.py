@@ -180,7 +180,7 @@ def define_flags() -> None:
                       'with a memory of 8 batches, on a FedICON model), fedthe (20 ensemble '
                       'steps), surgical, or any other registered adapter (its registered '
                       'defaults).')
-  flags.DEFINE_list('tta_compare', ['tent', 'no_adapt', 'sar', 'cotta', 'rotta', 'note',
+  flags.DEFINE_list('tta_compare', ['tent', 'sar', 'cotta', 'rotta', 'note', 'no_adapt',
                                     'lame', 'pl', 'conjugate_pl'],
                     'Adapters of the tta_compare case, timed in turn (interleaved) on the '
                     'same batches; the first is the reference.')
