@@ -646,8 +646,11 @@ def test_transductive_mode_equals_a_hand_written_loop_over_shuffled_passes():
       batch = AdaptBatch(batches.x[t], batches.weight[t])
       if float(batch.weight.sum()) > 0:
         state = jax.jit(adapter.step)(state, batch)[0]
+  # The scan and the loop compile the step apart, and XLA:CPU orders their sums by the
+  # machine's vector width (AVX2, AVX-512): after six steps one stored feature of 128
+  # differed by 1.5e-6 on a 2-core AVX2 machine, over the 1e-6 that AVX-512 kept.
   chex.assert_trees_all_close(scanned.variables, state.variables, rtol=1e-5, atol=1e-6)
-  chex.assert_trees_all_close(scanned.memory, state.memory, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(scanned.memory, state.memory, rtol=1e-5, atol=1e-5)
   moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))),
                        initial.variables['params'], scanned.variables['params'])
   assert max(jax.tree.leaves(moved)) > 1e-4   # the passes did adapt the encoder
