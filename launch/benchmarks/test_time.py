@@ -155,16 +155,14 @@ def case_tta_compare():
   forward = jax.jit(jax.vmap(lambda v, x: models.apply(module, v, x)[0]))
   first_batch = data.x[:, :FLAGS.batch_size]
   jax.block_until_ready(forward(own, first_batch))
-  runs['forward'] = lambda: [jax.block_until_ready(forward(own, first_batch))
-                             for _ in range(batches)]
-  times = {name: [] for name in runs}
+  forwards = lambda: [jax.block_until_ready(forward(own, first_batch)) for _ in range(batches)]
+  times = {name: [] for name in (*runs, 'forward')}
   for _ in range(FLAGS.repeats):
-    for name, run in runs.items():
+    for name, run in (*runs.items(), ('forward', forwards)):
       tick = time.perf_counter()
       run()
       times[name].append(time.perf_counter() - tick)
   forward_s = float(np.median(times.pop('forward'))) / batches
-  del runs['forward']
   reference = FLAGS.tta_compare[0]
   median = {name: float(np.median(t)) for name, t in times.items()}
   rows = {}
