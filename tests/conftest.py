@@ -60,6 +60,10 @@ RUN_CACHE = os.environ.setdefault('FEDJAX_SHIFT_TESTS_RUN_CACHE', os.path.join(
     tempfile.gettempdir(), f'fedjax_shift_tests_jax_cache_{os.getpid()}'))
 if OWN_CACHE:
   jax.config.update('jax_compilation_cache_dir', RUN_CACHE)
+  # every program, not only those over jax's default second of compilation: the suite
+  # rebuilds many small identical scans (test_adapters, test_tta_baselines, test_engine:
+  # 8-13 % less CPU time over four interleaved runs of each setting)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 
 
 def pytest_addoption(parser):

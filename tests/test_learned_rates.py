@@ -291,8 +291,9 @@ def test_every_learnable_rate_frozen_gives_the_fixed_adapter_and_has_a_gradient(
   mode = 'online' if predict == 'before' or adapter == 'atp' else 'episodic'
   run = lambda a: build_test_time(a, BATCH, mode)(variables, data, jax.random.key(1))
   learned = learned_rates.rated_adapter(adapter, module, fields, context(variables), rates)
-  np.testing.assert_array_equal(run(learned)['predictions'], run(fixed)['predictions'])
-  np.testing.assert_allclose(run(learned)['loss'], run(fixed)['loss'], rtol=1e-5)
+  learned_out, fixed_out = run(learned), run(fixed)
+  np.testing.assert_array_equal(learned_out['predictions'], fixed_out['predictions'])
+  np.testing.assert_allclose(learned_out['loss'], fixed_out['loss'], rtol=1e-5)
   x, y, n = (jnp.asarray(a[0]) for a in (data.x, data.y, data.num_examples))
   meta_gradient = jax.jit(jax.grad(lambda r: learned_rates.k_step_loss(
       learned_rates.rated_adapter(adapter, module, fields, context(variables), r), BATCH,
