@@ -48,5 +48,5 @@ def test_the_declared_floors_run_the_tiny_experiment_and_resume_exactly(tmp_path
   run(python, 'launch/train.py', '--config=configs/default.py:tiny',
       f'--workdir={tmp_path / "tiny"}', '--compilation_cache=')
   run(python, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
-      'tests/test_experiment.py::test_sigkill_then_resume_is_bit_identical',
+      'tests/test_reliability.py::test_kill_corrupt_resume_matches_an_uninterrupted_run[4-9]',
       'tests/test_experiment.py::test_rounds_per_call_gives_the_same_rounds')
