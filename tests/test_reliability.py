@@ -465,6 +465,8 @@ def kill_corrupt_resume(workdir, trial: int, sig=signal.SIGKILL, pipeline='feder
     time.sleep(0.02 + 0.03 * random.Random(trial).random())
   proc.send_signal(sig)
   _, stderr = proc.communicate()
+  if sig == signal.SIGKILL:   # it was killed mid-run, not signalled after it finished
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, stderr[-2000:])
   # The run being trained when the signal came: the newest metrics.jsonl.
   newest = max(glob.glob(os.path.join(workdir, '**', 'metrics.jsonl'), recursive=True),
                key=os.path.getmtime)
